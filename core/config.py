@@ -1,0 +1,118 @@
+"""Service configuration: frozen dataclasses filled once from flags, then HOPLINE_* env vars.
+
+Every field declares its env var and help text, so `--help`, the README's configuration table
+and the code cannot drift apart. Flags win over env vars, env vars over defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any, TypeVar, get_type_hints
+
+T = TypeVar("T")
+
+
+def env_field(env: str, default: Any, help: str) -> Any:
+    """A config field read from `--flag-name` or the env var `env`."""
+    return dataclasses.field(default=default, metadata={"env": env, "help": help})
+
+
+def _parse_bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off", ""}:
+        return False
+    raise ValueError(f"not a boolean: {raw!r} (use true/false)")
+
+
+def _converter(kind: Any) -> Any:
+    if kind is bool:
+        return _parse_bool
+    if kind in (int, float, str):
+        return kind
+    raise TypeError(f"unsupported config field type {kind!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
+    """Add one `--flag` per dataclass field, showing its env var and default in --help."""
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        env = f.metadata["env"]
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=_converter(hints[f.name]),
+            default=None,
+            help=f"{f.metadata['help']} [env {env}; default {f.default!r}]",
+        )
+
+
+def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
+    """Build the frozen config: flag if given, else env var, else the field's default."""
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        flag = getattr(ns, f.name, None)
+        if flag is not None:
+            values[f.name] = flag
+            continue
+        raw = os.environ.get(f.metadata["env"])
+        if raw is not None:
+            try:
+                values[f.name] = _converter(hints[f.name])(raw)
+            except ValueError as exc:
+                raise SystemExit(f"invalid {f.metadata['env']}={raw!r}: {exc}") from exc
+    return cls(**values)
+
+
+def load(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = None) -> T:
+    parser = argparse.ArgumentParser(prog=prog)
+    add_arguments(parser, cls)
+    return from_namespace(cls, parser.parse_args(argv))
+
+
+def describe(cls: type[Any]) -> list[tuple[str, str, str, str]]:
+    """(flag, env var, default, help) rows, for docs."""
+    return [
+        ("--" + f.name.replace("_", "-"), f.metadata["env"], repr(f.default), f.metadata["help"])
+        for f in dataclasses.fields(cls)
+    ]
+
+
+# Where each service listens and where the gateway dials it, unless HOPLINE_<NAME>_ADDR says
+# otherwise. 8001 is Triton's gRPC port, so KServe clients' defaults reach the gateway.
+DEFAULT_ADDRS = {
+    "gateway": "127.0.0.1:8001",
+    "tokenizer": "127.0.0.1:8011",
+    "cache": "127.0.0.1:8012",
+    "inference": "127.0.0.1:8013",
+    "postprocess": "127.0.0.1:8014",
+}
+
+
+def addr_env(service: str) -> str:
+    return f"HOPLINE_{service.upper()}_ADDR"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Settings every service shares; each service's config extends it."""
+
+    listen: str = env_field("HOPLINE_LISTEN", "", "host:port or unix:PATH to bind")
+    drain_delay_s: float = env_field(
+        "HOPLINE_DRAIN_DELAY_S",
+        0.5,
+        "on SIGTERM, seconds to report NOT_SERVING while still accepting, so balancers move away",
+    )
+    drain_grace_s: float = env_field(
+        "HOPLINE_DRAIN_GRACE_S", 8.0, "seconds in-flight RPCs get to finish after accepting stops"
+    )
+    max_message_bytes: int = env_field(
+        "HOPLINE_MAX_MESSAGE_BYTES", 4 * 1024 * 1024, "largest gRPC message accepted or sent"
+    )
+    log_level: str = env_field("HOPLINE_LOG_LEVEL", "info", "debug, info, warning or error")
+    log_format: str = env_field("HOPLINE_LOG_FORMAT", "json", "json (structured) or text")

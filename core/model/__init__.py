@@ -1,0 +1,1 @@
+"""The model repository, the torch-free MiniLM build and the pieces services share."""

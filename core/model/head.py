@@ -1,0 +1,89 @@
+"""The classifier head: softmax regression on L2-normalised sentence embeddings, in numpy.
+
+No torch: the head is a [classes, dim] matrix and a bias, trained full-batch with Adam. The
+out-of-scope threshold is calibrated on cross-validated (held-out) predictions, so it reflects
+how confident the head is on texts it has not seen rather than on its own training set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+F32 = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class TrainedHead:
+    weight: F32  # [classes, dim]
+    bias: F32  # [classes]
+    train_accuracy: float
+
+
+def softmax(logits: F32) -> F32:
+    z = logits - logits.max(axis=-1, keepdims=True)
+    np.exp(z, out=z)
+    z /= z.sum(axis=-1, keepdims=True)
+    return z
+
+
+def train_head(
+    x: F32,
+    y: npt.NDArray[np.int64],
+    num_classes: int,
+    *,
+    steps: int = 400,
+    lr: float = 0.05,
+    l2: float = 1e-4,
+    seed: int = 0,
+) -> TrainedHead:
+    """Multinomial logistic regression with weight decay, full batch, Adam."""
+    rng = np.random.default_rng(seed)
+    n, dim = x.shape
+    w = (rng.standard_normal((num_classes, dim)) * 0.01).astype(np.float32)
+    b = np.zeros(num_classes, dtype=np.float32)
+    onehot = np.zeros((n, num_classes), dtype=np.float32)
+    onehot[np.arange(n), y] = 1.0
+    m_w, v_w = np.zeros_like(w), np.zeros_like(w)
+    m_b, v_b = np.zeros_like(b), np.zeros_like(b)
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    for t in range(1, steps + 1):
+        probs = softmax(x @ w.T + b)
+        grad = (probs - onehot) / n  # d(mean cross-entropy)/d(logits)
+        g_w = grad.T @ x + l2 * w
+        g_b = grad.sum(axis=0)
+        for p, g, m, v in ((w, g_w, m_w, v_w), (b, g_b, m_b, v_b)):
+            m *= beta1
+            m += (1 - beta1) * g
+            v *= beta2
+            v += (1 - beta2) * g * g
+            p -= lr * (m / (1 - beta1**t)) / (np.sqrt(v / (1 - beta2**t)) + eps)
+    accuracy = float(((x @ w.T + b).argmax(axis=1) == y).mean())
+    return TrainedHead(w.astype(np.float32), b.astype(np.float32), accuracy)
+
+
+def heldout_max_probs(
+    x: F32, y: npt.NDArray[np.int64], num_classes: int, *, folds: int = 5, seed: int = 0
+) -> tuple[F32, float]:
+    """Cross-validated top softmax score per example, and the cross-validated accuracy."""
+    order = np.random.default_rng(seed).permutation(len(y))
+    scores = np.zeros(len(y), dtype=np.float32)
+    correct = np.zeros(len(y), dtype=bool)
+    for k in range(folds):
+        test = order[k::folds]
+        train = np.setdiff1d(order, test)
+        head = train_head(x[train], y[train], num_classes, seed=seed)
+        probs = softmax(x[test] @ head.weight.T + head.bias)
+        scores[test] = probs.max(axis=1)
+        correct[test] = probs.argmax(axis=1) == y[test]
+    return scores, float(correct.mean())
+
+
+def calibrate_oos_threshold(heldout_scores: F32, in_scope_reject_rate: float) -> float:
+    """The score below which a text is called out of scope, chosen so that only
+    `in_scope_reject_rate` of held-out in-scope texts fall below it."""
+    if in_scope_reject_rate <= 0:
+        return 0.0
+    return float(np.quantile(heldout_scores, in_scope_reject_rate))

@@ -1,0 +1,170 @@
+"""The model repository: `<root>/<name>/<version>/` holding config.json and the artefacts.
+
+Versions are positive integers and immutable once written; the empty version means the
+latest. Every service that needs a model's files (tokenizer, inference, postprocess, cache)
+reads them from here, as Triton's model repository works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+
+
+class ModelNotFoundError(LookupError):
+    """No such model or version in the repository."""
+
+
+class InvalidModelError(ValueError):
+    """A model version whose config or files are broken."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # KServe v2 names: INT64, FP32, ...
+    shape: tuple[int, ...]  # -1 for a dynamic dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class CachePolicy:
+    mode: str = "exact"  # off | exact | semantic
+    threshold: float = 0.90  # cosine similarity a semantic hit needs
+    ttl_s: float = 3600.0
+    max_entries: int = 100_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    version: str
+    path: Path
+    task: str
+    backend: str
+    providers: tuple[str, ...]
+    precision: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch_size: int
+    max_sequence_length: int
+    labels: tuple[str, ...]
+    oos_threshold: float
+    cache: CachePolicy
+    files: dict[str, str]
+    build: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.version}"
+
+    def file(self, role: str) -> Path:
+        return self.path / self.files[role]
+
+
+def validate_name(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise ValueError(
+            f"model name {name!r} must be 1-63 chars of a-z, 0-9, '.', '_', '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def _specs(raw: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in raw)
+
+
+def load_config(path: Path) -> ModelConfig:
+    """Read `<path>/config.json` and check that the files it names exist."""
+    try:
+        raw = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+        labels_file = path / raw["files"]["labels"]
+        labels = tuple(json.loads(labels_file.read_text(encoding="utf-8")))
+        cfg = ModelConfig(
+            name=raw["name"],
+            version=str(raw["version"]),
+            path=path,
+            task=raw["task"],
+            backend=raw["backend"],
+            providers=tuple(raw["providers"]),
+            precision=raw["precision"],
+            inputs=_specs(raw["inputs"]),
+            outputs=_specs(raw["outputs"]),
+            max_batch_size=int(raw["max_batch_size"]),
+            max_sequence_length=int(raw["max_sequence_length"]),
+            labels=labels,
+            oos_threshold=float(raw["oos_threshold"]),
+            cache=CachePolicy(**raw.get("cache", {})),
+            files=dict(raw["files"]),
+            build=dict(raw.get("build", {})),
+        )
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise InvalidModelError(f"{path}: unreadable model config: {exc!r}") from exc
+    if cfg.name != path.parent.name or cfg.version != path.name:
+        raise InvalidModelError(
+            f"{path}: config says {cfg.name}/{cfg.version}, the directory says "
+            f"{path.parent.name}/{path.name}"
+        )
+    if cfg.cache.mode not in ("off", "exact", "semantic"):
+        raise InvalidModelError(f"{path}: cache.mode must be off, exact or semantic")
+    for role in cfg.files:
+        if not cfg.file(role).is_file():
+            raise InvalidModelError(f"{path}: missing {role} file {cfg.files[role]}")
+    return cfg
+
+
+def config_to_json(cfg: ModelConfig) -> dict[str, Any]:
+    doc = dataclasses.asdict(cfg)
+    doc.pop("path")
+    doc.pop("labels")
+    for kind in ("inputs", "outputs"):
+        doc[kind] = [dict(s, shape=list(s["shape"])) for s in doc[kind]]
+    doc["providers"] = list(cfg.providers)
+    return doc
+
+
+class ModelRepository:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def names(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and self.versions(p.name))
+
+    def versions(self, name: str) -> list[str]:
+        base = self.root / name
+        if not base.is_dir():
+            return []
+        found = [p.name for p in base.iterdir() if p.name.isdigit() and (p / CONFIG_FILE).is_file()]
+        return sorted(found, key=int)
+
+    def next_version(self, name: str) -> str:
+        taken = [int(v) for v in self.versions(name)]
+        # Also skip half-written or foreign directories: versions are never reused.
+        base = self.root / name
+        if base.is_dir():
+            taken += [int(p.name) for p in base.iterdir() if p.name.isdigit()]
+        return str(max(taken, default=0) + 1)
+
+    def resolve(self, name: str, version: str = "") -> ModelConfig:
+        versions = self.versions(name)
+        if not versions:
+            known = ", ".join(self.names()) or "none"
+            raise ModelNotFoundError(f"unknown model {name!r} (repository has: {known})")
+        if not version:
+            version = versions[-1]
+        if version not in versions:
+            raise ModelNotFoundError(
+                f"model {name!r} has no version {version!r} (has: {', '.join(versions)})"
+            )
+        return load_config(self.root / name / version)
+
+    def all(self) -> list[ModelConfig]:
+        return [load_config(self.root / n / v) for n in self.names() for v in self.versions(n)]

@@ -1,0 +1,54 @@
+"""ONNX Runtime sessions for the encoder, shared by the model build, inference and cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import onnxruntime as ort
+from tokenizers import Tokenizer
+
+from hopline.model.tokenizer import encode
+
+
+def make_session(
+    path: Path, *, threads: int = 0, providers: Sequence[str] = ("CPUExecutionProvider",)
+) -> ort.InferenceSession:
+    """An optimised session. threads=0 lets ONNX Runtime use every core."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = threads
+    # One request runs at a time per session call; inter-op parallelism only adds contention.
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    available = set(ort.get_available_providers())
+    chosen = [p for p in providers if p in available] or ["CPUExecutionProvider"]
+    return ort.InferenceSession(str(path), sess_options=options, providers=chosen)
+
+
+def embed_texts(
+    session: ort.InferenceSession,
+    tokenizer: Tokenizer,
+    texts: Sequence[str],
+    *,
+    batch_size: int = 64,
+    output: str = "sentence_embedding",
+) -> npt.NDArray[np.float32]:
+    """Run `texts` through the encoder in length-sorted batches (little padding waste)."""
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    result: npt.NDArray[np.float32] | None = None
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        batch = encode(tokenizer, [texts[i] for i in idx])
+        (out,) = session.run(
+            [output], {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        )
+        if result is None:
+            result = np.empty((len(texts), out.shape[1]), dtype=np.float32)
+        result[idx] = out
+    if result is None:
+        raise ValueError("no texts to embed")
+    return result

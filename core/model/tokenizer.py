@@ -1,0 +1,49 @@
+"""The HF `tokenizers` tokenizer as hopline uses it: dynamic padding, truncation at 256.
+
+The bundled tokenizer.json pads every text to a fixed 128 and truncates at 128, but the
+model was trained with max_seq_length 256: fixed padding makes the encoder do up to 10x
+useless work, and truncating at 128 cuts long texts differently from the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+from tokenizers import Tokenizer
+
+DEFAULT_MAX_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: npt.NDArray[np.int64]  # [batch, longest]
+    attention_mask: npt.NDArray[np.int64]  # [batch, longest]
+    lengths: list[int]
+    truncated: list[bool]
+
+
+def configure(tokenizer: Tokenizer, max_length: int = DEFAULT_MAX_LENGTH) -> Tokenizer:
+    tokenizer.enable_truncation(max_length=max_length)
+    pad_id = tokenizer.token_to_id("[PAD]")
+    tokenizer.enable_padding(pad_id=0 if pad_id is None else pad_id, pad_token="[PAD]")
+    return tokenizer
+
+
+def load_tokenizer(path: Path, max_length: int = DEFAULT_MAX_LENGTH) -> Tokenizer:
+    return configure(Tokenizer.from_file(str(path)), max_length)
+
+
+def encode(tokenizer: Tokenizer, texts: list[str]) -> Batch:
+    """Tokenize `texts` together, padded to the longest of them."""
+    encodings = tokenizer.encode_batch(texts)
+    ids = np.array([e.ids for e in encodings], dtype=np.int64).reshape(len(texts), -1)
+    mask = np.array([e.attention_mask for e in encodings], dtype=np.int64).reshape(ids.shape)
+    return Batch(
+        input_ids=ids,
+        attention_mask=mask,
+        lengths=[int(m.sum()) for m in mask],
+        truncated=[bool(e.overflowing) for e in encodings],
+    )

@@ -1,0 +1,100 @@
+"""The runtime every service shares: grpc.aio server, health, reflection, SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from hopline.config import ServerConfig
+from hopline.observability.tracing import ServerTracingInterceptor
+
+log = logging.getLogger("hopline.server")
+
+
+class Service(Protocol):
+    """What a hopline service plugs into the runtime."""
+
+    #: Fully qualified gRPC service name, used for health and reflection.
+    service_name: str
+
+    def register(self, server: grpc.aio.Server) -> None: ...
+
+    async def start(self) -> None:
+        """Load models/stores and warm up; the service reports SERVING only after this."""
+
+    async def stop(self) -> None:
+        """Release resources after in-flight RPCs have finished."""
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # Let clients keep idle connections alive with pings without being sent GOAWAY.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+async def serve(service: Service, config: ServerConfig) -> int:
+    """Run `service` until SIGTERM/SIGINT, then drain. Returns the process exit code."""
+    server = grpc.aio.server(
+        options=server_options(config.max_message_bytes),
+        interceptors=[ServerTracingInterceptor()],
+    )
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    service.register(server)
+    reflection.enable_server_reflection(
+        [service.service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME],
+        server,
+    )
+    for name in ("", service.service_name):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    try:
+        port = server.add_insecure_port(config.listen)
+    except RuntimeError as exc:
+        log.error("cannot bind", extra={"listen": config.listen, "error": str(exc)})
+        return 2
+    await server.start()
+    log.info("listening", extra={"listen": config.listen, "port": port})
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    starting = asyncio.ensure_future(service.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if starting.done():
+        if (exc := starting.exception()) is not None:
+            log.error("start-up failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+            await server.stop(0)
+            return 1
+        for name in ("", service.service_name):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving", extra={"service": service.service_name})
+        await stopping
+    else:
+        starting.cancel()
+
+    # Drain: report NOT_SERVING first (balancers and probes move away), keep accepting for a
+    # moment, then refuse new RPCs and give in-flight ones the grace period to finish.
+    log.info("draining", extra={"delay_s": config.drain_delay_s, "grace_s": config.drain_grace_s})
+    await health.enter_graceful_shutdown()
+    await asyncio.sleep(config.drain_delay_s)
+    await server.stop(config.drain_grace_s)
+    await service.stop()
+    log.info("stopped")
+    return 0

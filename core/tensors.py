@@ -1,0 +1,53 @@
+"""numpy arrays to and from `hopline.common.v1.Tensor` (raw little-endian bytes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from hopline.common.v1 import common_pb2
+
+DataType = common_pb2.DataType
+
+_TO_NUMPY: dict[int, np.dtype[np.generic]] = {
+    common_pb2.DATA_TYPE_BOOL: np.dtype("bool"),
+    common_pb2.DATA_TYPE_INT32: np.dtype("<i4"),
+    common_pb2.DATA_TYPE_INT64: np.dtype("<i8"),
+    common_pb2.DATA_TYPE_FP16: np.dtype("<f2"),
+    common_pb2.DATA_TYPE_FP32: np.dtype("<f4"),
+}
+_FROM_NUMPY = {dt: code for code, dt in _TO_NUMPY.items()}
+
+
+class TensorError(ValueError):
+    """A tensor whose dtype, shape or byte size is inconsistent."""
+
+
+def dtype_name(code: int) -> str:
+    return common_pb2.DataType.Name(code).removeprefix("DATA_TYPE_")  # type: ignore[arg-type]
+
+
+def to_tensor(name: str, array: npt.NDArray[np.generic]) -> common_pb2.Tensor:
+    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    code = _FROM_NUMPY.get(np.dtype(dtype))
+    if code is None:
+        raise TensorError(f"{name}: unsupported dtype {array.dtype}")
+    data = np.ascontiguousarray(array, dtype=dtype)
+    return common_pb2.Tensor(name=name, dtype=code, shape=list(data.shape), raw=data.tobytes())
+
+
+def from_tensor(tensor: common_pb2.Tensor) -> npt.NDArray[np.generic]:
+    """A read-only view over the message's bytes (no copy)."""
+    dtype = _TO_NUMPY.get(tensor.dtype)
+    if dtype is None:
+        raise TensorError(f"tensor {tensor.name!r}: unsupported dtype {tensor.dtype}")
+    shape = tuple(tensor.shape)
+    if any(d < 0 for d in shape):
+        raise TensorError(f"tensor {tensor.name!r}: negative dimension in shape {list(shape)}")
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if expected != len(tensor.raw):
+        raise TensorError(
+            f"tensor {tensor.name!r}: shape {list(shape)} of {dtype_name(tensor.dtype)} needs "
+            f"{expected} bytes, got {len(tensor.raw)}"
+        )
+    return np.frombuffer(tensor.raw, dtype=dtype).reshape(shape)

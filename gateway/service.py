@@ -1,0 +1,326 @@
+"""hopline.gateway.v1.GatewayService: validates, resolves the model, and runs the hops.
+
+Tokenization and the cache lookup start together (the lookup needs no token ids); a hit
+short-circuits the rest. The cache never makes the mesh less available: a lookup that fails
+or overruns its budget is reported as FAIL_OPEN and the request goes on to inference.
+Stores are fire-and-forget, off the reply's critical path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.common.v1 import common_pb2
+from hopline.config import DEFAULT_ADDRS, ServerConfig, addr_env, env_field
+from hopline.gateway.upstream import HopError, Upstream, call_hop
+from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.observability.tracing import current_trace_id
+from hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
+from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+log = logging.getLogger("hopline.gateway")
+
+TENANT_METADATA = "x-hopline-tenant"
+DEFAULT_TENANT = "default"
+Context = grpc.aio.ServicerContext[gateway_pb2.PredictRequest, gateway_pb2.PredictResponse]
+
+
+def _upstream_field(service: str) -> Any:
+    return env_field(addr_env(service), DEFAULT_ADDRS[service], f"where the {service} listens")
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayConfig(ServerConfig):
+    listen: str = env_field("HOPLINE_GATEWAY_ADDR", DEFAULT_ADDRS["gateway"], "address to bind")
+    tokenizer_addr: str = _upstream_field("tokenizer")
+    cache_addr: str = _upstream_field("cache")
+    inference_addr: str = _upstream_field("inference")
+    postprocess_addr: str = _upstream_field("postprocess")
+    default_model: str = env_field(
+        "HOPLINE_DEFAULT_MODEL", "support-intents", "model used when a request names none"
+    )
+    channels_per_upstream: int = env_field(
+        "HOPLINE_CHANNELS_PER_UPSTREAM", 2, "connections the gateway keeps to each upstream"
+    )
+    cache_budget_ms: float = env_field(
+        "HOPLINE_CACHE_BUDGET_MS", 50.0, "a cache lookup slower than this fails open"
+    )
+    upstream_timeout_s: float = env_field(
+        "HOPLINE_UPSTREAM_TIMEOUT_S", 10.0, "per-hop timeout when the client sets no deadline"
+    )
+    max_text_bytes: int = env_field(
+        "HOPLINE_MAX_TEXT_BYTES", 16384, "longest text accepted, in UTF-8 bytes"
+    )
+    model_refresh_s: float = env_field(
+        "HOPLINE_MODEL_REFRESH_S", 10.0, "how often the model list is re-read from inference"
+    )
+
+
+class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
+    service_name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        n, size = config.channels_per_upstream, config.max_message_bytes
+        self.tokenizer = Upstream(
+            "tokenize", config.tokenizer_addr, tokenizer_pb2_grpc.TokenizerServiceStub, n, size
+        )
+        self.cache = Upstream(
+            "cache_lookup", config.cache_addr, cache_pb2_grpc.CacheServiceStub, n, size
+        )
+        self.inference = Upstream(
+            "inference", config.inference_addr, inference_pb2_grpc.InferenceServiceStub, n, size
+        )
+        self.postprocess = Upstream(
+            "postprocess", config.postprocess_addr, postprocess_pb2_grpc.PostprocessServiceStub,
+            n, size,
+        )
+        self.models: dict[tuple[str, str], inference_pb2.ModelInfo] = {}
+        self.latest: dict[str, str] = {}
+        self._last_refresh = 0.0
+        self._refresh_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[Any]] = set()
+        self.counters = {"requests": 0, "cache_fail_open": 0, "store_errors": 0}
+
+    def register(self, server: grpc.aio.Server) -> None:
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(self, server)
+
+    # -- model catalogue ------------------------------------------------------------------
+
+    async def _refresh_models(self) -> None:
+        response = await self.inference.stub().ListModels(
+            inference_pb2.ListModelsRequest(), timeout=5.0
+        )
+        models = {(m.name, m.version): m for m in response.models}
+        latest: dict[str, str] = {}
+        for name, version in models:
+            if int(version) > int(latest.get(name, "0")):
+                latest[name] = version
+        self.models, self.latest = models, latest
+        self._last_refresh = time.monotonic()
+
+    async def start(self) -> None:
+        # Not SERVING until the inference service has told us which models exist.
+        while True:
+            try:
+                await self._refresh_models()
+                break
+            except grpc.aio.AioRpcError as err:
+                log.info("waiting for inference", extra={"target": self.inference.target,
+                                                         "status": err.code().name})
+                await asyncio.sleep(0.5)
+        log.info("models", extra={"models": sorted(f"{n}/{v}" for n, v in self.models)})
+        self._spawn(self._refresh_loop())
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.model_refresh_s)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self._refresh_models()
+
+    async def _resolve(self, name: str, version: str) -> inference_pb2.ModelInfo | None:
+        key = (name, version or self.latest.get(name, ""))
+        if key not in self.models and time.monotonic() - self._last_refresh > 1.0:
+            async with self._refresh_lock:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self._refresh_models()
+            key = (name, version or self.latest.get(name, ""))
+        return self.models.get(key)
+
+    async def stop(self) -> None:
+        stores = [t for t in self._background if not t.get_name().startswith("loop")]
+        if stores:  # let pending cache writes land before the channels close
+            await asyncio.wait(stores, timeout=2.0)
+        for task in self._background:
+            task.cancel()
+        for upstream in (self.tokenizer, self.cache, self.inference, self.postprocess):
+            await upstream.close()
+
+    def _spawn(self, coro: Any, name: str = "loop") -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- Predict --------------------------------------------------------------------------
+
+    def _timeout(self, context: Context) -> float:
+        remaining = context.time_remaining()
+        if remaining is None:
+            return self.config.upstream_timeout_s
+        return min(float(remaining), self.config.upstream_timeout_s)
+
+    @staticmethod
+    def _tenant(request: gateway_pb2.PredictRequest, context: Context) -> str:
+        for key, value in context.invocation_metadata() or ():
+            if key == TENANT_METADATA and value:
+                return str(value)
+        return request.tenant or DEFAULT_TENANT
+
+    async def Predict(
+        self, request: gateway_pb2.PredictRequest, context: Context
+    ) -> gateway_pb2.PredictResponse:
+        started = time.perf_counter()
+        self.counters["requests"] += 1
+        text = request.text
+        if not text.strip():
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "text is empty: put the text to classify in "
+                "PredictRequest.text"
+            )
+        size = len(text.encode("utf-8"))
+        if size > self.config.max_text_bytes:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"text is {size} bytes; the limit is {self.config.max_text_bytes} "
+                "(HOPLINE_MAX_TEXT_BYTES)",
+            )
+        tenant = self._tenant(request, context)
+        if len(tenant) > 128 or not tenant.isprintable():
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "tenant must be at most 128 printable chars"
+            )
+        name = request.model or self.config.default_model
+        info = await self._resolve(name, request.model_version)
+        if info is None:
+            known = ", ".join(sorted(f"{n}/{v}" for n, v in self.models)) or "none"
+            wanted = f"{name}/{request.model_version}" if request.model_version else name
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"unknown model {wanted!r} (serving: {known})"
+            )
+        top_k = request.top_k or 1
+        if not 1 <= top_k <= len(info.labels):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"top_k must be 1 to {len(info.labels)} for {info.name}, got {request.top_k}",
+            )
+        try:
+            return await self._predict(request, context, info, tenant, top_k, started)
+        except HopError as err:
+            await context.abort(err.code, err.message)
+        raise AssertionError("unreachable")  # pragma: no cover - abort raises
+
+    async def _predict(
+        self,
+        request: gateway_pb2.PredictRequest,
+        context: Context,
+        info: inference_pb2.ModelInfo,
+        tenant: str,
+        top_k: int,
+        started: float,
+    ) -> gateway_pb2.PredictResponse:
+        timings: dict[str, float] = {}
+        scope = common_pb2.Scope(
+            tenant=tenant, model=info.name, model_version=info.version,
+            parameters={"top_k": str(top_k)},
+        )
+        response = gateway_pb2.PredictResponse(
+            model=info.name, model_version=info.version, tenant=tenant,
+            trace_id=current_trace_id(),
+        )
+        mode = request.cache_mode or common_pb2.CACHE_MODE_USE
+        cache_on = info.cache.mode != "off"
+        tokenizing = asyncio.ensure_future(
+            call_hop(
+                "tokenize", self.tokenizer.target, self.tokenizer.stub().Tokenize,
+                tokenizer_pb2.TokenizeRequest(
+                    model=info.name, model_version=info.version, texts=[request.text]
+                ),
+                self._timeout(context), timings,
+            )
+        )
+        if cache_on and mode == common_pb2.CACHE_MODE_USE:
+            hit = await self._lookup(scope, request.text, response.cache, timings)
+            if hit is not None:
+                tokenizing.cancel()
+                tokenizing.add_done_callback(lambda t: t.cancelled() or t.exception())
+                response.prediction.CopyFrom(hit.prediction)
+                return self._finish(response, timings, started)
+        else:
+            response.cache.outcome = common_pb2.CACHE_OUTCOME_SKIPPED
+            response.cache.detail = (
+                f"cache mode {info.cache.mode!r} for {info.name}" if not cache_on
+                else f"request cache_mode {common_pb2.CacheMode.Name(mode)}"
+            )
+        tokens: tokenizer_pb2.TokenizeResponse = await tokenizing
+        inferred: inference_pb2.InferResponse = await call_hop(
+            "inference", self.inference.target, self.inference.stub().Infer,
+            inference_pb2.InferRequest(
+                model=info.name, model_version=info.version,
+                inputs=[tokens.input_ids, tokens.attention_mask], outputs=["logits"],
+            ),
+            self._timeout(context), timings,
+        )
+        post: postprocess_pb2.PostprocessResponse = await call_hop(
+            "postprocess", self.postprocess.target, self.postprocess.stub().Postprocess,
+            postprocess_pb2.PostprocessRequest(
+                model=info.name, model_version=info.version, outputs=inferred.outputs,
+                top_k=top_k,
+            ),
+            self._timeout(context), timings,
+        )
+        response.prediction.CopyFrom(post.predictions[0])
+        if cache_on and mode != common_pb2.CACHE_MODE_BYPASS:
+            self._spawn(self._store(scope, request.text, response.prediction, info),
+                        name="store")
+        return self._finish(response, timings, started)
+
+    async def _lookup(
+        self,
+        scope: common_pb2.Scope,
+        text: str,
+        cache: gateway_pb2.CacheInfo,
+        timings: dict[str, float],
+    ) -> cache_pb2.LookupResponse | None:
+        """The hit, or None after recording MISS or FAIL_OPEN in `cache`."""
+        try:
+            found: cache_pb2.LookupResponse = await call_hop(
+                "cache_lookup", self.cache.target, self.cache.stub().Lookup,
+                cache_pb2.LookupRequest(scope=scope, text=text),
+                self.config.cache_budget_ms / 1e3, timings,
+            )
+        except HopError as err:
+            self.counters["cache_fail_open"] += 1
+            cache.outcome = common_pb2.CACHE_OUTCOME_FAIL_OPEN
+            cache.detail = err.message
+            log.warning("cache fail-open", extra={"reason": err.message})
+            return None
+        if found.outcome in (common_pb2.CACHE_OUTCOME_EXACT, common_pb2.CACHE_OUTCOME_SEMANTIC):
+            cache.outcome = found.outcome
+            cache.similarity = found.similarity
+            cache.entry_id = found.entry_id
+            cache.age_s = found.age_s
+            return found
+        cache.outcome = common_pb2.CACHE_OUTCOME_MISS
+        return None
+
+    async def _store(
+        self, scope: common_pb2.Scope, text: str, prediction: common_pb2.Prediction,
+        info: inference_pb2.ModelInfo,
+    ) -> None:
+        try:
+            await self.cache.stub().Store(
+                cache_pb2.StoreRequest(
+                    scope=scope, text=text, prediction=prediction, ttl_s=info.cache.ttl_s
+                ),
+                timeout=2.0,
+            )
+        except grpc.aio.AioRpcError as err:
+            self.counters["store_errors"] += 1
+            log.warning("cache store failed", extra={"status": err.code().name})
+
+    @staticmethod
+    def _finish(
+        response: gateway_pb2.PredictResponse, timings: dict[str, float], started: float
+    ) -> gateway_pb2.PredictResponse:
+        timings["total"] = (time.perf_counter() - started) * 1e3
+        response.timings.extend(common_pb2.HopTiming(hop=h, ms=ms) for h, ms in timings.items())
+        return response

@@ -1,0 +1,1 @@
+"""Shared observability for every hopline service: structured logs and tracing."""

@@ -1,0 +1,1 @@
+"""The inference service: runs model versions from the repository on a swappable backend."""

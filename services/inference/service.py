@@ -1,0 +1,165 @@
+"""hopline.inference.v1.InferenceService on grpc.aio."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from hopline.common.v1 import common_pb2
+from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
+from hopline.inference.backend import Array, Backend, create_backend, warm_up
+from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.model.registry import ModelRegistry
+from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
+from hopline.tensors import TensorError, dtype_name, from_tensor, to_tensor
+
+log = logging.getLogger("hopline.inference")
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceConfig(ServerConfig):
+    listen: str = env_field("HOPLINE_INFERENCE_ADDR", DEFAULT_ADDRS["inference"], "address to bind")
+    model_repo: str = env_field("HOPLINE_MODEL_REPO", "models", "model repository directory")
+    threads: int = env_field(
+        "HOPLINE_INFERENCE_THREADS", 0, "ONNX Runtime intra-op threads per run (0: all cores)"
+    )
+    workers: int = env_field(
+        "HOPLINE_INFERENCE_WORKERS", 1, "model runs in parallel (each uses `threads` threads)"
+    )
+
+
+def _validate(cfg: ModelConfig, request: inference_pb2.InferRequest) -> dict[str, Array]:
+    """The request's tensors, checked against the model's declared inputs."""
+    given = {t.name: t for t in request.inputs}
+    unknown = set(given) - {s.name for s in cfg.inputs}
+    if unknown:
+        raise TensorError(f"{cfg.key} has no input(s) {sorted(unknown)}")
+    arrays: dict[str, Array] = {}
+    for spec in cfg.inputs:
+        if spec.name not in given:
+            raise TensorError(f"{cfg.key} needs input {spec.name!r}")
+        tensor = given[spec.name]
+        if dtype_name(tensor.dtype) != spec.dtype:
+            raise TensorError(
+                f"input {spec.name!r} must be {spec.dtype}, got {dtype_name(tensor.dtype)}"
+            )
+        array = from_tensor(tensor)
+        if array.ndim != len(spec.shape) or any(
+            want not in (-1, got) for want, got in zip(spec.shape, array.shape, strict=True)
+        ):
+            raise TensorError(f"input {spec.name!r} must have shape {list(spec.shape)}, "
+                              f"got {list(array.shape)}")
+        arrays[spec.name] = array
+    shapes = {a.shape for a in arrays.values()}
+    if len(shapes) != 1:
+        raise TensorError(f"inputs must share one shape, got {sorted(shapes)}")
+    batch, seq = next(iter(shapes))[:2]
+    if not 1 <= batch <= cfg.max_batch_size:
+        raise TensorError(f"batch of {batch}; {cfg.key} takes 1 to {cfg.max_batch_size}")
+    if not 1 <= seq <= cfg.max_sequence_length:
+        raise TensorError(f"sequence of {seq}; {cfg.key} takes 1 to {cfg.max_sequence_length}")
+    return arrays
+
+
+def _model_info(cfg: ModelConfig) -> inference_pb2.ModelInfo:
+    def specs(items: tuple[object, ...]) -> list[inference_pb2.TensorSpec]:
+        return [
+            inference_pb2.TensorSpec(
+                name=s.name, dtype=common_pb2.DataType.Value("DATA_TYPE_" + s.dtype),  # type: ignore[attr-defined]
+                shape=list(s.shape),  # type: ignore[attr-defined]
+            )
+            for s in items
+        ]
+
+    return inference_pb2.ModelInfo(
+        name=cfg.name, version=cfg.version, task=cfg.task, backend=cfg.backend,
+        inputs=specs(cfg.inputs), outputs=specs(cfg.outputs),
+        max_batch_size=cfg.max_batch_size, labels=list(cfg.labels),
+        cache=inference_pb2.CachePolicy(
+            mode=cfg.cache.mode, threshold=cfg.cache.threshold, ttl_s=cfg.cache.ttl_s,
+            max_entries=cfg.cache.max_entries,
+        ),
+        ready=True,
+    )
+
+
+class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
+    service_name = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+
+    def __init__(self, config: InferenceConfig) -> None:
+        self.config = config
+        self.models: ModelRegistry[Backend] = ModelRegistry(
+            ModelRepository(Path(config.model_repo)), self._load
+        )
+        self.executor = ThreadPoolExecutor(
+            max_workers=max(1, config.workers), thread_name_prefix="model"
+        )
+
+    def _load(self, cfg: ModelConfig) -> Backend:
+        backend = create_backend(cfg, self.config.threads)
+        warm_up(backend)
+        return backend
+
+    def register(self, server: grpc.aio.Server) -> None:
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(self, server)
+
+    async def start(self) -> None:
+        loaded = await asyncio.get_running_loop().run_in_executor(self.executor, self.models.load_all)
+        if not loaded:
+            raise RuntimeError(f"no models in repository {self.config.model_repo!r}")
+
+    async def stop(self) -> None:
+        self.executor.shutdown(wait=True)
+
+    async def Infer(
+        self,
+        request: inference_pb2.InferRequest,
+        context: grpc.aio.ServicerContext[inference_pb2.InferRequest, inference_pb2.InferResponse],
+    ) -> inference_pb2.InferResponse:
+        try:
+            cfg, backend = self.models.get(request.model, request.model_version)
+        except ModelNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        try:
+            inputs = _validate(cfg, request)
+        except TensorError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        known = [o.name for o in cfg.outputs]
+        missing = [name for name in request.outputs if name not in known]
+        if missing:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{cfg.key} has no output(s) {missing}; has {known}"
+            )
+        submitted = time.perf_counter()
+        started = 0.0
+
+        def run() -> dict[str, Array]:
+            nonlocal started
+            started = time.perf_counter()
+            return backend.run(inputs, list(request.outputs))
+
+        outputs = await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        done = time.perf_counter()
+        return inference_pb2.InferResponse(
+            model=cfg.name,
+            model_version=cfg.version,
+            outputs=[to_tensor(name, np.asarray(value)) for name, value in outputs.items()],
+            queue_ms=(started - submitted) * 1e3,
+            compute_ms=(done - started) * 1e3,
+        )
+
+    async def ListModels(
+        self,
+        request: inference_pb2.ListModelsRequest,
+        context: grpc.aio.ServicerContext[
+            inference_pb2.ListModelsRequest, inference_pb2.ListModelsResponse
+        ],
+    ) -> inference_pb2.ListModelsResponse:
+        return inference_pb2.ListModelsResponse(models=[_model_info(m) for m in self.models.models()])

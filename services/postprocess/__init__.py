@@ -1,0 +1,1 @@
+"""The postprocess service: logits to labels and scores, embeddings to unit vectors."""

@@ -1,0 +1,86 @@
+"""hopline.postprocess.v1.PostprocessService on grpc.aio."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
+from hopline.model.registry import ModelRegistry
+from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
+from hopline.postprocess.logic import predictions
+from hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
+from hopline.tensors import TensorError, from_tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class PostprocessConfig(ServerConfig):
+    listen: str = env_field(
+        "HOPLINE_POSTPROCESS_ADDR", DEFAULT_ADDRS["postprocess"], "address to bind"
+    )
+    model_repo: str = env_field("HOPLINE_MODEL_REPO", "models", "model repository directory")
+
+
+class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
+    service_name = postprocess_pb2.DESCRIPTOR.services_by_name["PostprocessService"].full_name
+
+    def __init__(self, config: PostprocessConfig) -> None:
+        self.config = config
+        # Postprocessing needs only the config (labels, threshold), not the weights.
+        self.models: ModelRegistry[ModelConfig] = ModelRegistry(
+            ModelRepository(Path(config.model_repo)), lambda cfg: cfg
+        )
+
+    def register(self, server: grpc.aio.Server) -> None:
+        postprocess_pb2_grpc.add_PostprocessServiceServicer_to_server(self, server)
+
+    async def start(self) -> None:
+        if not self.models.load_all():
+            raise RuntimeError(f"no models in repository {self.config.model_repo!r}")
+
+    async def stop(self) -> None:
+        return None
+
+    async def Postprocess(
+        self,
+        request: postprocess_pb2.PostprocessRequest,
+        context: grpc.aio.ServicerContext[
+            postprocess_pb2.PostprocessRequest, postprocess_pb2.PostprocessResponse
+        ],
+    ) -> postprocess_pb2.PostprocessResponse:
+        try:
+            cfg, _ = self.models.get(request.model, request.model_version)
+        except ModelNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        top_k = request.top_k or 1
+        if not 1 <= top_k <= len(cfg.labels):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"top_k must be 1 to {len(cfg.labels)} for {cfg.key}, got {request.top_k}",
+            )
+        try:
+            tensors = {t.name: from_tensor(t) for t in request.outputs}
+            logits = tensors.get("logits")
+            embeddings = tensors.get("sentence_embedding") if request.include_embedding else None
+            if logits is None and embeddings is None:
+                raise TensorError("needs a 'logits' or 'sentence_embedding' output")
+            for name, array in (("logits", logits), ("sentence_embedding", embeddings)):
+                if array is not None and (array.ndim != 2 or array.dtype != np.float32):
+                    raise TensorError(f"{name} must be FP32 [batch, n], got {array.dtype} "
+                                      f"{list(array.shape)}")
+            if logits is not None and logits.shape[1] != len(cfg.labels):
+                raise TensorError(
+                    f"logits have {logits.shape[1]} classes, {cfg.key} has {len(cfg.labels)} labels"
+                )
+            if logits is not None and embeddings is not None and len(logits) != len(embeddings):
+                raise TensorError("logits and sentence_embedding differ in batch size")
+        except TensorError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return postprocess_pb2.PostprocessResponse(
+            predictions=predictions(
+                logits, embeddings, cfg.labels, cfg.oos_threshold, top_k  # type: ignore[arg-type]
+            )
+        )

@@ -1,0 +1,81 @@
+"""hopline.tokenizer.v1.TokenizerService on grpc.aio."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import grpc
+from tokenizers import Tokenizer
+
+from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
+from hopline.model.registry import ModelRegistry
+from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
+from hopline.model.tokenizer import encode, load_tokenizer
+from hopline.tensors import to_tensor
+from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig(ServerConfig):
+    listen: str = env_field("HOPLINE_TOKENIZER_ADDR", DEFAULT_ADDRS["tokenizer"], "address to bind")
+    model_repo: str = env_field("HOPLINE_MODEL_REPO", "models", "model repository directory")
+    max_batch: int = env_field("HOPLINE_TOKENIZER_MAX_BATCH", 256, "most texts in one request")
+    max_text_bytes: int = env_field(
+        "HOPLINE_MAX_TEXT_BYTES", 16384, "longest text accepted, in UTF-8 bytes"
+    )
+
+
+def _load(cfg: ModelConfig) -> Tokenizer:
+    return load_tokenizer(cfg.file("tokenizer"), cfg.max_sequence_length)
+
+
+class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    service_name = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+
+    def __init__(self, config: TokenizerConfig) -> None:
+        self.config = config
+        self.models = ModelRegistry(ModelRepository(Path(config.model_repo)), _load)
+
+    def register(self, server: grpc.aio.Server) -> None:
+        tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(self, server)
+
+    async def start(self) -> None:
+        if not self.models.load_all():
+            raise RuntimeError(f"no models in repository {self.config.model_repo!r}")
+
+    async def stop(self) -> None:
+        return None
+
+    async def Tokenize(
+        self,
+        request: tokenizer_pb2.TokenizeRequest,
+        context: grpc.aio.ServicerContext[
+            tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeResponse
+        ],
+    ) -> tokenizer_pb2.TokenizeResponse:
+        texts = list(request.texts)
+        if not texts:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "texts is empty")
+        if len(texts) > self.config.max_batch:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(texts)} texts in one request; the limit is {self.config.max_batch}",
+            )
+        for i, text in enumerate(texts):
+            if len(text.encode("utf-8")) > self.config.max_text_bytes:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"texts[{i}] is over {self.config.max_text_bytes} bytes",
+                )
+        try:
+            _, tokenizer = self.models.get(request.model, request.model_version)
+        except ModelNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        batch = encode(tokenizer, texts)
+        return tokenizer_pb2.TokenizeResponse(
+            input_ids=to_tensor("input_ids", batch.input_ids),
+            attention_mask=to_tensor("attention_mask", batch.attention_mask),
+            lengths=batch.lengths,
+            truncated=batch.truncated,
+        )
