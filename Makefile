@@ -45,7 +45,7 @@ $(STAMPS)/codegen: $(STAMPS)/venv
 
 $(STAMPS)/protos: $(STAMPS)/codegen $(PROTO_FILES)
 	rm -rf build/protogen && mkdir -p build/protogen
-	$(PY) -m grpc_tools.protoc -I protos --python_out=build/protogen --mypy_out=build/protogen \
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(PY) -m grpc_tools.protoc -I protos --python_out=build/protogen --mypy_out=build/protogen \
 		--grpc_python_out=build/protogen --mypy_grpc_out=build/protogen $(PROTO_FILES)
 	@for pair in $(PROTO_DIRS); do \
 		svc=$${pair%%:*}; dir=$${pair#*:}; \

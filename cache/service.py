@@ -11,7 +11,6 @@ from collections import deque
 
 import grpc
 import numpy as np
-
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
 from hopline.cache.store import CacheStore, Entry, MemoryStore, ScopeFilter
 from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
@@ -39,8 +38,13 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     def __init__(self, config: CacheConfig, store: CacheStore | None = None) -> None:
         self.config = config
         self.store: CacheStore = store or MemoryStore(config.max_entries)
-        self.counters = {"lookups": 0, "exact_hits": 0, "stores": 0, "evictions": 0,
-                         "expirations": 0}
+        self.counters = {
+            "lookups": 0,
+            "exact_hits": 0,
+            "stores": 0,
+            "evictions": 0,
+            "expirations": 0,
+        }
         self.lookup_ms: deque[float] = deque(maxlen=10_000)
         self._sweeper: asyncio.Task[None] | None = None
 

@@ -33,8 +33,9 @@ class ScopeFilter:
     def matches(self, scope: tuple[str, str, str, str]) -> bool:
         return all(
             not want or want == got
-            for want, got in zip((self.tenant, self.model, self.model_version), scope[:3],
-                                 strict=True)
+            for want, got in zip(
+                (self.tenant, self.model, self.model_version), scope[:3], strict=True
+            )
         )
 
 

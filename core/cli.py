@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
 from hopline import config as cfg
 
 SERVICES = ("tokenizer", "cache", "inference", "postprocess", "gateway")
@@ -59,13 +58,18 @@ def _predict(args: argparse.Namespace) -> int:
 
     try:
         response = predict(
-            args.text, gateway=args.gateway, tenant=args.tenant, model=args.model,
-            model_version=args.model_version, top_k=args.top_k, cache_mode=args.cache,
+            args.text,
+            gateway=args.gateway,
+            tenant=args.tenant,
+            model=args.model,
+            model_version=args.model_version,
+            top_k=args.top_k,
+            cache_mode=args.cache,
             timeout_s=args.timeout,
         )
     except grpc.RpcError as err:
-        code = err.code()  # type: ignore[attr-defined]
-        sys.stderr.write(f"error: {code.name}: {err.details()}\n")  # type: ignore[attr-defined]
+        code = err.code()
+        sys.stderr.write(f"error: {code.name}: {err.details()}\n")
         return 1
     doc = to_json(response)
     if args.json:
@@ -100,8 +104,13 @@ def _model_build(args: argparse.Namespace) -> int:
     else:
         raise SystemExit("give --train FILE --name NAME, or --default")
     target = build_model(
-        train, name, Path(args.repo), version=args.version, split=args.split,
-        oos_threshold=args.oos_threshold, in_scope_reject_rate=args.reject_rate,
+        train,
+        name,
+        Path(args.repo),
+        version=args.version,
+        split=args.split,
+        oos_threshold=args.oos_threshold,
+        in_scope_reject_rate=args.reject_rate,
         cache_mode=args.cache_mode,
     )
     info = json.loads((target / "config.json").read_text())
@@ -131,8 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     pred = sub.add_parser("predict", help="classify one text through the gateway")
     pred.add_argument("text")
-    pred.add_argument("--gateway", help="gateway address [env HOPLINE_GATEWAY_ADDR; "
-                      f"default {cfg.DEFAULT_ADDRS['gateway']}]")
+    pred.add_argument(
+        "--gateway",
+        help=f"gateway address [env HOPLINE_GATEWAY_ADDR; default {cfg.DEFAULT_ADDRS['gateway']}]",
+    )
     pred.add_argument("--tenant", default="")
     pred.add_argument("--model", default="")
     pred.add_argument("--model-version", default="")
@@ -150,10 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--default", action="store_true", help="the bundled support intents")
     build.add_argument("--repo", default="models")
     build.add_argument("--version", help="default: the next free integer")
-    build.add_argument("--oos-threshold", type=float,
-                       help="fixed out-of-scope score threshold (default: calibrated)")
-    build.add_argument("--reject-rate", type=float, default=0.02,
-                       help="share of held-out in-scope texts the calibrated threshold rejects")
+    build.add_argument(
+        "--oos-threshold",
+        type=float,
+        help="fixed out-of-scope score threshold (default: calibrated)",
+    )
+    build.add_argument(
+        "--reject-rate",
+        type=float,
+        default=0.02,
+        help="share of held-out in-scope texts the calibrated threshold rejects",
+    )
     build.add_argument("--cache-mode", default="exact", choices=("off", "exact", "semantic"))
     return parser
 

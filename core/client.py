@@ -6,7 +6,6 @@ import os
 from typing import Any
 
 import grpc
-
 from hopline.common.v1 import common_pb2
 from hopline.config import DEFAULT_ADDRS, addr_env
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -59,7 +58,11 @@ def predict(
     with grpc.insecure_channel(gateway_address(gateway)) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         request = gateway_pb2.PredictRequest(
-            text=text, tenant=tenant, model=model, model_version=model_version, top_k=top_k,
+            text=text,
+            tenant=tenant,
+            model=model,
+            model_version=model_version,
+            top_k=top_k,
             cache_mode=CACHE_MODES[cache_mode],
         )
         response: gateway_pb2.PredictResponse = stub.Predict(request, timeout=timeout_s)

@@ -11,7 +11,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-
 from hopline.config import ServerConfig
 from hopline.observability.tracing import ServerTracingInterceptor
 
@@ -54,8 +53,11 @@ async def serve(service: Service, config: ServerConfig) -> int:
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     service.register(server)
     reflection.enable_server_reflection(
-        [service.service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME],
+        [
+            service.service_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
         server,
     )
     for name in ("", service.service_name):
@@ -78,8 +80,9 @@ async def serve(service: Service, config: ServerConfig) -> int:
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if starting.done():
-        if (exc := starting.exception()) is not None:
-            log.error("start-up failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+        failure = starting.exception()
+        if failure is not None:
+            log.error("start-up failed", extra={"error": f"{type(failure).__name__}: {failure}"})
             await server.stop(0)
             return 1
         for name in ("", service.service_name):

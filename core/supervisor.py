@@ -18,7 +18,6 @@ from types import FrameType
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from hopline.config import DEFAULT_ADDRS, addr_env
 
 log = logging.getLogger("hopline.run")
@@ -48,7 +47,9 @@ def is_serving(target: str, timeout_s: float = 1.0) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-def start_service(name: str, env: dict[str, str], extra: list[str] | None = None) -> subprocess.Popen[bytes]:
+def start_service(
+    name: str, env: dict[str, str], extra: list[str] | None = None
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "hopline", "serve", name, *(extra or [])],
         env=env,
@@ -57,7 +58,9 @@ def start_service(name: str, env: dict[str, str], extra: list[str] | None = None
     )
 
 
-def stop_all(children: dict[str, subprocess.Popen[bytes]], timeout_s: float = STOP_TIMEOUT_S) -> None:
+def stop_all(
+    children: dict[str, subprocess.Popen[bytes]], timeout_s: float = STOP_TIMEOUT_S
+) -> None:
     for proc in children.values():
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -78,8 +81,9 @@ def run_mesh(model_repo: Path, log_format: str = "text", ready_timeout_s: float 
     if not model_repo.is_dir():
         log.error("no model repository; run `make model`", extra={"path": str(model_repo)})
         return 2
-    env = dict(os.environ, HOPLINE_MODEL_REPO=str(model_repo.resolve()),
-               HOPLINE_LOG_FORMAT=log_format)
+    env = dict(
+        os.environ, HOPLINE_MODEL_REPO=str(model_repo.resolve()), HOPLINE_LOG_FORMAT=log_format
+    )
     stopping = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -104,7 +108,7 @@ def run_mesh(model_repo: Path, log_format: str = "text", ready_timeout_s: float 
         if not stopping:
             sys.stdout.write(
                 f"\nhopline is up: gateway SERVING on {gateway}\n"
-                f"  try: .venv/bin/hopline predict \"I forgot my password\"\n"
+                f'  try: .venv/bin/hopline predict "I forgot my password"\n'
                 f"  stop: Ctrl-C\n\n"
             )
             sys.stdout.flush()

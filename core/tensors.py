@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
-
 from hopline.common.v1 import common_pb2
 
 DataType = common_pb2.DataType
@@ -33,7 +32,12 @@ def to_tensor(name: str, array: npt.NDArray[np.generic]) -> common_pb2.Tensor:
     if code is None:
         raise TensorError(f"{name}: unsupported dtype {array.dtype}")
     data = np.ascontiguousarray(array, dtype=dtype)
-    return common_pb2.Tensor(name=name, dtype=code, shape=list(data.shape), raw=data.tobytes())
+    return common_pb2.Tensor(
+        name=name,
+        dtype=code,  # type: ignore[arg-type]
+        shape=list(data.shape),
+        raw=data.tobytes(),
+    )
 
 
 def from_tensor(tensor: common_pb2.Tensor) -> npt.NDArray[np.generic]:

@@ -13,10 +13,9 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import grpc
-
 from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.common.v1 import common_pb2
 from hopline.config import DEFAULT_ADDRS, ServerConfig, addr_env, env_field
@@ -81,8 +80,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             "inference", config.inference_addr, inference_pb2_grpc.InferenceServiceStub, n, size
         )
         self.postprocess = Upstream(
-            "postprocess", config.postprocess_addr, postprocess_pb2_grpc.PostprocessServiceStub,
-            n, size,
+            "postprocess",
+            config.postprocess_addr,
+            postprocess_pb2_grpc.PostprocessServiceStub,
+            n,
+            size,
         )
         self.models: dict[tuple[str, str], inference_pb2.ModelInfo] = {}
         self.latest: dict[str, str] = {}
@@ -115,8 +117,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 await self._refresh_models()
                 break
             except grpc.aio.AioRpcError as err:
-                log.info("waiting for inference", extra={"target": self.inference.target,
-                                                         "status": err.code().name})
+                log.info(
+                    "waiting for inference",
+                    extra={"target": self.inference.target, "status": err.code().name},
+                )
                 await asyncio.sleep(0.5)
         log.info("models", extra={"models": sorted(f"{n}/{v}" for n, v in self.models)})
         self._spawn(self._refresh_loop())
@@ -153,7 +157,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     # -- Predict --------------------------------------------------------------------------
 
     def _timeout(self, context: Context) -> float:
-        remaining = context.time_remaining()
+        # grpc returns None without a deadline, whatever the stubs say.
+        remaining = cast("float | None", context.time_remaining())
         if remaining is None:
             return self.config.upstream_timeout_s
         return min(float(remaining), self.config.upstream_timeout_s)
@@ -173,8 +178,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         text = request.text
         if not text.strip():
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "text is empty: put the text to classify in "
-                "PredictRequest.text"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "text is empty: put the text to classify in PredictRequest.text",
             )
         size = len(text.encode("utf-8"))
         if size > self.config.max_text_bytes:
@@ -206,7 +211,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             return await self._predict(request, context, info, tenant, top_k, started)
         except HopError as err:
             await context.abort(err.code, err.message)
-        raise AssertionError("unreachable")  # pragma: no cover - abort raises
 
     async def _predict(
         self,
@@ -219,22 +223,29 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> gateway_pb2.PredictResponse:
         timings: dict[str, float] = {}
         scope = common_pb2.Scope(
-            tenant=tenant, model=info.name, model_version=info.version,
+            tenant=tenant,
+            model=info.name,
+            model_version=info.version,
             parameters={"top_k": str(top_k)},
         )
         response = gateway_pb2.PredictResponse(
-            model=info.name, model_version=info.version, tenant=tenant,
+            model=info.name,
+            model_version=info.version,
+            tenant=tenant,
             trace_id=current_trace_id(),
         )
         mode = request.cache_mode or common_pb2.CACHE_MODE_USE
         cache_on = info.cache.mode != "off"
         tokenizing = asyncio.ensure_future(
             call_hop(
-                "tokenize", self.tokenizer.target, self.tokenizer.stub().Tokenize,
+                "tokenize",
+                self.tokenizer.target,
+                self.tokenizer.stub().Tokenize,
                 tokenizer_pb2.TokenizeRequest(
                     model=info.name, model_version=info.version, texts=[request.text]
                 ),
-                self._timeout(context), timings,
+                self._timeout(context),
+                timings,
             )
         )
         if cache_on and mode == common_pb2.CACHE_MODE_USE:
@@ -247,30 +258,40 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         else:
             response.cache.outcome = common_pb2.CACHE_OUTCOME_SKIPPED
             response.cache.detail = (
-                f"cache mode {info.cache.mode!r} for {info.name}" if not cache_on
+                f"cache mode {info.cache.mode!r} for {info.name}"
+                if not cache_on
                 else f"request cache_mode {common_pb2.CacheMode.Name(mode)}"
             )
         tokens: tokenizer_pb2.TokenizeResponse = await tokenizing
         inferred: inference_pb2.InferResponse = await call_hop(
-            "inference", self.inference.target, self.inference.stub().Infer,
+            "inference",
+            self.inference.target,
+            self.inference.stub().Infer,
             inference_pb2.InferRequest(
-                model=info.name, model_version=info.version,
-                inputs=[tokens.input_ids, tokens.attention_mask], outputs=["logits"],
+                model=info.name,
+                model_version=info.version,
+                inputs=[tokens.input_ids, tokens.attention_mask],
+                outputs=["logits"],
             ),
-            self._timeout(context), timings,
+            self._timeout(context),
+            timings,
         )
         post: postprocess_pb2.PostprocessResponse = await call_hop(
-            "postprocess", self.postprocess.target, self.postprocess.stub().Postprocess,
+            "postprocess",
+            self.postprocess.target,
+            self.postprocess.stub().Postprocess,
             postprocess_pb2.PostprocessRequest(
-                model=info.name, model_version=info.version, outputs=inferred.outputs,
+                model=info.name,
+                model_version=info.version,
+                outputs=inferred.outputs,
                 top_k=top_k,
             ),
-            self._timeout(context), timings,
+            self._timeout(context),
+            timings,
         )
         response.prediction.CopyFrom(post.predictions[0])
         if cache_on and mode != common_pb2.CACHE_MODE_BYPASS:
-            self._spawn(self._store(scope, request.text, response.prediction, info),
-                        name="store")
+            self._spawn(self._store(scope, request.text, response.prediction, info), name="store")
         return self._finish(response, timings, started)
 
     async def _lookup(
@@ -283,9 +304,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         """The hit, or None after recording MISS or FAIL_OPEN in `cache`."""
         try:
             found: cache_pb2.LookupResponse = await call_hop(
-                "cache_lookup", self.cache.target, self.cache.stub().Lookup,
+                "cache_lookup",
+                self.cache.target,
+                self.cache.stub().Lookup,
                 cache_pb2.LookupRequest(scope=scope, text=text),
-                self.config.cache_budget_ms / 1e3, timings,
+                self.config.cache_budget_ms / 1e3,
+                timings,
             )
         except HopError as err:
             self.counters["cache_fail_open"] += 1
@@ -303,7 +327,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         return None
 
     async def _store(
-        self, scope: common_pb2.Scope, text: str, prediction: common_pb2.Prediction,
+        self,
+        scope: common_pb2.Scope,
+        text: str,
+        prediction: common_pb2.Prediction,
         info: inference_pb2.ModelInfo,
     ) -> None:
         try:

@@ -13,9 +13,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import grpc
-from opentelemetry.trace import SpanKind, Status, StatusCode
-
 from hopline.observability.tracing import outgoing_metadata, tracer
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 StubT = TypeVar("StubT")
 
@@ -70,7 +69,7 @@ class Upstream(Generic[StubT]):
 
     async def close(self) -> None:
         for channel in self.channels:
-            await channel.close()
+            await channel.close(grace=None)
 
 
 def _hop_error(hop: str, target: str, err: grpc.aio.AioRpcError) -> HopError:
@@ -95,20 +94,26 @@ async def call_hop(
     target: str,
     rpc: Callable[..., Awaitable[Any]],
     request: Any,
-    timeout: float,
+    timeout_s: float,
     timings: dict[str, float],
 ) -> Any:
     """One traced upstream call; records its wall time and maps failures to HopError."""
     started = time.perf_counter()
     with tracer().start_as_current_span(
-        hop, kind=SpanKind.CLIENT, attributes={"rpc.system": "grpc", "server.address": target},
-        record_exception=False, set_status_on_exception=False,
+        hop,
+        kind=SpanKind.CLIENT,
+        attributes={"rpc.system": "grpc", "server.address": target},
+        record_exception=False,
+        set_status_on_exception=False,
     ) as span:
         try:
-            if timeout <= 0:
-                raise HopError(hop, grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"deadline exceeded before calling the {hop} service")
-            return await rpc(request, timeout=timeout, metadata=outgoing_metadata())
+            if timeout_s <= 0:
+                raise HopError(
+                    hop,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"deadline exceeded before calling the {hop} service",
+                )
+            return await rpc(request, timeout=timeout_s, metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as err:
             span.set_status(Status(StatusCode.ERROR, err.code().name))
             raise _hop_error(hop, target, err) from None

@@ -65,30 +65,35 @@ def outgoing_metadata(extra: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[st
     return tuple(carrier.items()) + extra
 
 
-class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
+class ServerTracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Opens a server span per unary RPC, parented on the caller's `traceparent`."""
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any]:
         handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        method: str = handler_call_details.method
         if handler is None or handler.unary_unary is None or method.startswith(_UNTRACED_PREFIXES):
             return handler
-        metadata = {k: v for k, v in handler_call_details.invocation_metadata or ()}  # type: ignore[attr-defined]
+        metadata = {k: v for k, v in handler_call_details.invocation_metadata or ()}
         parent = propagate.extract(metadata)
         inner = handler.unary_unary
 
         async def traced(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             with tracer().start_as_current_span(
-                method.lstrip("/"), context=parent, kind=SpanKind.SERVER,
+                method.lstrip("/"),
+                context=parent,
+                kind=SpanKind.SERVER,
                 attributes={"rpc.system": "grpc", "rpc.method": method},
-                record_exception=False, set_status_on_exception=False,
+                record_exception=False,
+                set_status_on_exception=False,
             ) as span:
                 try:
-                    return await inner(request, context)
+                    return await inner(request, context)  # type: ignore[arg-type]
                 finally:
                     code = context.code()
                     if code not in (None, grpc.StatusCode.OK):

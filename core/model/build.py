@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from hopline.model.encoder import ClassifierHead, build_encoder
 from hopline.model.head import (
     calibrate_oos_threshold,
@@ -85,9 +84,7 @@ def load_examples(path: Path, split: str | None = None) -> list[tuple[str, str]]
         rows = json.loads(raw)
     if isinstance(rows, dict):
         if split is None or split not in rows:
-            raise TrainingDataError(
-                f"{path} holds splits {sorted(rows)}: choose one with --split"
-            )
+            raise TrainingDataError(f"{path} holds splits {sorted(rows)}: choose one with --split")
         rows = rows[split]
     pairs = _pairs(rows, path)
     labels = {label for _, label in pairs}
@@ -155,8 +152,11 @@ def build_model(
         )
         log.info(
             "head trained",
-            extra={"train_accuracy": head.train_accuracy, "cv_accuracy": cv_accuracy,
-                   "oos_threshold": threshold},
+            extra={
+                "train_accuracy": head.train_accuracy,
+                "cv_accuracy": cv_accuracy,
+                "oos_threshold": threshold,
+            },
         )
         build_encoder(weights, staging / "model.onnx", ClassifierHead(head.weight, head.bias))
         _check_graph(staging / "model.onnx", tokenizer, texts[:16], x[:16], head.weight, head.bias)
@@ -164,7 +164,11 @@ def build_model(
         tokenizer.save(str(staging / "tokenizer.json"))
         (staging / "labels.json").write_text(json.dumps(labels, indent=1), encoding="utf-8")
         config = _config(
-            name, version, len(labels), threshold, cache_mode,
+            name,
+            version,
+            len(labels),
+            threshold,
+            cache_mode,
             build={
                 "weights": WEIGHTS_PACKAGE,
                 "weights_sha256": _sha256(weights / "model.safetensors"),
@@ -173,7 +177,8 @@ def build_model(
                 "train_examples": len(texts),
                 "train_accuracy": round(head.train_accuracy, 4),
                 "cv_accuracy": round(cv_accuracy, 4),
-                "oos_threshold_source": "given" if oos_threshold is not None
+                "oos_threshold_source": "given"
+                if oos_threshold is not None
                 else f"held-out in-scope reject rate {in_scope_reject_rate}",
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "build_seconds": round(time.perf_counter() - started, 1),
@@ -201,14 +206,16 @@ def _check_graph(
         {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask},
     )
     expected = softmax((x @ w.T + b).astype(np.float32))
-    if not np.allclose(emb, x, atol=1e-4) or not np.allclose(
-        softmax(logits), expected, atol=1e-4
-    ):
+    if not np.allclose(emb, x, atol=1e-4) or not np.allclose(softmax(logits), expected, atol=1e-4):
         raise RuntimeError(f"{path}: exported graph disagrees with the trained head")
 
 
 def _config(
-    name: str, version: str, classes: int, threshold: float, cache_mode: str,
+    name: str,
+    version: str,
+    classes: int,
+    threshold: float,
+    cache_mode: str,
     build: dict[str, Any],
 ) -> dict[str, Any]:
     return {

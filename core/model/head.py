@@ -23,10 +23,11 @@ class TrainedHead:
 
 
 def softmax(logits: F32) -> F32:
-    z = logits - logits.max(axis=-1, keepdims=True)
+    z = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
     np.exp(z, out=z)
     z /= z.sum(axis=-1, keepdims=True)
-    return z
+    out: F32 = z.astype(np.float32, copy=False)
+    return out
 
 
 def train_head(

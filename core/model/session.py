@@ -8,9 +8,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
-from tokenizers import Tokenizer
-
 from hopline.model.tokenizer import encode
+from tokenizers import Tokenizer
 
 
 def make_session(

@@ -11,7 +11,6 @@ from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
-
 from hopline.model.repository import ModelConfig
 from hopline.model.session import make_session
 
@@ -27,8 +26,9 @@ class Backend(Protocol):
 class OnnxRuntimeBackend:
     def __init__(self, config: ModelConfig, threads: int) -> None:
         self.config = config
-        self.session = make_session(config.file("model"), threads=threads,
-                                    providers=config.providers)
+        self.session = make_session(
+            config.file("model"), threads=threads, providers=config.providers
+        )
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def run(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:

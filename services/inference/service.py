@@ -11,13 +11,17 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-
 from hopline.common.v1 import common_pb2
 from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
 from hopline.inference.backend import Array, Backend, create_backend, warm_up
 from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.model.registry import ModelRegistry
-from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
+from hopline.model.repository import (
+    ModelConfig,
+    ModelNotFoundError,
+    ModelRepository,
+    TensorSpec,
+)
 from hopline.tensors import TensorError, dtype_name, from_tensor, to_tensor
 
 log = logging.getLogger("hopline.inference")
@@ -54,8 +58,9 @@ def _validate(cfg: ModelConfig, request: inference_pb2.InferRequest) -> dict[str
         if array.ndim != len(spec.shape) or any(
             want not in (-1, got) for want, got in zip(spec.shape, array.shape, strict=True)
         ):
-            raise TensorError(f"input {spec.name!r} must have shape {list(spec.shape)}, "
-                              f"got {list(array.shape)}")
+            raise TensorError(
+                f"input {spec.name!r} must have shape {list(spec.shape)}, got {list(array.shape)}"
+            )
         arrays[spec.name] = array
     shapes = {a.shape for a in arrays.values()}
     if len(shapes) != 1:
@@ -69,21 +74,29 @@ def _validate(cfg: ModelConfig, request: inference_pb2.InferRequest) -> dict[str
 
 
 def _model_info(cfg: ModelConfig) -> inference_pb2.ModelInfo:
-    def specs(items: tuple[object, ...]) -> list[inference_pb2.TensorSpec]:
+    def specs(items: tuple[TensorSpec, ...]) -> list[inference_pb2.TensorSpec]:
         return [
             inference_pb2.TensorSpec(
-                name=s.name, dtype=common_pb2.DataType.Value("DATA_TYPE_" + s.dtype),  # type: ignore[attr-defined]
-                shape=list(s.shape),  # type: ignore[attr-defined]
+                name=s.name,
+                dtype=common_pb2.DataType.Value("DATA_TYPE_" + s.dtype),
+                shape=list(s.shape),
             )
             for s in items
         ]
 
     return inference_pb2.ModelInfo(
-        name=cfg.name, version=cfg.version, task=cfg.task, backend=cfg.backend,
-        inputs=specs(cfg.inputs), outputs=specs(cfg.outputs),
-        max_batch_size=cfg.max_batch_size, labels=list(cfg.labels),
+        name=cfg.name,
+        version=cfg.version,
+        task=cfg.task,
+        backend=cfg.backend,
+        inputs=specs(cfg.inputs),
+        outputs=specs(cfg.outputs),
+        max_batch_size=cfg.max_batch_size,
+        labels=list(cfg.labels),
         cache=inference_pb2.CachePolicy(
-            mode=cfg.cache.mode, threshold=cfg.cache.threshold, ttl_s=cfg.cache.ttl_s,
+            mode=cfg.cache.mode,
+            threshold=cfg.cache.threshold,
+            ttl_s=cfg.cache.ttl_s,
             max_entries=cfg.cache.max_entries,
         ),
         ready=True,
@@ -111,7 +124,9 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(self, server)
 
     async def start(self) -> None:
-        loaded = await asyncio.get_running_loop().run_in_executor(self.executor, self.models.load_all)
+        loaded = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.models.load_all
+        )
         if not loaded:
             raise RuntimeError(f"no models in repository {self.config.model_repo!r}")
 
@@ -135,7 +150,8 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         missing = [name for name in request.outputs if name not in known]
         if missing:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"{cfg.key} has no output(s) {missing}; has {known}"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{cfg.key} has no output(s) {missing}; has {known}",
             )
         submitted = time.perf_counter()
         started = 0.0
@@ -162,4 +178,6 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             inference_pb2.ListModelsRequest, inference_pb2.ListModelsResponse
         ],
     ) -> inference_pb2.ListModelsResponse:
-        return inference_pb2.ListModelsResponse(models=[_model_info(m) for m in self.models.models()])
+        return inference_pb2.ListModelsResponse(
+            models=[_model_info(m) for m in self.models.models()]
+        )

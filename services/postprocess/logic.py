@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
-
 from hopline.common.v1 import common_pb2
+from hopline.model.head import softmax
 from hopline.tensors import to_tensor
 
 OUT_OF_SCOPE = "out_of_scope"
 
 
-def softmax(logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-    z = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
-    np.exp(z, out=z)
-    z /= z.sum(axis=-1, keepdims=True)
-    return z
-
-
 def l2_normalise(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     norms = np.linalg.norm(x, axis=-1, keepdims=True)
-    return (x / np.maximum(norms, 1e-12)).astype(np.float32)
+    out: npt.NDArray[np.float32] = (x / np.maximum(norms, 1e-12)).astype(np.float32)
+    return out
 
 
 def predictions(

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import cast
 
 import grpc
 import numpy as np
-
 from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
+from hopline.model.head import F32
 from hopline.model.registry import ModelRegistry
 from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
 from hopline.postprocess.logic import predictions
@@ -69,8 +70,9 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
                 raise TensorError("needs a 'logits' or 'sentence_embedding' output")
             for name, array in (("logits", logits), ("sentence_embedding", embeddings)):
                 if array is not None and (array.ndim != 2 or array.dtype != np.float32):
-                    raise TensorError(f"{name} must be FP32 [batch, n], got {array.dtype} "
-                                      f"{list(array.shape)}")
+                    raise TensorError(
+                        f"{name} must be FP32 [batch, n], got {array.dtype} {list(array.shape)}"
+                    )
             if logits is not None and logits.shape[1] != len(cfg.labels):
                 raise TensorError(
                     f"logits have {logits.shape[1]} classes, {cfg.key} has {len(cfg.labels)} labels"
@@ -81,6 +83,10 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return postprocess_pb2.PostprocessResponse(
             predictions=predictions(
-                logits, embeddings, cfg.labels, cfg.oos_threshold, top_k  # type: ignore[arg-type]
+                cast("F32 | None", logits),
+                cast("F32 | None", embeddings),
+                cfg.labels,
+                cfg.oos_threshold,
+                top_k,
             )
         )

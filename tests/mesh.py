@@ -1,0 +1,106 @@
+"""Start real hopline service processes on free loopback ports, for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ALL = ("tokenizer", "postprocess", "cache", "inference", "gateway")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def health(target: str, timeout_s: float = 1.0) -> int | None:
+    """The health status of the server at `target`, or None if it does not answer."""
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+    except grpc.RpcError:
+        return None
+    return int(reply.status)
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Mesh:
+    def __init__(self, repo: Path, workdir: Path, **env: str) -> None:
+        self.repo = repo
+        self.workdir = workdir
+        self.addrs = {name: f"127.0.0.1:{free_port()}" for name in ALL}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.env = dict(
+            os.environ,
+            HOPLINE_MODEL_REPO=str(repo),
+            HOPLINE_LOG_FORMAT="text",
+            HOPLINE_DRAIN_DELAY_S="0.2",
+            **env,
+        )
+        for name, addr in self.addrs.items():
+            self.env[f"HOPLINE_{name.upper()}_ADDR"] = addr
+
+    @property
+    def gateway(self) -> str:
+        return self.addrs["gateway"]
+
+    def log(self, name: str) -> str:
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def start(self, names: tuple[str, ...] = ALL, timeout_s: float = 120.0) -> Mesh:
+        for name in names:
+            out = (self.workdir / f"{name}.log").open("ab")
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "hopline", "serve", name],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        for name in names:
+            self.wait_serving(name, timeout_s)
+        return self
+
+    def wait_serving(self, name: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while health(self.addrs[name]) != SERVING:
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited {proc.returncode}:\n{self.log(name)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not SERVING after {timeout_s}s:\n{self.log(name)}")
+            time.sleep(0.2)
+
+    def terminate(self, name: str, timeout_s: float = 15.0) -> int:
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=timeout_s)
+
+    def kill(self, name: str) -> None:
+        self.procs[name].kill()
+        self.procs[name].wait()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,85 @@
+"""SIGTERM under a trickle of requests: NOT_SERVING first, in-flight work finishes, exit 0."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from conftest import DEFAULT_MODEL
+from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.tensors import to_tensor
+from mesh import NOT_SERVING, SERVING, Mesh, health
+
+
+def _request(batch: int, seq: int) -> inference_pb2.InferRequest:
+    ids = np.full((batch, seq), 2000, dtype=np.int64)
+    return inference_pb2.InferRequest(
+        model=DEFAULT_MODEL,
+        inputs=[to_tensor("input_ids", ids), to_tensor("attention_mask", np.ones_like(ids))],
+    )
+
+
+def test_sigterm_drains_in_flight_requests(default_repo: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    mesh = Mesh(repo, tmp_path, HOPLINE_DRAIN_DELAY_S="1.0")
+    mesh.start(("inference",))
+    target = mesh.addrs["inference"]
+    outcomes: list[grpc.StatusCode] = []
+    statuses: list[int | None] = []
+    stop = threading.Event()
+
+    def trickle() -> None:
+        with grpc.insecure_channel(target) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            while not stop.is_set():
+                try:
+                    stub.Infer(_request(1, 12), timeout=20)
+                    outcomes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as err:
+                    outcomes.append(err.code())
+                time.sleep(0.02)
+
+    def watch() -> None:
+        while not stop.is_set():
+            statuses.append(health(target, timeout_s=0.5))
+            time.sleep(0.05)
+
+    slow_result: list[object] = []
+
+    def slow_call() -> None:
+        with grpc.insecure_channel(target) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            slow_result.append(stub.Infer(_request(64, 256), timeout=60))
+
+    threads = [threading.Thread(target=f) for f in (trickle, watch)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    slow = threading.Thread(target=slow_call)
+    slow.start()
+    time.sleep(0.1)  # the big batch is now running
+    code = mesh.terminate("inference", timeout_s=30)
+    slow.join(timeout=60)
+    stop.set()
+    for t in threads:
+        t.join(timeout=10)
+
+    assert code == 0, mesh.log("inference")
+    # The in-flight batch that was running when SIGTERM arrived finished normally.
+    assert len(slow_result) == 1
+    assert len(slow_result[0].outputs) == 2
+    # Health went SERVING -> NOT_SERVING while the process still answered, then away.
+    assert statuses[0] == SERVING
+    first_not_serving = statuses.index(NOT_SERVING)
+    assert all(s == SERVING for s in statuses[:first_not_serving])
+    # Requests succeeded before and during the drain; afterwards they are refused, never
+    # cut off half-way (no CANCELLED/INTERNAL/UNKNOWN).
+    assert outcomes.count(grpc.StatusCode.OK) >= 5
+    assert set(outcomes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, set(outcomes)
+    assert "draining" in mesh.log("inference")
+    assert "stopped" in mesh.log("inference")

@@ -1,0 +1,93 @@
+"""Bad input and broken upstreams: clear statuses, nothing crashes, the next call works."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import DEFAULT_MODEL
+from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from mesh import SERVING, Mesh, health
+
+
+@pytest.fixture(scope="module")
+def stub(mesh: Mesh) -> Iterator[gateway_pb2_grpc.GatewayServiceStub]:
+    with grpc.insecure_channel(mesh.gateway) as channel:
+        yield gateway_pb2_grpc.GatewayServiceStub(channel)
+
+
+def expect(
+    stub: gateway_pb2_grpc.GatewayServiceStub,
+    code: grpc.StatusCode,
+    timeout: float = 10.0,
+    **fields: object,
+) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Predict(gateway_pb2.PredictRequest(**fields), timeout=timeout)  # type: ignore[arg-type]
+    assert info.value.code() == code, info.value.details()
+    details: str = info.value.details()
+    # The service survives and answers the next request.
+    ok = stub.Predict(gateway_pb2.PredictRequest(text="hello there"), timeout=10)
+    assert ok.prediction.label
+    return details
+
+
+def test_empty_text(stub: gateway_pb2_grpc.GatewayServiceStub) -> None:
+    assert "empty" in expect(stub, grpc.StatusCode.INVALID_ARGUMENT, text="")
+    expect(stub, grpc.StatusCode.INVALID_ARGUMENT, text="   \n\t ")
+
+
+def test_unknown_model_and_version(stub: gateway_pb2_grpc.GatewayServiceStub) -> None:
+    details = expect(stub, grpc.StatusCode.NOT_FOUND, text="hi", model="no-such-model")
+    assert "no-such-model" in details
+    assert DEFAULT_MODEL in details
+    expect(stub, grpc.StatusCode.NOT_FOUND, text="hi", model=DEFAULT_MODEL, model_version="9")
+
+
+def test_over_the_size_limit(stub: gateway_pb2_grpc.GatewayServiceStub) -> None:
+    details = expect(stub, grpc.StatusCode.RESOURCE_EXHAUSTED, text="a" * 20_000)
+    assert "HOPLINE_MAX_TEXT_BYTES" in details
+    # Over the gRPC message limit itself (4 MiB): refused by the transport, same status.
+    expect(stub, grpc.StatusCode.RESOURCE_EXHAUSTED, text="b" * (5 * 1024 * 1024))
+
+
+def test_bad_top_k(stub: gateway_pb2_grpc.GatewayServiceStub) -> None:
+    expect(stub, grpc.StatusCode.INVALID_ARGUMENT, text="hi", top_k=1000)
+
+
+def test_deadline_shorter_than_the_work(stub: gateway_pb2_grpc.GatewayServiceStub) -> None:
+    expect(
+        stub,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        timeout=0.003,
+        text=f"where is my order {uuid.uuid4()}",
+    )
+
+
+def test_upstream_down_is_unavailable_with_the_hop_named(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """A mesh of its own, since this test stops one of its services."""
+    repo = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    mesh = Mesh(repo, tmp_path).start()
+    try:
+        assert mesh.terminate("postprocess") == 0
+        with grpc.insecure_channel(mesh.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Predict(gateway_pb2.PredictRequest(text="track my order"), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "postprocess" in info.value.details()
+            assert mesh.addrs["postprocess"] in info.value.details()
+            # The gateway itself is fine and recovers as soon as the hop is back.
+            assert health(mesh.gateway) == SERVING
+            mesh.start(("postprocess",))
+            ok = stub.Predict(gateway_pb2.PredictRequest(text="track my order"), timeout=10)
+            assert ok.prediction.label == "order_status"
+    finally:
+        mesh.stop()
