@@ -50,7 +50,12 @@ def _serve(name: str, argv: Sequence[str]) -> int:
     setup_logging(name, config.log_level, config.log_format)
     setup_tracing(name)
     logging.getLogger("hopline").info("config", extra={"config": vars(config)})
-    return asyncio.run(serve(service_cls(config), config))
+
+    async def main() -> int:
+        # Built inside the loop: grpc.aio channels bind to the loop that creates them.
+        return await serve(service_cls(config), config)
+
+    return asyncio.run(main())
 
 
 def _predict(args: argparse.Namespace) -> int:

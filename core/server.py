@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -32,6 +33,42 @@ class Service(Protocol):
         """Release resources after in-flight RPCs have finished."""
 
 
+class ReadinessGate(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Refuses service RPCs with UNAVAILABLE until start-up has finished.
+
+    The port is bound before models load (so health probes can see NOT_SERVING); without
+    this gate an early caller would get answers from a half-loaded service.
+    """
+
+    def __init__(self) -> None:
+        self.ready = False
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method
+        if (
+            self.ready
+            or handler is None
+            or method.startswith(("/grpc.health.", "/grpc.reflection."))
+        ):
+            return handler
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "starting up: not ready yet, retry")
+
+        return grpc.unary_unary_rpc_method_handler(
+            refuse,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -45,9 +82,10 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 async def serve(service: Service, config: ServerConfig) -> int:
     """Run `service` until SIGTERM/SIGINT, then drain. Returns the process exit code."""
+    gate = ReadinessGate()
     server = grpc.aio.server(
         options=server_options(config.max_message_bytes),
-        interceptors=[ServerTracingInterceptor()],
+        interceptors=[gate, ServerTracingInterceptor()],
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -85,6 +123,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
             log.error("start-up failed", extra={"error": f"{type(failure).__name__}: {failure}"})
             await server.stop(0)
             return 1
+        gate.ready = True
         for name in ("", service.service_name):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", extra={"service": service.service_name})

@@ -44,13 +44,8 @@ class Mesh:
         self.workdir = workdir
         self.addrs = {name: f"127.0.0.1:{free_port()}" for name in ALL}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.env = dict(
-            os.environ,
-            HOPLINE_MODEL_REPO=str(repo),
-            HOPLINE_LOG_FORMAT="text",
-            HOPLINE_DRAIN_DELAY_S="0.2",
-            **env,
-        )
+        defaults = {"HOPLINE_LOG_FORMAT": "text", "HOPLINE_DRAIN_DELAY_S": "0.2"}
+        self.env = {**os.environ, **defaults, "HOPLINE_MODEL_REPO": str(repo), **env}
         for name, addr in self.addrs.items():
             self.env[f"HOPLINE_{name.upper()}_ADDR"] = addr
 
@@ -64,13 +59,13 @@ class Mesh:
 
     def start(self, names: tuple[str, ...] = ALL, timeout_s: float = 120.0) -> Mesh:
         for name in names:
-            out = (self.workdir / f"{name}.log").open("ab")
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "hopline", "serve", name],
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+            with (self.workdir / f"{name}.log").open("ab") as out:
+                self.procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "hopline", "serve", name],
+                    env=self.env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
         for name in names:
             self.wait_serving(name, timeout_s)
         return self
