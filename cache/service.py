@@ -11,6 +11,7 @@ from collections import deque
 
 import grpc
 import numpy as np
+
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
 from hopline.cache.store import CacheStore, Entry, MemoryStore, ScopeFilter
 from hopline.cache.v1 import cache_pb2, cache_pb2_grpc

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from hopline import config as cfg
 
 SERVICES = ("tokenizer", "cache", "inference", "postprocess", "gateway")

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 import grpc
+
 from hopline.common.v1 import common_pb2
 from hopline.config import DEFAULT_ADDRS, addr_env
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+
 from hopline.config import ServerConfig
 from hopline.observability.tracing import ServerTracingInterceptor
 

@@ -16,6 +16,7 @@ import time
 from typing import Any, cast
 
 import grpc
+
 from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.common.v1 import common_pb2
 from hopline.config import DEFAULT_ADDRS, ServerConfig, addr_env, env_field

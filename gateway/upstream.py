@@ -13,8 +13,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import grpc
-from hopline.observability.tracing import outgoing_metadata, tracer
 from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from hopline.observability.tracing import outgoing_metadata, tracer
 
 StubT = TypeVar("StubT")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from mesh import Mesh
 
 ROOT = Path(__file__).resolve().parent.parent

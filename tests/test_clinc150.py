@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from conftest import CLINC
 from hopline.common.v1 import common_pb2
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc

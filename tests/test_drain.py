@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+
 from conftest import DEFAULT_MODEL
 from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.tensors import to_tensor

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from conftest import DEFAULT_MODEL
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from mesh import SERVING, Mesh, health

@@ -6,6 +6,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+
 from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.tensors import from_tensor, to_tensor
 from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc

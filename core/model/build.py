@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from hopline.model.encoder import ClassifierHead, build_encoder
 from hopline.model.head import (
     calibrate_oos_threshold,

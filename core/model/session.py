@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
-from hopline.model.tokenizer import encode
 from tokenizers import Tokenizer
+
+from hopline.model.tokenizer import encode
 
 
 def make_session(

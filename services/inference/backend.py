@@ -11,6 +11,7 @@ from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
+
 from hopline.model.repository import ModelConfig
 from hopline.model.session import make_session
 

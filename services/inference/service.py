@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+
 from hopline.common.v1 import common_pb2
 from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
 from hopline.inference.backend import Array, Backend, create_backend, warm_up

@@ -8,6 +8,7 @@ from typing import cast
 
 import grpc
 import numpy as np
+
 from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
 from hopline.model.head import F32
 from hopline.model.registry import ModelRegistry

@@ -6,13 +6,14 @@ import dataclasses
 from pathlib import Path
 
 import grpc
+from tokenizers import Tokenizer
+
 from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
 from hopline.model.registry import ModelRegistry
 from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.tensors import to_tensor
 from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from tokenizers import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
