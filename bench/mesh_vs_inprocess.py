@@ -18,6 +18,7 @@ import numpy as np
 from hopline.client import gateway_address
 from hopline.common.v1 import common_pb2
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.inference.service import InferenceConfig
 from hopline.model.repository import ModelRepository
 from hopline.model.session import make_session
 from hopline.model.tokenizer import encode, load_tokenizer
@@ -53,7 +54,8 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = ModelRepository(Path(args.model_repo)).resolve("support-intents")
-    session = make_session(cfg.file("model"))
+    # The inference service's own defaults, so both sides run the model the same way.
+    session = make_session(cfg.file("model"), threads=InferenceConfig().threads)
     tokenizer = load_tokenizer(cfg.file("tokenizer"), cfg.max_sequence_length)
     inprocess: list[float] = []
     for text in texts(args.requests + 20, "p"):
