@@ -32,13 +32,13 @@ log = logging.getLogger("hopline.inference")
 class InferenceConfig(ServerConfig):
     listen: str = env_field("HOPLINE_INFERENCE_ADDR", DEFAULT_ADDRS["inference"], "address to bind")
     model_repo: str = env_field("HOPLINE_MODEL_REPO", "models", "model repository directory")
-    # One thread per run and two runs in parallel: on small CPUs a single short query is
-    # fastest on one thread (measured 3.1 ms vs 6.7 ms with two threads on 2 cores while the
-    # other mesh processes run), and two workers still use both cores under load.
+    # Measured through the mesh on 2 cores (bench/mesh_vs_inprocess.py): the inference hop's
+    # p50 was 4.5 ms with threads=0/workers=1 and 7.0 ms with threads=1, so all cores per run
+    # is the default; parallel runs and batching are tuned with the benchmark harness.
     threads: int = env_field(
-        "HOPLINE_INFERENCE_THREADS", 1, "ONNX Runtime intra-op threads per run (0: all cores)"
+        "HOPLINE_INFERENCE_THREADS", 0, "ONNX Runtime intra-op threads per run (0: all cores)"
     )
-    workers: int = env_field("HOPLINE_INFERENCE_WORKERS", 2, "model runs in parallel")
+    workers: int = env_field("HOPLINE_INFERENCE_WORKERS", 1, "model runs in parallel")
 
 
 def _validate(cfg: ModelConfig, request: inference_pb2.InferRequest) -> dict[str, Array]:
