@@ -37,15 +37,20 @@ def address(service: str) -> str:
     return os.environ.get(addr_env(service), DEFAULT_ADDRS[service])
 
 
-def is_serving(target: str, timeout_s: float = 1.0) -> bool:
+def health_status(target: str, timeout_s: float = 1.0) -> int | None:
+    """The grpc.health.v1 status of the server at `target`, or None if it does not answer."""
     try:
         with grpc.insecure_channel(target) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
             )
     except grpc.RpcError:
-        return False
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        return None
+    return int(reply.status)
+
+
+def is_serving(target: str, timeout_s: float = 1.0) -> bool:
+    return health_status(target, timeout_s) == int(health_pb2.HealthCheckResponse.SERVING)
 
 
 def start_service(

@@ -10,8 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
+
+from hopline.supervisor import health_status as health
 
 ALL = ("tokenizer", "postprocess", "cache", "inference", "gateway")
 
@@ -20,18 +21,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def health(target: str, timeout_s: float = 1.0) -> int | None:
-    """The health status of the server at `target`, or None if it does not answer."""
-    try:
-        with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
-            )
-    except grpc.RpcError:
-        return None
-    return int(reply.status)
 
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
