@@ -83,8 +83,8 @@ def _load_weights(model_dir: Path) -> dict[str, npt.NDArray[np.float32]]:
 
 
 def build_encoder_graph(model_dir: Path, head: ClassifierHead | None = None) -> onnx.ModelProto:
-    """Inputs input_ids, attention_mask (int64 [batch, seq]); outputs the mean-pooled,
-    L2-normalised `sentence_embedding` and, with a head, `logits` = embedding @ W.T + b."""
+    """Pooling and normalisation run inside the graph, matching sentence-transformers, so every
+    caller gets the same unit-length embedding (and head logits) from one session run."""
     cfg = json.loads((model_dir / "config.json").read_text())
     if cfg.get("hidden_act", "gelu") != "gelu":
         raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}: only exact gelu is built")
@@ -288,5 +288,5 @@ def optimize_for_cpu(model: onnx.ModelProto, out_path: Path) -> None:
 
 
 def build_encoder(model_dir: Path, out_path: Path, head: ClassifierHead | None = None) -> None:
-    """The ONNX file a model repository version ships: graph from the weights, then optimised."""
+    """The one call the model build needs: an optimised ONNX file straight from the weights."""
     optimize_for_cpu(build_encoder_graph(model_dir, head), out_path)
