@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import grpc
@@ -14,6 +13,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from hopline.config import ServerConfig
+from hopline.interceptors import Behaviour, UnaryInterceptor
 from hopline.observability.tracing import ServerTracingInterceptor
 
 log = logging.getLogger("hopline.server")
@@ -34,7 +34,7 @@ class Service(Protocol):
         """Release resources after in-flight RPCs have finished."""
 
 
-class ReadinessGate(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+class ReadinessGate(UnaryInterceptor):
     """Refuses service RPCs with UNAVAILABLE until start-up has finished.
 
     The port is bound before models load (so health probes can see NOT_SERVING); without
@@ -44,30 +44,16 @@ class ReadinessGate(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     def __init__(self) -> None:
         self.ready = False
 
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method
-        if (
-            self.ready
-            or handler is None
-            or method.startswith(("/grpc.health.", "/grpc.reflection."))
-        ):
-            return handler
+    def wrap(
+        self, method: str, details: grpc.HandlerCallDetails, inner: Behaviour
+    ) -> Behaviour | None:
+        if self.ready:
+            return None
 
         async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "starting up: not ready yet, retry")
 
-        return grpc.unary_unary_rpc_method_handler(
-            refuse,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return refuse
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:

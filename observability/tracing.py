@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -18,9 +17,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-log = logging.getLogger("hopline.tracing")
+from hopline.interceptors import Behaviour, UnaryInterceptor
 
-_UNTRACED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
+log = logging.getLogger("hopline.tracing")
 
 
 def setup_tracing(service: str) -> None:
@@ -65,23 +64,13 @@ def outgoing_metadata(extra: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[st
     return tuple(carrier.items()) + extra
 
 
-class ServerTracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+class ServerTracingInterceptor(UnaryInterceptor):
     """Opens a server span per unary RPC, parented on the caller's `traceparent`."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method
-        if handler is None or handler.unary_unary is None or method.startswith(_UNTRACED_PREFIXES):
-            return handler
-        metadata = {k: v for k, v in handler_call_details.invocation_metadata or ()}
-        parent = propagate.extract(metadata)
-        inner = handler.unary_unary
+    def wrap(
+        self, method: str, details: grpc.HandlerCallDetails, inner: Behaviour
+    ) -> Behaviour | None:
+        parent = propagate.extract({k: v for k, v in details.invocation_metadata or ()})
 
         async def traced(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             with tracer().start_as_current_span(
@@ -93,14 +82,10 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type
                 set_status_on_exception=False,
             ) as span:
                 try:
-                    return await inner(request, context)  # type: ignore[arg-type]
+                    return await inner(request, context)
                 finally:
                     code = context.code()
                     if code not in (None, grpc.StatusCode.OK):
                         span.set_status(Status(StatusCode.ERROR, str(code)))
 
-        return grpc.unary_unary_rpc_method_handler(
-            traced,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return traced
