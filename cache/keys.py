@@ -38,3 +38,17 @@ def exact_key(scope: tuple[str, str, str, str], text: str) -> str:
     """SHA-256 over the scope and the normalised text, with unambiguous field separation."""
     doc = json.dumps([*scope, normalise_text(text)], separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(doc.encode("utf-8")).hexdigest()
+
+
+def digest(*parts: str) -> str:
+    """A hex SHA-256 over `parts`, used as a Milvus filter value.
+
+    Filters only ever compare these hex digests and numbers, never user text, so no tenant
+    or model name can change a filter expression (milvus-lite 2.5 has no filter templates).
+    """
+    doc = json.dumps(list(parts), separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(doc.encode("utf-8")).hexdigest()
+
+
+def scope_digest(scope: tuple[str, str, str, str]) -> str:
+    return digest("scope", *scope)

@@ -1,70 +1,220 @@
-"""hopline.cache.v1.CacheService on grpc.aio."""
+"""hopline.cache.v1.CacheService on grpc.aio: exact tier, then semantic tier, on Milvus.
+
+Lookup: the exact key (SHA-256 over scope and normalised text) first, with no embedding;
+then, when the model's policy is semantic, the MiniLM embedding searched in the scope's
+live entries, accepted at the model's threshold. Store: the entry is visible to the exact
+tier at once (a pending buffer) and written to Milvus in batches by one writer task, which
+also enforces each (tenant, model)'s entry bound, oldest first.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import time
 from collections import deque
+from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 
+from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
-from hopline.cache.store import CacheStore, Entry, MemoryStore, ScopeFilter
+from hopline.cache.store import CacheStore, CacheStoreError, Entry, MilvusStore, ScopeFilter
 from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.common.v1 import common_pb2
 from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
 
 log = logging.getLogger("hopline.cache")
 
+SEMANTIC_CANDIDATES = 3  # nearest entries checked, in case the best fails verification
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig(ServerConfig):
     listen: str = env_field("HOPLINE_CACHE_ADDR", DEFAULT_ADDRS["cache"], "address to bind")
-    max_entries: int = env_field("HOPLINE_CACHE_MAX_ENTRIES", 100_000, "entries before eviction")
+    uri: str = env_field(
+        "HOPLINE_CACHE_URI",
+        ".hopline/cache.db",
+        "Milvus: a file path runs embedded milvus-lite, http(s)://host:port a Milvus server",
+    )
+    work_dir: str = env_field(
+        "HOPLINE_CACHE_DIR", ".hopline", "where the built embedding encoder is kept"
+    )
+    index_type: str = env_field(
+        "HOPLINE_CACHE_INDEX", "FLAT", "Milvus vector index for a new collection"
+    )
+    milvus_timeout_s: float = env_field(
+        "HOPLINE_CACHE_MILVUS_TIMEOUT_S", 5.0, "bound on each Milvus call, connecting included"
+    )
+    max_entries: int = env_field(
+        "HOPLINE_CACHE_MAX_ENTRIES", 1_000_000, "bound per (tenant, model) when a model sets none"
+    )
     default_ttl_s: float = env_field(
         "HOPLINE_CACHE_TTL_S", 3600.0, "time to live when a store names none"
     )
     sweep_interval_s: float = env_field(
-        "HOPLINE_CACHE_SWEEP_S", 30.0, "how often expired entries are dropped"
+        "HOPLINE_CACHE_SWEEP_S", 30.0, "how often expired entries are deleted"
     )
+    flush_interval_ms: float = env_field(
+        "HOPLINE_CACHE_FLUSH_MS", 5.0, "how long stores gather before one batched write"
+    )
+    max_pending: int = env_field(
+        "HOPLINE_CACHE_MAX_PENDING", 10_000, "stores waiting for Milvus before new ones are refused"
+    )
+    embed_threads: int = env_field(
+        "HOPLINE_CACHE_EMBED_THREADS", 0, "ONNX Runtime threads for the embedder (0: all cores)"
+    )
+
+
+def _weights_dir() -> Path:
+    from hopline.model.build import default_weights_dir
+
+    return default_weights_dir()
 
 
 class CacheService(cache_pb2_grpc.CacheServiceServicer):
     service_name = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
 
-    def __init__(self, config: CacheConfig, store: CacheStore | None = None) -> None:
+    def __init__(self, config: CacheConfig) -> None:
         self.config = config
-        self.store: CacheStore = store or MemoryStore(config.max_entries)
-        self.counters = {
-            "lookups": 0,
-            "exact_hits": 0,
-            "stores": 0,
-            "evictions": 0,
-            "expirations": 0,
-        }
+        self.store: CacheStore | None = None
+        self.embedder: Embedder | None = None
+        self.counters = dict.fromkeys(
+            (
+                "lookups",
+                "exact_hits",
+                "semantic_hits",
+                "misses",
+                "stores",
+                "store_errors",
+                "evictions",
+                "expirations",
+                "skipped_stores",
+            ),
+            0,
+        )
         self.lookup_ms: deque[float] = deque(maxlen=10_000)
-        self._sweeper: asyncio.Task[None] | None = None
+        # Accepted stores not yet in Milvus; the exact tier reads them so a repeat hits at once.
+        self._pending: dict[str, tuple[Entry, Vector, int]] = {}
+        self._flush_wake = asyncio.Event()
+        self._group_counts: dict[tuple[str, str], int] = {}
+        # Milvus calls block: two threads so a batched write never stalls every lookup.
+        self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="milvus")
+        self._tasks: list[asyncio.Task[None]] = []
 
     def register(self, server: grpc.aio.Server) -> None:
         cache_pb2_grpc.add_CacheServiceServicer_to_server(self, server)
 
     async def start(self) -> None:
-        self._sweeper = asyncio.create_task(self._sweep())
+        loop = asyncio.get_running_loop()
+        work = Path(self.config.work_dir)
+        self.embedder = await loop.run_in_executor(
+            None,
+            lambda: Embedder.load(_weights_dir(), work, threads=self.config.embed_threads),
+        )
+        model = self.embedder.model
+        self.store = await loop.run_in_executor(
+            self._io,
+            lambda: MilvusStore(
+                self.config.uri,
+                model.collection,
+                model.dim,
+                index_type=self.config.index_type,
+                timeout_s=self.config.milvus_timeout_s,
+            ),
+        )
+        entries = await self._io_call(self.store.count)
+        log.info(
+            "cache store open",
+            extra={"uri": self.config.uri, "collection": model.collection, "entries": entries},
+        )
+        self._tasks = [
+            asyncio.create_task(self._sweep(), name="sweep"),
+            asyncio.create_task(self._writer(), name="writer"),
+        ]
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        # Let the writer land what was accepted: nothing acknowledged is lost on a drain.
+        deadline = time.monotonic() + 5.0
+        while self._pending and time.monotonic() < deadline and self.store is not None:
+            self._flush_wake.set()
+            await asyncio.sleep(0.01)
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+                await task
+        if self.embedder is not None:
+            await self.embedder.close()
+        if self.store is not None:
+            store, self.store = self.store, None
+            await asyncio.get_running_loop().run_in_executor(self._io, store.close)
+        self._io.shutdown(wait=True)
+
+    async def _io_call(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    def _require_store(self) -> CacheStore:
+        if self.store is None:
+            raise CacheStoreError("the cache store is not open")
+        return self.store
+
+    # -- background work ------------------------------------------------------------------
 
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
-            self.counters["expirations"] += self.store.expire(time.time())
+            try:
+                self.counters["expirations"] += await self._io_call(
+                    self._require_store().expire, time.time()
+                )
+            except CacheStoreError as exc:
+                log.warning("expiry sweep failed", extra={"error": str(exc)})
+
+    async def _writer(self) -> None:
+        while True:
+            await self._flush_wake.wait()
+            await asyncio.sleep(self.config.flush_interval_ms / 1e3)
+            self._flush_wake.clear()
+            batch = dict(self._pending)
+            if not batch:
+                continue
+            try:
+                await self._io_call(
+                    self._require_store().upsert, [(e, v) for e, v, _ in batch.values()]
+                )
+            except (CacheStoreError, ValueError) as exc:
+                self.counters["store_errors"] += len(batch)
+                log.warning("cache write failed", extra={"error": str(exc), "entries": len(batch)})
+                for key, item in batch.items():
+                    if self._pending.get(key) is item:
+                        del self._pending[key]
+                continue
+            for key, item in batch.items():
+                if self._pending.get(key) is item:  # a newer store of the same key stays queued
+                    del self._pending[key]
+            await self._evict({(e.scope[0], e.scope[1]): limit for e, _, limit in batch.values()})
+            if self._pending:
+                self._flush_wake.set()
+
+    async def _evict(self, groups: dict[tuple[str, str], int]) -> None:
+        """Oldest first, per (tenant, model): one tenant's traffic never evicts another's."""
+        store = self._require_store()
+        for (tenant, model), limit in groups.items():
+            try:
+                count = await self._io_call(store.count, tenant, model)
+                if count <= limit:
+                    continue
+                doomed = await self._io_call(store.oldest, tenant, model, count - limit)
+                self.counters["evictions"] += await self._io_call(store.delete, doomed)
+            except CacheStoreError as exc:
+                log.warning("eviction failed", extra={"error": str(exc)})
+
+    # -- RPCs -----------------------------------------------------------------------------
 
     async def Lookup(
         self,
@@ -76,18 +226,73 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             scope = scope_tuple(request.scope)
         except ScopeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        now = time.time()
-        entry = self.store.get(exact_key(scope, request.text), now)
+        if request.mode not in ("", "exact", "semantic"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"mode must be 'exact' or 'semantic', got {request.mode!r}",
+            )
+        semantic = request.mode == "semantic"
+        if semantic and not 0.0 < request.threshold <= 1.0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a semantic lookup needs 0 < threshold <= 1, got {request.threshold}",
+            )
+        try:
+            response = await self._lookup(scope, request.text, semantic, request.threshold)
+        except CacheStoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self.counters["lookups"] += 1
-        response = cache_pb2.LookupResponse(outcome=common_pb2.CACHE_OUTCOME_MISS)
-        if entry is not None:
-            self.counters["exact_hits"] += 1
-            response.outcome = common_pb2.CACHE_OUTCOME_EXACT
-            response.prediction.ParseFromString(entry.response)
-            response.similarity = 1.0
-            response.entry_id = entry.key
-            response.age_s = now - entry.created_at
         self.lookup_ms.append((time.perf_counter() - started) * 1e3)
+        return response
+
+    async def _lookup(
+        self, scope: tuple[str, str, str, str], text: str, semantic: bool, threshold: float
+    ) -> cache_pb2.LookupResponse:
+        store = self._require_store()
+        now = time.time()
+        t0 = time.perf_counter()
+        key = exact_key(scope, text)
+        pending = self._pending.get(key)
+        entry = pending[0] if pending is not None else await self._io_call(store.get, key, now)
+        response = cache_pb2.LookupResponse(exact_ms=(time.perf_counter() - t0) * 1e3)
+        if entry is not None and entry.scope == scope and entry.expires_at > now:
+            self.counters["exact_hits"] += 1
+            return self._hit(response, common_pb2.CACHE_OUTCOME_EXACT, entry, 1.0, now)
+        if semantic:
+            assert self.embedder is not None
+            t1 = time.perf_counter()
+            vector = await self.embedder.embed(normalise_text(text))
+            t2 = time.perf_counter()
+            found = await self._io_call(store.search, vector, scope, now, SEMANTIC_CANDIDATES)
+            response.embed_ms = (t2 - t1) * 1e3
+            response.search_ms = (time.perf_counter() - t2) * 1e3
+            for candidate, similarity in found:
+                # The filter already scoped the search; checking again costs nothing and
+                # keeps a filter mistake from ever crossing tenants.
+                if similarity < threshold:
+                    break
+                if candidate.scope == scope and candidate.expires_at > now:
+                    self.counters["semantic_hits"] += 1
+                    return self._hit(
+                        response, common_pb2.CACHE_OUTCOME_SEMANTIC, candidate, similarity, now
+                    )
+        self.counters["misses"] += 1
+        response.outcome = common_pb2.CACHE_OUTCOME_MISS
+        return response
+
+    @staticmethod
+    def _hit(
+        response: cache_pb2.LookupResponse,
+        outcome: common_pb2.CacheOutcome.ValueType,
+        entry: Entry,
+        similarity: float,
+        now: float,
+    ) -> cache_pb2.LookupResponse:
+        response.outcome = outcome
+        response.prediction.ParseFromString(entry.response)
+        response.similarity = min(1.0, similarity)
+        response.entry_id = entry.key
+        response.age_s = max(0.0, now - entry.created_at)
         return response
 
     async def Store(
@@ -99,24 +304,38 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             scope = scope_tuple(request.scope)
         except ScopeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not request.text:
+        if not request.text.strip():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
-        if request.ttl_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ttl_s must not be negative")
+        if request.ttl_s < 0 or request.max_entries < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "ttl_s and max_entries must not be negative"
+            )
+        if not request.prediction.label:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "refusing to cache a prediction with no label"
+            )
+        if len(self._pending) >= self.config.max_pending:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(self._pending)} stores are waiting for Milvus; retry later",
+            )
+        assert self.embedder is not None
+        text = normalise_text(request.text)
+        vector = await self.embedder.embed(text)
         now = time.time()
         key = exact_key(scope, request.text)
-        evicted = self.store.put(
-            Entry(
-                key=key,
-                scope=scope,
-                text=normalise_text(request.text),
-                response=request.prediction.SerializeToString(),
-                created_at=now,
-                expires_at=now + (request.ttl_s or self.config.default_ttl_s),
-            )
+        limit = min(request.max_entries or self.config.max_entries, self.config.max_entries)
+        entry = Entry(
+            key=key,
+            scope=scope,
+            text=text,
+            response=request.prediction.SerializeToString(),
+            created_at=now,
+            expires_at=now + (request.ttl_s or self.config.default_ttl_s),
         )
+        self._pending[key] = (entry, vector, limit)
+        self._flush_wake.set()
         self.counters["stores"] += 1
-        self.counters["evictions"] += evicted
         return cache_pb2.StoreResponse(entry_id=key)
 
     async def Invalidate(
@@ -130,14 +349,32 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         if request.HasField("scope"):
             s = request.scope
             scope = ScopeFilter(s.tenant, s.model, s.model_version)
-            if scope == ScopeFilter():
+            if scope.is_empty():
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "an empty scope would drop every tenant's entries; name a tenant or model",
                 )
+            if scope.model_version and not scope.model:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "a model_version needs its model"
+                )
         if scope is None and not request.entry_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a scope or entry_ids")
-        removed = self.store.invalidate(scope, list(request.entry_ids))
+        ids = list(request.entry_ids)
+        bad = [i for i in ids if len(i) != 64 or i.strip("0123456789abcdef")]
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not cache entry ids: {bad[:3]}")
+        # Pending entries go first, so the writer cannot resurrect them after the delete.
+        for key, (entry, _, _) in list(self._pending.items()):
+            if key in ids or (scope is not None and _matches(scope, entry.scope)):
+                del self._pending[key]
+        store = self._require_store()
+        try:
+            removed = await self._io_call(store.delete, ids)
+            if scope is not None:
+                removed += await self._io_call(store.delete_scope, scope)
+        except CacheStoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return cache_pb2.InvalidateResponse(removed=removed)
 
     async def GetStats(
@@ -145,15 +382,35 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         request: cache_pb2.GetStatsRequest,
         context: grpc.aio.ServicerContext[cache_pb2.GetStatsRequest, cache_pb2.GetStatsResponse],
     ) -> cache_pb2.GetStatsResponse:
+        try:
+            entries = await self._io_call(self._require_store().count)
+        except CacheStoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         times = np.array(self.lookup_ms or [0.0])
+        c = self.counters
         return cache_pb2.GetStatsResponse(
-            entries=len(self.store),
-            lookups=self.counters["lookups"],
-            exact_hits=self.counters["exact_hits"],
-            semantic_hits=0,
-            stores=self.counters["stores"],
-            evictions=self.counters["evictions"],
-            expirations=self.counters["expirations"],
+            entries=entries,
+            lookups=c["lookups"],
+            exact_hits=c["exact_hits"],
+            semantic_hits=c["semantic_hits"],
+            misses=c["misses"],
+            stores=c["stores"],
+            store_errors=c["store_errors"],
+            evictions=c["evictions"],
+            expirations=c["expirations"],
             lookup_mean_ms=float(times.mean()),
+            lookup_p50_ms=float(np.percentile(times, 50)),
             lookup_p99_ms=float(np.percentile(times, 99)),
+            pending_writes=len(self._pending),
+            uri=self.config.uri,
+            collection=self.embedder.model.collection if self.embedder else "",
         )
+
+
+def _matches(scope: ScopeFilter, entry_scope: tuple[str, str, str, str]) -> bool:
+    return all(
+        not want or want == got
+        for want, got in zip(
+            (scope.tenant, scope.model, scope.model_version), entry_scope[:3], strict=True
+        )
+    )

@@ -1,28 +1,68 @@
 """Cache stores behind one small interface, so the servicer does not care where entries live.
 
-MemoryStore is the exact tier for a single cache process; the Milvus store (semantic tier,
-persistence) plugs in behind the same interface.
+MilvusStore keeps the entries in one Milvus collection per embedding model: a file path
+runs embedded milvus-lite, an http(s) URI a Milvus standalone or cluster. Calls block (pymilvus
+is synchronous); the servicer runs them on its own threads.
+
+Every read is filtered by the scope digest and `expires_at > now`, so an expired or foreign
+entry is never returned even before the sweeper deletes it. Filters compare only hex digests
+and numbers: no tenant or model name is ever spliced into an expression.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Protocol
+import base64
+import contextlib
+import dataclasses
+import logging
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from hopline.cache.keys import digest, scope_digest
+
+log = logging.getLogger("hopline.cache.store")
+
+Vector = npt.NDArray[np.float32]
+Scope = tuple[str, str, str, str]  # tenant, model, version, canonical parameters
+
+_MAX_TEXT = 65_535  # Milvus VARCHAR limit, in bytes
+_SCALARS = (
+    "scope_key",
+    "tenant_key",
+    "model_key",
+    "version_key",
+    "tenant",
+    "model",
+    "model_version",
+    "params",
+    "text",
+    "response",
+    "created_at",
+    "expires_at",
+)
 
 
-@dataclass(frozen=True)
+class CacheStoreError(RuntimeError):
+    """The store cannot be opened or used; the message says what to fix."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Entry:
     key: str
-    scope: tuple[str, str, str, str]  # tenant, model, version, parameters
+    scope: Scope
     text: str  # normalised
     response: bytes  # a serialised hopline.common.v1.Prediction
     created_at: float
     expires_at: float
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ScopeFilter:
     """Matches entries whose scope equals every non-empty field."""
 
@@ -30,69 +70,293 @@ class ScopeFilter:
     model: str = ""
     model_version: str = ""
 
-    def matches(self, scope: tuple[str, str, str, str]) -> bool:
-        return all(
-            not want or want == got
-            for want, got in zip(
-                (self.tenant, self.model, self.model_version), scope[:3], strict=True
-            )
-        )
+    def is_empty(self) -> bool:
+        return not (self.tenant or self.model or self.model_version)
+
+    def expression(self) -> str:
+        if self.model_version and not self.model:
+            raise ValueError("a model version needs its model name")
+        parts = []
+        if self.tenant:
+            parts.append(f'tenant_key == "{digest("tenant", self.tenant)}"')
+        if self.model_version:
+            parts.append(f'version_key == "{digest("version", self.model, self.model_version)}"')
+        elif self.model:
+            parts.append(f'model_key == "{digest("model", self.model)}"')
+        return " and ".join(parts)
 
 
 class CacheStore(Protocol):
+    """What the cache servicer needs from a backend. Calls may block."""
+
     def get(self, key: str, now: float) -> Entry | None: ...
 
-    def put(self, entry: Entry) -> int:
-        """Insert or replace; returns how many entries were evicted to make room."""
+    def search(
+        self, vector: Vector, scope: Scope, now: float, limit: int
+    ) -> list[tuple[Entry, float]]:
+        """Live entries of `scope`, nearest first, with their cosine similarity."""
 
-    def invalidate(self, scope: ScopeFilter | None, keys: list[str]) -> int: ...
+    def upsert(self, rows: Sequence[tuple[Entry, Vector]]) -> None: ...
+
+    def delete(self, keys: Sequence[str]) -> int: ...
+
+    def delete_scope(self, scope: ScopeFilter) -> int: ...
 
     def expire(self, now: float) -> int: ...
 
-    def __len__(self) -> int: ...
+    def count(self, tenant: str = "", model: str = "") -> int: ...
+
+    def oldest(self, tenant: str, model: str, n: int) -> list[str]:
+        """Keys of the `n` oldest entries of (tenant, model)."""
+
+    def close(self) -> None: ...
 
 
-class MemoryStore:
-    """Exact tier in process memory: absolute TTL, evicts the oldest insert when full."""
+def _quiet_imports() -> Any:
+    # milvus-lite 2.5 imports pkg_resources, which warns on import; the warning is about
+    # milvus-lite's packaging, not about anything hopline can act on.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import pymilvus
 
-    def __init__(self, max_entries: int) -> None:
-        self.max_entries = max_entries
-        self._entries: OrderedDict[str, Entry] = OrderedDict()
-        self._lock = threading.Lock()
+        with contextlib.suppress(ImportError):
+            import milvus_lite  # noqa: F401
+    return pymilvus
+
+
+def is_local(uri: str) -> bool:
+    return "://" not in uri
+
+
+class MilvusStore:
+    def __init__(
+        self,
+        uri: str,
+        collection: str,
+        dim: int,
+        *,
+        index_type: str = "FLAT",
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.uri = uri
+        self.collection = collection
+        self.dim = dim
+        self.timeout_s = timeout_s
+        pymilvus = _quiet_imports()
+        self._exc: type[Exception] = pymilvus.MilvusException
+        self._client = self._connect(pymilvus)
+        try:
+            if self._client.has_collection(collection, timeout=timeout_s):
+                self._validate()
+            else:
+                self._create(pymilvus, index_type)
+            self._client.load_collection(collection, timeout=timeout_s * 6)
+        except self._exc as exc:
+            self.close()
+            raise CacheStoreError(f"Milvus at {uri}: {_reason(exc)}") from exc
+
+    def _connect(self, pymilvus: Any) -> Any:
+        if is_local(self.uri):
+            path = Path(self.uri)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists() and not path.is_file():
+                raise CacheStoreError(f"{path} is not a milvus-lite database file")
+            if path.exists() and os.path.getsize(path) == 0:
+                raise CacheStoreError(f"{path} is empty: not a milvus-lite database; remove it")
+        try:
+            return pymilvus.MilvusClient(self.uri, timeout=self.timeout_s)
+        except Exception as exc:  # pymilvus raises many kinds here
+            hint = (
+                "is another process (a second cache service?) using this file? milvus-lite "
+                "allows one process per database file; or the file is not a milvus-lite "
+                "database"
+                if is_local(self.uri)
+                else f"no Milvus answered within {self.timeout_s:g}s (HOPLINE_CACHE_URI)"
+            )
+            reason = _reason(exc)
+            raise CacheStoreError(f"cannot open Milvus at {self.uri}: {hint} ({reason})") from exc
+
+    def _create(self, pymilvus: Any, index_type: str) -> None:
+        dt = pymilvus.DataType
+        schema = pymilvus.MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("id", dt.VARCHAR, is_primary=True, max_length=64)
+        schema.add_field("vector", dt.FLOAT_VECTOR, dim=self.dim)
+        for name in ("scope_key", "tenant_key", "model_key", "version_key"):
+            schema.add_field(name, dt.VARCHAR, max_length=64)
+        for name in ("tenant", "model", "model_version"):
+            schema.add_field(name, dt.VARCHAR, max_length=256)
+        for name in ("params", "text", "response"):
+            schema.add_field(name, dt.VARCHAR, max_length=_MAX_TEXT)
+        schema.add_field("created_at", dt.DOUBLE)
+        schema.add_field("expires_at", dt.DOUBLE)
+        index = self._client.prepare_index_params()
+        index.add_index(field_name="vector", index_type=index_type, metric_type="COSINE")
+        self._client.create_collection(
+            self.collection, schema=schema, index_params=index, timeout=self.timeout_s * 6
+        )
+        log.info(
+            "created cache collection",
+            extra={"collection": self.collection, "uri": self.uri, "index": index_type},
+        )
+
+    def _validate(self) -> None:
+        """Refuse a collection whose vectors cannot be compared with ours."""
+        desc = self._client.describe_collection(self.collection, timeout=self.timeout_s)
+        fields = {f["name"]: f for f in desc["fields"]}
+        missing = [n for n in ("id", "vector", *_SCALARS) if n not in fields]
+        where = f"collection {self.collection!r} at {self.uri}"
+        if missing:
+            raise CacheStoreError(
+                f"{where} lacks fields {missing}: it was not written by this hopline version; "
+                "use another HOPLINE_CACHE_URI or drop the collection"
+            )
+        dim = int(fields["vector"].get("params", {}).get("dim", -1))
+        if dim != self.dim:
+            raise CacheStoreError(
+                f"{where} holds {dim}-d vectors but the embedder makes {self.dim}-d ones; "
+                "use another HOPLINE_CACHE_URI or drop the collection"
+            )
+        metric = self._client.describe_index(self.collection, "vector", timeout=self.timeout_s).get(
+            "metric_type"
+        )
+        if metric != "COSINE":
+            raise CacheStoreError(f"{where} is indexed with metric {metric}; hopline needs COSINE")
+
+    # -- reads ----------------------------------------------------------------------------
 
     def get(self, key: str, now: float) -> Entry | None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.expires_at <= now:
-                del self._entries[key]
-                return None
-            return entry
+        rows = self._call(
+            self._client.query,
+            self.collection,
+            filter=f'id == "{_hex(key)}" and expires_at > {now!r}',
+            output_fields=["id", *_SCALARS],
+        )
+        return _entry(rows[0]) if rows else None
 
-    def put(self, entry: Entry) -> int:
-        with self._lock:
-            self._entries.pop(entry.key, None)
-            self._entries[entry.key] = entry
-            evicted = 0
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-                evicted += 1
-            return evicted
+    def search(
+        self, vector: Vector, scope: Scope, now: float, limit: int
+    ) -> list[tuple[Entry, float]]:
+        hits = self._call(
+            self._client.search,
+            self.collection,
+            data=[vector.astype(np.float32).tolist()],
+            limit=limit,
+            filter=f'scope_key == "{scope_digest(scope)}" and expires_at > {now!r}',
+            output_fields=list(_SCALARS),
+            search_params={"metric_type": "COSINE"},
+        )
+        found = []
+        for hit in hits[0]:
+            row = dict(hit["entity"])
+            row["id"] = hit["id"]
+            found.append((_entry(row), float(hit["distance"])))
+        return found
 
-    def invalidate(self, scope: ScopeFilter | None, keys: list[str]) -> int:
-        with self._lock:
-            doomed = {k for k in keys if k in self._entries}
-            if scope is not None:
-                doomed |= {k for k, e in self._entries.items() if scope.matches(e.scope)}
-            for key in doomed:
-                del self._entries[key]
-            return len(doomed)
+    def count(self, tenant: str = "", model: str = "") -> int:
+        expression = ScopeFilter(tenant, model).expression()
+        rows = self._call(
+            self._client.query, self.collection, filter=expression, output_fields=["count(*)"]
+        )
+        return int(rows[0]["count(*)"])
+
+    def oldest(self, tenant: str, model: str, n: int) -> list[str]:
+        rows = self._call(
+            self._client.query,
+            self.collection,
+            filter=ScopeFilter(tenant, model).expression(),
+            output_fields=["id", "created_at"],
+        )
+        rows.sort(key=lambda r: (r["created_at"], r["id"]))
+        return [str(r["id"]) for r in rows[:n]]
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def upsert(self, rows: Sequence[tuple[Entry, Vector]]) -> None:
+        if rows:
+            self._call(self._client.upsert, self.collection, [_row(e, v) for e, v in rows])
+
+    def delete(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        result = self._call(self._client.delete, self.collection, ids=[_hex(k) for k in keys])
+        return _deleted(result)
+
+    def delete_scope(self, scope: ScopeFilter) -> int:
+        if scope.is_empty():
+            raise ValueError("refusing to delete every tenant's entries")
+        return _deleted(self._call(self._client.delete, self.collection, filter=scope.expression()))
 
     def expire(self, now: float) -> int:
-        with self._lock:
-            doomed = [k for k, e in self._entries.items() if e.expires_at <= now]
-            for key in doomed:
-                del self._entries[key]
-            return len(doomed)
+        return _deleted(
+            self._call(self._client.delete, self.collection, filter=f"expires_at <= {now!r}")
+        )
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    def close(self) -> None:
+        client, self._client = getattr(self, "_client", None), None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a broken client must not mask the cause
+                log.debug("closing the Milvus client failed", exc_info=True)
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._client is None:
+            raise CacheStoreError("the cache store is closed")
+        try:
+            return fn(*args, timeout=self.timeout_s, **kwargs)
+        except self._exc as exc:
+            raise CacheStoreError(f"Milvus at {self.uri}: {_reason(exc)}") from exc
+
+
+def _hex(key: str) -> str:
+    # Keys are our own SHA-256 digests; anything else must never reach a filter expression.
+    if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+        raise ValueError(f"not a cache entry id: {key[:80]!r}")
+    return key
+
+
+def _reason(exc: BaseException) -> str:
+    message = getattr(exc, "message", None) or str(exc)
+    return " ".join(str(message).split())[:300]
+
+
+def _deleted(result: Any) -> int:
+    # pymilvus returns {"delete_count": n} from a server and a list of ids from milvus-lite.
+    if isinstance(result, dict):
+        return int(result.get("delete_count", 0))
+    return len(result)
+
+
+def _row(entry: Entry, vector: Vector) -> dict[str, Any]:
+    tenant, model, version, params = entry.scope
+    response = base64.b64encode(entry.response).decode("ascii")
+    if len(response) > _MAX_TEXT or len(entry.text.encode("utf-8")) > _MAX_TEXT:
+        raise ValueError("entry too large for the cache store")
+    return {
+        "id": _hex(entry.key),
+        "vector": vector.astype(np.float32).tolist(),
+        "scope_key": scope_digest(entry.scope),
+        "tenant_key": digest("tenant", tenant),
+        "model_key": digest("model", model),
+        "version_key": digest("version", model, version),
+        "tenant": tenant,
+        "model": model,
+        "model_version": version,
+        "params": params,
+        "text": entry.text,
+        "response": response,
+        "created_at": entry.created_at,
+        "expires_at": entry.expires_at,
+    }
+
+
+def _entry(row: dict[str, Any]) -> Entry:
+    return Entry(
+        key=str(row["id"]),
+        scope=(row["tenant"], row["model"], row["model_version"], row["params"]),
+        text=row["text"],
+        response=base64.b64decode(row["response"]),
+        created_at=float(row["created_at"]),
+        expires_at=float(row["expires_at"]),
+    )

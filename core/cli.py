@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from hopline import config as cfg
+from hopline.cache.cli import add_cache_commands, run_cache_command
 
 SERVICES = ("tokenizer", "cache", "inference", "postprocess", "gateway")
 
@@ -179,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of held-out in-scope texts the calibrated threshold rejects",
     )
     build.add_argument("--cache-mode", default="exact", choices=("off", "exact", "semantic"))
+
+    add_cache_commands(sub)
     return parser
 
 
@@ -194,5 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _model_build(args)
     if args.command == "run":
         return _run(args)
+    if args.command == "cache":
+        return run_cache_command(args)
     build_parser().parse_args([args.command, "--help"])
     return 2

@@ -2,8 +2,10 @@
 
 Tokenization and the cache lookup start together (the lookup needs no token ids); a hit
 short-circuits the rest. The cache never makes the mesh less available: a lookup that fails
-or overruns its budget is reported as FAIL_OPEN and the request goes on to inference.
-Stores are fire-and-forget, off the reply's critical path.
+or overruns its budget is reported as FAIL_OPEN and the request goes on to inference, and
+a circuit breaker stops calling a failing cache for a cool-down. Identical concurrent misses
+share one inference. Stores are fire-and-forget, off the reply's critical path, and follow
+the model's cache policy.
 """
 
 from __future__ import annotations
@@ -17,20 +19,21 @@ from typing import Any, cast
 
 import grpc
 
+from hopline.cache.keys import exact_key, scope_tuple
 from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.common.v1 import common_pb2
 from hopline.config import DEFAULT_ADDRS, ServerConfig, addr_env, env_field
+from hopline.gateway.identity import IdentityError, TenantResolver
+from hopline.gateway.resilience import CircuitBreaker, Coalescer
 from hopline.gateway.upstream import HopError, Upstream, call_hop
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
-from hopline.observability.tracing import current_trace_id
+from hopline.observability.tracing import current_trace_id, outgoing_metadata
 from hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 log = logging.getLogger("hopline.gateway")
 
-TENANT_METADATA = "x-hopline-tenant"
-DEFAULT_TENANT = "default"
 Context = grpc.aio.ServicerContext[gateway_pb2.PredictRequest, gateway_pb2.PredictResponse]
 
 
@@ -53,6 +56,15 @@ class GatewayConfig(ServerConfig):
     )
     cache_budget_ms: float = env_field(
         "HOPLINE_CACHE_BUDGET_MS", 50.0, "a cache lookup slower than this fails open"
+    )
+    cache_breaker_failures: int = env_field(
+        "HOPLINE_CACHE_BREAKER_FAILURES", 5, "consecutive cache failures that open the circuit"
+    )
+    cache_breaker_cooldown_s: float = env_field(
+        "HOPLINE_CACHE_BREAKER_COOLDOWN_S", 5.0, "how long an open circuit skips the cache"
+    )
+    api_keys: str = env_field(
+        "HOPLINE_API_KEYS", "", "JSON file of API key -> tenant; when set, a key is required"
     )
     upstream_timeout_s: float = env_field(
         "HOPLINE_UPSTREAM_TIMEOUT_S", 10.0, "per-hop timeout when the client sets no deadline"
@@ -92,7 +104,28 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         self._last_refresh = 0.0
         self._refresh_lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()
-        self.counters = {"requests": 0, "cache_fail_open": 0, "store_errors": 0}
+        self.tenants = TenantResolver(config.api_keys)
+        self.breaker = CircuitBreaker(
+            config.cache_breaker_failures, config.cache_breaker_cooldown_s
+        )
+        self.coalescer: Coalescer[common_pb2.Prediction] = Coalescer()
+        self.counters = dict.fromkeys(
+            (
+                "requests",
+                "inferences",
+                "coalesced",
+                "cache_exact",
+                "cache_semantic",
+                "cache_miss",
+                "cache_skipped",
+                "cache_fail_open",
+                "cache_circuit_open",
+                "stores",
+                "stores_skipped_policy",
+                "store_errors",
+            ),
+            0,
+        )
 
     def register(self, server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(self, server)
@@ -164,13 +197,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             return self.config.upstream_timeout_s
         return min(float(remaining), self.config.upstream_timeout_s)
 
-    @staticmethod
-    def _tenant(request: gateway_pb2.PredictRequest, context: Context) -> str:
-        for key, value in context.invocation_metadata() or ():
-            if key == TENANT_METADATA and value:
-                return str(value)
-        return request.tenant or DEFAULT_TENANT
-
     async def Predict(
         self, request: gateway_pb2.PredictRequest, context: Context
     ) -> gateway_pb2.PredictResponse:
@@ -189,11 +215,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 f"text is {size} bytes; the limit is {self.config.max_text_bytes} "
                 "(HOPLINE_MAX_TEXT_BYTES)",
             )
-        tenant = self._tenant(request, context)
-        if len(tenant) > 128 or not tenant.isprintable():
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "tenant must be at most 128 printable chars"
-            )
+        try:
+            tenant = self.tenants.resolve(request.tenant, context.invocation_metadata() or ())
+        except IdentityError as err:
+            await context.abort(err.code, err.message)
         name = request.model or self.config.default_model
         info = await self._resolve(name, request.model_version)
         if info is None:
@@ -223,6 +248,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         started: float,
     ) -> gateway_pb2.PredictResponse:
         timings: dict[str, float] = {}
+        # Every parameter that changes the answer is part of the scope, hence of every key.
         scope = common_pb2.Scope(
             tenant=tenant,
             model=info.name,
@@ -237,6 +263,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         )
         mode = request.cache_mode or common_pb2.CACHE_MODE_USE
         cache_on = info.cache.mode != "off"
+        timeout = self._timeout(context)
         tokenizing = asyncio.ensure_future(
             call_hop(
                 "tokenize",
@@ -245,24 +272,55 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 tokenizer_pb2.TokenizeRequest(
                     model=info.name, model_version=info.version, texts=[request.text]
                 ),
-                self._timeout(context),
+                timeout,
                 timings,
             )
         )
         if cache_on and mode == common_pb2.CACHE_MODE_USE:
-            hit = await self._lookup(scope, request.text, response.cache, timings)
+            hit = await self._lookup(scope, request.text, info, response.cache, timings)
             if hit is not None:
-                tokenizing.cancel()
-                tokenizing.add_done_callback(lambda t: t.cancelled() or t.exception())
+                _discard(tokenizing)
                 response.prediction.CopyFrom(hit.prediction)
                 return self._finish(response, timings, started)
         else:
+            self.counters["cache_skipped"] += 1
             response.cache.outcome = common_pb2.CACHE_OUTCOME_SKIPPED
             response.cache.detail = (
                 f"cache mode {info.cache.mode!r} for {info.name}"
                 if not cache_on
                 else f"request cache_mode {common_pb2.CacheMode.Name(mode)}"
             )
+
+        async def infer() -> common_pb2.Prediction:
+            self.counters["inferences"] += 1
+            prediction = await self._infer(tokenizing, info, top_k, timeout, timings)
+            if cache_on and mode != common_pb2.CACHE_MODE_BYPASS:
+                self._maybe_store(scope, request.text, prediction, info)
+            return prediction
+
+        if mode == common_pb2.CACHE_MODE_USE:
+            # Coalesce only plain misses: REFRESH and BYPASS ask for an inference of their own.
+            waited = time.perf_counter()
+            key = exact_key(scope_tuple(scope), request.text)
+            prediction, shared = await self.coalescer.run(key, infer)
+            if shared:
+                _discard(tokenizing)
+                self.counters["coalesced"] += 1
+                response.cache.coalesced = True
+                timings["coalesced_wait"] = (time.perf_counter() - waited) * 1e3
+        else:
+            prediction = await infer()
+        response.prediction.CopyFrom(prediction)
+        return self._finish(response, timings, started)
+
+    async def _infer(
+        self,
+        tokenizing: asyncio.Future[Any],
+        info: inference_pb2.ModelInfo,
+        top_k: int,
+        timeout_s: float,
+        timings: dict[str, float],
+    ) -> common_pb2.Prediction:
         tokens: tokenizer_pb2.TokenizeResponse = await tokenizing
         inferred: inference_pb2.InferResponse = await call_hop(
             "inference",
@@ -274,7 +332,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 inputs=[tokens.input_ids, tokens.attention_mask],
                 outputs=["logits"],
             ),
-            self._timeout(context),
+            timeout_s,
             timings,
         )
         post: postprocess_pb2.PostprocessResponse = await call_hop(
@@ -287,45 +345,76 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 outputs=inferred.outputs,
                 top_k=top_k,
             ),
-            self._timeout(context),
+            timeout_s,
             timings,
         )
-        response.prediction.CopyFrom(post.predictions[0])
-        if cache_on and mode != common_pb2.CACHE_MODE_BYPASS:
-            self._spawn(self._store(scope, request.text, response.prediction, info), name="store")
-        return self._finish(response, timings, started)
+        return post.predictions[0]
 
     async def _lookup(
         self,
         scope: common_pb2.Scope,
         text: str,
+        info: inference_pb2.ModelInfo,
         cache: gateway_pb2.CacheInfo,
         timings: dict[str, float],
     ) -> cache_pb2.LookupResponse | None:
         """The hit, or None after recording MISS or FAIL_OPEN in `cache`."""
+        if not self.breaker.allow():
+            self.counters["cache_fail_open"] += 1
+            self.counters["cache_circuit_open"] += 1
+            cache.outcome = common_pb2.CACHE_OUTCOME_FAIL_OPEN
+            cache.detail = (
+                f"cache circuit open after repeated failures; retrying the cache in "
+                f"{self.breaker.retry_in():.1f}s"
+            )
+            return None
         try:
             found: cache_pb2.LookupResponse = await call_hop(
                 "cache_lookup",
                 self.cache.target,
                 self.cache.stub().Lookup,
-                cache_pb2.LookupRequest(scope=scope, text=text),
+                cache_pb2.LookupRequest(
+                    scope=scope, text=text, mode=info.cache.mode, threshold=info.cache.threshold
+                ),
                 self.config.cache_budget_ms / 1e3,
                 timings,
             )
         except HopError as err:
+            self.breaker.failure()
             self.counters["cache_fail_open"] += 1
             cache.outcome = common_pb2.CACHE_OUTCOME_FAIL_OPEN
             cache.detail = err.message
             log.warning("cache fail-open", extra={"reason": err.message})
             return None
+        self.breaker.success()
         if found.outcome in (common_pb2.CACHE_OUTCOME_EXACT, common_pb2.CACHE_OUTCOME_SEMANTIC):
+            exact = found.outcome == common_pb2.CACHE_OUTCOME_EXACT
+            self.counters["cache_exact" if exact else "cache_semantic"] += 1
             cache.outcome = found.outcome
             cache.similarity = found.similarity
             cache.entry_id = found.entry_id
             cache.age_s = found.age_s
             return found
+        self.counters["cache_miss"] += 1
         cache.outcome = common_pb2.CACHE_OUTCOME_MISS
         return None
+
+    def _maybe_store(
+        self,
+        scope: common_pb2.Scope,
+        text: str,
+        prediction: common_pb2.Prediction,
+        info: inference_pb2.ModelInfo,
+    ) -> None:
+        policy = info.cache
+        if (prediction.out_of_scope and not policy.store_out_of_scope) or (
+            prediction.score < policy.min_score
+        ):
+            self.counters["stores_skipped_policy"] += 1
+            return
+        if self.breaker.state != "closed":
+            return  # a failing cache gets no writes either; the probe lookup decides
+        self._spawn(self._store(scope, text, prediction, info), name="store")
 
     async def _store(
         self,
@@ -337,13 +426,31 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         try:
             await self.cache.stub().Store(
                 cache_pb2.StoreRequest(
-                    scope=scope, text=text, prediction=prediction, ttl_s=info.cache.ttl_s
+                    scope=scope,
+                    text=text,
+                    prediction=prediction,
+                    ttl_s=info.cache.ttl_s,
+                    max_entries=info.cache.max_entries,
                 ),
                 timeout=2.0,
+                metadata=outgoing_metadata(),
             )
+            self.counters["stores"] += 1
         except grpc.aio.AioRpcError as err:
             self.counters["store_errors"] += 1
             log.warning("cache store failed", extra={"status": err.code().name})
+
+    async def GetStats(
+        self,
+        request: gateway_pb2.GetStatsRequest,
+        context: grpc.aio.ServicerContext[
+            gateway_pb2.GetStatsRequest, gateway_pb2.GetStatsResponse
+        ],
+    ) -> gateway_pb2.GetStatsResponse:
+        return gateway_pb2.GetStatsResponse(
+            counters={**self.counters, "cache_circuit_opened": self.breaker.opened},
+            cache_circuit=self.breaker.state,
+        )
 
     @staticmethod
     def _finish(
@@ -352,3 +459,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         timings["total"] = (time.perf_counter() - started) * 1e3
         response.timings.extend(common_pb2.HopTiming(hop=h, ms=ms) for h, ms in timings.items())
         return response
+
+
+def _discard(task: asyncio.Future[Any]) -> None:
+    """Cancel work whose answer is no longer needed, without an unretrieved-error warning."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())

@@ -33,7 +33,12 @@ class Mesh:
         self.workdir = workdir
         self.addrs = {name: f"127.0.0.1:{free_port()}" for name in ALL}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        defaults = {"HOPLINE_LOG_FORMAT": "text", "HOPLINE_DRAIN_DELAY_S": "0.2"}
+        defaults = {
+            "HOPLINE_LOG_FORMAT": "text",
+            "HOPLINE_DRAIN_DELAY_S": "0.2",
+            # Each mesh gets its own milvus-lite file: one process per database file.
+            "HOPLINE_CACHE_URI": str(workdir / "cache.db"),
+        }
         self.env = {**os.environ, **defaults, "HOPLINE_MODEL_REPO": str(repo), **env}
         for name, addr in self.addrs.items():
             self.env[f"HOPLINE_{name.upper()}_ADDR"] = addr

@@ -113,6 +113,7 @@ def build_model(
     oos_threshold: float | None = None,
     in_scope_reject_rate: float = 0.02,
     cache_mode: str = "exact",
+    cache_threshold: float = 0.9,
 ) -> Path:
     """Build and write one immutable model version; returns its directory."""
     validate_name(name)
@@ -171,7 +172,7 @@ def build_model(
             version,
             len(labels),
             threshold,
-            cache_mode,
+            {"mode": cache_mode, "threshold": cache_threshold},
             build={
                 "weights": WEIGHTS_PACKAGE,
                 "weights_sha256": _sha256(weights / "model.safetensors"),
@@ -218,7 +219,7 @@ def _config(
     version: str,
     classes: int,
     threshold: float,
-    cache_mode: str,
+    cache: dict[str, Any],
     build: dict[str, Any],
 ) -> dict[str, Any]:
     return {
@@ -239,7 +240,13 @@ def _config(
         "max_batch_size": 64,
         "max_sequence_length": DEFAULT_MAX_LENGTH,
         "oos_threshold": round(threshold, 4),
-        "cache": {"mode": cache_mode, "threshold": 0.9, "ttl_s": 3600.0, "max_entries": 100000},
+        "cache": {
+            "ttl_s": 3600.0,
+            "max_entries": 100_000,
+            "store_out_of_scope": False,
+            "min_score": 0.0,
+            **cache,
+        },
         "files": {"model": "model.onnx", "tokenizer": "tokenizer.json", "labels": "labels.json"},
         "build": build,
     }

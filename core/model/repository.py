@@ -37,7 +37,10 @@ class CachePolicy:
     mode: str = "exact"  # off | exact | semantic
     threshold: float = 0.90  # cosine similarity a semantic hit needs
     ttl_s: float = 3600.0
-    max_entries: int = 100_000
+    max_entries: int = 100_000  # per (tenant, model); the oldest go first
+    # An out-of-scope or low-confidence answer is a poor thing to replay for similar texts.
+    store_out_of_scope: bool = False
+    min_score: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +116,10 @@ def load_config(path: Path) -> ModelConfig:
         )
     if cfg.cache.mode not in ("off", "exact", "semantic"):
         raise InvalidModelError(f"{path}: cache.mode must be off, exact or semantic")
+    if not 0.0 < cfg.cache.threshold <= 1.0 or cfg.cache.ttl_s <= 0 or cfg.cache.max_entries < 1:
+        raise InvalidModelError(
+            f"{path}: cache needs 0 < threshold <= 1, ttl_s > 0 and max_entries >= 1"
+        )
     for role in cfg.files:
         if not cfg.file(role).is_file():
             raise InvalidModelError(f"{path}: missing {role} file {cfg.files[role]}")

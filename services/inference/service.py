@@ -100,6 +100,8 @@ def _model_info(cfg: ModelConfig) -> inference_pb2.ModelInfo:
             threshold=cfg.cache.threshold,
             ttl_s=cfg.cache.ttl_s,
             max_entries=cfg.cache.max_entries,
+            store_out_of_scope=cfg.cache.store_out_of_scope,
+            min_score=cfg.cache.min_score,
         ),
         ready=True,
     )

@@ -1,0 +1,203 @@
+"""`hopline cache ...`: offline tools for the semantic cache (labelled pairs, calibration)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hopline.cache.embedder import Embedder
+
+Examples = list[tuple[str, str]]
+
+_WORK_DIR_HELP = "where the embedding encoder is built and kept [env HOPLINE_CACHE_DIR]"
+
+
+def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    cache = sub.add_parser("cache", help="semantic cache tools (pairs, calibration)")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    work_dir = os.environ.get("HOPLINE_CACHE_DIR", ".hopline")
+
+    pairs = cache_sub.add_parser(
+        "pairs", help="labelled (query, nearest cached text) pairs from a labelled data set"
+    )
+    source = pairs.add_mutually_exclusive_group(required=True)
+    source.add_argument("--clinc", type=Path, help="a JSON object of splits of [text, label]")
+    source.add_argument(
+        "--train", type=Path, help="JSON/JSONL of {text,label} or [text,label], split by --holdout"
+    )
+    pairs.add_argument("--store-split", default="train", help="with --clinc: the cached texts")
+    pairs.add_argument(
+        "--query-splits", default="val,oos_val", help="with --clinc: comma-separated query splits"
+    )
+    pairs.add_argument(
+        "--holdout", type=float, default=0.5, help="with --train: share of each label queried"
+    )
+    pairs.add_argument("--seed", type=int, default=0, help="with --train: the split's seed")
+    pairs.add_argument("--oos-label", default="oos", help="the label of out-of-scope queries")
+    pairs.add_argument("--out", type=Path, required=True)
+    pairs.add_argument("--work-dir", type=Path, default=Path(work_dir), help=_WORK_DIR_HELP)
+    pairs.set_defaults(cache_handler=_pairs)
+
+    cal = cache_sub.add_parser(
+        "calibrate", help="the similarity threshold that meets a target false-hit rate"
+    )
+    cal.add_argument("--pairs", type=Path, required=True, help="from `hopline cache pairs`")
+    cal.add_argument("--target-false-hit-rate", type=float, default=0.01)
+    cal.add_argument("--png", type=Path, help="write the precision/recall plot here")
+    cal.add_argument("--json", type=Path, help="write the result and the curve here")
+    cal.add_argument(
+        "--reembed",
+        action="store_true",
+        help="recompute similarities with the bundled embedder (always done when absent)",
+    )
+    cal.add_argument("--work-dir", type=Path, default=Path(work_dir), help=_WORK_DIR_HELP)
+    cal.set_defaults(cache_handler=_calibrate)
+
+
+def run_cache_command(args: argparse.Namespace) -> int:
+    from hopline.observability.logs import setup_logging
+
+    setup_logging(f"cache-{args.cache_command}", "info", "text")
+    handler: Any = args.cache_handler
+    try:
+        return int(handler(args))
+    except (ValueError, OSError) as exc:
+        # Data and file errors are the user's to fix: one line, no traceback.
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+
+
+def _embedder(work_dir: Path) -> Embedder:
+    from hopline.cache.embedder import Embedder
+    from hopline.model.build import default_weights_dir
+
+    return Embedder.load(default_weights_dir(), work_dir)
+
+
+def _holdout(examples: Examples, share: float, seed: int) -> tuple[Examples, Examples]:
+    """Per label, `share` of the examples become queries and the rest the store."""
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"--holdout must be in (0, 1), got {share}")
+    by_label: dict[str, Examples] = defaultdict(list)
+    for example in examples:
+        by_label[example[1]].append(example)
+    rng = random.Random(seed)
+    store: Examples = []
+    queries: Examples = []
+    for label in sorted(by_label):
+        group = by_label[label]
+        rng.shuffle(group)
+        n = round(len(group) * share)
+        queries += group[:n]
+        store += group[n:]
+    return store, queries
+
+
+def _splits(path: Path, names: Sequence[str]) -> Examples:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of splits")
+    out: Examples = []
+    for name in names:
+        if name not in data:
+            raise ValueError(f"{path}: no split {name!r} (has {', '.join(sorted(data))})")
+        for n, row in enumerate(data[name], 1):
+            if not (
+                isinstance(row, list) and len(row) == 2 and all(isinstance(x, str) for x in row)
+            ):
+                raise ValueError(f"{path}: {name}[{n}] is not [text, label]")
+            out.append((row[0], row[1]))
+    return out
+
+
+def _pairs(args: argparse.Namespace) -> int:
+    from hopline.cache.calibrate import derive_pairs, write_pairs
+    from hopline.model.build import load_examples
+
+    if args.clinc:
+        store = _splits(args.clinc, [args.store_split])
+        queries = _splits(args.clinc, [s for s in args.query_splits.split(",") if s])
+    else:
+        store, queries = _holdout(load_examples(args.train), args.holdout, args.seed)
+    started = time.perf_counter()
+    pairs = derive_pairs(_embedder(args.work_dir).embed_many, store, queries, args.oos_label)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_pairs(pairs, args.out)
+    same = sum(p.same for p in pairs)
+    sys.stdout.write(
+        f"wrote {args.out}  pairs={len(pairs)} same={same} different={len(pairs) - same} "
+        f"store={len(store)} queries={len(queries)} "
+        f"exact_repeats_skipped={len(queries) - len(pairs)} "
+        f"({time.perf_counter() - started:.1f} s)\n"
+    )
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from hopline.cache.calibrate import (
+        NoThresholdError,
+        calibrate,
+        pair_similarities,
+        plot,
+        read_pairs,
+        to_json,
+    )
+
+    pairs = read_pairs(args.pairs)
+    if args.reembed or any(p.similarity is None for p in pairs):
+        sims = pair_similarities(_embedder(args.work_dir).embed_many, pairs)
+    else:
+        sims = np.array([p.similarity for p in pairs], dtype=np.float64)
+    try:
+        result = calibrate(sims, [p.same for p in pairs], args.target_false_hit_rate)
+    except NoThresholdError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 3
+    rows = [
+        f"target false-hit rate  {result.target:g}",
+        f"threshold              {result.threshold:.4f}",
+        f"false-hit rate         {result.false_hit_rate:.4f}",
+        f"precision              {result.precision:.4f}",
+        f"recall                 {result.recall:.4f}",
+        f"hit rate               {result.hit_rate:.4f}",
+        f"hits / false / pairs   {result.hits} / {result.false_hits} / {result.pairs}"
+        f"  ({result.same_pairs} same-answer)",
+        "",
+        "  threshold  false-hit  precision  recall  hit rate   hits",
+    ]
+    for offset in (0.10, 0.05, 0.02, 0.0, -0.02, -0.05, -0.10):
+        p = result.curve.at(result.threshold + offset)
+        if p.hits == 0:
+            continue
+        mark = "  <- chosen" if offset == 0.0 else ""
+        rows.append(
+            f"  {p.threshold:9.4f}  {p.false_hit_rate:9.4f}  {p.precision:9.4f}  "
+            f"{p.recall:6.4f}  {p.hit_rate:8.4f}  {p.hits:5d}{mark}"
+        )
+    lower = result.curve.thresholds[result.curve.thresholds < result.threshold]
+    if lower.size:
+        # Why not lower: the next observed threshold is the first to miss the target.
+        p = result.curve.at(float(lower[0]))
+        rows.append(
+            f"  next lower threshold {p.threshold:.4f} has false-hit rate "
+            f"{p.false_hit_rate:.4f} ({p.false_hits}/{p.hits})"
+        )
+    if args.png:
+        plot(result, args.png)
+        rows.append(f"plot  {args.png}")
+    if args.json:
+        args.json.write_text(json.dumps(to_json(result), indent=1) + "\n", encoding="utf-8")
+        rows.append(f"json  {args.json}")
+    sys.stdout.write("\n".join(rows) + "\n")
+    return 0

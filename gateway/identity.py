@@ -1,0 +1,79 @@
+"""Which tenant a request belongs to.
+
+With API keys configured (HOPLINE_API_KEYS: a JSON file mapping key -> tenant) the tenant is
+the key's, from `authorization: Bearer <key>` metadata, and a request naming another tenant
+is refused. Without keys the mesh trusts its callers: `x-hopline-tenant` metadata, then the
+request's tenant field, then "default". The tenant is part of every cache key and filter, so
+getting it from an authenticated identity is what keeps tenants apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import grpc
+
+TENANT_METADATA = "x-hopline-tenant"
+DEFAULT_TENANT = "default"
+
+
+class IdentityError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def valid_tenant(tenant: str) -> bool:
+    return 0 < len(tenant) <= 128 and tenant.isprintable()
+
+
+class TenantResolver:
+    def __init__(self, keys_file: str = "") -> None:
+        self.keys: dict[str, str] = {}
+        if keys_file:
+            try:
+                raw = json.loads(Path(keys_file).read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"cannot read API keys from {keys_file}: {exc}") from exc
+            if not isinstance(raw, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and k and valid_tenant(v)
+                for k, v in raw.items()
+            ):
+                raise ValueError(f"{keys_file} must be a JSON object of key -> tenant strings")
+            # Keyed by digest: the lookup compares fixed-length hashes, not the secrets.
+            self.keys = {_digest(k): v for k, v in raw.items()}
+
+    def resolve(self, field: str, metadata: Iterable[tuple[str, str | bytes]]) -> str:
+        md = {k: v if isinstance(v, str) else v.decode("utf-8", "replace") for k, v in metadata}
+        claimed = md.get(TENANT_METADATA, "") or field
+        if self.keys:
+            auth = md.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not token:
+                raise IdentityError(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "this gateway needs an API key: send metadata 'authorization: Bearer <key>'",
+                )
+            tenant = self.keys.get(_digest(token.strip()))
+            if tenant is None:
+                raise IdentityError(grpc.StatusCode.UNAUTHENTICATED, "unknown API key")
+            if claimed and claimed != tenant:
+                raise IdentityError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"this API key belongs to tenant {tenant!r}, not {claimed!r}",
+                )
+            return tenant
+        tenant = claimed or DEFAULT_TENANT
+        if not valid_tenant(tenant):
+            raise IdentityError(
+                grpc.StatusCode.INVALID_ARGUMENT, "tenant must be 1-128 printable characters"
+            )
+        return tenant

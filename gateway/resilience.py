@@ -1,0 +1,96 @@
+"""What keeps the cache from making the mesh slower or less available.
+
+CircuitBreaker: after `failures` consecutive cache failures (errors or budget overruns) the
+gateway stops calling the cache for `cooldown_s`, then lets one probe through; its result
+closes or reopens the circuit. Coalescer: identical concurrent misses (same scope and
+normalised text) share one inference; the others wait for its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+
+class CircuitBreaker:
+    def __init__(
+        self,
+        failures: int,
+        cooldown_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.failures = max(1, failures)
+        self.cooldown_s = cooldown_s
+        self.clock = clock
+        self._consecutive = 0
+        self._open_until = 0.0
+        self._state = CLOSED
+        self._probing = False
+        self.opened = 0  # times the circuit opened, for stats
+
+    @property
+    def state(self) -> str:
+        if self._state == OPEN and self.clock() >= self._open_until:
+            return HALF_OPEN
+        return self._state
+
+    def allow(self) -> bool:
+        """Whether to call the cache now; in half-open, only one probe at a time."""
+        state = self.state
+        if state == CLOSED:
+            return True
+        if state == HALF_OPEN and not self._probing:
+            self._state, self._probing = HALF_OPEN, True
+            return True
+        return False
+
+    def retry_in(self) -> float:
+        return max(0.0, self._open_until - self.clock())
+
+    def success(self) -> None:
+        self._consecutive, self._state, self._probing = 0, CLOSED, False
+
+    def failure(self) -> None:
+        self._consecutive += 1
+        if self._state == HALF_OPEN or self._consecutive >= self.failures:
+            if self._state != OPEN:
+                self.opened += 1
+            self._state, self._probing = OPEN, False
+            self._open_until = self.clock() + self.cooldown_s
+
+
+class Coalescer(Generic[T]):
+    def __init__(self) -> None:
+        self._inflight: dict[str, asyncio.Future[T]] = {}
+        self.coalesced = 0
+
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    async def run(self, key: str, work: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
+        """`work()`'s result and whether it came from another caller's run.
+
+        The shared run is shielded: a caller that gives up (deadline, cancel) does not cancel
+        the answer the others are waiting for. A failure reaches every waiter.
+        """
+        running = self._inflight.get(key)
+        if running is not None:
+            self.coalesced += 1
+            return await asyncio.shield(running), True
+        task = asyncio.ensure_future(work())
+        self._inflight[key] = task
+
+        def _done(t: asyncio.Future[T]) -> None:
+            if self._inflight.get(key) is t:
+                del self._inflight[key]
+            if not t.cancelled():
+                t.exception()  # retrieved: a failure nobody awaited must not warn at exit
+
+        task.add_done_callback(_done)
+        return await asyncio.shield(task), False
