@@ -102,7 +102,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         # Accepted stores not yet in Milvus; the exact tier reads them so a repeat hits at once.
         self._pending: dict[str, tuple[Entry, Vector, int]] = {}
         self._flush_wake = asyncio.Event()
-        self._group_counts: dict[tuple[str, str], int] = {}
+        self._writing = 0  # entries of the batch being written and bounded right now
         # Milvus calls block: two threads so a batched write never stalls every lookup.
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="milvus")
         self._tasks: list[asyncio.Task[None]] = []
@@ -183,6 +183,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             batch = dict(self._pending)
             if not batch:
                 continue
+            self._writing = len(batch)
             try:
                 await self._io_call(
                     self._require_store().upsert, [(e, v) for e, v, _ in batch.values()]
@@ -193,11 +194,13 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 for key, item in batch.items():
                     if self._pending.get(key) is item:
                         del self._pending[key]
+                self._writing = 0
                 continue
             for key, item in batch.items():
                 if self._pending.get(key) is item:  # a newer store of the same key stays queued
                     del self._pending[key]
             await self._evict({(e.scope[0], e.scope[1]): limit for e, _, limit in batch.values()})
+            self._writing = 0
             if self._pending:
                 self._flush_wake.set()
 
@@ -401,7 +404,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             lookup_mean_ms=float(times.mean()),
             lookup_p50_ms=float(np.percentile(times, 50)),
             lookup_p99_ms=float(np.percentile(times, 99)),
-            pending_writes=len(self._pending),
+            pending_writes=len(self._pending) + self._writing,
             uri=self.config.uri,
             collection=self.embedder.model.collection if self.embedder else "",
         )

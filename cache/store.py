@@ -32,6 +32,9 @@ Vector = npt.NDArray[np.float32]
 Scope = tuple[str, str, str, str]  # tenant, model, version, canonical parameters
 
 _MAX_TEXT = 65_535  # Milvus VARCHAR limit, in bytes
+# Reads see every acknowledged write: an exact repeat right after a store must hit, an
+# invalidated entry must never be served, and eviction must count what is really there.
+CONSISTENCY = "Strong"
 _SCALARS = (
     "scope_key",
     "tenant_key",
@@ -193,7 +196,11 @@ class MilvusStore:
         index = self._client.prepare_index_params()
         index.add_index(field_name="vector", index_type=index_type, metric_type="COSINE")
         self._client.create_collection(
-            self.collection, schema=schema, index_params=index, timeout=self.timeout_s * 6
+            self.collection,
+            schema=schema,
+            index_params=index,
+            consistency_level=CONSISTENCY,
+            timeout=self.timeout_s * 6,
         )
         log.info(
             "created cache collection",
@@ -231,6 +238,7 @@ class MilvusStore:
             self.collection,
             filter=f'id == "{_hex(key)}" and expires_at > {now!r}',
             output_fields=["id", *_SCALARS],
+            consistency_level=CONSISTENCY,
         )
         return _entry(rows[0]) if rows else None
 
@@ -245,6 +253,7 @@ class MilvusStore:
             filter=f'scope_key == "{scope_digest(scope)}" and expires_at > {now!r}',
             output_fields=list(_SCALARS),
             search_params={"metric_type": "COSINE"},
+            consistency_level=CONSISTENCY,
         )
         found = []
         for hit in hits[0]:
@@ -256,7 +265,11 @@ class MilvusStore:
     def count(self, tenant: str = "", model: str = "") -> int:
         expression = ScopeFilter(tenant, model).expression()
         rows = self._call(
-            self._client.query, self.collection, filter=expression, output_fields=["count(*)"]
+            self._client.query,
+            self.collection,
+            filter=expression,
+            output_fields=["count(*)"],
+            consistency_level=CONSISTENCY,
         )
         return int(rows[0]["count(*)"])
 
@@ -266,6 +279,7 @@ class MilvusStore:
             self.collection,
             filter=ScopeFilter(tenant, model).expression(),
             output_fields=["id", "created_at"],
+            consistency_level=CONSISTENCY,
         )
         rows.sort(key=lambda r: (r["created_at"], r["id"]))
         return [str(r["id"]) for r in rows[:n]]

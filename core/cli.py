@@ -119,6 +119,7 @@ def _model_build(args: argparse.Namespace) -> int:
         oos_threshold=args.oos_threshold,
         in_scope_reject_rate=args.reject_rate,
         cache_mode=args.cache_mode,
+        cache_threshold=args.cache_threshold,
     )
     info = json.loads((target / "config.json").read_text())
     sys.stdout.write(
@@ -180,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of held-out in-scope texts the calibrated threshold rejects",
     )
     build.add_argument("--cache-mode", default="exact", choices=("off", "exact", "semantic"))
+    build.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=0.9,
+        help="cosine similarity a semantic hit needs (see `hopline cache calibrate`)",
+    )
 
     add_cache_commands(sub)
     return parser

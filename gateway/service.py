@@ -448,7 +448,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         ],
     ) -> gateway_pb2.GetStatsResponse:
         return gateway_pb2.GetStatsResponse(
-            counters={**self.counters, "cache_circuit_opened": self.breaker.opened},
+            counters={
+                **self.counters,
+                "cache_circuit_opened": self.breaker.opened,
+                "stores_in_flight": sum(t.get_name() == "store" for t in self._background),
+                "coalescing_in_flight": len(self.coalescer),
+            },
             cache_circuit=self.breaker.state,
         )
 

@@ -39,6 +39,10 @@ class InferenceConfig(ServerConfig):
         "HOPLINE_INFERENCE_THREADS", 0, "ONNX Runtime intra-op threads per run (0: all cores)"
     )
     workers: int = env_field("HOPLINE_INFERENCE_WORKERS", 1, "model runs in parallel")
+    # Tests use it to hold requests in flight (coalescing) or to make this hop the slow one.
+    test_delay_ms: float = env_field(
+        "HOPLINE_INFERENCE_TEST_DELAY_MS", 0.0, "TEST ONLY: added to every Infer call"
+    )
 
 
 def _validate(cfg: ModelConfig, request: inference_pb2.InferRequest) -> dict[str, Array]:
@@ -165,6 +169,8 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             started = time.perf_counter()
             return backend.run(inputs, list(request.outputs))
 
+        if self.config.test_delay_ms > 0:
+            await asyncio.sleep(self.config.test_delay_ms / 1e3)
         outputs = await asyncio.get_running_loop().run_in_executor(self.executor, run)
         done = time.perf_counter()
         return inference_pb2.InferResponse(

@@ -1,0 +1,253 @@
+"""The semantic cache against a real milvus-lite database, through real service processes.
+
+Models with different cache policies are copies of the default model with an edited
+config.json (policy lives in the model's config, as an operator would change it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.client import predict
+from hopline.common.v1 import common_pb2
+from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from mesh import Mesh
+
+from conftest import DEFAULT_MODEL
+
+EXACT = common_pb2.CACHE_OUTCOME_EXACT
+SEMANTIC = common_pb2.CACHE_OUTCOME_SEMANTIC
+MISS = common_pb2.CACHE_OUTCOME_MISS
+FAIL_OPEN = common_pb2.CACHE_OUTCOME_FAIL_OPEN
+
+
+def add_model(repo: Path, source: Path, name: str, version: str, **cache: Any) -> None:
+    """A copy of `source` published as name/version with its own cache policy."""
+    target = repo / name / version
+    shutil.copytree(source, target)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["name"], cfg["version"] = name, version
+    cfg["cache"].update(cache)
+    (target / "config.json").write_text(json.dumps(cfg))
+
+
+def make_repo(default_repo: Path, work: Path) -> Path:
+    repo = work / "models"
+    source = default_repo / DEFAULT_MODEL / "1"
+    add_model(repo, source, "sem", "1", mode="semantic", threshold=0.8)
+    add_model(repo, source, "sem", "2", mode="semantic", threshold=0.8)
+    add_model(repo, source, "short", "1", mode="exact", ttl_s=1.5)
+    add_model(repo, source, "small", "1", mode="exact", max_entries=3)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def cmesh(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    work = tmp_path_factory.mktemp("cmesh")
+    m = Mesh(
+        make_repo(default_repo, work),
+        work,
+        HOPLINE_DEFAULT_MODEL="sem",
+        HOPLINE_CACHE_FLUSH_MS="2",
+        HOPLINE_CACHE_BUDGET_MS="2000",  # a slow CI machine must not turn hits into fail-opens
+    )
+    try:
+        yield m.start()
+    finally:
+        m.stop()
+
+
+def cache_stub(mesh: Mesh) -> tuple[grpc.Channel, cache_pb2_grpc.CacheServiceStub]:
+    channel = grpc.insecure_channel(mesh.addrs["cache"])
+    return channel, cache_pb2_grpc.CacheServiceStub(channel)
+
+
+def cache_stats(mesh: Mesh) -> cache_pb2.GetStatsResponse:
+    channel, stub = cache_stub(mesh)
+    with channel:
+        stats: cache_pb2.GetStatsResponse = stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+        return stats
+
+
+def gateway_counters(mesh: Mesh) -> dict[str, int]:
+    with grpc.insecure_channel(mesh.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        stats = stub.GetStats(gateway_pb2.GetStatsRequest(), timeout=10)
+        return dict(stats.counters) | {"circuit": stats.cache_circuit}  # type: ignore[dict-item]
+
+
+def settle(mesh: Mesh) -> None:
+    """Wait until every store the gateway sent has been written to Milvus."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if gateway_counters(mesh)["stores_in_flight"] == 0 and cache_stats(mesh).pending_writes == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("cache stores did not land within 20 s")
+
+
+def lookup(mesh: Mesh, text: str, tenant: str, model: str, version: str = "1") -> int:
+    """The cache's own answer for what the gateway would ask, without storing anything."""
+    scope = common_pb2.Scope(
+        tenant=tenant, model=model, model_version=version, parameters={"top_k": "1"}
+    )
+    channel, stub = cache_stub(mesh)
+    with channel:
+        found = stub.Lookup(cache_pb2.LookupRequest(scope=scope, text=text), timeout=10)
+        return int(found.outcome)
+
+
+def ask(mesh: Mesh, text: str, **kw: Any) -> gateway_pb2.PredictResponse:
+    return predict(text, gateway=mesh.gateway, timeout_s=30, **kw)
+
+
+def test_exact_then_semantic_then_miss(cmesh: Mesh) -> None:
+    first = ask(cmesh, "where is my order, it has not arrived", tenant="t-tiers")
+    assert first.cache.outcome == MISS
+    settle(cmesh)
+    exact = ask(cmesh, "  WHERE is my order,   it has not arrived ", tenant="t-tiers")
+    assert exact.cache.outcome == EXACT, exact.cache
+    assert exact.cache.similarity == pytest.approx(1.0)
+    assert exact.prediction.label == first.prediction.label
+    near = ask(cmesh, "where is my order? it has not arrived yet", tenant="t-tiers")
+    assert near.cache.outcome == SEMANTIC, near.cache
+    assert 0.8 <= near.cache.similarity < 1.0
+    assert near.cache.entry_id == exact.cache.entry_id
+    assert near.prediction.label == first.prediction.label
+    far = ask(cmesh, "I forgot my password and cannot log in", tenant="t-tiers")
+    assert far.cache.outcome == MISS, far.cache
+    stats = cache_stats(cmesh)
+    assert stats.exact_hits >= 1 and stats.semantic_hits >= 1 and stats.misses >= 2
+    assert stats.lookup_p99_ms >= stats.lookup_p50_ms > 0
+
+
+def test_tenants_never_see_each_others_entries(cmesh: Mesh) -> None:
+    text = "please cancel my subscription today"
+    a = ask(cmesh, text, tenant="tenant-a")
+    assert a.cache.outcome == MISS
+    settle(cmesh)
+    assert ask(cmesh, text, tenant="tenant-a").cache.outcome == EXACT
+    # Identical text, and a near paraphrase, from tenant B: never A's entry.
+    b = ask(cmesh, text, tenant="tenant-b")
+    assert b.cache.outcome == MISS, b.cache
+    b2 = ask(cmesh, "please cancel my subscription", tenant="tenant-b")
+    assert b2.cache.entry_id != a.cache.entry_id
+    assert b2.cache.outcome in (MISS, SEMANTIC)
+    if b2.cache.outcome == SEMANTIC:  # only B's own entry from the line above may match
+        assert b2.cache.entry_id == ask(cmesh, text, tenant="tenant-b").cache.entry_id
+
+
+def test_model_version_and_parameters_are_part_of_the_scope(cmesh: Mesh) -> None:
+    text = "how do I change my billing address"
+    assert ask(cmesh, text, model="sem", model_version="1").cache.outcome == MISS
+    settle(cmesh)
+    assert ask(cmesh, text, model="sem", model_version="1").cache.outcome == EXACT
+    assert ask(cmesh, text, model="sem", model_version="2").cache.outcome == MISS
+    # top_k changes the answer, so it changes the key.
+    assert ask(cmesh, text, model="sem", model_version="1", top_k=3).cache.outcome == MISS
+
+
+def test_ttl_expiry(cmesh: Mesh) -> None:
+    text = "my discount code does not work"
+    assert ask(cmesh, text, model="short").cache.outcome == MISS
+    settle(cmesh)
+    hit = ask(cmesh, text, model="short")
+    assert hit.cache.outcome == EXACT
+    time.sleep(max(0.0, 1.6 - hit.cache.age_s))
+    assert ask(cmesh, text, model="short").cache.outcome == MISS
+
+
+def test_eviction_keeps_the_newest_entries(cmesh: Mesh) -> None:
+    texts = [f"question number {i} about my account settings" for i in range(5)]
+    for text in texts:
+        ask(cmesh, text, model="small", tenant="evict")
+        settle(cmesh)
+    outcomes = [lookup(cmesh, t, "evict", "small") for t in texts]
+    assert outcomes[:2] == [MISS, MISS], outcomes
+    assert outcomes[2:] == [EXACT, EXACT, EXACT], outcomes
+    assert cache_stats(cmesh).evictions >= 2
+
+
+def test_invalidate_by_scope_and_by_id(cmesh: Mesh) -> None:
+    one, two = "how long does shipping take", "can I pay with paypal"
+    for tenant in ("inv-a", "inv-b"):
+        ask(cmesh, one, tenant=tenant)
+        ask(cmesh, two, tenant=tenant)
+    settle(cmesh)
+    hit = ask(cmesh, one, tenant="inv-a")
+    assert hit.cache.outcome == EXACT
+    channel, stub = cache_stub(cmesh)
+    with channel:
+        removed = stub.Invalidate(
+            cache_pb2.InvalidateRequest(entry_ids=[hit.cache.entry_id]), timeout=10
+        ).removed
+        assert removed == 1
+        assert ask(cmesh, one, tenant="inv-a").cache.outcome == MISS
+        assert ask(cmesh, two, tenant="inv-a").cache.outcome == EXACT
+        stub.Invalidate(
+            cache_pb2.InvalidateRequest(scope=common_pb2.Scope(tenant="inv-b", model="sem")),
+            timeout=10,
+        )
+        assert ask(cmesh, one, tenant="inv-b").cache.outcome == MISS
+        assert ask(cmesh, two, tenant="inv-b").cache.outcome == MISS
+        assert ask(cmesh, two, tenant="inv-a").cache.outcome == EXACT  # other tenant untouched
+        for bad in (
+            cache_pb2.InvalidateRequest(scope=common_pb2.Scope()),
+            cache_pb2.InvalidateRequest(entry_ids=['" or id != "']),
+            cache_pb2.InvalidateRequest(),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Invalidate(bad, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_lookup_rejects_bad_requests(cmesh: Mesh) -> None:
+    channel, stub = cache_stub(cmesh)
+    scope = common_pb2.Scope(tenant="t", model="sem", model_version="1")
+    with channel:
+        for request, needle in (
+            (cache_pb2.LookupRequest(scope=scope, text="x", mode="fuzzy"), "mode"),
+            (cache_pb2.LookupRequest(scope=scope, text="x", mode="semantic"), "threshold"),
+            (cache_pb2.LookupRequest(scope=common_pb2.Scope(tenant="t"), text="x"), "model"),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Lookup(request, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert needle in (err.value.details() or "")
+
+
+def test_out_of_scope_answers_are_not_stored(cmesh: Mesh) -> None:
+    text = "what is the boiling point of tungsten in kelvin"
+    first = ask(cmesh, text, tenant="oos")
+    before = gateway_counters(cmesh)["stores_skipped_policy"]
+    if not first.prediction.out_of_scope:
+        pytest.fail(f"expected an out-of-scope answer for {text!r}, got {first.prediction}")
+    again = ask(cmesh, text, tenant="oos")
+    assert again.cache.outcome == MISS
+    assert gateway_counters(cmesh)["stores_skipped_policy"] == before + 1
+
+
+def test_entries_survive_a_cache_restart(cmesh: Mesh) -> None:
+    text = "do you ship to canada"
+    ask(cmesh, text, tenant="persist")
+    settle(cmesh)
+    entries = cache_stats(cmesh).entries
+    assert cmesh.terminate("cache") == 0
+    cmesh.start(("cache",))
+    assert cache_stats(cmesh).entries == entries
+    # The gateway may still hold a broken connection for a moment; the cache must come back.
+    deadline = time.monotonic() + 20
+    while (outcome := ask(cmesh, text, tenant="persist").cache.outcome) != EXACT:
+        assert outcome in (FAIL_OPEN, EXACT), outcome
+        assert time.monotonic() < deadline, "cache never answered after the restart"
+        time.sleep(0.5)
