@@ -58,11 +58,14 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def embedding_model(weights_dir: Path) -> EmbeddingModel:
+    return EmbeddingModel("all-MiniLM-L6-v2", _digest(weights_dir / "model.safetensors"), 384)
+
+
 def encoder_file(weights_dir: Path, work_dir: Path) -> tuple[Path, EmbeddingModel]:
     """The optimised embedding-only encoder for `weights_dir`, building it if missing."""
-    digest = _digest(weights_dir / "model.safetensors")
-    model = EmbeddingModel("all-MiniLM-L6-v2", digest, 384)
-    path = work_dir / "embedders" / f"minilm-{digest[:16]}-f{ENCODER_FORMAT}.onnx"
+    model = embedding_model(weights_dir)
+    path = work_dir / "embedders" / f"minilm-{model.digest[:16]}-f{ENCODER_FORMAT}.onnx"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = path.with_suffix(f".tmp{os.getpid()}")

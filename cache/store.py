@@ -15,7 +15,6 @@ import base64
 import contextlib
 import dataclasses
 import logging
-import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +34,7 @@ _MAX_TEXT = 65_535  # Milvus VARCHAR limit, in bytes
 # Reads see every acknowledged write: an exact repeat right after a store must hit, an
 # invalidated entry must never be served, and eviction must count what is really there.
 CONSISTENCY = "Strong"
+_SQLITE_HEADER = b"SQLite format 3\x00"  # milvus-lite keeps its data in SQLite
 _SCALARS = (
     "scope_key",
     "tenant_key",
@@ -163,17 +163,22 @@ class MilvusStore:
         if is_local(self.uri):
             path = Path(self.uri)
             path.parent.mkdir(parents=True, exist_ok=True)
-            if path.exists() and not path.is_file():
-                raise CacheStoreError(f"{path} is not a milvus-lite database file")
-            if path.exists() and os.path.getsize(path) == 0:
-                raise CacheStoreError(f"{path} is empty: not a milvus-lite database; remove it")
+            if path.exists():
+                if not path.is_file():
+                    raise CacheStoreError(f"{path} is not a milvus-lite database file")
+                with path.open("rb") as f:
+                    header = f.read(len(_SQLITE_HEADER))
+                if header != _SQLITE_HEADER:
+                    raise CacheStoreError(
+                        f"{path} is not a milvus-lite database (no SQLite header): it is "
+                        "damaged or another kind of file; move it away to start an empty cache"
+                    )
         try:
             return pymilvus.MilvusClient(self.uri, timeout=self.timeout_s)
         except Exception as exc:  # pymilvus raises many kinds here
             hint = (
-                "is another process (a second cache service?) using this file? milvus-lite "
-                "allows one process per database file; or the file is not a milvus-lite "
-                "database"
+                "another process holds it (milvus-lite allows one process per database file: "
+                "is a second cache service running?) or it is damaged"
                 if is_local(self.uri)
                 else f"no Milvus answered within {self.timeout_s:g}s (HOPLINE_CACHE_URI)"
             )

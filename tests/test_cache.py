@@ -17,13 +17,12 @@ from typing import Any
 import grpc
 import pytest
 
+from conftest import DEFAULT_MODEL
 from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.client import predict
 from hopline.common.v1 import common_pb2
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from mesh import Mesh
-
-from conftest import DEFAULT_MODEL
 
 EXACT = common_pb2.CACHE_OUTCOME_EXACT
 SEMANTIC = common_pb2.CACHE_OUTCOME_SEMANTIC
@@ -90,7 +89,8 @@ def settle(mesh: Mesh) -> None:
     """Wait until every store the gateway sent has been written to Milvus."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if gateway_counters(mesh)["stores_in_flight"] == 0 and cache_stats(mesh).pending_writes == 0:
+        idle = gateway_counters(mesh)["stores_in_flight"] == 0
+        if idle and cache_stats(mesh).pending_writes == 0:
             return
         time.sleep(0.05)
     raise AssertionError("cache stores did not land within 20 s")
@@ -127,7 +127,9 @@ def test_exact_then_semantic_then_miss(cmesh: Mesh) -> None:
     far = ask(cmesh, "I forgot my password and cannot log in", tenant="t-tiers")
     assert far.cache.outcome == MISS, far.cache
     stats = cache_stats(cmesh)
-    assert stats.exact_hits >= 1 and stats.semantic_hits >= 1 and stats.misses >= 2
+    assert stats.exact_hits >= 1
+    assert stats.semantic_hits >= 1
+    assert stats.misses >= 2
     assert stats.lookup_p99_ms >= stats.lookup_p50_ms > 0
 
 
@@ -251,3 +253,73 @@ def test_entries_survive_a_cache_restart(cmesh: Mesh) -> None:
         assert outcome in (FAIL_OPEN, EXACT), outcome
         assert time.monotonic() < deadline, "cache never answered after the restart"
         time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def slow_mesh(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """Inference held for 300 ms by the test-only delay flag, so concurrent requests overlap
+    for certain; a short breaker cool-down so recovery fits in a test."""
+    work = tmp_path_factory.mktemp("slow")
+    m = Mesh(
+        make_repo(default_repo, work),
+        work,
+        HOPLINE_DEFAULT_MODEL="sem",
+        HOPLINE_INFERENCE_TEST_DELAY_MS="300",
+        HOPLINE_CACHE_BREAKER_FAILURES="3",
+        HOPLINE_CACHE_BREAKER_COOLDOWN_S="1",
+        HOPLINE_CACHE_BUDGET_MS="2000",
+    )
+    try:
+        yield m.start()
+    finally:
+        m.stop()
+
+
+def test_identical_concurrent_misses_run_inference_once(slow_mesh: Mesh) -> None:
+    n = 8
+    before = gateway_counters(slow_mesh)
+    with ThreadPoolExecutor(n) as pool:
+        replies = list(
+            pool.map(lambda _: ask(slow_mesh, "is there a student discount", tenant="co"), range(n))
+        )
+    after = gateway_counters(slow_mesh)
+    assert after["inferences"] - before["inferences"] == 1
+    assert after["coalesced"] - before["coalesced"] == n - 1
+    assert sum(r.cache.coalesced for r in replies) == n - 1
+    assert {r.prediction.label for r in replies} == {replies[0].prediction.label}
+    assert all(r.cache.outcome == MISS for r in replies)
+    # Another tenant's identical text is another scope: its own inference.
+    with ThreadPoolExecutor(2) as pool:
+        other = list(
+            pool.map(
+                lambda t: ask(slow_mesh, "is there a student discount", tenant=t), ["x1", "x2"]
+            )
+        )
+    assert not any(r.cache.coalesced for r in other)
+    assert gateway_counters(slow_mesh)["inferences"] - after["inferences"] == 2
+
+
+def test_cache_killed_mid_run_fails_open_then_recovers(slow_mesh: Mesh) -> None:
+    texts = [f"request {i}: can I change my delivery address" for i in range(24)]
+    with ThreadPoolExecutor(4) as pool:
+        running = pool.map(lambda t: ask(slow_mesh, t, tenant="fo"), texts)
+        time.sleep(0.5)
+        slow_mesh.kill("cache")
+        replies = list(running)  # every request must succeed: the cache is optional
+    assert all(r.prediction.label for r in replies)
+    assert replies[-1].cache.outcome == FAIL_OPEN
+    after_kill = [ask(slow_mesh, t, tenant="fo") for t in texts[:5]]
+    assert all(r.cache.outcome == FAIL_OPEN for r in after_kill)
+    counters = gateway_counters(slow_mesh)
+    assert counters["circuit"] == "open" or counters["cache_circuit_opened"] >= 1
+    assert counters["cache_circuit_open"] >= 1, counters  # calls skipped while open
+    assert any("circuit open" in r.cache.detail for r in after_kill)
+
+    slow_mesh.start(("cache",))
+    deadline = time.monotonic() + 30
+    while (
+        reply := ask(slow_mesh, "a fresh question after recovery", tenant="fo")
+    ).cache.outcome == FAIL_OPEN:
+        assert time.monotonic() < deadline, reply.cache.detail
+        time.sleep(0.5)
+    assert gateway_counters(slow_mesh)["circuit"] == "closed"

@@ -1,0 +1,91 @@
+"""The cache service refuses to start, quickly and with a message that says what to fix,
+when its Milvus cannot be used. Each case runs the real `hopline serve cache` process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hopline.cache.embedder import embedding_model
+from hopline.model.build import default_weights_dir
+from mesh import Mesh, free_port
+
+
+def serve_cache(uri: str, timeout_s: float = 60.0) -> tuple[int, str, float]:
+    env = dict(
+        os.environ,
+        HOPLINE_CACHE_URI=uri,
+        HOPLINE_CACHE_ADDR=f"127.0.0.1:{free_port()}",
+        HOPLINE_LOG_FORMAT="text",
+        HOPLINE_CACHE_MILVUS_TIMEOUT_S="3",
+    )
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "hopline", "serve", "cache"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    return out.returncode, out.stdout + out.stderr, time.monotonic() - started
+
+
+def test_wrong_vector_dimension_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "cache.db"
+    collection = embedding_model(default_weights_dir()).collection
+    # Another writer's collection under our name, with 8-d vectors; written by a child process
+    # because milvus-lite allows one process per file.
+    script = f"""
+        import warnings
+        warnings.simplefilter("ignore")
+        from pymilvus import MilvusClient
+        c = MilvusClient({str(db)!r})
+        c.create_collection({collection!r}, dimension=8, metric_type="COSINE")
+        c.close()
+    """
+    subprocess.run([sys.executable, "-c", textwrap.dedent(script)], check=True, timeout=120)
+    code, log, _ = serve_cache(str(db))
+    assert code != 0
+    assert "8-d vectors but the embedder makes 384-d" in log or "lacks fields" in log, log
+
+
+def test_corrupted_database_file_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "cache.db"
+    db.write_bytes(os.urandom(64 * 1024))
+    code, log, took = serve_cache(str(db))
+    assert code != 0
+    assert "is not a milvus-lite database" in log, log
+    assert took < 60
+
+
+def test_milvus_server_that_does_not_answer_fails_fast(tmp_path: Path) -> None:
+    code, log, took = serve_cache(f"http://127.0.0.1:{free_port()}")
+    assert code != 0
+    assert "no Milvus answered within 3s" in log, log
+    assert took < 45, f"start-up took {took:.0f}s: it must fail, not hang"
+
+
+def test_second_process_on_the_same_file_is_refused(tmp_path: Path) -> None:
+    first = Mesh(tmp_path / "unused-repo", tmp_path)
+    first.start(("cache",))
+    try:
+        code, log, _ = serve_cache(first.env["HOPLINE_CACHE_URI"])
+        assert code != 0
+        assert "another process holds it" in log, log
+    finally:
+        first.stop()
+
+
+@pytest.mark.parametrize("bad", ["/dev/null", "."])
+def test_paths_that_are_not_database_files(tmp_path: Path, bad: str) -> None:
+    uri = bad if bad.startswith("/") else str(tmp_path)
+    code, log, _ = serve_cache(uri)
+    assert code != 0
+    assert "not a milvus-lite database" in log, log
