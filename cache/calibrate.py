@@ -228,12 +228,20 @@ class Calibration(Point):
     curve: Curve
 
 
-def calibrate(similarities: npt.ArrayLike, same: npt.ArrayLike, target: float) -> Calibration:
+def calibrate(
+    similarities: npt.ArrayLike, same: npt.ArrayLike, target: float, min_hits: int = 1
+) -> Calibration:
     """The lowest threshold whose false-hit rate is <= `target` there and above.
 
     Requiring every higher threshold to meet the target too keeps a dip in a non-monotone
     curve (a run of lucky same-answer pairs) from being picked with a worse region above it.
+    Higher thresholds with fewer than `min_hits` hits are not held against a lower one: one
+    wrong pair among the first 50 is a 2% rate that says nothing at a 1% target (the CLI uses
+    2 / target, two false hits' worth of evidence). The chosen point itself must meet the
+    target whatever its count.
     """
+    if min_hits < 1:
+        raise ValueError(f"min_hits must be at least 1, got {min_hits}")
     s = np.asarray(similarities, dtype=np.float64).ravel()
     y = np.asarray(same, dtype=bool).ravel()
     if not 0.0 < target < 1.0:
@@ -255,15 +263,17 @@ def calibrate(similarities: npt.ArrayLike, same: npt.ArrayLike, target: float) -
     ends = np.flatnonzero(np.append(ranked[1:] != ranked[:-1], True))
     curve = Curve(ranked[ends], ends.astype(np.int64) + 1, wrong[ends], int(s.size), same_pairs)
 
-    worst_at_or_above = np.maximum.accumulate(curve.false_hit_rate)
-    meets = worst_at_or_above <= target
-    if not meets[0]:
+    rates = curve.false_hit_rate
+    counted = np.where(curve.hits >= min_hits, rates, 0.0)
+    meets = (np.maximum.accumulate(counted) <= target) & (rates <= target)
+    if not meets.any():
         top = curve.at(float(curve.thresholds[0]))
         raise NoThresholdError(
             f"no threshold meets a false-hit rate of {target:g}: even at the highest "
             f"similarity {top.threshold:.4f}, {top.false_hits} of {top.hits} hits are wrong"
         )
-    # `meets` is True on a prefix (highest thresholds); its end is the lowest valid threshold.
+    # With min_hits=1 `meets` is a prefix (highest thresholds); in general take the lowest
+    # point that meets both conditions.
     k = int(np.flatnonzero(meets)[-1])
     point = curve.at(float(curve.thresholds[k]))
     log.info(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -52,6 +53,13 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     cal.add_argument("--pairs", type=Path, required=True, help="from `hopline cache pairs`")
     cal.add_argument("--target-false-hit-rate", type=float, default=0.01)
+    cal.add_argument(
+        "--min-hits",
+        type=int,
+        default=None,
+        help="higher thresholds with fewer hits than this are too noisy to veto a lower one "
+        "(default: 2 / target, two false hits' worth of evidence)",
+    )
     cal.add_argument("--png", type=Path, help="write the precision/recall plot here")
     cal.add_argument("--json", type=Path, help="write the result and the curve here")
     cal.add_argument(
@@ -160,7 +168,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     else:
         sims = np.array([p.similarity for p in pairs], dtype=np.float64)
     try:
-        result = calibrate(sims, [p.same for p in pairs], args.target_false_hit_rate)
+        target = args.target_false_hit_rate
+        min_hits = args.min_hits or (math.ceil(2 / target) if 0 < target < 1 else 1)
+        result = calibrate(sims, [p.same for p in pairs], target, min_hits)
     except NoThresholdError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 3
@@ -173,6 +183,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"hit rate               {result.hit_rate:.4f}",
         f"hits / false / pairs   {result.hits} / {result.false_hits} / {result.pairs}"
         f"  ({result.same_pairs} same-answer)",
+        f"min hits to veto       {min_hits}",
         "",
         "  threshold  false-hit  precision  recall  hit rate   hits",
     ]
@@ -197,7 +208,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         plot(result, args.png)
         rows.append(f"plot  {args.png}")
     if args.json:
-        args.json.write_text(json.dumps(to_json(result), indent=1) + "\n", encoding="utf-8")
+        doc = to_json(result) | {"min_hits": min_hits}
+        args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
         rows.append(f"json  {args.json}")
     sys.stdout.write("\n".join(rows) + "\n")
     return 0

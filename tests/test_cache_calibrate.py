@@ -69,14 +69,15 @@ def _false_hit_rate(sims: Sequence[float], same: Sequence[bool], t: float) -> tu
 
 
 def _check_conservative(
-    sims: Sequence[float], same: Sequence[bool], t: float, target: float
+    sims: Sequence[float], same: Sequence[bool], t: float, target: float, min_hits: int = 1
 ) -> None:
     hits, wrong = _false_hit_rate(sims, same, t)
     assert hits > 0
     assert wrong / hits <= target
     for u in sorted({s for s in sims if s > t}):
         h, w = _false_hit_rate(sims, same, u)
-        assert w / h <= target, f"threshold {u} above the chosen {t} misses the target"
+        if h >= min_hits:
+            assert w / h <= target, f"threshold {u} above the chosen {t} misses the target"
     lower = [s for s in sims if s < t]
     if lower:
         h, w = _false_hit_rate(sims, same, max(lower))
@@ -84,6 +85,19 @@ def _check_conservative(
 
 
 # --- calibrate() on hand-made arrays -------------------------------------------------------
+
+
+def test_min_hits_keeps_a_noisy_top_from_vetoing_a_sound_lower_threshold() -> None:
+    # One wrong pair at the very top (1 of 1, then 1 of 2...), then 40 right ones.
+    sims = [0.99, *[0.98 - i * 0.01 for i in range(40)]]
+    same = [False, *([True] * 40)]
+    with pytest.raises(NoThresholdError):
+        calibrate(sims, same, 0.05)  # strict: the top point vetoes everything below
+    r = calibrate(sims, same, 0.05, min_hits=20)
+    assert r.false_hits == 1
+    assert r.hits == 41
+    assert r.threshold == pytest.approx(sims[-1])
+    _check_conservative(sims, same, r.threshold, 0.05, 20)
 
 
 def test_calibrate_picks_the_lowest_threshold_that_meets_the_target() -> None:
@@ -275,7 +289,8 @@ def test_calibrate_support_intents_through_the_cli(
     assert f"threshold              {t:.4f}" in run.stdout
     sim_list = [float(x) for x in recorded]
     same = [p.same for p in pairs]
-    _check_conservative(sim_list, same, t, target)
+    assert result["min_hits"] == math.ceil(2 / target)
+    _check_conservative(sim_list, same, t, target, result["min_hits"])
     hits, wrong = _false_hit_rate(sim_list, same, t)
     assert (result["hits"], result["false_hits"], result["pairs"]) == (hits, wrong, len(pairs))
     assert result["precision"] == pytest.approx(1 - wrong / hits)
@@ -300,14 +315,16 @@ def test_calibrate_clinc150(embedder: Embedder, capsys: pytest.CaptureFixture[st
     sims = [float(p.similarity or 0.0) for p in pairs]
     same = [p.same for p in pairs]
     target = 0.01
-    r = calibrate(sims, same, target)
+    min_hits = math.ceil(2 / target)  # what `hopline cache calibrate` uses
+    r = calibrate(sims, same, target, min_hits)
     hits, wrong = _false_hit_rate(sims, same, r.threshold)
+    _check_conservative(sims, same, r.threshold, target, min_hits)
     with capsys.disabled():
         print(
             f"\nCLINC150 cache calibration (store train={len(store)}, queries val+oos_val="
             f"{len(queries)}, pairs={r.pairs} of which same={r.same_pairs}, "
             f"exact repeats skipped={len(queries) - len(pairs)}, {derived_s:.1f} s to derive)\n"
-            f"  target false-hit rate {target}: threshold {r.threshold:.4f} "
+            f"  target false-hit rate {target} (min hits {min_hits}): threshold {r.threshold:.4f} "
             f"precision {r.precision:.4f} recall {r.recall:.4f} hit rate {r.hit_rate:.4f} "
             f"hits {r.hits} false hits {r.false_hits}"
         )

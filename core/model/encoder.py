@@ -8,6 +8,7 @@ session run per batch and no numpy post-processing.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -206,6 +207,10 @@ def build_encoder_graph(model_dir: Path, head: ClassifierHead | None = None) -> 
 def _fuse_transformer(model: onnx.ModelProto, out_path: Path) -> bool:
     """ORT's offline BERT fusions (Attention, SkipLayerNormalization, BiasGelu, ...). They need
     sympy for symbolic shape inference, which hopline does not depend on: False without it."""
+    # Checked up front: optimize_model fails on the missing import only after creating a
+    # temporary directory it never removes (a ResourceWarning in every caller).
+    if importlib.util.find_spec("sympy") is None:
+        return False
     try:
         from onnxruntime.transformers.fusion_options import FusionOptions
         from onnxruntime.transformers.optimizer import optimize_model
