@@ -23,7 +23,7 @@ _WORK_DIR_HELP = "where the embedding encoder is built and kept [env HOPLINE_CAC
 
 
 def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    cache = sub.add_parser("cache", help="semantic cache tools (pairs, calibration)")
+    cache = sub.add_parser("cache", help="semantic cache tools (pairs, calibration, evaluation)")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
     work_dir = os.environ.get("HOPLINE_CACHE_DIR", ".hopline")
 
@@ -69,6 +69,55 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     cal.add_argument("--work-dir", type=Path, default=Path(work_dir), help=_WORK_DIR_HELP)
     cal.set_defaults(cache_handler=_calibrate)
+
+    ev = cache_sub.add_parser(
+        "eval",
+        help="warm the cache through a running gateway, then measure hit rate, cache-induced "
+        "error and latency on labelled queries",
+    )
+    ev.add_argument("--clinc", type=Path, required=True, help="CLINC150 data_full.json")
+    ev.add_argument("--model", required=True, help="a model trained on the same intents")
+    ev.add_argument(
+        "--model-repo",
+        type=Path,
+        default=Path(os.environ.get("HOPLINE_MODEL_REPO", "models")),
+        help="where to read the model's cache policy [env HOPLINE_MODEL_REPO]",
+    )
+    ev.add_argument("--gateway", help="gateway address [env HOPLINE_GATEWAY_ADDR]")
+    ev.add_argument("--cache", help="cache service address, for its stats [env HOPLINE_CACHE_ADDR]")
+    ev.add_argument(
+        "--max-intents", type=int, default=0, help="only the first N intents (0: all), for CI"
+    )
+    ev.add_argument("--concurrency", type=int, default=8, help="warm-up requests in flight")
+    ev.add_argument("--out", type=Path, help="directory for cache-eval.json and cache-eval.md")
+    ev.set_defaults(cache_handler=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from hopline.cache.evaluate import markdown, run
+    from hopline.client import gateway_address
+    from hopline.config import DEFAULT_ADDRS, addr_env
+    from hopline.model.repository import ModelRepository
+
+    policy = ModelRepository(args.model_repo).resolve(args.model).cache
+    if policy.mode != "semantic":
+        sys.stderr.write(
+            f"note: {args.model}'s cache mode is {policy.mode!r}: only the exact tier answers\n"
+        )
+    report = run(
+        args.clinc,
+        gateway=gateway_address(args.gateway),
+        cache=args.cache or os.environ.get(addr_env("cache")) or DEFAULT_ADDRS["cache"],
+        model=args.model,
+        threshold=policy.threshold,
+        max_intents=args.max_intents,
+        concurrency=args.concurrency,
+        out_dir=args.out,
+    )
+    sys.stdout.write(markdown(report))
+    if args.out:
+        sys.stdout.write(f"\nwrote {args.out / 'cache-eval.json'} and cache-eval.md\n")
+    return 0
 
 
 def run_cache_command(args: argparse.Namespace) -> int:

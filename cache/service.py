@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
 log = logging.getLogger("hopline.cache")
 
 SEMANTIC_CANDIDATES = 3  # nearest entries checked, in case the best fails verification
+RECENT_VECTORS = 4096  # 1.5 KiB each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 "store_errors",
                 "evictions",
                 "expirations",
-                "skipped_stores",
+                "store_embeddings",
             ),
             0,
         )
@@ -103,6 +104,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self._pending: dict[str, tuple[Entry, Vector, int]] = {}
         self._flush_wake = asyncio.Event()
         self._writing = 0  # entries of the batch being written and bounded right now
+        # Embeddings of recent semantic lookups: the store that follows a miss reuses the
+        # lookup's vector instead of running the encoder a second time for the same text.
+        self._recent: OrderedDict[str, Vector] = OrderedDict()
         # Milvus calls block: two threads so a batched write never stalls every lookup.
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="milvus")
         self._tasks: list[asyncio.Task[None]] = []
@@ -264,7 +268,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         if semantic:
             assert self.embedder is not None
             t1 = time.perf_counter()
-            vector = await self.embedder.embed(normalise_text(text))
+            normalised = normalise_text(text)
+            vector = await self.embedder.embed(normalised)
+            self._remember(normalised, vector)
             t2 = time.perf_counter()
             found = await self._io_call(store.search, vector, scope, now, SEMANTIC_CANDIDATES)
             response.embed_ms = (t2 - t1) * 1e3
@@ -282,6 +288,12 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.counters["misses"] += 1
         response.outcome = common_pb2.CACHE_OUTCOME_MISS
         return response
+
+    def _remember(self, text: str, vector: Vector) -> None:
+        self._recent[text] = vector
+        self._recent.move_to_end(text)
+        while len(self._recent) > RECENT_VECTORS:
+            self._recent.popitem(last=False)
 
     @staticmethod
     def _hit(
@@ -324,7 +336,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             )
         assert self.embedder is not None
         text = normalise_text(request.text)
-        vector = await self.embedder.embed(text)
+        vector = self._recent.pop(text, None)
+        if vector is None:
+            vector = await self.embedder.embed(text)
+            self.counters["store_embeddings"] += 1
         now = time.time()
         key = exact_key(scope, request.text)
         limit = min(request.max_entries or self.config.max_entries, self.config.max_entries)

@@ -43,6 +43,11 @@ class TenantResolver:
                 raw = json.loads(Path(keys_file).read_text(encoding="utf-8"))
             except (OSError, ValueError) as exc:
                 raise ValueError(f"cannot read API keys from {keys_file}: {exc}") from exc
+            if isinstance(raw, dict) and not raw:
+                raise ValueError(
+                    f"{keys_file} names no API keys: with HOPLINE_API_KEYS set, every request "
+                    "needs a key, so an empty file would lock everyone out"
+                )
             if not isinstance(raw, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) and k and valid_tenant(v)
                 for k, v in raw.items()

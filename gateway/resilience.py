@@ -32,6 +32,7 @@ class CircuitBreaker:
         self._open_until = 0.0
         self._state = CLOSED
         self._probing = False
+        self._probe_started = 0.0
         self.opened = 0  # times the circuit opened, for stats
 
     @property
@@ -41,12 +42,18 @@ class CircuitBreaker:
         return self._state
 
     def allow(self) -> bool:
-        """Whether to call the cache now; in half-open, only one probe at a time."""
+        """Whether to call the cache now; in half-open, only one probe at a time.
+
+        A probe whose result never comes back (its caller was cancelled) is given up after
+        a cool-down, so a lost probe cannot keep the circuit from ever closing.
+        """
         state = self.state
         if state == CLOSED:
             return True
-        if state == HALF_OPEN and not self._probing:
-            self._state, self._probing = HALF_OPEN, True
+        now = self.clock()
+        lost = self._probing and now - self._probe_started >= self.cooldown_s
+        if state == HALF_OPEN and (not self._probing or lost):
+            self._state, self._probing, self._probe_started = HALF_OPEN, True, now
             return True
         return False
 

@@ -1,0 +1,296 @@
+"""`hopline cache eval`: what the semantic cache does to a labelled workload, end to end.
+
+Warm the cache with a data set's store split through the gateway (as traffic would), then
+send every query twice: once with the cache (USE) and once without (BYPASS, the model's own
+answer and latency). A hit whose label differs from the model's own answer for that query is
+a cache-induced error: the cache changed what the user would have been told. Queries run
+one at a time so their latencies are not queueing artefacts; warm-up runs concurrently.
+
+Each run uses a fresh tenant, so earlier runs' entries never count (tenants never share).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from hopline.cache.keys import exact_key, scope_tuple
+from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.common.v1 import common_pb2
+from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+Examples = list[tuple[str, str]]
+OUTCOMES = {
+    common_pb2.CACHE_OUTCOME_EXACT: "exact",
+    common_pb2.CACHE_OUTCOME_SEMANTIC: "semantic",
+    common_pb2.CACHE_OUTCOME_MISS: "miss",
+    common_pb2.CACHE_OUTCOME_FAIL_OPEN: "fail_open",
+    common_pb2.CACHE_OUTCOME_SKIPPED: "skipped",
+}
+
+
+@dataclasses.dataclass
+class Query:
+    text: str
+    label: str  # ground truth
+    oos: bool
+    outcome: str = ""
+    cached_label: str = ""
+    similarity: float = 0.0
+    from_store_split: bool = False  # the hit's entry was written by the warm-up
+    model_label: str = ""
+    total_ms: float = 0.0  # client-side, with the cache
+    lookup_ms: float = 0.0  # the gateway's cache hop
+    model_total_ms: float = 0.0  # client-side, cache bypassed
+    inference_ms: float = 0.0  # the gateway's inference hop, cache bypassed
+
+
+def load_clinc(path: Path, max_intents: int = 0) -> dict[str, Examples]:
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    splits = {k: [(str(t), str(lab)) for t, lab in v] for k, v in raw.items()}
+    if max_intents:
+        keep = sorted({lab for _, lab in splits["train"]})[:max_intents]
+        splits = {
+            k: [(t, lab) for t, lab in v if lab in keep or lab == "oos"] for k, v in splits.items()
+        }
+        # Keep the in-scope to out-of-scope ratio of the full set for the queries.
+        share = max_intents / len({lab for _, lab in raw["train"]})
+        splits["oos_test"] = splits["oos_test"][: max(1, int(len(splits["oos_test"]) * share))]
+    return splits
+
+
+def _pct(values: Sequence[float]) -> dict[str, float | int]:
+    if not values:
+        return {"n": 0}
+    a = np.asarray(values, dtype=np.float64)
+    return {
+        "n": int(a.size),
+        "p50_ms": round(float(np.percentile(a, 50)), 3),
+        "p99_ms": round(float(np.percentile(a, 99)), 3),
+        "mean_ms": round(float(a.mean()), 3),
+    }
+
+
+def _timing(reply: gateway_pb2.PredictResponse, hop: str) -> float:
+    return next((t.ms for t in reply.timings if t.hop == hop), 0.0)
+
+
+class Evaluation:
+    def __init__(self, gateway: str, cache: str, model: str, tenant: str) -> None:
+        self.gateway = gateway
+        self.cache = cache
+        self.model = model
+        self.tenant = tenant
+        self.version = ""
+
+    async def _predict(
+        self,
+        stub: gateway_pb2_grpc.GatewayServiceAsyncStub,
+        text: str,
+        mode: common_pb2.CacheMode.ValueType,
+    ) -> tuple[gateway_pb2.PredictResponse, float]:
+        started = time.perf_counter()
+        reply = await stub.Predict(
+            gateway_pb2.PredictRequest(
+                text=text, model=self.model, tenant=self.tenant, cache_mode=mode
+            ),
+            timeout=60,
+        )
+        return reply, (time.perf_counter() - started) * 1e3
+
+    async def warm(self, texts: Sequence[str], concurrency: int) -> dict[str, int]:
+        outcomes: dict[str, int] = {}
+        self.version = ""
+        async with grpc.aio.insecure_channel(self.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            queue = list(texts)
+
+            async def worker() -> None:
+                while queue:
+                    reply, _ = await self._predict(stub, queue.pop(), common_pb2.CACHE_MODE_USE)
+                    self.version = reply.model_version
+                    name = OUTCOMES.get(reply.cache.outcome, "other")
+                    outcomes[name] = outcomes.get(name, 0) + 1
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await self.settle()
+        return outcomes
+
+    async def settle(self, timeout_s: float = 120.0) -> None:
+        """Until every store the warm-up caused is written: hits must not depend on timing."""
+        deadline = time.monotonic() + timeout_s
+        async with (
+            grpc.aio.insecure_channel(self.gateway) as gw,
+            grpc.aio.insecure_channel(self.cache) as cc,
+        ):
+            gstub, cstub = (
+                gateway_pb2_grpc.GatewayServiceStub(gw),
+                cache_pb2_grpc.CacheServiceStub(cc),
+            )
+            while time.monotonic() < deadline:
+                g = await gstub.GetStats(gateway_pb2.GetStatsRequest(), timeout=10)
+                c = await cstub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+                if g.counters["stores_in_flight"] == 0 and c.pending_writes == 0:
+                    return
+                await asyncio.sleep(0.1)
+        raise TimeoutError(f"cache writes still pending after {timeout_s:.0f}s")
+
+    async def query(self, queries: list[Query], store_keys: set[str]) -> None:
+        async with grpc.aio.insecure_channel(self.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            for q in queries:
+                reply, q.total_ms = await self._predict(stub, q.text, common_pb2.CACHE_MODE_USE)
+                q.outcome = OUTCOMES.get(reply.cache.outcome, "other")
+                q.cached_label = reply.prediction.label
+                q.similarity = reply.cache.similarity
+                q.from_store_split = reply.cache.entry_id in store_keys
+                q.lookup_ms = _timing(reply, "cache_lookup")
+                own, q.model_total_ms = await self._predict(
+                    stub, q.text, common_pb2.CACHE_MODE_BYPASS
+                )
+                q.model_label = own.prediction.label
+                q.inference_ms = _timing(own, "inference")
+
+
+def summarise(queries: list[Query], meta: dict[str, Any]) -> dict[str, Any]:
+    hits = [q for q in queries if q.outcome in ("exact", "semantic")]
+    wrong = [q for q in hits if q.cached_label != q.model_label]
+    oos = [q for q in queries if q.oos]
+    oos_hits = [q for q in oos if q.outcome in ("exact", "semantic")]
+    in_scope = [q for q in queries if not q.oos]
+
+    def rate(part: Sequence[Query], whole: Sequence[Query]) -> float:
+        return round(len(part) / len(whole), 4) if whole else 0.0
+
+    by_tier = {
+        name: rate([q for q in queries if q.outcome == name], queries)
+        for name in ("exact", "semantic", "miss", "fail_open")
+    }
+    correct_with = sum(q.cached_label == q.label for q in in_scope)
+    correct_without = sum(q.model_label == q.label for q in in_scope)
+    return {
+        **meta,
+        "model_version": meta.get("model_version", ""),
+        "queries": len(queries),
+        "hit_rate": rate(hits, queries),
+        "hit_rate_in_scope": rate([q for q in in_scope if q in hits], in_scope),
+        "hit_rate_by_tier": by_tier,
+        "hits": len(hits),
+        "hits_from_warmup": sum(q.from_store_split for q in hits),
+        "cache_induced_errors": len(wrong),
+        "cache_induced_error_rate": rate(wrong, hits),
+        "oos_queries": len(oos),
+        "oos_hits": len(oos_hits),
+        "oos_false_hit_rate": rate(oos_hits, oos),
+        "accuracy_in_scope_with_cache": round(correct_with / max(1, len(in_scope)), 4),
+        "accuracy_in_scope_model_only": round(correct_without / max(1, len(in_scope)), 4),
+        "latency": {
+            "cache_lookup_hop": {
+                name: _pct([q.lookup_ms for q in queries if q.outcome == name])
+                for name in ("exact", "semantic", "miss")
+            },
+            "end_to_end_with_cache": {
+                name: _pct([q.total_ms for q in queries if q.outcome == name])
+                for name in ("exact", "semantic", "miss")
+            },
+            "model_only_end_to_end": _pct([q.model_total_ms for q in queries]),
+            "model_only_inference_hop": _pct([q.inference_ms for q in queries]),
+        },
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lat = report["latency"]
+    tier = report["hit_rate_by_tier"]
+    lines = [
+        f"# Cache evaluation: {report['model']} at threshold {report['threshold']}",
+        "",
+        f"{report['queries']} queries ({report['oos_queries']} out of scope) after warming "
+        f"with {report['warmed']} texts; tenant `{report['tenant']}`.",
+        "",
+        "| measure | value |",
+        "|---|---|",
+        f"| hit rate (all queries) | {report['hit_rate']:.2%} |",
+        f"| exact / semantic / miss / fail-open | {tier['exact']:.2%} / {tier['semantic']:.2%}"
+        f" / {tier['miss']:.2%} / {tier['fail_open']:.2%} |",
+        f"| cache-induced error (share of hits) | {report['cache_induced_error_rate']:.2%} "
+        f"({report['cache_induced_errors']} of {report['hits']}) |",
+        f"| out-of-scope queries answered from cache | {report['oos_false_hit_rate']:.2%} "
+        f"({report['oos_hits']} of {report['oos_queries']}) |",
+        f"| in-scope accuracy with / without cache | "
+        f"{report['accuracy_in_scope_with_cache']:.2%} / "
+        f"{report['accuracy_in_scope_model_only']:.2%} |",
+        "",
+        "| latency (ms) | n | p50 | p99 |",
+        "|---|---|---|---|",
+    ]
+    rows = [
+        *((f"cache hop, {k}", lat["cache_lookup_hop"][k]) for k in ("exact", "semantic", "miss")),
+        *(
+            (f"end to end, {k}", lat["end_to_end_with_cache"][k])
+            for k in ("exact", "semantic", "miss")
+        ),
+        ("end to end, cache bypassed (model only)", lat["model_only_end_to_end"]),
+        ("inference hop, cache bypassed", lat["model_only_inference_hop"]),
+    ]
+    for name, p in rows:
+        if p["n"]:
+            lines.append(f"| {name} | {p['n']} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(
+    clinc: Path,
+    *,
+    gateway: str,
+    cache: str,
+    model: str,
+    threshold: float,
+    max_intents: int = 0,
+    concurrency: int = 8,
+    out_dir: Path | None = None,
+) -> dict[str, Any]:
+    splits = load_clinc(clinc, max_intents)
+    tenant = f"eval-{int(time.time() * 1000)}"
+    ev = Evaluation(gateway, cache, model, tenant)
+    store = [t for t, _ in splits["train"]]
+    started = time.perf_counter()
+    warm = asyncio.run(ev.warm(store, concurrency))
+    warm_s = time.perf_counter() - started
+    # Entry ids are exact keys over the gateway's scope: which hits the warm-up wrote.
+    scope = scope_tuple(
+        common_pb2.Scope(
+            tenant=tenant, model=model, model_version=ev.version, parameters={"top_k": "1"}
+        )
+    )
+    store_keys = {exact_key(scope, t) for t in store}
+    queries = [Query(t, lab, False) for t, lab in splits["test"]]
+    queries += [Query(t, lab, True) for t, lab in splits["oos_test"]]
+    asyncio.run(ev.query(queries, store_keys))
+    report = summarise(
+        queries,
+        {
+            "model": model,
+            "model_version": ev.version,
+            "threshold": threshold,
+            "tenant": tenant,
+            "warmed": len(store),
+            "warm_outcomes": warm,
+            "warm_seconds": round(warm_s, 1),
+            "query_seconds": round(time.perf_counter() - started - warm_s, 1),
+            "max_intents": max_intents,
+        },
+    )
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "cache-eval.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out_dir / "cache-eval.md").write_text(markdown(report))
+    return report

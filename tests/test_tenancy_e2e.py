@@ -1,0 +1,154 @@
+"""API keys and tenant isolation through a real mesh started with HOPLINE_API_KEYS.
+
+Every call goes over real gRPC to real service processes; the key decides the tenant, and the
+tenant decides which cache entries a request can ever see.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from conftest import DEFAULT_MODEL
+from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.common.v1 import common_pb2
+from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from mesh import Mesh
+
+EXACT = common_pb2.CACHE_OUTCOME_EXACT
+MISS = common_pb2.CACHE_OUTCOME_MISS
+
+ACME_KEY = "acme-test-key-5d1c0f2e9b"
+GLOBEX_KEY = "globex-test-key-a83e77c410"
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+@pytest.fixture(scope="module")
+def kmesh(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The five services over a copy of the default repository, with API keys required."""
+    work = tmp_path_factory.mktemp("kmesh")
+    repo = work / "models"
+    repo.mkdir()
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    keys = work / "api-keys.json"
+    keys.write_text(json.dumps({ACME_KEY: "acme", GLOBEX_KEY: "globex"}), encoding="utf-8")
+    m = Mesh(
+        repo,
+        work,
+        HOPLINE_API_KEYS=str(keys),
+        HOPLINE_CACHE_FLUSH_MS="2",
+        HOPLINE_CACHE_BUDGET_MS="2000",  # a slow CI machine must not turn hits into fail-opens
+    )
+    try:
+        yield m.start()
+    finally:
+        m.stop()
+
+
+def auth(key: str) -> Metadata:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def ask(
+    mesh: Mesh, text: str, metadata: Metadata = (), tenant: str = ""
+) -> gateway_pb2.PredictResponse:
+    with grpc.insecure_channel(mesh.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        request = gateway_pb2.PredictRequest(text=text, tenant=tenant)
+        response: gateway_pb2.PredictResponse = stub.Predict(request, timeout=30, metadata=metadata)
+        return response
+
+
+def rejection(
+    mesh: Mesh, text: str, metadata: Metadata = (), tenant: str = ""
+) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        ask(mesh, text, metadata, tenant)
+    return info.value.code(), info.value.details() or ""
+
+
+def gateway_counters(mesh: Mesh) -> dict[str, int]:
+    with grpc.insecure_channel(mesh.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        stats = stub.GetStats(gateway_pb2.GetStatsRequest(), timeout=10)
+        return dict(stats.counters)
+
+
+def cache_pending_writes(mesh: Mesh) -> int:
+    with grpc.insecure_channel(mesh.addrs["cache"]) as channel:
+        stub = cache_pb2_grpc.CacheServiceStub(channel)
+        return int(stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10).pending_writes)
+
+
+def settle(mesh: Mesh) -> None:
+    """Wait until every store the gateway sent has been written to Milvus."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if gateway_counters(mesh)["stores_in_flight"] == 0 and cache_pending_writes(mesh) == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("cache stores did not land within 20 s")
+
+
+TEXT = "I was charged twice for the same order"
+
+
+def test_no_key_is_unauthenticated_with_instructions(kmesh: Mesh) -> None:
+    for tenant in ("", "acme"):
+        code, details = rejection(kmesh, TEXT, tenant=tenant)
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        assert "authorization: Bearer <key>" in details, details
+
+
+def test_wrong_key_is_unauthenticated(kmesh: Mesh) -> None:
+    for metadata in (auth("not-a-key"), auth(ACME_KEY + "0"), (("authorization", ACME_KEY),)):
+        code, details = rejection(kmesh, TEXT, metadata)
+        assert code == grpc.StatusCode.UNAUTHENTICATED, metadata
+        assert ACME_KEY not in details
+
+
+def test_a_key_cannot_claim_another_tenant(kmesh: Mesh) -> None:
+    code, details = rejection(kmesh, TEXT, auth(ACME_KEY), tenant="globex")
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert "acme" in details
+    assert "globex" in details
+    metadata = (*auth(ACME_KEY), ("x-hopline-tenant", "globex"))
+    code, _ = rejection(kmesh, TEXT, metadata)
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_the_keys_tenant_scopes_the_cache(kmesh: Mesh) -> None:
+    text = "how do I download last month's invoice as a pdf"
+    first = ask(kmesh, text, auth(ACME_KEY))
+    assert first.tenant == "acme"
+    assert first.cache.outcome == MISS, first.cache
+    settle(kmesh)
+
+    again = ask(kmesh, text, auth(ACME_KEY), tenant="acme")  # naming its own tenant is fine
+    assert again.tenant == "acme"
+    assert again.cache.outcome == EXACT, again.cache
+    assert again.cache.entry_id
+    assert again.prediction.label == first.prediction.label
+
+    # The identical text from globex never sees acme's entry.
+    other = ask(kmesh, text, auth(GLOBEX_KEY))
+    assert other.tenant == "globex"
+    assert other.cache.outcome == MISS, other.cache
+    assert other.prediction.label == first.prediction.label
+    settle(kmesh)
+
+    # globex now has an entry of its own, and acme still has its own.
+    theirs = ask(kmesh, text, auth(GLOBEX_KEY))
+    assert theirs.cache.outcome == EXACT, theirs.cache
+    assert theirs.cache.entry_id
+    assert theirs.cache.entry_id != again.cache.entry_id
+    ours = ask(kmesh, text, auth(ACME_KEY))
+    assert ours.cache.outcome == EXACT, ours.cache
+    assert ours.cache.entry_id == again.cache.entry_id
