@@ -570,6 +570,42 @@ def listing(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir())
 
 
+def stale_sockets(db: Path) -> list[str]:
+    """milvus-lite 2.5 serves on a unix socket `<tmpdir>/tmpXXXX_<db name>.sock`."""
+    return sorted(str(p) for p in Path(tempfile.gettempdir()).glob(f"tmp*_{db.name}.sock"))
+
+
+def kill_owner(workdir: Path, name: str, sig: signal.Signals, *, group: bool) -> Result:
+    db = workdir / name
+    holder = spawn("open", str(db), hold=120)
+    first_line(holder)
+    kids = descendants(holder.pid)
+    before = listing(workdir)
+    sockets = stale_sockets(db)
+    if group:
+        os.killpg(holder.pid, sig)
+    else:
+        os.kill(holder.pid, sig)
+    holder.communicate()
+    res: Result = {"signal": sig.name, "process_group": group, "children": kids}
+    for wait in (0.2, 1.0, 5.0):
+        time.sleep(wait)
+        res[f"alive_after_{wait}s"] = [k for k in kids if alive(k)]
+    res.update(
+        files_before=before,
+        files_after=listing(workdir),
+        sockets_before=sockets,
+        sockets_after=stale_sockets(db),
+        reopen=run_child("open", str(db)),
+    )
+    for k in kids:  # never leave anything of ours behind
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(k, signal.SIGKILL)
+    for sock in res["sockets_after"]:
+        Path(sock).unlink(missing_ok=True)
+    return res
+
+
 def probes(workdir: Path) -> Result:
     out: Result = {}
 
@@ -578,7 +614,7 @@ def probes(workdir: Path) -> Result:
     holder = spawn("open", str(db), hold=60)
     first = first_line(holder)
     second = run_child("open", str(db))
-    os.killpg(holder.pid, signal.SIGTERM)
+    os.kill(holder.pid, signal.SIGTERM)
     holder.communicate()
     out["a_two_processes"] = {"first": first, "second": second}
 
@@ -617,28 +653,10 @@ def probes(workdir: Path) -> Result:
             out[f"c_{label}_timeout_{timeout}"] = run_child("open", uri, timeout=timeout)
     hung.close()
 
-    # h. SIGKILL of the owning process: children, files, durability
-    db = workdir / "kill.db"
-    holder = spawn("open", str(db), hold=120)
-    first_line(holder)
-    kids = descendants(holder.pid)
-    before = listing(workdir)
-    os.kill(holder.pid, signal.SIGKILL)
-    holder.communicate()
-    timeline: dict[str, list[int]] = {}
-    for wait in (0.2, 1.0, 5.0):
-        time.sleep(wait)
-        timeline[f"alive_after_{wait}s"] = [k for k in kids if alive(k)]
-    out["h_sigkill"] = {
-        "children": kids,
-        **timeline,
-        "files_before": before,
-        "files_after": listing(workdir),
-        "reopen": run_child("open", str(db)),
-    }
-    for k in kids:  # never leave anything behind ourselves
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(k, signal.SIGKILL)
+    # h. the owning process killed: SIGKILL to it alone, SIGTERM to its whole process group
+    # (what a terminal, `docker stop` or systemd do): children, files left behind, reopening
+    out["h_sigkill"] = kill_owner(workdir, "kill.db", signal.SIGKILL, group=False)
+    out["h_sigterm_group"] = kill_owner(workdir, "group.db", signal.SIGTERM, group=True)
     dur = workdir / "durable.db"
     spawn_res = run_child("populate-kill", str(dur))
     out["h_sigkill_after_insert"] = {"writer": spawn_res, "reopen": run_child("open", str(dur))}
@@ -675,6 +693,24 @@ def table(res: Result) -> str:
         if key in res:
             lines.append(f"{key:<32} {json.dumps(res[key])}")
     return "\n".join(lines)
+
+
+def probe_line(r: Result) -> str:
+    if "second" in r:  # two processes: what the second one got
+        r = r["second"]
+    if "reopen" in r and "writer" in r:
+        return f"rows after reopen: {r['reopen'].get('counts')}"
+    if "signal" in r:
+        return (
+            f"children {r['children']} alive after 0.2s: {r['alive_after_0.2s']}, "
+            f"stale sockets: {len(r['sockets_after'])}, reopen ok: {r['reopen'].get('ok')}"
+        )
+    if r.get("hang"):
+        return f"HANG (killed after {r['waited_s']} s)"
+    if r.get("ok"):
+        return f"ok in {r.get('open_s', 0):.2f} s, counts {r.get('counts')}"
+    err = r.get("error", {})
+    return f"{err.get('type')} after {r.get('after_s', 0):.3f} s: {err.get('message', '')[:150]}"
 
 
 def main() -> None:
@@ -721,6 +757,11 @@ def main() -> None:
         report["introspection"] = schema_introspection(client)
         report["index_types"] = probe_indexes(client, args.probe_n, args.seed)
         client.close()
+        # close() leaves the embedded server running (2.5: a subprocess, 3.x: threads) until
+        # interpreter exit; release it so the db is closed before the work dir is removed.
+        from milvus_lite.server_manager import server_manager_instance
+
+        report["release_ms"], _ = timed(server_manager_instance.release_server, uri)
     report["warnings"] = sorted(
         {f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught}
     )
@@ -741,6 +782,8 @@ def main() -> None:
         else:
             print(f"  {name:<10} FAIL at {r['stage']}: {r['error']}")
     print("warnings:", *report["warnings"] or ["none"], sep="\n  ")
+    for name, r in report.get("probes", {}).items():
+        print(f"probe {name}: {probe_line(r)}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))
         print(f"wrote {args.json}")

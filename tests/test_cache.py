@@ -323,3 +323,26 @@ def test_cache_killed_mid_run_fails_open_then_recovers(slow_mesh: Mesh) -> None:
         assert time.monotonic() < deadline, reply.cache.detail
         time.sleep(0.5)
     assert gateway_counters(slow_mesh)["circuit"] == "closed"
+
+
+def test_refresh_replaces_the_entry_and_bypass_leaves_the_cache_alone(cmesh: Mesh) -> None:
+    text = "what are your opening hours"
+    ask(cmesh, text, tenant="modes")
+    settle(cmesh)
+    first = ask(cmesh, text, tenant="modes")
+    assert first.cache.outcome == EXACT
+    time.sleep(0.3)
+    refreshed = ask(cmesh, text, tenant="modes", cache_mode="refresh")
+    assert refreshed.cache.outcome == common_pb2.CACHE_OUTCOME_SKIPPED
+    assert "REFRESH" in refreshed.cache.detail
+    settle(cmesh)
+    again = ask(cmesh, text, tenant="modes")
+    assert again.cache.outcome == EXACT
+    assert again.cache.entry_id == first.cache.entry_id  # same key, new entry
+    assert again.cache.age_s < first.cache.age_s + 0.3  # written by the refresh, not before
+    stores = gateway_counters(cmesh)["stores"]
+    bypass = ask(cmesh, "a question nobody asked before", tenant="modes", cache_mode="bypass")
+    assert bypass.cache.outcome == common_pb2.CACHE_OUTCOME_SKIPPED
+    settle(cmesh)
+    assert gateway_counters(cmesh)["stores"] == stores
+    assert lookup(cmesh, "a question nobody asked before", "modes", "sem") == MISS
