@@ -18,7 +18,8 @@ plus `count(*)` with a filter, `query_iterator` over the whole collection, which
 types the engine accepts (FLAT, IVF_FLAT, HNSW, AUTOINDEX, with recall@4 against exact search),
 what `describe_collection` / `describe_index` expose, and, with --probes, the failure modes:
 the same db opened by two processes, corrupted db files, unreachable server uris, and what is
-left behind (processes, files, data) when the owning process is SIGKILLed.
+left behind (processes, files, data) when the owning process is killed, and what a call does
+when the embedded server subprocess (2.5 only) stalls or dies under an open client.
 
 Run it with the Python of a venv holding the pymilvus / milvus-lite pair under test, e.g.
   /tmp/mv25/bin/python bench/milvus_lite_versions.py --n 20000 --probes --json mv25.json
@@ -39,6 +40,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -463,7 +465,8 @@ def schema_introspection(client: Any) -> Result:
 def child_main(args: argparse.Namespace) -> None:
     """`--child open URI`: open, touch every collection, print one JSON line, hold, exit.
     `--child populate URI`: create + insert 2000 rows (+ flush unless --child-kill), then
-    exit, or SIGKILL itself right after the last insert is acknowledged."""
+    exit, or SIGKILL itself right after the last insert is acknowledged.
+    `--child faults URI`: stall, then kill, the embedded server subprocess (see server_faults)."""
     warnings.simplefilter("ignore")
     from pymilvus import MilvusClient
 
@@ -473,7 +476,9 @@ def child_main(args: argparse.Namespace) -> None:
         kwargs = {} if args.child_timeout is None else {"timeout": args.child_timeout}
         client = MilvusClient(args.child_uri, **kwargs)
         res["open_s"] = time.perf_counter() - start
-        if args.child == "populate":
+        if args.child == "faults":
+            res.update(server_faults(client))
+        elif args.child == "populate":
             rng = np.random.default_rng(0)
             create_collection(client, COLLECTION, "FLAT")
             vecs = unit(rng, 2000)
@@ -498,6 +503,46 @@ def child_main(args: argparse.Namespace) -> None:
         res.update(ok=False, after_s=time.perf_counter() - start, error=describe_exc(exc))
     print(json.dumps(res, default=str), flush=True)
     time.sleep(args.child_hold)
+
+
+def search_outcome(client: Any, timeout: float | None) -> Result:
+    start = time.perf_counter()
+    try:
+        client.search(COLLECTION, [np.ones(DIM).tolist()], limit=1, timeout=timeout)
+        res: Result = {"ok": True}
+    except Exception as exc:
+        res = {"ok": False, "error": describe_exc(exc)}
+        if hasattr(exc, "code") and callable(exc.code):  # grpc.RpcError
+            res["grpc_code"] = str(exc.code())
+    res["after_s"] = time.perf_counter() - start
+    return res
+
+
+def server_faults(client: Any) -> Result:
+    """milvus-lite 2.5 only (3.x has no server process): SIGSTOP the server and search with
+    and without a per-call timeout, then SIGKILL it and search again."""
+    create_collection(client, COLLECTION, "FLAT")
+    kids = descendants(os.getpid())
+    if not kids:
+        return {"skipped": "no server subprocess (milvus-lite 3.x runs in-process)"}
+    res: Result = {}
+    for k in kids:
+        os.kill(k, signal.SIGSTOP)
+    res["stalled_timeout_1s"] = search_outcome(client, 1.0)
+    box: list[Result] = []
+    worker = threading.Thread(target=lambda: box.append(search_outcome(client, None)), daemon=True)
+    worker.start()
+    worker.join(5.0)
+    res["stalled_no_timeout_blocked_5s"] = worker.is_alive()
+    for k in kids:
+        os.kill(k, signal.SIGCONT)
+    worker.join(10.0)
+    res["stalled_no_timeout_after_resume"] = box[0] if box else None
+    for k in kids:
+        os.kill(k, signal.SIGKILL)
+    time.sleep(0.5)
+    res["dead_timeout_2s"] = search_outcome(client, 2.0)
+    return res
 
 
 def spawn(mode: str, uri: str, *, hold: float = 0.0, timeout: float | None = None) -> Popen:
@@ -657,6 +702,10 @@ def probes(workdir: Path) -> Result:
     # (what a terminal, `docker stop` or systemd do): children, files left behind, reopening
     out["h_sigkill"] = kill_owner(workdir, "kill.db", signal.SIGKILL, group=False)
     out["h_sigterm_group"] = kill_owner(workdir, "group.db", signal.SIGTERM, group=True)
+
+    # i. the embedded server stalls / dies under an open client (pymilvus 2.5 retries for
+    # minutes on a dead server whatever the timeout, hence the long limit)
+    out["i_server_faults"] = run_child("faults", str(workdir / "faults.db"), limit_s=400)
     dur = workdir / "durable.db"
     spawn_res = run_child("populate-kill", str(dur))
     out["h_sigkill_after_insert"] = {"writer": spawn_res, "reopen": run_child("open", str(dur))}
@@ -700,6 +749,13 @@ def probe_line(r: Result) -> str:
         r = r["second"]
     if "reopen" in r and "writer" in r:
         return f"rows after reopen: {r['reopen'].get('counts')}"
+    if "stalled_timeout_1s" in r:
+        return (
+            f"stalled+timeout: {r['stalled_timeout_1s']}; stalled, no timeout, blocked: "
+            f"{r['stalled_no_timeout_blocked_5s']}; dead+timeout=2: {r['dead_timeout_2s']}"
+        )
+    if "skipped" in r:
+        return str(r["skipped"])
     if "signal" in r:
         return (
             f"children {r['children']} alive after 0.2s: {r['alive_after_0.2s']}, "
@@ -727,7 +783,7 @@ def main() -> None:
     parser.add_argument("--probes", action="store_true", help="also run failure-mode probes")
     parser.add_argument("--quiet", action="store_true", help="silence pymilvus / engine logs")
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
-    parser.add_argument("--child", choices=("open", "populate"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("open", "populate", "faults"), help=argparse.SUPPRESS)
     parser.add_argument("--child-uri", help=argparse.SUPPRESS)
     parser.add_argument("--child-hold", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--child-timeout", type=float, default=None, help=argparse.SUPPRESS)

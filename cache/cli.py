@@ -88,7 +88,13 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     ev.add_argument(
         "--max-intents", type=int, default=0, help="only the first N intents (0: all), for CI"
     )
-    ev.add_argument("--concurrency", type=int, default=8, help="warm-up requests in flight")
+    ev.add_argument(
+        "--concurrency",
+        type=int,
+        default=2,
+        help="warm-up requests in flight (more than the cores makes lookups overrun their "
+        "budget and fail open, which leaves the cache half warm)",
+    )
     ev.add_argument("--out", type=Path, help="directory for cache-eval.json and cache-eval.md")
     ev.set_defaults(cache_handler=_eval)
 

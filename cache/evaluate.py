@@ -255,7 +255,7 @@ def run(
     model: str,
     threshold: float,
     max_intents: int = 0,
-    concurrency: int = 8,
+    concurrency: int = 2,
     out_dir: Path | None = None,
 ) -> dict[str, Any]:
     splits = load_clinc(clinc, max_intents)

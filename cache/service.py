@@ -31,7 +31,7 @@ from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
 
 log = logging.getLogger("hopline.cache")
 
-SEMANTIC_CANDIDATES = 3  # nearest entries checked, in case the best fails verification
+SEMANTIC_CANDIDATES = 4  # nearest entries checked for verification and agreement
 RECENT_VECTORS = 4096  # 1.5 KiB each
 
 
@@ -67,6 +67,12 @@ class CacheConfig(ServerConfig):
     max_pending: int = env_field(
         "HOPLINE_CACHE_MAX_PENDING", 10_000, "stores waiting for Milvus before new ones are refused"
     )
+    agreement_margin: float = env_field(
+        "HOPLINE_CACHE_AGREEMENT_MARGIN",
+        0.05,
+        "a semantic hit is refused when an entry within this much below the threshold "
+        "carries another answer",
+    )
     embed_threads: int = env_field(
         "HOPLINE_CACHE_EMBED_THREADS", 0, "ONNX Runtime threads for the embedder (0: all cores)"
     )
@@ -96,6 +102,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 "evictions",
                 "expirations",
                 "store_embeddings",
+                "ambiguous",
             ),
             0,
         )
@@ -275,19 +282,38 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             found = await self._io_call(store.search, vector, scope, now, SEMANTIC_CANDIDATES)
             response.embed_ms = (t2 - t1) * 1e3
             response.search_ms = (time.perf_counter() - t2) * 1e3
-            for candidate, similarity in found:
-                # The filter already scoped the search; checking again costs nothing and
-                # keeps a filter mistake from ever crossing tenants.
-                if similarity < threshold:
-                    break
-                if candidate.scope == scope and candidate.expires_at > now:
-                    self.counters["semantic_hits"] += 1
-                    return self._hit(
-                        response, common_pb2.CACHE_OUTCOME_SEMANTIC, candidate, similarity, now
-                    )
+            hit = self._accept(found, scope, now, threshold)
+            if hit is not None:
+                self.counters["semantic_hits"] += 1
+                return self._hit(response, common_pb2.CACHE_OUTCOME_SEMANTIC, *hit, now)
         self.counters["misses"] += 1
         response.outcome = common_pb2.CACHE_OUTCOME_MISS
         return response
+
+    def _accept(
+        self,
+        found: list[tuple[Entry, float]],
+        scope: tuple[str, str, str, str],
+        now: float,
+        threshold: float,
+    ) -> tuple[Entry, float] | None:
+        """The nearest entry at or above the threshold, unless a runner-up close to it carries
+        another answer: the query sits between two answers, and guessing is a false hit."""
+        best: tuple[Entry, float, str] | None = None
+        for candidate, similarity in found:
+            # The filter already scoped the search; checking again costs nothing and keeps a
+            # filter mistake from ever crossing tenants.
+            if candidate.scope != scope or candidate.expires_at <= now:
+                continue
+            label = common_pb2.Prediction.FromString(candidate.response).label
+            if best is None:
+                if similarity < threshold:
+                    return None
+                best = (candidate, similarity, label)
+            elif similarity >= threshold - self.config.agreement_margin and label != best[2]:
+                self.counters["ambiguous"] += 1
+                return None
+        return (best[0], best[1]) if best is not None else None
 
     def _remember(self, text: str, vector: Vector) -> None:
         self._recent[text] = vector
@@ -412,6 +438,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             exact_hits=c["exact_hits"],
             semantic_hits=c["semantic_hits"],
             misses=c["misses"],
+            ambiguous=c["ambiguous"],
             stores=c["stores"],
             store_errors=c["store_errors"],
             evictions=c["evictions"],

@@ -24,6 +24,9 @@ def make_session(
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.log_severity_level = 3
+    # Idle intra-op threads otherwise spin for work; in a mesh several ONNX Runtime processes
+    # share the cores, and one's spinning threads starve the next one's run.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     available = set(ort.get_available_providers())
     chosen = [p for p in providers if p in available] or ["CPUExecutionProvider"]
     return ort.InferenceSession(str(path), sess_options=options, providers=chosen)
