@@ -119,12 +119,14 @@ def versions() -> Result:
 
 def unit(rng: np.random.Generator, count: int) -> np.ndarray:
     v = rng.standard_normal((count, DIM)).astype(np.float32)
-    return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
+    out: np.ndarray = (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
+    return out
 
 
 def near(rng: np.random.Generator, v: np.ndarray, noise: float = 0.02) -> np.ndarray:
     q = v + rng.standard_normal(v.shape).astype(np.float32) * noise
-    return (q / np.linalg.norm(q, axis=-1, keepdims=True)).astype(np.float32)
+    out: np.ndarray = (q / np.linalg.norm(q, axis=-1, keepdims=True)).astype(np.float32)
+    return out
 
 
 def make_rows(rng: np.random.Generator, vectors: np.ndarray, start: int, n_total: int) -> list[Row]:
@@ -776,12 +778,14 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=500, help="searches / gets per phase")
     parser.add_argument("--mixed", type=int, default=500, help="insert+search iterations")
     parser.add_argument("--deletes", type=int, default=200, help="single-id deletes")
-    parser.add_argument("--index", default="FLAT", choices=INDEX_TYPES)
+    parser.add_argument(
+        "--index", default="FLAT", choices=INDEX_TYPES, help="index of the main collection"
+    )
     parser.add_argument("--probe-n", type=int, default=5000, help="rows per index-type probe")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", type=Path, default=None, help="work dir (default: a temp dir)")
     parser.add_argument("--probes", action="store_true", help="also run failure-mode probes")
-    parser.add_argument("--quiet", action="store_true", help="silence pymilvus / engine logs")
+    parser.add_argument("--quiet", action="store_true", help="set the pymilvus logger to CRITICAL")
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     parser.add_argument("--child", choices=("open", "populate", "faults"), help=argparse.SUPPRESS)
     parser.add_argument("--child-uri", help=argparse.SUPPRESS)

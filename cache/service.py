@@ -47,7 +47,10 @@ class CacheConfig(ServerConfig):
         "HOPLINE_CACHE_DIR", ".hopline", "where the built embedding encoder is kept"
     )
     index_type: str = env_field(
-        "HOPLINE_CACHE_INDEX", "FLAT", "Milvus vector index for a new collection"
+        "HOPLINE_CACHE_INDEX",
+        "AUTOINDEX",
+        "Milvus vector index for a new collection (AUTOINDEX: exact on milvus-lite 2.5, the "
+        "server's choice on a Milvus server)",
     )
     milvus_timeout_s: float = env_field(
         "HOPLINE_CACHE_MILVUS_TIMEOUT_S", 5.0, "bound on each Milvus call, connecting included"

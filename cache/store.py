@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 
@@ -139,7 +140,7 @@ class MilvusStore:
         collection: str,
         dim: int,
         *,
-        index_type: str = "FLAT",
+        index_type: str = "AUTOINDEX",
         timeout_s: float = 5.0,
     ) -> None:
         self.uri = uri
@@ -147,6 +148,10 @@ class MilvusStore:
         self.dim = dim
         self.timeout_s = timeout_s
         pymilvus = _quiet_imports()
+        # pymilvus logs to its own stderr handler; route it through the service's logs.
+        pymilvus_log = logging.getLogger("pymilvus")
+        pymilvus_log.handlers.clear()
+        pymilvus_log.propagate = True
         self._exc: type[Exception] = pymilvus.MilvusException
         self._client = self._connect(pymilvus)
         try:
@@ -155,7 +160,7 @@ class MilvusStore:
             else:
                 self._create(pymilvus, index_type)
             self._client.load_collection(collection, timeout=timeout_s * 6)
-        except self._exc as exc:
+        except (self._exc, grpc.RpcError) as exc:
             self.close()
             raise CacheStoreError(f"Milvus at {uri}: {_reason(exc)}") from exc
 
@@ -324,7 +329,8 @@ class MilvusStore:
             raise CacheStoreError("the cache store is closed")
         try:
             return fn(*args, timeout=self.timeout_s, **kwargs)
-        except self._exc as exc:
+        except (self._exc, grpc.RpcError) as exc:
+            # A stalled server surfaces as a bare gRPC DEADLINE_EXCEEDED, not a MilvusException.
             raise CacheStoreError(f"Milvus at {self.uri}: {_reason(exc)}") from exc
 
 

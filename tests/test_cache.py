@@ -300,15 +300,17 @@ def test_identical_concurrent_misses_run_inference_once(slow_mesh: Mesh) -> None
 
 
 def test_cache_killed_mid_run_fails_open_then_recovers(slow_mesh: Mesh) -> None:
+    # An exact-only model: every distinct text is a miss held 300 ms in inference, so the
+    # kill lands while most of the requests are still to come.
     texts = [f"request {i}: can I change my delivery address" for i in range(24)]
     with ThreadPoolExecutor(4) as pool:
-        running = pool.map(lambda t: ask(slow_mesh, t, tenant="fo"), texts)
+        running = pool.map(lambda t: ask(slow_mesh, t, tenant="fo", model="short"), texts)
         time.sleep(0.5)
         slow_mesh.kill("cache")
         replies = list(running)  # every request must succeed: the cache is optional
     assert all(r.prediction.label for r in replies)
     assert replies[-1].cache.outcome == FAIL_OPEN
-    after_kill = [ask(slow_mesh, t, tenant="fo") for t in texts[:5]]
+    after_kill = [ask(slow_mesh, t, tenant="fo", model="short") for t in texts[:5]]
     assert all(r.cache.outcome == FAIL_OPEN for r in after_kill)
     counters = gateway_counters(slow_mesh)
     assert counters["circuit"] == "open" or counters["cache_circuit_opened"] >= 1
