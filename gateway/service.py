@@ -54,8 +54,10 @@ class GatewayConfig(ServerConfig):
     channels_per_upstream: int = env_field(
         "HOPLINE_CHANNELS_PER_UPSTREAM", 2, "connections the gateway keeps to each upstream"
     )
+    # Measured through the gateway on 2 cores, sequential CLINC150 queries: semantic lookups
+    # (embedding + Milvus search) p99 34 ms, exact lookups p99 4 ms; a few ms above the worst.
     cache_budget_ms: float = env_field(
-        "HOPLINE_CACHE_BUDGET_MS", 50.0, "a cache lookup slower than this fails open"
+        "HOPLINE_CACHE_BUDGET_MS", 40.0, "a cache lookup slower than this fails open"
     )
     cache_breaker_failures: int = env_field(
         "HOPLINE_CACHE_BREAKER_FAILURES", 5, "consecutive cache failures that open the circuit"
