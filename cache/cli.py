@@ -44,6 +44,26 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     pairs.add_argument("--seed", type=int, default=0, help="with --train: the split's seed")
     pairs.add_argument("--oos-label", default="oos", help="the label of out-of-scope queries")
+    pairs.add_argument(
+        "--model",
+        help="label pairs by this model's answers instead of the data set's: same-answer when "
+        "the model answers the query as it answered the cached text, which is what `hopline "
+        "cache eval` counts; the cached side keeps only answers the model's cache policy "
+        "would store (in scope, score >= min_score)",
+    )
+    pairs.add_argument("--model-version", default="", help="with --model; default: the latest")
+    pairs.add_argument(
+        "--model-repo",
+        type=Path,
+        default=Path(os.environ.get("HOPLINE_MODEL_REPO", "models")),
+        help="with --model [env HOPLINE_MODEL_REPO]",
+    )
+    pairs.add_argument(
+        "--min-score",
+        type=float,
+        default=None,
+        help="with --model: store only answers scoring at least this (default: the policy's)",
+    )
     pairs.add_argument("--out", type=Path, required=True)
     pairs.add_argument("--work-dir", type=Path, default=Path(work_dir), help=_WORK_DIR_HELP)
     pairs.set_defaults(cache_handler=_pairs)
@@ -77,6 +97,7 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     ev.add_argument("--clinc", type=Path, required=True, help="CLINC150 data_full.json")
     ev.add_argument("--model", required=True, help="a model trained on the same intents")
+    ev.add_argument("--model-version", default="", help="default: the latest version")
     ev.add_argument(
         "--model-repo",
         type=Path,
@@ -95,6 +116,13 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="warm-up requests in flight (more than the cores makes lookups overrun their "
         "budget and fail open, which leaves the cache half warm)",
     )
+    ev.add_argument(
+        "--exact-repeats",
+        type=int,
+        default=500,
+        help="afterwards, resend this many stored misses to time exact hits (not counted in "
+        "the hit rate)",
+    )
     ev.add_argument("--out", type=Path, help="directory for cache-eval.json and cache-eval.md")
     ev.set_defaults(cache_handler=_eval)
 
@@ -105,7 +133,8 @@ def _eval(args: argparse.Namespace) -> int:
     from hopline.config import DEFAULT_ADDRS, addr_env
     from hopline.model.repository import ModelRepository
 
-    policy = ModelRepository(args.model_repo).resolve(args.model).cache
+    resolved = ModelRepository(args.model_repo).resolve(args.model, args.model_version)
+    policy = resolved.cache
     if policy.mode != "semantic":
         sys.stderr.write(
             f"note: {args.model}'s cache mode is {policy.mode!r}: only the exact tier answers\n"
@@ -115,9 +144,11 @@ def _eval(args: argparse.Namespace) -> int:
         gateway=gateway_address(args.gateway),
         cache=args.cache or os.environ.get(addr_env("cache")) or DEFAULT_ADDRS["cache"],
         model=args.model,
-        threshold=policy.threshold,
+        model_version=resolved.version,
+        policy=policy,
         max_intents=args.max_intents,
         concurrency=args.concurrency,
+        exact_repeats=args.exact_repeats,
         out_dir=args.out,
     )
     sys.stdout.write(markdown(report))
@@ -192,7 +223,11 @@ def _pairs(args: argparse.Namespace) -> int:
     else:
         store, queries = _holdout(load_examples(args.train), args.holdout, args.seed)
     started = time.perf_counter()
-    pairs = derive_pairs(_embedder(args.work_dir).embed_many, store, queries, args.oos_label)
+    oos_label = args.oos_label
+    if args.model:
+        store, queries = _model_labels(args, store, queries)
+        oos_label = ""  # an out-of-scope answer is an answer like any other here
+    pairs = derive_pairs(_embedder(args.work_dir).embed_many, store, queries, oos_label)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_pairs(pairs, args.out)
     same = sum(p.same for p in pairs)
@@ -203,6 +238,32 @@ def _pairs(args: argparse.Namespace) -> int:
         f"({time.perf_counter() - started:.1f} s)\n"
     )
     return 0
+
+
+def _model_labels(
+    args: argparse.Namespace, store: Examples, queries: Examples
+) -> tuple[Examples, Examples]:
+    """The data set relabelled with the model's answers; the store as the policy fills it."""
+    from hopline.pipeline import Pipeline
+
+    pipeline = Pipeline.load(args.model_repo, args.model, args.model_version)
+    policy = pipeline.config.cache
+    min_score = policy.min_score if args.min_score is None else args.min_score
+    stored = pipeline.predict_many([t for t, _ in store])
+    kept = [
+        (text, p.label)
+        for (text, _), p in zip(store, stored, strict=True)
+        if (policy.store_out_of_scope or not p.out_of_scope) and p.score >= min_score
+    ]
+    if not kept:
+        raise ValueError(f"the policy of {pipeline.config.key} would store none of the texts")
+    answered = pipeline.predict_many([t for t, _ in queries])
+    sys.stdout.write(
+        f"labelled by {pipeline.config.key}: {len(kept)} of {len(store)} store texts kept "
+        f"(the answers its cache policy stores: score >= {min_score:g}"
+        f"{', out of scope too' if policy.store_out_of_scope else ', in scope'})\n"
+    )
+    return kept, [(text, p.label) for (text, _), p in zip(queries, answered, strict=True)]
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -256,7 +317,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         # Why not lower: the next observed threshold is the first to miss the target.
         p = result.curve.at(float(lower[0]))
         rows.append(
-            f"  next lower threshold {p.threshold:.4f} has false-hit rate "
+            f"  next lower threshold {p.threshold:.6f} has false-hit rate "
             f"{p.false_hit_rate:.4f} ({p.false_hits}/{p.hits})"
         )
     if args.png:

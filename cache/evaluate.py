@@ -26,6 +26,7 @@ from hopline.cache.keys import exact_key, scope_tuple
 from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.common.v1 import common_pb2
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.model.repository import CachePolicy
 
 Examples = list[tuple[str, str]]
 OUTCOMES = {
@@ -47,6 +48,7 @@ class Query:
     similarity: float = 0.0
     from_store_split: bool = False  # the hit's entry was written by the warm-up
     model_label: str = ""
+    model_score: float = 0.0
     total_ms: float = 0.0  # client-side, with the cache
     lookup_ms: float = 0.0  # the gateway's cache hop
     model_total_ms: float = 0.0  # client-side, cache bypassed
@@ -84,12 +86,12 @@ def _timing(reply: gateway_pb2.PredictResponse, hop: str) -> float:
 
 
 class Evaluation:
-    def __init__(self, gateway: str, cache: str, model: str, tenant: str) -> None:
+    def __init__(self, gateway: str, cache: str, model: str, version: str, tenant: str) -> None:
         self.gateway = gateway
         self.cache = cache
         self.model = model
         self.tenant = tenant
-        self.version = ""
+        self.version = version
 
     async def _predict(
         self,
@@ -100,7 +102,11 @@ class Evaluation:
         started = time.perf_counter()
         reply = await stub.Predict(
             gateway_pb2.PredictRequest(
-                text=text, model=self.model, tenant=self.tenant, cache_mode=mode
+                text=text,
+                model=self.model,
+                model_version=self.version,
+                tenant=self.tenant,
+                cache_mode=mode,
             ),
             timeout=60,
         )
@@ -108,7 +114,6 @@ class Evaluation:
 
     async def warm(self, texts: Sequence[str], concurrency: int) -> dict[str, int]:
         outcomes: dict[str, int] = {}
-        self.version = ""
         async with grpc.aio.insecure_channel(self.gateway) as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             queue = list(texts)
@@ -157,7 +162,20 @@ class Evaluation:
                     stub, q.text, common_pb2.CACHE_MODE_BYPASS
                 )
                 q.model_label = own.prediction.label
+                q.model_score = own.prediction.score
                 q.inference_ms = _timing(own, "inference")
+
+    async def repeat(self, texts: Sequence[str]) -> list[tuple[str, float, float]]:
+        """Send texts again once their stores have landed: (outcome, lookup ms, total ms)."""
+        await self.settle()
+        out: list[tuple[str, float, float]] = []
+        async with grpc.aio.insecure_channel(self.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            for text in texts:
+                reply, total = await self._predict(stub, text, common_pb2.CACHE_MODE_USE)
+                outcome = OUTCOMES.get(reply.cache.outcome, "other")
+                out.append((outcome, _timing(reply, "cache_lookup"), total))
+        return out
 
 
 def summarise(queries: list[Query], meta: dict[str, Any]) -> dict[str, Any]:
@@ -177,7 +195,7 @@ def summarise(queries: list[Query], meta: dict[str, Any]) -> dict[str, Any]:
     correct_with = sum(q.cached_label == q.label for q in in_scope)
     correct_without = sum(q.model_label == q.label for q in in_scope)
     return {
-        **meta,
+        **{k: v for k, v in meta.items() if k != "repeats"},
         "model_version": meta.get("model_version", ""),
         "queries": len(queries),
         "hit_rate": rate(hits, queries),
@@ -190,6 +208,19 @@ def summarise(queries: list[Query], meta: dict[str, Any]) -> dict[str, Any]:
         "oos_queries": len(oos),
         "oos_hits": len(oos_hits),
         "oos_false_hit_rate": rate(oos_hits, oos),
+        # Every cache-induced error, for whoever tunes the threshold or the policy next.
+        "cache_induced_error_examples": [
+            {
+                "text": q.text,
+                "truth": q.label,
+                "cached": q.cached_label,
+                "model": q.model_label,
+                "tier": q.outcome,
+                "similarity": round(q.similarity, 4),
+                "entry_from_warmup": q.from_store_split,
+            }
+            for q in wrong
+        ],
         "accuracy_in_scope_with_cache": round(correct_with / max(1, len(in_scope)), 4),
         "accuracy_in_scope_model_only": round(correct_without / max(1, len(in_scope)), 4),
         "latency": {
@@ -201,6 +232,12 @@ def summarise(queries: list[Query], meta: dict[str, Any]) -> dict[str, Any]:
                 name: _pct([q.total_ms for q in queries if q.outcome == name])
                 for name in ("exact", "semantic", "miss")
             },
+            "exact_repeats": {
+                "sent": len(meta.get("repeats", [])),
+                "exact": sum(r[0] == "exact" for r in meta.get("repeats", [])),
+                "cache_lookup_hop": _pct([r[1] for r in meta.get("repeats", [])]),
+                "end_to_end": _pct([r[2] for r in meta.get("repeats", [])]),
+            },
             "model_only_end_to_end": _pct([q.model_total_ms for q in queries]),
             "model_only_inference_hop": _pct([q.inference_ms for q in queries]),
         },
@@ -211,7 +248,8 @@ def markdown(report: dict[str, Any]) -> str:
     lat = report["latency"]
     tier = report["hit_rate_by_tier"]
     lines = [
-        f"# Cache evaluation: {report['model']} at threshold {report['threshold']}",
+        f"# Cache evaluation: {report['model']} at threshold {report['threshold']}, "
+        f"min_score {report['min_score']}",
         "",
         f"{report['queries']} queries ({report['oos_queries']} out of scope) after warming "
         f"with {report['warmed']} texts; tenant `{report['tenant']}`.",
@@ -228,6 +266,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"| in-scope accuracy with / without cache | "
         f"{report['accuracy_in_scope_with_cache']:.2%} / "
         f"{report['accuracy_in_scope_model_only']:.2%} |",
+        f"| stored misses resent (timing exact hits) | "
+        f"{lat['exact_repeats']['exact']} of {lat['exact_repeats']['sent']} answered EXACT |",
         "",
         "| latency (ms) | n | p50 | p99 |",
         "|---|---|---|---|",
@@ -238,6 +278,8 @@ def markdown(report: dict[str, Any]) -> str:
             (f"end to end, {k}", lat["end_to_end_with_cache"][k])
             for k in ("exact", "semantic", "miss")
         ),
+        ("cache hop, exact repeat of a miss", lat["exact_repeats"]["cache_lookup_hop"]),
+        ("end to end, exact repeat of a miss", lat["exact_repeats"]["end_to_end"]),
         ("end to end, cache bypassed (model only)", lat["model_only_end_to_end"]),
         ("inference hop, cache bypassed", lat["model_only_inference_hop"]),
     ]
@@ -253,14 +295,16 @@ def run(
     gateway: str,
     cache: str,
     model: str,
-    threshold: float,
+    policy: CachePolicy,
+    model_version: str = "",
     max_intents: int = 0,
     concurrency: int = 2,
+    exact_repeats: int = 500,
     out_dir: Path | None = None,
 ) -> dict[str, Any]:
     splits = load_clinc(clinc, max_intents)
     tenant = f"eval-{int(time.time() * 1000)}"
-    ev = Evaluation(gateway, cache, model, tenant)
+    ev = Evaluation(gateway, cache, model, model_version, tenant)
     store = [t for t, _ in splits["train"]]
     started = time.perf_counter()
     warm = asyncio.run(ev.warm(store, concurrency))
@@ -275,18 +319,30 @@ def run(
     queries = [Query(t, lab, False) for t, lab in splits["test"]]
     queries += [Query(t, lab, True) for t, lab in splits["oos_test"]]
     asyncio.run(ev.query(queries, store_keys))
+    # The queries hardly repeat each other, so exact hits are measured apart: resend texts
+    # whose misses were stored. They are not counted in the hit rate.
+    stored_misses = [
+        q.text
+        for q in queries
+        if q.outcome == "miss"
+        and q.model_score >= policy.min_score
+        and (policy.store_out_of_scope or q.model_label != "out_of_scope")
+    ]
+    repeats = asyncio.run(ev.repeat(stored_misses[:exact_repeats])) if exact_repeats else []
     report = summarise(
         queries,
         {
             "model": model,
             "model_version": ev.version,
-            "threshold": threshold,
+            "threshold": policy.threshold,
+            "min_score": policy.min_score,
             "tenant": tenant,
             "warmed": len(store),
             "warm_outcomes": warm,
             "warm_seconds": round(warm_s, 1),
             "query_seconds": round(time.perf_counter() - started - warm_s, 1),
             "max_intents": max_intents,
+            "repeats": repeats,
         },
     )
     if out_dir is not None:

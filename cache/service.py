@@ -270,20 +270,30 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         t0 = time.perf_counter()
         key = exact_key(scope, text)
         pending = self._pending.get(key)
-        entry = pending[0] if pending is not None else await self._io_call(store.get, key, now)
+        normalised = normalise_text(text)
+        embedding: asyncio.Task[tuple[Vector, float]] | None = None
+        if semantic and pending is None:
+            # The embedding does not depend on the exact read: run both at once, so a miss
+            # pays max(read, embed) rather than their sum (the key query costs about 3 ms).
+            embedding = asyncio.create_task(self._embed_timed(normalised))
+        try:
+            entry = pending[0] if pending is not None else await self._io_call(store.get, key, now)
+        except BaseException:
+            if embedding is not None:
+                _detach(embedding)
+            raise
         response = cache_pb2.LookupResponse(exact_ms=(time.perf_counter() - t0) * 1e3)
         if entry is not None and entry.scope == scope and entry.expires_at > now:
+            if embedding is not None:
+                _detach(embedding)  # the encoder run is paid; its vector still lands in _recent
             self.counters["exact_hits"] += 1
             return self._hit(response, common_pb2.CACHE_OUTCOME_EXACT, entry, 1.0, now)
         if semantic:
-            assert self.embedder is not None
-            t1 = time.perf_counter()
-            normalised = normalise_text(text)
-            vector = await self.embedder.embed(normalised)
-            self._remember(normalised, vector)
+            if embedding is None:
+                embedding = asyncio.create_task(self._embed_timed(normalised))
+            vector, response.embed_ms = await embedding
             t2 = time.perf_counter()
             found = await self._io_call(store.search, vector, scope, now, SEMANTIC_CANDIDATES)
-            response.embed_ms = (t2 - t1) * 1e3
             response.search_ms = (time.perf_counter() - t2) * 1e3
             hit = self._accept(found, scope, now, threshold)
             if hit is not None:
@@ -292,6 +302,14 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.counters["misses"] += 1
         response.outcome = common_pb2.CACHE_OUTCOME_MISS
         return response
+
+    async def _embed_timed(self, text: str) -> tuple[Vector, float]:
+        """The text's vector (remembered for the store a miss sends) and the ms it took."""
+        assert self.embedder is not None
+        started = time.perf_counter()
+        vector = await self.embedder.embed(text)
+        self._remember(text, vector)
+        return vector, (time.perf_counter() - started) * 1e3
 
     def _accept(
         self,
@@ -453,6 +471,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             uri=self.config.uri,
             collection=self.embedder.model.collection if self.embedder else "",
         )
+
+
+def _detach(task: asyncio.Task[Any]) -> None:
+    """Let a task run on unawaited without an unretrieved-exception warning."""
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def _matches(scope: ScopeFilter, entry_scope: tuple[str, str, str, str]) -> bool:

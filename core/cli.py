@@ -120,6 +120,7 @@ def _model_build(args: argparse.Namespace) -> int:
         in_scope_reject_rate=args.reject_rate,
         cache_mode=args.cache_mode,
         cache_threshold=args.cache_threshold,
+        cache_min_score=args.cache_min_score,
     )
     info = json.loads((target / "config.json").read_text())
     sys.stdout.write(
@@ -186,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.9,
         help="cosine similarity a semantic hit needs (see `hopline cache calibrate`)",
+    )
+    build.add_argument(
+        "--cache-min-score",
+        type=float,
+        default=None,
+        help="answers scoring below this are not cached (default: 0.3 with --cache-mode "
+        "semantic, where a low-confidence answer replayed for paraphrases is the main source "
+        "of cache-induced errors; 0 otherwise)",
     )
 
     add_cache_commands(sub)

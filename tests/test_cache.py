@@ -47,6 +47,7 @@ def make_repo(default_repo: Path, work: Path) -> Path:
     add_model(repo, source, "sem", "2", mode="semantic", threshold=0.8)
     add_model(repo, source, "short", "1", mode="exact", ttl_s=1.5)
     add_model(repo, source, "small", "1", mode="exact", max_entries=3)
+    add_model(repo, source, "picky", "1", mode="exact", min_score=0.99)
     return repo
 
 
@@ -237,6 +238,22 @@ def test_out_of_scope_answers_are_not_stored(cmesh: Mesh) -> None:
     again = ask(cmesh, text, tenant="oos")
     assert again.cache.outcome == MISS
     assert gateway_counters(cmesh)["stores_skipped_policy"] == before + 1
+
+
+def test_answers_below_the_policys_min_score_are_not_stored(cmesh: Mesh) -> None:
+    text = "where is my order"
+    before = gateway_counters(cmesh)["stores_skipped_policy"]
+    first = ask(cmesh, text, tenant="picky", model="picky")
+    assert not first.prediction.out_of_scope
+    assert first.prediction.score < 0.99, "pick a text the model is less sure of"
+    settle(cmesh)
+    again = ask(cmesh, text, tenant="picky", model="picky")
+    assert again.cache.outcome == MISS
+    assert gateway_counters(cmesh)["stores_skipped_policy"] == before + 2
+    # The same answer under a policy without the bound is stored and replayed.
+    ask(cmesh, text, tenant="picky", model="small")
+    settle(cmesh)
+    assert ask(cmesh, text, tenant="picky", model="small").cache.outcome == EXACT
 
 
 def test_entries_survive_a_cache_restart(cmesh: Mesh) -> None:

@@ -26,6 +26,7 @@ from hopline.cache.calibrate import (
 )
 from hopline.cache.embedder import Embedder
 from hopline.model.build import DEFAULT_TRAIN_FILE, default_weights_dir, load_examples
+from hopline.pipeline import Pipeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -297,6 +298,52 @@ def test_calibrate_support_intents_through_the_cli(
     assert result["recall"] == pytest.approx((hits - wrong) / sum(same))
     assert result["hit_rate"] == pytest.approx(hits / len(pairs))
     assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_model_labelled_pairs_follow_the_models_answers_and_store_policy(
+    tmp_path: Path, work_dir: Path, embedder: Embedder, default_repo: Path
+) -> None:
+    """`pairs --model`: labels are the model's answers (what `cache eval` counts as a
+    cache-induced error), and the cached side holds only what the policy would store."""
+    pairs_file = tmp_path / "pairs.jsonl"
+    pipeline = Pipeline.load(default_repo, "support-intents")
+    examples = load_examples(DEFAULT_TRAIN_FILE)
+    # The median answer score: the bound drops about half of the store texts.
+    min_score = float(np.median([p.score for p in pipeline.predict_many([t for t, _ in examples])]))
+    run = _hopline(
+        "pairs",
+        "--train",
+        str(DEFAULT_TRAIN_FILE),
+        "--holdout",
+        "0.5",
+        "--model",
+        "support-intents",
+        "--model-repo",
+        str(default_repo),
+        "--min-score",
+        repr(min_score),
+        "--out",
+        str(pairs_file),
+        "--work-dir",
+        str(work_dir),
+    )
+    assert run.returncode == 0, run.stderr
+    pairs = read_pairs(pairs_file)
+    queried = {p.query for p in pairs}
+    store = [t for t, _ in examples if t not in queried]
+    answers = {t: p for t, p in zip(store, pipeline.predict_many(store), strict=True)}
+    kept = [t for t in store if answers[t].score >= min_score and not answers[t].out_of_scope]
+    assert 0 < len(kept) < len(store), "the min score should drop some store texts, not all"
+    assert f"{len(kept)} of {len(store)} store texts kept" in run.stdout
+
+    q_answers = pipeline.predict_many([p.query for p in pairs])
+    assert [p.query_label for p in pairs] == [a.label for a in q_answers]
+    assert all(p.candidate in kept for p in pairs)
+    assert [p.candidate_label for p in pairs] == [answers[p.candidate].label for p in pairs]
+    assert all(p.same == (p.query_label == p.candidate_label) for p in pairs)
+    # Nearest among the kept texts only.
+    sims = embedder.embed_many([p.query for p in pairs]) @ embedder.embed_many(kept).T
+    assert [p.candidate for p in pairs] == [kept[i] for i in np.argmax(sims, axis=1)]
 
 
 # --- CLINC150 -------------------------------------------------------------------------------

@@ -102,6 +102,12 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+# Measured on CLINC150 (val replayed through a cache warmed with train, threshold 0.9047):
+# storing only answers scoring >= 0.3 cut cache-induced errors from 7 to 2 of ~1000 hits
+# for 2% fewer hits. Near-tie answers are the ones a paraphrase flips.
+SEMANTIC_MIN_SCORE = 0.3
+
+
 def build_model(
     train_file: Path,
     name: str,
@@ -114,6 +120,7 @@ def build_model(
     in_scope_reject_rate: float = 0.02,
     cache_mode: str = "exact",
     cache_threshold: float = 0.9,
+    cache_min_score: float | None = None,
 ) -> Path:
     """Build and write one immutable model version; returns its directory."""
     validate_name(name)
@@ -172,7 +179,17 @@ def build_model(
             version,
             len(labels),
             threshold,
-            {"mode": cache_mode, "threshold": cache_threshold},
+            {
+                "mode": cache_mode,
+                "threshold": cache_threshold,
+                "min_score": (
+                    cache_min_score
+                    if cache_min_score is not None
+                    else SEMANTIC_MIN_SCORE
+                    if cache_mode == "semantic"
+                    else 0.0
+                ),
+            },
             build={
                 "weights": WEIGHTS_PACKAGE,
                 "weights_sha256": _sha256(weights / "model.safetensors"),
