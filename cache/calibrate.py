@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -226,10 +227,33 @@ class Curve:
 class Calibration(Point):
     target: float
     curve: Curve
+    confidence: float = 0.0
+    # What was compared with the target at the chosen point: the measured rate, or its
+    # upper confidence bound.
+    false_hit_bound: float = 0.0
+
+
+def upper_bound(
+    false_hits: npt.NDArray[np.int64], hits: npt.NDArray[np.int64], confidence: float
+) -> npt.NDArray[np.float64]:
+    """One-sided Wilson upper bound on the false-hit rate at `confidence`: a rate measured
+    on a few hundred pairs is noisy, and the threshold that only just meets the target on
+    them is the one most likely to miss it on new queries."""
+    z = NormalDist().inv_cdf(confidence)
+    n = np.maximum(hits, 1).astype(np.float64)
+    p = false_hits / n
+    centre = p + z * z / (2 * n)
+    spread = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    bound: npt.NDArray[np.float64] = (centre + spread) / (1 + z * z / n)
+    return bound
 
 
 def calibrate(
-    similarities: npt.ArrayLike, same: npt.ArrayLike, target: float, min_hits: int = 1
+    similarities: npt.ArrayLike,
+    same: npt.ArrayLike,
+    target: float,
+    min_hits: int = 1,
+    confidence: float = 0.0,
 ) -> Calibration:
     """The lowest threshold whose false-hit rate is <= `target` there and above.
 
@@ -239,9 +263,15 @@ def calibrate(
     wrong pair among the first 50 is a 2% rate that says nothing at a 1% target (the CLI uses
     2 / target, two false hits' worth of evidence). The chosen point itself must meet the
     target whatever its count.
+
+    With `confidence` > 0 the rate compared with the target is its one-sided upper
+    confidence bound (Wilson) rather than the measured share: the threshold meets the
+    target with that confidence, not just on these pairs.
     """
     if min_hits < 1:
         raise ValueError(f"min_hits must be at least 1, got {min_hits}")
+    if not 0.0 <= confidence < 1.0:
+        raise ValueError(f"confidence must be in [0, 1), got {confidence}")
     s = np.asarray(similarities, dtype=np.float64).ravel()
     y = np.asarray(same, dtype=bool).ravel()
     if not 0.0 < target < 1.0:
@@ -263,10 +293,23 @@ def calibrate(
     ends = np.flatnonzero(np.append(ranked[1:] != ranked[:-1], True))
     curve = Curve(ranked[ends], ends.astype(np.int64) + 1, wrong[ends], int(s.size), same_pairs)
 
-    rates = curve.false_hit_rate
+    rates = (
+        upper_bound(curve.false_hits, curve.hits, confidence)
+        if confidence > 0
+        else curve.false_hit_rate
+    )
     counted = np.where(curve.hits >= min_hits, rates, 0.0)
     meets = (np.maximum.accumulate(counted) <= target) & (rates <= target)
     if not meets.any():
+        if confidence > 0:
+            best = int(np.argmin(rates))
+            raise NoThresholdError(
+                f"no threshold meets a false-hit rate of {target:g} with {confidence:.0%} "
+                f"confidence: the lowest upper bound is {rates[best]:.4f} (threshold "
+                f"{curve.thresholds[best]:.4f}, {curve.false_hits[best]} of {curve.hits[best]} "
+                "hits wrong); give more pairs, label them by the model (`pairs --model`) or "
+                "lower --confidence"
+            )
         top = curve.at(float(curve.thresholds[0]))
         raise NoThresholdError(
             f"no threshold meets a false-hit rate of {target:g}: even at the highest "
@@ -280,13 +323,21 @@ def calibrate(
         "calibrated",
         extra={"threshold": point.threshold, "hits": point.hits, "false_hits": point.false_hits},
     )
-    return Calibration(**asdict(point), target=target, curve=curve)
+    return Calibration(
+        **asdict(point),
+        target=target,
+        curve=curve,
+        confidence=confidence,
+        false_hit_bound=float(rates[k]),
+    )
 
 
 def to_json(result: Calibration) -> dict[str, Any]:
     c = result.curve
     return {
         "target_false_hit_rate": result.target,
+        "confidence": result.confidence,
+        "false_hit_rate_bound": result.false_hit_bound,
         "threshold": result.threshold,
         "false_hit_rate": result.false_hit_rate,
         "precision": result.precision,

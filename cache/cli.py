@@ -74,6 +74,13 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     cal.add_argument("--pairs", type=Path, required=True, help="from `hopline cache pairs`")
     cal.add_argument("--target-false-hit-rate", type=float, default=0.01)
     cal.add_argument(
+        "--confidence",
+        type=float,
+        default=0.9,
+        help="meet the target with this one-sided confidence (Wilson upper bound on the "
+        "false-hit rate); 0 compares the measured rate itself",
+    )
+    cal.add_argument(
         "--min-hits",
         type=int,
         default=None,
@@ -276,6 +283,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         plot,
         read_pairs,
         to_json,
+        upper_bound,
     )
 
     pairs = read_pairs(args.pairs)
@@ -286,14 +294,19 @@ def _calibrate(args: argparse.Namespace) -> int:
     try:
         target = args.target_false_hit_rate
         min_hits = args.min_hits or (math.ceil(2 / target) if 0 < target < 1 else 1)
-        result = calibrate(sims, [p.same for p in pairs], target, min_hits)
+        result = calibrate(sims, [p.same for p in pairs], target, min_hits, args.confidence)
     except NoThresholdError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 3
     rows = [
         f"target false-hit rate  {result.target:g}",
         f"threshold              {result.threshold:.4f}",
-        f"false-hit rate         {result.false_hit_rate:.4f}",
+        f"false-hit rate         {result.false_hit_rate:.4f}"
+        + (
+            f"  (upper bound {result.false_hit_bound:.4f} at {result.confidence:.0%} confidence)"
+            if result.confidence > 0
+            else ""
+        ),
         f"precision              {result.precision:.4f}",
         f"recall                 {result.recall:.4f}",
         f"hit rate               {result.hit_rate:.4f}",
@@ -316,9 +329,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     if lower.size:
         # Why not lower: the next observed threshold is the first to miss the target.
         p = result.curve.at(float(lower[0]))
+        bound = ""
+        if result.confidence > 0:
+            ub = upper_bound(np.array([p.false_hits]), np.array([p.hits]), result.confidence)
+            bound = f", upper bound {ub[0]:.4f}"
         rows.append(
             f"  next lower threshold {p.threshold:.6f} has false-hit rate "
-            f"{p.false_hit_rate:.4f} ({p.false_hits}/{p.hits})"
+            f"{p.false_hit_rate:.4f} ({p.false_hits}/{p.hits}{bound})"
         )
     if args.png:
         plot(result, args.png)

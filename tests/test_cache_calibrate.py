@@ -185,6 +185,41 @@ def test_calibrate_matches_brute_force_on_random_pairs() -> None:
         assert r.recall == pytest.approx((hits - wrong) / same.sum())
 
 
+def _wilson_upper(wrong: int, hits: int, z: float) -> float:
+    p = wrong / hits
+    return (p + z * z / (2 * hits) + z * math.sqrt(p * (1 - p) / hits + z * z / (4 * hits**2))) / (
+        1 + z * z / hits
+    )
+
+
+def test_confidence_compares_the_upper_bound_with_the_target() -> None:
+    # 2000 pairs: 2 wrong among the 600 most similar, then one wrong in every 25 below.
+    # The measured rate stays <= 2% down to the 1100th pair; its upper bound does not.
+    sims = np.linspace(0.99, 0.5, 2000)
+    same = np.ones(2000, dtype=bool)
+    same[[200, 400]] = False
+    same[624::25] = False
+    target, min_hits = 0.02, 100
+    point = calibrate(sims, same, target, min_hits)
+    bounded = calibrate(sims, same, target, min_hits, confidence=0.9)
+    assert bounded.threshold > point.threshold, "the bound must be the stricter rule"
+    assert bounded.confidence == 0.9
+    z = 1.2815515655446004  # one-sided 90%
+    assert bounded.false_hit_bound == pytest.approx(
+        _wilson_upper(bounded.false_hits, bounded.hits, z)
+    )
+    assert bounded.false_hit_bound <= target
+    # The next lower threshold's bound misses the target (else it would have been chosen).
+    lower = bounded.curve.at(float(sims[sims < bounded.threshold].max()))
+    assert _wilson_upper(lower.false_hits, lower.hits, z) > target
+    # The measured rate at the point-estimate choice is within target but its bound is not.
+    assert point.false_hit_rate <= target < _wilson_upper(point.false_hits, point.hits, z)
+    with pytest.raises(NoThresholdError, match="with 99% confidence: the lowest upper bound"):
+        calibrate(sims[:300], same[:300], 0.01, min_hits, confidence=0.99)
+    with pytest.raises(ValueError, match="confidence must be in"):
+        calibrate(sims, same, target, confidence=1.0)
+
+
 def test_curve_at_any_threshold() -> None:
     r = calibrate([0.9, 0.8, 0.7], [True, False, True], 0.5)
     assert r.curve.at(0.95).hits == 0
@@ -279,6 +314,8 @@ def test_calibrate_support_intents_through_the_cli(
         str(pairs_file),
         "--target-false-hit-rate",
         str(target),
+        "--confidence",
+        "0",  # the measured rate itself, so the brute-force checks below apply
         "--png",
         str(png),
         "--json",
