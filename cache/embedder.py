@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 from hopline.model.encoder import build_encoder
 from hopline.model.session import embed_texts, make_session
 from hopline.model.tokenizer import DEFAULT_MAX_LENGTH, load_tokenizer
+from hopline.observability import metrics
 
 log = logging.getLogger("hopline.cache.embedder")
 
@@ -97,6 +98,8 @@ class Embedder:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embed")
         self.batches = 0
         self.embedded = 0
+        self._depth = metrics.QUEUE_DEPTH.labels("embedder", model.name)
+        self._batch_size = metrics.BATCH_SIZE.labels("embedder", model.name)
 
     @classmethod
     def load(cls, weights_dir: Path, work_dir: Path, *, threads: int = 0) -> Embedder:
@@ -113,6 +116,7 @@ class Embedder:
             self._worker = asyncio.create_task(self._run(), name="loop-embedder")
         future: asyncio.Future[Vector] = asyncio.get_running_loop().create_future()
         self._queue.append((text, future))
+        self._depth.set(len(self._queue))
         self._wake.set()
         return await future
 
@@ -123,9 +127,11 @@ class Embedder:
             self._wake.clear()
             while self._queue:
                 batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
+                self._depth.set(len(self._queue))
                 live = [(t, f) for t, f in batch if not f.done()]
                 if not live:
                     continue
+                self._batch_size.observe(len(live))
                 try:
                     vectors = await loop.run_in_executor(
                         self._executor, self.embed_many, [t for t, _ in live]

@@ -27,7 +27,8 @@ from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tupl
 from hopline.cache.store import CacheStore, CacheStoreError, Entry, MilvusStore, ScopeFilter
 from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.common.v1 import common_pb2
-from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
+from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
+from hopline.observability import metrics
 
 log = logging.getLogger("hopline.cache")
 
@@ -38,6 +39,7 @@ RECENT_VECTORS = 4096  # 1.5 KiB each
 @dataclasses.dataclass(frozen=True)
 class CacheConfig(ServerConfig):
     listen: str = env_field("HOPLINE_CACHE_ADDR", DEFAULT_ADDRS["cache"], "address to bind")
+    metrics_port: int = metrics_port_field("cache")
     uri: str = env_field(
         "HOPLINE_CACHE_URI",
         ".hopline/cache.db",
@@ -287,6 +289,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             if embedding is not None:
                 _detach(embedding)  # the encoder run is paid; its vector still lands in _recent
             self.counters["exact_hits"] += 1
+            metrics.CACHE_LOOKUPS.labels("exact").inc()
             return self._hit(response, common_pb2.CACHE_OUTCOME_EXACT, entry, 1.0, now)
         if semantic:
             if embedding is None:
@@ -298,8 +301,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             hit = self._accept(found, scope, now, threshold)
             if hit is not None:
                 self.counters["semantic_hits"] += 1
+                metrics.CACHE_LOOKUPS.labels("semantic").inc()
                 return self._hit(response, common_pb2.CACHE_OUTCOME_SEMANTIC, *hit, now)
         self.counters["misses"] += 1
+        metrics.CACHE_LOOKUPS.labels("miss").inc()
         response.outcome = common_pb2.CACHE_OUTCOME_MISS
         return response
 

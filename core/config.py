@@ -94,6 +94,24 @@ DEFAULT_ADDRS = {
 }
 
 
+# Prometheus endpoints, beside each service's gRPC port (8002 is Triton's metrics port).
+DEFAULT_METRICS_PORTS = {
+    "gateway": 8002,
+    "tokenizer": 8021,
+    "cache": 8022,
+    "inference": 8023,
+    "postprocess": 8024,
+}
+
+
+def metrics_port_field(service: str) -> Any:
+    return env_field(
+        "HOPLINE_METRICS_PORT",
+        DEFAULT_METRICS_PORTS[service],
+        "port of the Prometheus /metrics endpoint (0: none)",
+    )
+
+
 def addr_env(service: str) -> str:
     return f"HOPLINE_{service.upper()}_ADDR"
 
@@ -116,3 +134,9 @@ class ServerConfig:
     )
     log_level: str = env_field("HOPLINE_LOG_LEVEL", "info", "debug, info, warning or error")
     log_format: str = env_field("HOPLINE_LOG_FORMAT", "json", "json (structured) or text")
+    metrics_host: str = env_field(
+        "HOPLINE_METRICS_HOST",
+        "127.0.0.1",
+        "address the /metrics endpoint binds (0.0.0.0 in a pod)",
+    )
+    metrics_port: int = env_field("HOPLINE_METRICS_PORT", 0, "port of /metrics (0: none)")

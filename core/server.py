@@ -14,7 +14,8 @@ from grpc_reflection.v1alpha import reflection
 
 from hopline.config import ServerConfig
 from hopline.interceptors import Behaviour, UnaryInterceptor
-from hopline.observability.tracing import ServerTracingInterceptor
+from hopline.observability.metrics import start_metrics_server
+from hopline.observability.tracing import ServerTracingInterceptor, shutdown_tracing
 
 log = logging.getLogger("hopline.server")
 
@@ -95,6 +96,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
         return 2
     await server.start()
     log.info("listening", extra={"listen": config.listen, "port": port})
+    start_metrics_server(config.metrics_host, config.metrics_port)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -125,5 +127,6 @@ async def serve(service: Service, config: ServerConfig) -> int:
     await asyncio.sleep(config.drain_delay_s)
     await server.stop(config.drain_grace_s)
     await service.stop()
+    shutdown_tracing()
     log.info("stopped")
     return 0

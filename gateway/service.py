@@ -22,12 +22,13 @@ import grpc
 from hopline.cache.keys import exact_key, scope_tuple
 from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.common.v1 import common_pb2
-from hopline.config import DEFAULT_ADDRS, ServerConfig, addr_env, env_field
+from hopline.config import DEFAULT_ADDRS, ServerConfig, addr_env, env_field, metrics_port_field
 from hopline.gateway.identity import IdentityError, TenantResolver
 from hopline.gateway.resilience import CircuitBreaker, Coalescer
 from hopline.gateway.upstream import HopError, Upstream, call_hop
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.observability import metrics
 from hopline.observability.tracing import current_trace_id, outgoing_metadata
 from hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -44,6 +45,7 @@ def _upstream_field(service: str) -> Any:
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig(ServerConfig):
     listen: str = env_field("HOPLINE_GATEWAY_ADDR", DEFAULT_ADDRS["gateway"], "address to bind")
+    metrics_port: int = metrics_port_field("gateway")
     tokenizer_addr: str = _upstream_field("tokenizer")
     cache_addr: str = _upstream_field("cache")
     inference_addr: str = _upstream_field("inference")
@@ -285,8 +287,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 _discard(tokenizing)
                 response.prediction.CopyFrom(hit.prediction)
                 return self._finish(response, timings, started)
+            metrics.CACHE_OUTCOMES.labels(info.name, _outcome(response.cache.outcome)).inc()
         else:
             self.counters["cache_skipped"] += 1
+            metrics.CACHE_OUTCOMES.labels(info.name, "skipped").inc()
             response.cache.outcome = common_pb2.CACHE_OUTCOME_SKIPPED
             response.cache.detail = (
                 f"cache mode {info.cache.mode!r} for {info.name}"
@@ -309,6 +313,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             if shared:
                 _discard(tokenizing)
                 self.counters["coalesced"] += 1
+                metrics.COALESCED.inc()
                 response.cache.coalesced = True
                 timings["coalesced_wait"] = (time.perf_counter() - waited) * 1e3
         else:
@@ -365,6 +370,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         if not self.breaker.allow():
             self.counters["cache_fail_open"] += 1
             self.counters["cache_circuit_open"] += 1
+            metrics.CACHE_FAIL_OPEN.labels("circuit_open").inc()
             cache.outcome = common_pb2.CACHE_OUTCOME_FAIL_OPEN
             cache.detail = (
                 f"cache circuit open after repeated failures; retrying the cache in "
@@ -385,6 +391,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         except HopError as err:
             self.breaker.failure()
             self.counters["cache_fail_open"] += 1
+            metrics.CACHE_FAIL_OPEN.labels(err.code.name.lower()).inc()
             cache.outcome = common_pb2.CACHE_OUTCOME_FAIL_OPEN
             cache.detail = err.message
             log.warning("cache fail-open", extra={"reason": err.message})
@@ -393,6 +400,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         if found.outcome in (common_pb2.CACHE_OUTCOME_EXACT, common_pb2.CACHE_OUTCOME_SEMANTIC):
             exact = found.outcome == common_pb2.CACHE_OUTCOME_EXACT
             self.counters["cache_exact" if exact else "cache_semantic"] += 1
+            metrics.CACHE_OUTCOMES.labels(info.name, "exact" if exact else "semantic").inc()
             cache.outcome = found.outcome
             cache.similarity = found.similarity
             cache.entry_id = found.entry_id
@@ -467,6 +475,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         timings["total"] = (time.perf_counter() - started) * 1e3
         response.timings.extend(common_pb2.HopTiming(hop=h, ms=ms) for h, ms in timings.items())
         return response
+
+
+def _outcome(outcome: common_pb2.CacheOutcome.ValueType) -> str:
+    return common_pb2.CacheOutcome.Name(outcome).removeprefix("CACHE_OUTCOME_").lower()
 
 
 def _discard(task: asyncio.Future[Any]) -> None:

@@ -7,6 +7,7 @@ N connections, and concurrent calls are not serialised behind one HTTP/2 connect
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Awaitable, Callable
@@ -15,6 +16,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from hopline.observability import metrics
 from hopline.observability.tracing import outgoing_metadata, tracer
 
 StubT = TypeVar("StubT")
@@ -107,16 +109,20 @@ async def call_hop(
         record_exception=False,
         set_status_on_exception=False,
     ) as span:
+        code = grpc.StatusCode.OK
         try:
             if timeout_s <= 0:
-                raise HopError(
-                    hop,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"deadline exceeded before calling the {hop} service",
-                )
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
+                raise HopError(hop, code, f"deadline exceeded before calling the {hop} service")
             return await rpc(request, timeout=timeout_s, metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as err:
-            span.set_status(Status(StatusCode.ERROR, err.code().name))
+            code = err.code()
+            span.set_status(Status(StatusCode.ERROR, code.name))
             raise _hop_error(hop, target, err) from None
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
         finally:
-            timings[hop] = (time.perf_counter() - started) * 1e3
+            elapsed = time.perf_counter() - started
+            timings[hop] = elapsed * 1e3
+            metrics.HOP_DURATION.labels(hop, code.name).observe(elapsed, metrics.trace_exemplar())

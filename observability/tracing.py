@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+import time
+from typing import Any, cast
 
 import grpc
 from opentelemetry import propagate, trace
@@ -18,6 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from hopline.interceptors import Behaviour, UnaryInterceptor
+from hopline.observability import metrics
 
 log = logging.getLogger("hopline.tracing")
 
@@ -25,27 +27,32 @@ log = logging.getLogger("hopline.tracing")
 def setup_tracing(service: str) -> None:
     """Install the global tracer provider for this process.
 
-    Spans always get ids (the trace id is returned to clients); they are exported only when
-    OTEL_EXPORTER_OTLP_ENDPOINT is set and an OTLP exporter is installed.
+    Spans always get ids (the trace id is returned to clients). They are exported over
+    OTLP/gRPC through a batch processor when OTEL_EXPORTER_OTLP_ENDPOINT (or the traces-only
+    variant) is set; the standard OTEL_* variables configure the exporter, the batch
+    processor and the sampler. With no endpoint nothing is exported and the spans cost only
+    their creation.
     """
     name = os.environ.get("OTEL_SERVICE_NAME", service)
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    if endpoint:
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found]
-                OTLPSpanExporter,
-            )
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        except ImportError:
-            log.warning(
-                "OTEL_EXPORTER_OTLP_ENDPOINT is set but no OTLP exporter is installed; "
-                "spans are not exported",
-                extra={"endpoint": endpoint},
-            )
-        else:
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if endpoint and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none":
+        # Imported only when exporting: it pulls in the OTLP protobufs.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        log.info("exporting spans", extra={"endpoint": endpoint, "service_name": name})
     trace.set_tracer_provider(provider)
+
+
+def shutdown_tracing() -> None:
+    """Flush spans still queued for export; called once the service has drained."""
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.shutdown()
 
 
 def tracer() -> trace.Tracer:
@@ -65,27 +72,39 @@ def outgoing_metadata(extra: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[st
 
 
 class ServerTracingInterceptor(UnaryInterceptor):
-    """Opens a server span per unary RPC, parented on the caller's `traceparent`."""
+    """A server span per unary RPC, parented on the caller's `traceparent`, and the RPC's
+    latency histogram and in-flight gauge, observed inside the span so the exemplar carries
+    its trace id."""
 
     def wrap(
         self, method: str, details: grpc.HandlerCallDetails, inner: Behaviour
     ) -> Behaviour | None:
         parent = propagate.extract({k: v for k, v in details.invocation_metadata or ()})
+        service, _, name = method.lstrip("/").rpartition("/")
+        in_flight = metrics.RPC_IN_FLIGHT.labels(service, name)
 
         async def traced(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             with tracer().start_as_current_span(
                 method.lstrip("/"),
                 context=parent,
                 kind=SpanKind.SERVER,
-                attributes={"rpc.system": "grpc", "rpc.method": method},
+                attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
                 record_exception=False,
                 set_status_on_exception=False,
             ) as span:
+                started = time.perf_counter()
+                in_flight.inc()
                 try:
                     return await inner(request, context)
                 finally:
-                    code = context.code()
-                    if code not in (None, grpc.StatusCode.OK):
-                        span.set_status(Status(StatusCode.ERROR, str(code)))
+                    in_flight.dec()
+                    # None until the handler sets a code, whatever the stubs say.
+                    code = cast("grpc.StatusCode | None", context.code()) or grpc.StatusCode.OK
+                    if code is not grpc.StatusCode.OK:
+                        span.set_status(Status(StatusCode.ERROR, code.name))
+                    span.set_attribute("rpc.grpc.status_code", code.value[0])
+                    metrics.RPC_DURATION.labels(service, name, code.name).observe(
+                        time.perf_counter() - started, metrics.trace_exemplar()
+                    )
 
         return traced

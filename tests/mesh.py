@@ -32,6 +32,9 @@ class Mesh:
         self.repo = repo
         self.workdir = workdir
         self.addrs = {name: f"127.0.0.1:{free_port()}" for name in ALL}
+        # Each service's /metrics on its own free port: the defaults would collide with a
+        # `make run` on the same machine and with other meshes of the test session.
+        self.metrics_ports = {name: free_port() for name in ALL}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         defaults = {
             "HOPLINE_LOG_FORMAT": "text",
@@ -56,7 +59,7 @@ class Mesh:
             with (self.workdir / f"{name}.log").open("ab") as out:
                 self.procs[name] = subprocess.Popen(
                     [sys.executable, "-m", "hopline", "serve", name],
-                    env=self.env,
+                    env={**self.env, "HOPLINE_METRICS_PORT": str(self.metrics_ports[name])},
                     stdout=out,
                     stderr=subprocess.STDOUT,
                 )

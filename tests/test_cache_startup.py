@@ -23,6 +23,7 @@ def serve_cache(uri: str, timeout_s: float = 60.0) -> tuple[int, str, float]:
         HOPLINE_CACHE_URI=uri,
         HOPLINE_CACHE_ADDR=f"127.0.0.1:{free_port()}",
         HOPLINE_LOG_FORMAT="text",
+        HOPLINE_METRICS_PORT="0",  # two caches at once here: no second /metrics on one port
         HOPLINE_CACHE_MILVUS_TIMEOUT_S="3",
     )
     started = time.monotonic()

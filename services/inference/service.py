@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +14,7 @@ import grpc
 import numpy as np
 
 from hopline.common.v1 import common_pb2
-from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
+from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
 from hopline.inference.backend import Array, Backend, create_backend, warm_up
 from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.model.registry import ModelRegistry
@@ -23,6 +24,7 @@ from hopline.model.repository import (
     ModelRepository,
     TensorSpec,
 )
+from hopline.observability import metrics
 from hopline.tensors import TensorError, dtype_name, from_tensor, to_tensor
 
 log = logging.getLogger("hopline.inference")
@@ -31,6 +33,7 @@ log = logging.getLogger("hopline.inference")
 @dataclasses.dataclass(frozen=True)
 class InferenceConfig(ServerConfig):
     listen: str = env_field("HOPLINE_INFERENCE_ADDR", DEFAULT_ADDRS["inference"], "address to bind")
+    metrics_port: int = metrics_port_field("inference")
     model_repo: str = env_field("HOPLINE_MODEL_REPO", "models", "model repository directory")
     # Measured through the mesh on 2 cores (bench/mesh_vs_inprocess.py): the inference hop's
     # p50 was 4.5 ms with threads=0/workers=1 and 7.0 ms with threads=1, so all cores per run
@@ -163,16 +166,30 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             )
         submitted = time.perf_counter()
         started = 0.0
+        depth = metrics.QUEUE_DEPTH.labels("inference", cfg.name)
+        depth.inc()
+        queued = threading.Lock()  # leave the queue exactly once: by running or by giving up
+
+        def leave_queue() -> None:
+            if queued.acquire(blocking=False):
+                depth.dec()
 
         def run() -> dict[str, Array]:
             nonlocal started
             started = time.perf_counter()
+            leave_queue()
             return backend.run(inputs, list(request.outputs))
 
         if self.config.test_delay_ms > 0:
             await asyncio.sleep(self.config.test_delay_ms / 1e3)
-        outputs = await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        try:
+            outputs = await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        finally:
+            leave_queue()
         done = time.perf_counter()
+        metrics.BATCH_SIZE.labels("inference", cfg.name).observe(
+            next(iter(inputs.values())).shape[0]
+        )
         return inference_pb2.InferResponse(
             model=cfg.name,
             model_version=cfg.version,

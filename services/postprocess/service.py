@@ -9,7 +9,7 @@ from typing import cast
 import grpc
 import numpy as np
 
-from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
+from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
 from hopline.model.head import F32
 from hopline.model.registry import ModelRegistry
 from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
@@ -23,6 +23,7 @@ class PostprocessConfig(ServerConfig):
     listen: str = env_field(
         "HOPLINE_POSTPROCESS_ADDR", DEFAULT_ADDRS["postprocess"], "address to bind"
     )
+    metrics_port: int = metrics_port_field("postprocess")
     model_repo: str = env_field("HOPLINE_MODEL_REPO", "models", "model repository directory")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 from tokenizers import Tokenizer
 
-from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field
+from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
 from hopline.model.registry import ModelRegistry
 from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
 from hopline.model.tokenizer import encode, load_tokenizer
@@ -19,6 +19,7 @@ from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 @dataclasses.dataclass(frozen=True)
 class TokenizerConfig(ServerConfig):
     listen: str = env_field("HOPLINE_TOKENIZER_ADDR", DEFAULT_ADDRS["tokenizer"], "address to bind")
+    metrics_port: int = metrics_port_field("tokenizer")
     model_repo: str = env_field("HOPLINE_MODEL_REPO", "models", "model repository directory")
     max_batch: int = env_field("HOPLINE_TOKENIZER_MAX_BATCH", 256, "most texts in one request")
     max_text_bytes: int = env_field(

@@ -1,0 +1,107 @@
+"""Prometheus metrics: one endpoint per service, latency histograms with trace-id exemplars.
+
+Every metric hopline exports is declared here, so their names and labels live in one place
+(docs/observability.md lists them). Exemplars carry the trace id of an observation, so a
+spike on a latency panel links to the trace that caused it; Prometheus only sees them when it
+scrapes in the OpenMetrics format, which the endpoint serves to clients that ask for it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from opentelemetry import trace
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger("hopline.metrics")
+
+# From 0.25 ms to 10 s: a cache exact hit sits at the bottom, a cold model load at the top.
+LATENCY_BUCKETS = (
+    0.00025,
+    0.0005,
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
+)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+RPC_DURATION = Histogram(
+    "hopline_rpc_duration_seconds",
+    "Server-side time of each RPC, by service, method and status code",
+    ("service", "method", "code"),
+    buckets=LATENCY_BUCKETS,
+)
+RPC_IN_FLIGHT = Gauge("hopline_rpc_in_flight", "RPCs being served right now", ("service", "method"))
+HOP_DURATION = Histogram(
+    "hopline_hop_duration_seconds",
+    "The gateway's view of each upstream call (network, queueing and the hop's own work)",
+    ("hop", "code"),
+    buckets=LATENCY_BUCKETS,
+)
+CACHE_OUTCOMES = Counter(
+    "hopline_cache_outcomes_total",
+    "Gateway requests by cache outcome (exact, semantic, miss, fail_open, skipped)",
+    ("model", "outcome"),
+)
+CACHE_FAIL_OPEN = Counter(
+    "hopline_cache_fail_open_total",
+    "Requests that went to inference because the cache failed, overran its budget or was "
+    "circuit-broken",
+    ("reason",),
+)
+COALESCED = Counter(
+    "hopline_coalesced_total", "Cache misses that shared another request's inference", ()
+)
+CACHE_LOOKUPS = Counter(
+    "hopline_cache_lookups_total",
+    "Cache service lookups by tier answered (exact, semantic, miss)",
+    ("tier",),
+)
+BATCH_SIZE = Histogram(
+    "hopline_batch_size",
+    "Texts per model or embedder run",
+    ("component", "model"),
+    buckets=BATCH_BUCKETS,
+)
+QUEUE_DEPTH = Gauge(
+    "hopline_queue_depth",
+    "Requests waiting for a model or embedder run",
+    ("component", "model"),
+)
+
+
+def trace_exemplar() -> dict[str, str] | None:
+    """The current trace id as an exemplar, when a sampled span is active."""
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid or not ctx.trace_flags.sampled:
+        return None
+    return {"trace_id": format(ctx.trace_id, "032x")}
+
+
+def start_metrics_server(host: str, port: int) -> int | None:
+    """Serve /metrics on host:port from a daemon thread; 0 disables it. Returns the port."""
+    if port <= 0:
+        return None
+    try:
+        server, _ = start_http_server(port, addr=host)
+    except OSError as exc:
+        # A taken metrics port must not take the service down with it: say so and go on.
+        log.error("cannot serve metrics", extra={"host": host, "port": port, "error": str(exc)})
+        return None
+    bound = int(server.server_port)
+    log.info("metrics", extra={"url": f"http://{host}:{bound}/metrics"})
+    return bound

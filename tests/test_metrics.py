@@ -1,0 +1,111 @@
+"""Each service's Prometheus endpoint, scraped over HTTP from the real processes."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as parse_openmetrics,
+)
+from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+from hopline.client import predict
+from hopline.common.v1 import common_pb2
+from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from mesh import Mesh
+
+OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+
+def scrape(mesh: Mesh, service: str, accept: str = "") -> str:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{mesh.metrics_ports[service]}/metrics",
+        headers={"Accept": accept} if accept else {},
+    )
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        body: bytes = reply.read()
+        return body.decode()
+
+
+def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """Values of one sample name (e.g. `..._count`), keyed by their sorted labels."""
+    out: dict[tuple[tuple[str, str], ...], float] = {}
+    for family in parse_text(text):
+        for s in family.samples:
+            if s.name == name:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def value(text: str, name: str, /, **labels: str) -> float:
+    return samples(text, name).get(tuple(sorted(labels.items())), 0.0)
+
+
+GATEWAY = "hopline.gateway.v1.GatewayService"
+
+
+def stores_landed(mesh: Mesh) -> None:
+    with grpc.insecure_channel(mesh.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        deadline = time.monotonic() + 20
+        while stub.GetStats(gateway_pb2.GetStatsRequest(), timeout=10).counters["stores_in_flight"]:
+            assert time.monotonic() < deadline, "the cache store did not land"
+            time.sleep(0.02)
+
+
+def test_every_service_exports_rpc_latency_and_the_gateway_its_cache_outcomes(
+    mesh: Mesh,
+) -> None:
+    before = {name: scrape(mesh, name) for name in mesh.addrs}
+    text = "where is my order 4411, it has not arrived"
+    first = predict(text, gateway=mesh.gateway, tenant="metrics", timeout_s=30)
+    stores_landed(mesh)
+    second = predict(text, gateway=mesh.gateway, tenant="metrics", timeout_s=30)
+    assert first.cache.outcome == common_pb2.CACHE_OUTCOME_MISS
+    assert second.cache.outcome == common_pb2.CACHE_OUTCOME_EXACT
+    with pytest.raises(grpc.RpcError):
+        predict(" ", gateway=mesh.gateway, timeout_s=30)
+    after = {name: scrape(mesh, name) for name in mesh.addrs}
+
+    def grew(process: str, name: str, by: float, **labels: str) -> None:
+        delta = value(after[process], name, **labels) - value(before[process], name, **labels)
+        assert delta == by, f"{process} {name}{labels}: {delta} != {by}"
+
+    rpc = "hopline_rpc_duration_seconds_count"
+    grew("gateway", rpc, 2, service=GATEWAY, method="Predict", code="OK")
+    grew("gateway", rpc, 1, service=GATEWAY, method="Predict", code="INVALID_ARGUMENT")
+    grew("gateway", "hopline_cache_outcomes_total", 1, model="support-intents", outcome="miss")
+    grew("gateway", "hopline_cache_outcomes_total", 1, model="support-intents", outcome="exact")
+    grew("gateway", "hopline_hop_duration_seconds_count", 1, hop="inference", code="OK")
+    grew("gateway", "hopline_hop_duration_seconds_count", 2, hop="cache_lookup", code="OK")
+    grew("inference", "hopline_batch_size_count", 1, component="inference", model="support-intents")
+    grew("cache", "hopline_cache_lookups_total", 1, tier="miss")
+    grew("cache", "hopline_cache_lookups_total", 1, tier="exact")
+    svc = "hopline.inference.v1.InferenceService"
+    grew("inference", rpc, 1, service=svc, method="Infer", code="OK")
+    svc = "hopline.postprocess.v1.PostprocessService"
+    grew("postprocess", rpc, 1, service=svc, method="Postprocess", code="OK")
+    # Health probes (the mesh polls them) are neither traced nor counted.
+    for service, body in after.items():
+        methods = {dict(k)["method"] for k in samples(body, rpc)}
+        assert "Check" not in methods, service
+        assert value(body, "hopline_rpc_in_flight", service=GATEWAY, method="Predict") == 0
+
+
+def test_latency_exemplars_carry_the_trace_id(mesh: Mesh) -> None:
+    reply = predict("metrics test: exemplar 9182", gateway=mesh.gateway, timeout_s=30)
+    body = scrape(mesh, "gateway", OPENMETRICS)
+    exemplars = {
+        s.exemplar.labels["trace_id"]
+        for family in parse_openmetrics(body)
+        if family.name == "hopline_rpc_duration_seconds"
+        for s in family.samples
+        if s.exemplar is not None and s.labels.get("method") == "Predict"
+    }
+    # The newest observation in its bucket carries this request's trace id.
+    assert reply.trace_id in exemplars
+    # The plain text format (what `curl` gets) has no exemplars but the same histogram.
+    assert "trace_id" not in scrape(mesh, "gateway")
