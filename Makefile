@@ -24,13 +24,23 @@ PY_LIST := build/pyfiles.txt
 $(shell mkdir -p build; find $(PY_PACKAGES) -name '*.py' -not -name '*_pb2*' 2>/dev/null | sort \
 	| cmp -s - $(PY_LIST) || find $(PY_PACKAGES) -name '*.py' -not -name '*_pb2*' | sort > $(PY_LIST))
 
-.PHONY: help install protos model run test lint fmt typecheck buf-lint clean
+# Jaeger v2 (the OpenTelemetry-Collector-based all-in-one) from the Go module proxy. The
+# module's v1.x tags carry cmd/jaeger, the v2 binary; `go install` refuses it because its
+# go.mod has a replace directive, so the pinned module is downloaded and built in place.
+JAEGER_MODULE := github.com/jaegertracing/jaeger
+JAEGER_VERSION := v1.76.0
+JAEGER := .tools/bin/jaeger
+GOENV := GOPATH=$(CURDIR)/.tools/go GOMODCACHE=$(CURDIR)/.tools/go/pkg/mod \
+	GOCACHE=$(CURDIR)/.tools/go/cache GOFLAGS=-modcacherw GOTOOLCHAIN=local
+
+.PHONY: help install protos model run test lint fmt typecheck buf-lint clean jaeger
 
 help:
 	@echo "make run    start the whole mesh (gateway on 127.0.0.1:8001)"
 	@echo "make test   lint, type-check and run the test suite"
 	@echo "make protos regenerate the Python stubs from protos/"
 	@echo "make model  build the default model if it is missing"
+	@echo "make jaeger build (once) and run Jaeger v2 on 127.0.0.1 (OTLP 4317, UI/API 16686)"
 
 $(STAMPS)/venv:
 	@mkdir -p $(STAMPS)
@@ -73,6 +83,17 @@ model: $(STAMPS)/install
 run: model
 	$(BIN)/hopline run --model-repo $(MODEL_REPO)
 
+$(JAEGER):
+	@mkdir -p .tools/bin
+	$(GOENV) go mod download $(JAEGER_MODULE)@$(JAEGER_VERSION)
+	cd .tools/go/pkg/mod/$(JAEGER_MODULE)@$(JAEGER_VERSION) && \
+		$(GOENV) go build -trimpath -o $(CURDIR)/$(JAEGER).tmp ./cmd/jaeger
+	mv $(JAEGER).tmp $(JAEGER)
+
+# Foreground, loopback only, in-memory storage: OTLP gRPC on 4317, query API on 16686.
+jaeger: $(JAEGER)
+	$(JAEGER)
+
 buf-lint: $(BUF)
 	cd protos && ../$(BUF) lint
 
@@ -87,7 +108,7 @@ fmt: $(STAMPS)/install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: model lint typecheck
+test: model lint typecheck $(JAEGER)
 	HOPLINE_MODEL_REPO=$(MODEL_REPO) $(BIN)/pytest
 
 clean:

@@ -21,6 +21,9 @@ from typing import Any
 
 import grpc
 import numpy as np
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanContext
 
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
@@ -28,7 +31,8 @@ from hopline.cache.store import CacheStore, CacheStoreError, Entry, MilvusStore,
 from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.common.v1 import common_pb2
 from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
-from hopline.observability import metrics
+from hopline.observability import metrics, schema
+from hopline.observability.tracing import tracer
 
 log = logging.getLogger("hopline.cache")
 
@@ -114,6 +118,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.lookup_ms: deque[float] = deque(maxlen=10_000)
         # Accepted stores not yet in Milvus; the exact tier reads them so a repeat hits at once.
         self._pending: dict[str, tuple[Entry, Vector, int]] = {}
+        self._store_spans: dict[str, SpanContext] = {}  # for the write's span links
         self._flush_wake = asyncio.Event()
         self._writing = 0  # entries of the batch being written and bounded right now
         # Embeddings of recent semantic lookups: the store that follows a miss reuses the
@@ -200,10 +205,18 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             if not batch:
                 continue
             self._writing = len(batch)
+            # Off every request's path: a trace of its own, linked to the stores it writes.
+            links = [Link(c) for c in (self._store_spans.pop(k, None) for k in batch) if c]
             try:
-                await self._io_call(
-                    self._require_store().upsert, [(e, v) for e, v, _ in batch.values()]
-                )
+                with tracer().start_as_current_span(
+                    schema.SPAN_CACHE_WRITE,
+                    context=otel_context.Context(),
+                    links=links,
+                    attributes={schema.CACHE_ENTRIES: len(batch)},
+                ):
+                    await self._io_call(
+                        self._require_store().upsert, [(e, v) for e, v, _ in batch.values()]
+                    )
             except (CacheStoreError, ValueError) as exc:
                 self.counters["store_errors"] += len(batch)
                 log.warning("cache write failed", extra={"error": str(exc), "entries": len(batch)})
@@ -279,7 +292,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             # pays max(read, embed) rather than their sum (the key query costs about 3 ms).
             embedding = asyncio.create_task(self._embed_timed(normalised))
         try:
-            entry = pending[0] if pending is not None else await self._io_call(store.get, key, now)
+            with tracer().start_as_current_span(schema.SPAN_CACHE_EXACT):
+                entry = (
+                    pending[0] if pending is not None else await self._io_call(store.get, key, now)
+                )
         except BaseException:
             if embedding is not None:
                 _detach(embedding)
@@ -296,7 +312,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 embedding = asyncio.create_task(self._embed_timed(normalised))
             vector, response.embed_ms = await embedding
             t2 = time.perf_counter()
-            found = await self._io_call(store.search, vector, scope, now, SEMANTIC_CANDIDATES)
+            with tracer().start_as_current_span(schema.SPAN_CACHE_SEARCH) as span:
+                found = await self._io_call(store.search, vector, scope, now, SEMANTIC_CANDIDATES)
+                span.set_attribute(schema.CACHE_CANDIDATES, len(found))
             response.search_ms = (time.perf_counter() - t2) * 1e3
             hit = self._accept(found, scope, now, threshold)
             if hit is not None:
@@ -312,7 +330,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         """The text's vector (remembered for the store a miss sends) and the ms it took."""
         assert self.embedder is not None
         started = time.perf_counter()
-        vector = await self.embedder.embed(text)
+        with tracer().start_as_current_span(schema.SPAN_CACHE_EMBED):
+            vector = await self.embedder.embed(text)
         self._remember(text, vector)
         return vector, (time.perf_counter() - started) * 1e3
 
@@ -404,6 +423,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             expires_at=now + (request.ttl_s or self.config.default_ttl_s),
         )
         self._pending[key] = (entry, vector, limit)
+        self._store_spans[key] = trace.get_current_span().get_span_context()
         self._flush_wake.set()
         self.counters["stores"] += 1
         return cache_pb2.StoreResponse(entry_id=key)
@@ -438,6 +458,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         for key, (entry, _, _) in list(self._pending.items()):
             if key in ids or (scope is not None and _matches(scope, entry.scope)):
                 del self._pending[key]
+                self._store_spans.pop(key, None)
         store = self._require_store()
         try:
             removed = await self._io_call(store.delete, ids)

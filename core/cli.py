@@ -15,6 +15,7 @@ import grpc
 
 from hopline import config as cfg
 from hopline.cache.cli import add_cache_commands, run_cache_command
+from hopline.observability.trace_cli import add_trace_commands, run_trace_command
 
 SERVICES = ("tokenizer", "cache", "inference", "postprocess", "gateway")
 
@@ -198,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     add_cache_commands(sub)
+    add_trace_commands(sub)
     return parser
 
 
@@ -215,5 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     if args.command == "cache":
         return run_cache_command(args)
+    if args.command == "trace":
+        return run_trace_command(args)
     build_parser().parse_args([args.command, "--help"])
     return 2

@@ -140,3 +140,7 @@ class ServerConfig:
         "address the /metrics endpoint binds (0.0.0.0 in a pod)",
     )
     metrics_port: int = env_field("HOPLINE_METRICS_PORT", 0, "port of /metrics (0: none)")
+    # Tests make one hop the slow one to check that traces and reports blame the right hop.
+    test_delay_ms: float = env_field(
+        "HOPLINE_TEST_DELAY_MS", 0.0, "TEST ONLY: added to every RPC this service serves"
+    )

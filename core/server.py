@@ -73,7 +73,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
     gate = ReadinessGate()
     server = grpc.aio.server(
         options=server_options(config.max_message_bytes),
-        interceptors=[gate, ServerTracingInterceptor()],
+        interceptors=[gate, ServerTracingInterceptor(config.test_delay_ms)],
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -18,6 +18,7 @@ import time
 from typing import Any, cast
 
 import grpc
+from opentelemetry import trace
 
 from hopline.cache.keys import exact_key, scope_tuple
 from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
@@ -28,8 +29,8 @@ from hopline.gateway.resilience import CircuitBreaker, Coalescer
 from hopline.gateway.upstream import HopError, Upstream, call_hop
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
-from hopline.observability import metrics
-from hopline.observability.tracing import current_trace_id, outgoing_metadata
+from hopline.observability import metrics, schema
+from hopline.observability.tracing import current_trace_id
 from hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -89,16 +90,24 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         self.config = config
         n, size = config.channels_per_upstream, config.max_message_bytes
         self.tokenizer = Upstream(
-            "tokenize", config.tokenizer_addr, tokenizer_pb2_grpc.TokenizerServiceStub, n, size
+            schema.SPAN_TOKENIZE,
+            config.tokenizer_addr,
+            tokenizer_pb2_grpc.TokenizerServiceStub,
+            n,
+            size,
         )
         self.cache = Upstream(
-            "cache_lookup", config.cache_addr, cache_pb2_grpc.CacheServiceStub, n, size
+            schema.SPAN_CACHE_LOOKUP, config.cache_addr, cache_pb2_grpc.CacheServiceStub, n, size
         )
         self.inference = Upstream(
-            "inference", config.inference_addr, inference_pb2_grpc.InferenceServiceStub, n, size
+            schema.SPAN_INFERENCE,
+            config.inference_addr,
+            inference_pb2_grpc.InferenceServiceStub,
+            n,
+            size,
         )
         self.postprocess = Upstream(
-            "postprocess",
+            schema.SPAN_POSTPROCESS,
             config.postprocess_addr,
             postprocess_pb2_grpc.PostprocessServiceStub,
             n,
@@ -271,7 +280,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         timeout = self._timeout(context)
         tokenizing = asyncio.ensure_future(
             call_hop(
-                "tokenize",
+                schema.SPAN_TOKENIZE,
                 self.tokenizer.target,
                 self.tokenizer.stub().Tokenize,
                 tokenizer_pb2.TokenizeRequest(
@@ -331,7 +340,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> common_pb2.Prediction:
         tokens: tokenizer_pb2.TokenizeResponse = await tokenizing
         inferred: inference_pb2.InferResponse = await call_hop(
-            "inference",
+            schema.SPAN_INFERENCE,
             self.inference.target,
             self.inference.stub().Infer,
             inference_pb2.InferRequest(
@@ -344,7 +353,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             timings,
         )
         post: postprocess_pb2.PostprocessResponse = await call_hop(
-            "postprocess",
+            schema.SPAN_POSTPROCESS,
             self.postprocess.target,
             self.postprocess.stub().Postprocess,
             postprocess_pb2.PostprocessRequest(
@@ -379,7 +388,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             return None
         try:
             found: cache_pb2.LookupResponse = await call_hop(
-                "cache_lookup",
+                schema.SPAN_CACHE_LOOKUP,
                 self.cache.target,
                 self.cache.stub().Lookup,
                 cache_pb2.LookupRequest(
@@ -435,7 +444,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         info: inference_pb2.ModelInfo,
     ) -> None:
         try:
-            await self.cache.stub().Store(
+            await call_hop(
+                schema.SPAN_CACHE_STORE,
+                self.cache.target,
+                self.cache.stub().Store,
                 cache_pb2.StoreRequest(
                     scope=scope,
                     text=text,
@@ -443,13 +455,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                     ttl_s=info.cache.ttl_s,
                     max_entries=info.cache.max_entries,
                 ),
-                timeout=2.0,
-                metadata=outgoing_metadata(),
+                2.0,
+                {},
             )
             self.counters["stores"] += 1
-        except grpc.aio.AioRpcError as err:
+        except HopError as err:
             self.counters["store_errors"] += 1
-            log.warning("cache store failed", extra={"status": err.code().name})
+            log.warning("cache store failed", extra={"status": err.code.name})
 
     async def GetStats(
         self,
@@ -472,6 +484,16 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     def _finish(
         response: gateway_pb2.PredictResponse, timings: dict[str, float], started: float
     ) -> gateway_pb2.PredictResponse:
+        trace.get_current_span().set_attributes(
+            {
+                schema.MODEL: response.model,
+                schema.MODEL_VERSION: response.model_version,
+                schema.TENANT: response.tenant,
+                schema.CACHE_OUTCOME: _outcome(response.cache.outcome),
+                schema.CACHE_SIMILARITY: response.cache.similarity,
+                schema.CACHE_COALESCED: response.cache.coalesced,
+            }
+        )
         timings["total"] = (time.perf_counter() - started) * 1e3
         response.timings.extend(common_pb2.HopTiming(hop=h, ms=ms) for h, ms in timings.items())
         return response

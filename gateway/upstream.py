@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from hopline.observability import metrics
+from hopline.observability import metrics, schema
 from hopline.observability.tracing import outgoing_metadata, tracer
 
 StubT = TypeVar("StubT")
@@ -105,7 +105,7 @@ async def call_hop(
     with tracer().start_as_current_span(
         hop,
         kind=SpanKind.CLIENT,
-        attributes={"rpc.system": "grpc", "server.address": target},
+        attributes={"rpc.system": "grpc", "server.address": target, schema.HOP: hop},
         record_exception=False,
         set_status_on_exception=False,
     ) as span:

@@ -7,6 +7,7 @@ reflection RPCs are not traced: probes would drown the traces that matter.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -19,7 +20,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from hopline.interceptors import Behaviour, UnaryInterceptor
-from hopline.observability import metrics
+from hopline.observability import metrics, schema
 
 log = logging.getLogger("hopline.tracing")
 
@@ -76,6 +77,9 @@ class ServerTracingInterceptor(UnaryInterceptor):
     latency histogram and in-flight gauge, observed inside the span so the exemplar carries
     its trace id."""
 
+    def __init__(self, test_delay_ms: float = 0.0) -> None:
+        self.test_delay_s = test_delay_ms / 1e3
+
     def wrap(
         self, method: str, details: grpc.HandlerCallDetails, inner: Behaviour
     ) -> Behaviour | None:
@@ -95,6 +99,9 @@ class ServerTracingInterceptor(UnaryInterceptor):
                 started = time.perf_counter()
                 in_flight.inc()
                 try:
+                    if self.test_delay_s > 0:
+                        span.set_attribute(schema.DELAY_MS, self.test_delay_s * 1e3)
+                        await asyncio.sleep(self.test_delay_s)
                     return await inner(request, context)
                 finally:
                     in_flight.dec()

@@ -28,7 +28,14 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class Mesh:
-    def __init__(self, repo: Path, workdir: Path, **env: str) -> None:
+    def __init__(
+        self,
+        repo: Path,
+        workdir: Path,
+        service_env: dict[str, dict[str, str]] | None = None,
+        **env: str,
+    ) -> None:
+        self.service_env = service_env or {}
         self.repo = repo
         self.workdir = workdir
         self.addrs = {name: f"127.0.0.1:{free_port()}" for name in ALL}
@@ -59,7 +66,11 @@ class Mesh:
             with (self.workdir / f"{name}.log").open("ab") as out:
                 self.procs[name] = subprocess.Popen(
                     [sys.executable, "-m", "hopline", "serve", name],
-                    env={**self.env, "HOPLINE_METRICS_PORT": str(self.metrics_ports[name])},
+                    env={
+                        **self.env,
+                        "HOPLINE_METRICS_PORT": str(self.metrics_ports[name]),
+                        **self.service_env.get(name, {}),
+                    },
                     stdout=out,
                     stderr=subprocess.STDOUT,
                 )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from opentelemetry import trace
 
 from hopline.common.v1 import common_pb2
 from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
@@ -24,7 +25,8 @@ from hopline.model.repository import (
     ModelRepository,
     TensorSpec,
 )
-from hopline.observability import metrics
+from hopline.observability import metrics, schema
+from hopline.observability.tracing import tracer
 from hopline.tensors import TensorError, dtype_name, from_tensor, to_tensor
 
 log = logging.getLogger("hopline.inference")
@@ -165,7 +167,9 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
                 f"{cfg.key} has no output(s) {missing}; has {known}",
             )
         submitted = time.perf_counter()
+        submitted_ns = time.time_ns()
         started = 0.0
+        started_ns = 0
         depth = metrics.QUEUE_DEPTH.labels("inference", cfg.name)
         depth.inc()
         queued = threading.Lock()  # leave the queue exactly once: by running or by giving up
@@ -175,21 +179,33 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
                 depth.dec()
 
         def run() -> dict[str, Array]:
-            nonlocal started
+            nonlocal started, started_ns
             started = time.perf_counter()
+            started_ns = time.time_ns()
             leave_queue()
             return backend.run(inputs, list(request.outputs))
 
         if self.config.test_delay_ms > 0:
+            trace.get_current_span().set_attribute(schema.DELAY_MS, self.config.test_delay_ms)
             await asyncio.sleep(self.config.test_delay_ms / 1e3)
         try:
             outputs = await asyncio.get_running_loop().run_in_executor(self.executor, run)
         finally:
             leave_queue()
         done = time.perf_counter()
-        metrics.BATCH_SIZE.labels("inference", cfg.name).observe(
-            next(iter(inputs.values())).shape[0]
-        )
+        batch = int(next(iter(inputs.values())).shape[0])
+        metrics.BATCH_SIZE.labels("inference", cfg.name).observe(batch)
+        # The run happened on a worker thread: its spans are written afterwards, from the
+        # timestamps taken there, under this RPC's server span.
+        attrs = {schema.MODEL: cfg.name, schema.MODEL_VERSION: cfg.version}
+        tracer().start_span(
+            schema.SPAN_INFERENCE_QUEUE, start_time=submitted_ns, attributes=attrs
+        ).end(end_time=started_ns)
+        tracer().start_span(
+            schema.SPAN_INFERENCE_RUN,
+            start_time=started_ns,
+            attributes={**attrs, schema.BATCH_SIZE: batch},
+        ).end(end_time=started_ns + int((done - started) * 1e9))
         return inference_pb2.InferResponse(
             model=cfg.name,
             model_version=cfg.version,

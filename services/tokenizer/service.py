@@ -6,12 +6,14 @@ import dataclasses
 from pathlib import Path
 
 import grpc
+from opentelemetry import trace
 from tokenizers import Tokenizer
 
 from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
 from hopline.model.registry import ModelRegistry
 from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
 from hopline.model.tokenizer import encode, load_tokenizer
+from hopline.observability import schema
 from hopline.tensors import to_tensor
 from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -74,6 +76,9 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         except ModelNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         batch = encode(tokenizer, texts)
+        trace.get_current_span().set_attributes(
+            {schema.TOKENS: sum(batch.lengths), schema.BATCH_SIZE: len(texts)}
+        )
         return tokenizer_pb2.TokenizeResponse(
             input_ids=to_tensor("input_ids", batch.input_ids),
             attention_mask=to_tensor("attention_mask", batch.attention_mask),

@@ -1,0 +1,215 @@
+"""Tracing overhead: the same mesh with spans exported to Jaeger, and with no exporter.
+
+Both variants run in one invocation, alternating (off, on, off, on, ...) so drift on a shared
+machine hits both alike. Each round starts a fresh mesh, warms it, then runs a closed loop of
+`--concurrency` callers sending unique texts with the cache bypassed (every request crosses
+every hop) for `--duration` seconds. Reported: throughput, p50 and p99 per variant (medians
+over rounds) and the ratios the issue's targets are written against.
+
+Usage: .venv/bin/python bench/tracing_overhead.py [--rounds 3] [--duration 20] [--concurrency 4]
+Needs the default model (`make model`) and Jaeger (`make .tools/bin/jaeger`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from hopline.common.v1 import common_pb2
+from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.supervisor import is_serving
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVICES = ("tokenizer", "postprocess", "cache", "inference", "gateway")
+JAEGER_CONFIG = """
+service:
+  extensions: [jaeger_storage, jaeger_query]
+  pipelines:
+    traces: {{receivers: [otlp], processors: [batch], exporters: [jaeger_storage_exporter]}}
+  telemetry: {{metrics: {{level: none}}, logs: {{level: warn}}}}
+extensions:
+  jaeger_query:
+    storage: {{traces: mem}}
+    http: {{endpoint: "127.0.0.1:{query}"}}
+    grpc: {{endpoint: "127.0.0.1:{query_grpc}"}}
+  jaeger_storage:
+    backends: {{mem: {{memory: {{max_traces: 200000}}}}}}
+receivers:
+  otlp: {{protocols: {{grpc: {{endpoint: "127.0.0.1:{otlp}"}}}}}}
+processors:
+  batch: {{}}
+exporters:
+  jaeger_storage_exporter: {{trace_storage: mem}}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_mesh(
+    repo: Path, work: Path, extra: dict[str, str]
+) -> tuple[list[subprocess.Popen[bytes]], str]:
+    addrs = {name: f"127.0.0.1:{free_port()}" for name in SERVICES}
+    env = {
+        **os.environ,
+        "HOPLINE_MODEL_REPO": str(repo),
+        "HOPLINE_CACHE_URI": str(work / "cache.db"),
+        "HOPLINE_METRICS_PORT": "0",
+        "HOPLINE_LOG_LEVEL": "warning",
+        **{f"HOPLINE_{n.upper()}_ADDR": a for n, a in addrs.items()},
+        **extra,
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "hopline", "serve", name],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=(work / f"{name}.log").open("ab"),
+        )
+        for name in SERVICES
+    ]
+    deadline = time.monotonic() + 180
+    while not all(is_serving(a) for a in addrs.values()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"mesh did not come up; logs in {work}")
+        time.sleep(0.3)
+    return procs, addrs["gateway"]
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        p.wait(timeout=30)
+
+
+async def load(gateway: str, concurrency: int, duration_s: float, salt: str) -> list[float]:
+    latencies: list[float] = []
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        stop_at = time.monotonic() + duration_s
+        counter = iter(range(10**9))
+
+        async def caller() -> None:
+            while time.monotonic() < stop_at:
+                text = f"where is my order {salt}-{next(counter)}"
+                started = time.perf_counter()
+                await stub.Predict(
+                    gateway_pb2.PredictRequest(text=text, cache_mode=common_pb2.CACHE_MODE_BYPASS),
+                    timeout=30,
+                )
+                latencies.append((time.perf_counter() - started) * 1e3)
+
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+    return latencies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--model-repo", type=Path, default=ROOT / "models")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    jaeger_bin = ROOT / ".tools" / "bin" / "jaeger"
+    work = Path(tempfile.mkdtemp(prefix="hopline-trace-bench-"))
+    ports = {"query": free_port(), "query_grpc": free_port(), "otlp": free_port()}
+    (work / "jaeger.yaml").write_text(JAEGER_CONFIG.format(**ports))
+    jaeger = subprocess.Popen(
+        [str(jaeger_bin), "--config", str(work / "jaeger.yaml")],
+        stdout=subprocess.DEVNULL,
+        stderr=(work / "jaeger.log").open("ab"),
+    )
+    results: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+    try:
+        time.sleep(2)
+        for rnd in range(args.rounds):
+            for variant in ("off", "on"):
+                extra = (
+                    {
+                        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{ports['otlp']}",
+                        "OTEL_BSP_SCHEDULE_DELAY": "1000",
+                    }
+                    if variant == "on"
+                    else {}
+                )
+                run_dir = work / f"{variant}{rnd}"
+                run_dir.mkdir()
+                procs, gateway = start_mesh(args.model_repo, run_dir, extra)
+                try:
+                    asyncio.run(load(gateway, args.concurrency, args.warmup, f"w{rnd}{variant}"))
+                    lat = asyncio.run(
+                        load(gateway, args.concurrency, args.duration, f"m{rnd}{variant}")
+                    )
+                finally:
+                    stop(procs)
+                a = np.array(lat)
+                row = {
+                    "throughput_rps": len(a) / args.duration,
+                    "p50_ms": float(np.percentile(a, 50)),
+                    "p99_ms": float(np.percentile(a, 99)),
+                    "requests": float(len(a)),
+                }
+                results[variant].append(row)
+                print(
+                    f"round {rnd} tracing {variant:<3} {row['throughput_rps']:7.1f} rps  "
+                    f"p50 {row['p50_ms']:6.2f} ms  p99 {row['p99_ms']:6.2f} ms  n={len(a)}",
+                    flush=True,
+                )
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{ports['query']}/api/v3/services", timeout=10
+        ) as reply:
+            services = json.loads(reply.read()).get("services", [])
+    finally:
+        jaeger.terminate()
+        jaeger.wait(timeout=20)
+    summary = {
+        v: {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
+        for v, rows in results.items()
+    }
+    off, on = summary["off"], summary["on"]
+    ratios = {
+        "throughput_loss": 1 - on["throughput_rps"] / off["throughput_rps"],
+        "p50_added_ms": on["p50_ms"] - off["p50_ms"],
+        "p99_added_ms": on["p99_ms"] - off["p99_ms"],
+    }
+    lines = [
+        f"\nmedian of {args.rounds} rounds, concurrency {args.concurrency}, "
+        f"{args.duration:g} s each; Jaeger saw services {sorted(services)}",
+        *(
+            f"  {v:<4} {r['throughput_rps']:.1f} rps, p50 {r['p50_ms']:.2f} ms, "
+            f"p99 {r['p99_ms']:.2f} ms"
+            for v, r in summary.items()
+        ),
+        f"  throughput loss {ratios['throughput_loss']:.1%} (target <= 5%), "
+        f"added p50 {ratios['p50_added_ms']:+.2f} ms (target <= 0.2 ms), "
+        f"added p99 {ratios['p99_added_ms']:+.2f} ms",
+    ]
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps({"runs": results, "median": summary, **ratios}, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

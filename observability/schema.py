@@ -1,0 +1,68 @@
+"""Every span name and `hopline.` span attribute hopline emits, in one place.
+
+Code refers to these constants rather than to string literals; a test walks the package's
+source and fails on a span name or attribute key that is not declared here, and another
+checks docs/observability.md lists exactly these. Attribute values are OpenTelemetry
+primitives (str, bool, int, float).
+"""
+
+from __future__ import annotations
+
+# -- attributes -------------------------------------------------------------------------------
+
+MODEL = "hopline.model"
+MODEL_VERSION = "hopline.model_version"
+TENANT = "hopline.tenant"
+CACHE_OUTCOME = "hopline.cache.outcome"
+CACHE_SIMILARITY = "hopline.cache.similarity"
+CACHE_COALESCED = "hopline.cache.coalesced"
+CACHE_CANDIDATES = "hopline.cache.candidates"
+CACHE_ENTRIES = "hopline.cache.entries"
+BATCH_SIZE = "hopline.batch_size"
+TOKENS = "hopline.tokens"
+HOP = "hopline.hop"
+DELAY_MS = "hopline.test_delay_ms"
+
+ATTRIBUTES: dict[str, str] = {
+    MODEL: "model name the request resolved to",
+    MODEL_VERSION: "model version the request resolved to",
+    TENANT: "tenant the request ran as (from its authenticated identity where there is one)",
+    CACHE_OUTCOME: "exact, semantic, miss, fail_open or skipped",
+    CACHE_SIMILARITY: "cosine similarity of the entry a hit served (1 for exact)",
+    CACHE_COALESCED: "this miss waited for another identical request's inference",
+    CACHE_CANDIDATES: "entries the Milvus search returned for verification and agreement",
+    CACHE_ENTRIES: "entries in one batched Milvus write",
+    BATCH_SIZE: "texts in the model or embedder run",
+    TOKENS: "tokens of the request's texts before padding",
+    HOP: "the upstream service a gateway client span calls",
+    DELAY_MS: "test-only delay injected into this RPC (HOPLINE_TEST_DELAY_MS, or "
+    "HOPLINE_INFERENCE_TEST_DELAY_MS before the model run)",
+}
+
+# -- spans (server spans are named after their RPC, e.g. hopline.gateway.v1.GatewayService/Predict)
+
+SPAN_TOKENIZE = "tokenize"
+SPAN_CACHE_LOOKUP = "cache_lookup"
+SPAN_INFERENCE = "inference"
+SPAN_POSTPROCESS = "postprocess"
+SPAN_CACHE_STORE = "cache_store"
+SPAN_INFERENCE_QUEUE = "inference.queue"
+SPAN_INFERENCE_RUN = "inference.run"
+SPAN_CACHE_EXACT = "cache.exact_read"
+SPAN_CACHE_EMBED = "cache.embed"
+SPAN_CACHE_SEARCH = "cache.search"
+SPAN_CACHE_WRITE = "cache.write"
+
+SPANS: dict[str, str] = {
+    SPAN_TOKENIZE: "gateway client span: the call to the tokenizer",
+    SPAN_CACHE_LOOKUP: "gateway client span: the cache lookup (bounded by the lookup budget)",
+    SPAN_INFERENCE: "gateway client span: the call to inference",
+    SPAN_POSTPROCESS: "gateway client span: the call to postprocess",
+    SPAN_CACHE_STORE: "gateway client span: the asynchronous store after a miss (after the reply)",
+    SPAN_INFERENCE_QUEUE: "inference: waiting for a model run to start",
+    SPAN_INFERENCE_RUN: "inference: the model's own run",
+    SPAN_CACHE_EXACT: "cache: the exact-tier read (pending buffer or Milvus key query)",
+    SPAN_CACHE_EMBED: "cache: the query's embedding (may be shared with other lookups' batch)",
+    SPAN_CACHE_SEARCH: "cache: the scope-filtered Milvus vector search",
+    SPAN_CACHE_WRITE: "cache: one batched Milvus write; its own trace, linked to the stores",
+}

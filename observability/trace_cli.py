@@ -1,0 +1,76 @@
+"""`hopline trace ...` commands; the analysis itself is imported only when one runs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+GATEWAY_SERVICE = "gateway"
+
+
+def _percentile(raw: str) -> float:
+    value = float(raw.lower().removeprefix("p"))
+    if not 0 <= value < 100:
+        raise argparse.ArgumentTypeError(f"a percentile like p90 or p99, got {raw!r}")
+    return value
+
+
+def _duration_s(raw: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600}
+    if raw and raw[-1] in units:
+        return float(raw[:-1]) * units[raw[-1]]
+    return float(raw)
+
+
+def add_trace_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    tr = sub.add_parser("trace", help="tail-latency attribution from traces")
+    tr_sub = tr.add_subparsers(dest="trace_command", required=True)
+    rep = tr_sub.add_parser(
+        "report", help="per hop: own time, share of the slow requests' critical path, gaps"
+    )
+    source = rep.add_mutually_exclusive_group(required=True)
+    source.add_argument("--jaeger", help="Jaeger query base URL, e.g. http://127.0.0.1:16686")
+    source.add_argument("--file", type=Path, help="OTLP JSON (TracesData, one or many)")
+    rep.add_argument("--service", default=GATEWAY_SERVICE, help="with --jaeger: entry service")
+    rep.add_argument("--since", default="10m", help="with --jaeger: look back this far (s/m/h)")
+    rep.add_argument("--limit", type=int, default=2000, help="with --jaeger: most traces")
+    rep.add_argument("--above", type=_percentile, default=99.0, help="e.g. p90, p99 (default)")
+    rep.add_argument("--png", type=Path, help="stacked breakdown by latency band")
+    rep.add_argument("--json", type=Path, help="write the report as JSON")
+    rep.set_defaults(trace_handler=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from hopline.observability.report import (
+        analyse,
+        fetch_jaeger,
+        parse_otlp,
+        plot,
+        read_json_documents,
+        table,
+    )
+
+    if args.jaeger:
+        docs = fetch_jaeger(args.jaeger, args.service, _duration_s(args.since), args.limit)
+    else:
+        docs = read_json_documents(args.file.read_text(encoding="utf-8"))
+    report = analyse(parse_otlp(docs), args.above)
+    sys.stdout.write(table(report))
+    if args.png:
+        plot(report, args.png)
+        sys.stdout.write(f"plot  {args.png}\n")
+    if args.json:
+        args.json.write_text(json.dumps(dataclasses.asdict(report), indent=1) + "\n")
+        sys.stdout.write(f"json  {args.json}\n")
+    return 0
+
+
+def run_trace_command(args: argparse.Namespace) -> int:
+    try:
+        return int(args.trace_handler(args))
+    except (ValueError, OSError) as exc:  # URLError is an OSError
+        sys.stderr.write(f"error: {exc}\n")
+        return 1

@@ -1,0 +1,244 @@
+"""Traces in a real Jaeger v2 (built by `make`): one trace per request, spans from all five
+services with the right parents, and `hopline trace report` blaming an injected slow hop."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import DEFAULT_MODEL, ROOT
+from hopline.client import predict
+from hopline.common.v1 import common_pb2
+from hopline.gateway.v1 import gateway_pb2
+from hopline.observability.report import Span, build_tree, parse_otlp
+from mesh import Mesh, free_port
+
+JAEGER = ROOT / ".tools" / "bin" / "jaeger"
+CONFIG = """
+service:
+  extensions: [jaeger_storage, jaeger_query]
+  pipelines:
+    traces:
+      receivers: [otlp]
+      processors: [batch]
+      exporters: [jaeger_storage_exporter]
+  telemetry:
+    metrics:
+      level: none
+    logs:
+      level: warn
+extensions:
+  jaeger_query:
+    storage:
+      traces: mem
+    http:
+      endpoint: 127.0.0.1:{query}
+    grpc:
+      endpoint: 127.0.0.1:{query_grpc}
+  jaeger_storage:
+    backends:
+      mem:
+        memory:
+          max_traces: 100000
+receivers:
+  otlp:
+    protocols:
+      grpc:
+        endpoint: 127.0.0.1:{otlp}
+processors:
+  batch:
+    timeout: 100ms
+exporters:
+  jaeger_storage_exporter:
+    trace_storage: mem
+"""
+DELAY_MS = 60  # on postprocess, normally the cheapest hop (about 1 ms)
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+@pytest.fixture(scope="module")
+def jaeger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    if not JAEGER.is_file():
+        pytest.fail(f"{JAEGER} is missing: `make test` builds it (make .tools/bin/jaeger)")
+    work = tmp_path_factory.mktemp("jaeger")
+    ports = {"query": free_port(), "query_grpc": free_port(), "otlp": free_port()}
+    config = work / "jaeger.yaml"
+    config.write_text(CONFIG.format(**ports))
+    with (work / "jaeger.log").open("wb") as log:
+        proc = subprocess.Popen([str(JAEGER), "--config", str(config)], stdout=log, stderr=log)
+    base = f"http://127.0.0.1:{ports['query']}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                get_json(f"{base}/api/v3/services")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None, (work / "jaeger.log").read_text()
+                assert time.monotonic() < deadline, "Jaeger did not answer within 60 s"
+                time.sleep(0.2)
+        yield {"query": base, "otlp": f"http://127.0.0.1:{ports['otlp']}"}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def traced(
+    jaeger: dict[str, str], default_repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
+    work = tmp_path_factory.mktemp("traced")
+    repo = work / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    mesh = Mesh(
+        repo,
+        work,
+        service_env={"postprocess": {"HOPLINE_TEST_DELAY_MS": str(DELAY_MS)}},
+        OTEL_EXPORTER_OTLP_ENDPOINT=jaeger["otlp"],
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        HOPLINE_CACHE_BUDGET_MS="2000",
+    )
+    try:
+        yield mesh.start()
+    finally:
+        mesh.stop()
+
+
+def fetch_trace(base: str, trace_id: str, want_services: int, timeout_s: float = 30) -> list[Span]:
+    """The trace's spans once `want_services` services have reported (export is batched)."""
+    deadline = time.monotonic() + timeout_s
+    spans: list[Span] = []
+    while time.monotonic() < deadline:
+        try:
+            doc = get_json(f"{base}/api/v3/traces/{trace_id}")
+            spans = parse_otlp([doc]).get(trace_id, [])
+        except urllib.error.HTTPError as err:
+            if err.code != 404:
+                raise
+        if len({s.service for s in spans}) >= want_services:
+            return spans
+        time.sleep(0.2)
+    raise AssertionError(
+        f"trace {trace_id}: {len(spans)} spans from { ({s.service for s in spans}) }"
+    )
+
+
+def one(spans: list[Span], name: str, service: str) -> Span:
+    found = [s for s in spans if s.name == name and s.service == service]
+    assert len(found) == 1, f"{name}@{service}: {len(found)} spans"
+    return found[0]
+
+
+def test_traces_span_every_hop_with_correct_parents_and_the_report_blames_the_slow_hop(
+    traced: Mesh, jaeger: dict[str, str], tmp_path: Path
+) -> None:
+    replies: list[gateway_pb2.PredictResponse] = []
+    texts = [f"where is my order number {n}" for n in range(20)]
+    for text in texts:  # misses, each through postprocess and its injected delay
+        replies.append(predict(text, gateway=traced.gateway, tenant="traces", timeout_s=30))
+    time.sleep(0.5)  # let the stores land
+    for text in texts:  # exact hits: no inference, no postprocess
+        replies.append(predict(text, gateway=traced.gateway, tenant="traces", timeout_s=30))
+    outcomes = [r.cache.outcome for r in replies]
+    assert outcomes[:20] == [common_pb2.CACHE_OUTCOME_MISS] * 20
+    assert outcomes[20:] == [common_pb2.CACHE_OUTCOME_EXACT] * 20
+    assert len({r.trace_id for r in replies}) == 40  # one trace per request
+
+    base = jaeger["query"]
+    miss = fetch_trace(base, replies[0].trace_id, want_services=5)
+    assert {s.service for s in miss} == {
+        "gateway",
+        "tokenizer",
+        "cache",
+        "inference",
+        "postprocess",
+    }
+    assert {s.trace_id for s in miss} == {replies[0].trace_id}
+    root = build_tree(miss)
+    assert root is not None
+    assert (root.name, root.service, root.parent_id) == (
+        "hopline.gateway.v1.GatewayService/Predict",
+        "gateway",
+        "",
+    )
+    assert root.attributes["hopline.cache.outcome"] == "miss"
+    assert root.attributes["hopline.model"] == DEFAULT_MODEL
+    # Each hop: the gateway's client span under the root, the service's server span under it.
+    for hop, service, rpc in (
+        ("tokenize", "tokenizer", "hopline.tokenizer.v1.TokenizerService/Tokenize"),
+        ("cache_lookup", "cache", "hopline.cache.v1.CacheService/Lookup"),
+        ("inference", "inference", "hopline.inference.v1.InferenceService/Infer"),
+        ("postprocess", "postprocess", "hopline.postprocess.v1.PostprocessService/Postprocess"),
+    ):
+        client = one(miss, hop, "gateway")
+        server = one(miss, rpc, service)
+        assert client.parent_id == root.span_id, hop
+        assert server.parent_id == client.span_id, hop
+        assert client.start <= server.start, hop
+        assert server.end <= client.end, hop
+    infer = one(miss, "hopline.inference.v1.InferenceService/Infer", "inference")
+    for inner in ("inference.queue", "inference.run"):
+        assert one(miss, inner, "inference").parent_id == infer.span_id
+    assert one(miss, "inference.run", "inference").attributes["hopline.batch_size"] == 1
+    lookup = one(miss, "hopline.cache.v1.CacheService/Lookup", "cache")
+    assert one(miss, "cache.exact_read", "cache").parent_id == lookup.span_id
+    post = one(miss, "hopline.postprocess.v1.PostprocessService/Postprocess", "postprocess")
+    assert post.attributes["hopline.test_delay_ms"] == DELAY_MS
+    assert post.ms >= DELAY_MS
+
+    hit = fetch_trace(base, replies[20].trace_id, want_services=2)
+    # Tokenization starts beside the lookup and is abandoned on a hit: it may show up.
+    assert {"gateway", "cache"} <= {s.service for s in hit} <= {"gateway", "cache", "tokenizer"}
+    assert build_tree(hit) is not None
+    assert not [s for s in hit if s.name in ("inference", "postprocess")]
+
+    # Every request reached Jaeger as exactly one trace rooted at the gateway.
+    for reply in replies[1:20] + replies[21:]:
+        spans = fetch_trace(base, reply.trace_id, want_services=5 if reply in replies[:20] else 2)
+        roots = [s for s in spans if not s.parent_id]
+        assert [r.name for r in roots] == ["hopline.gateway.v1.GatewayService/Predict"]
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hopline",
+            "trace",
+            "report",
+            "--jaeger",
+            base,
+            "--service",
+            "gateway",
+            "--since",
+            "10m",
+            "--above",
+            "p90",
+            "--json",
+            str(tmp_path / "report.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    print(out.stdout)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["traces"] == 40
+    top = next(r for r in report["rows"] if not r["name"].startswith("  "))
+    assert top["name"] == "postprocess", out.stdout
+    assert top["critical_ms"] >= DELAY_MS
