@@ -51,13 +51,7 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "cache eval` counts; the cached side keeps only answers the model's cache policy "
         "would store (in scope, score >= min_score)",
     )
-    pairs.add_argument("--model-version", default="", help="with --model; default: the latest")
-    pairs.add_argument(
-        "--model-repo",
-        type=Path,
-        default=Path(os.environ.get("HOPLINE_MODEL_REPO", "models")),
-        help="with --model [env HOPLINE_MODEL_REPO]",
-    )
+    _model_args(pairs, "with --model; ")
     pairs.add_argument(
         "--min-score",
         type=float,
@@ -104,13 +98,7 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     ev.add_argument("--clinc", type=Path, required=True, help="CLINC150 data_full.json")
     ev.add_argument("--model", required=True, help="a model trained on the same intents")
-    ev.add_argument("--model-version", default="", help="default: the latest version")
-    ev.add_argument(
-        "--model-repo",
-        type=Path,
-        default=Path(os.environ.get("HOPLINE_MODEL_REPO", "models")),
-        help="where to read the model's cache policy [env HOPLINE_MODEL_REPO]",
-    )
+    _model_args(ev, "")
     ev.add_argument("--gateway", help="gateway address [env HOPLINE_GATEWAY_ADDR]")
     ev.add_argument("--cache", help="cache service address, for its stats [env HOPLINE_CACHE_ADDR]")
     ev.add_argument(
@@ -132,6 +120,17 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     ev.add_argument("--out", type=Path, help="directory for cache-eval.json and cache-eval.md")
     ev.set_defaults(cache_handler=_eval)
+
+
+def _model_args(parser: argparse.ArgumentParser, prefix: str) -> None:
+    """--model-version and --model-repo, shared by the commands that load a model."""
+    parser.add_argument("--model-version", default="", help=f"{prefix}default: the latest")
+    parser.add_argument(
+        "--model-repo",
+        type=Path,
+        default=Path(os.environ.get("HOPLINE_MODEL_REPO", "models")),
+        help=f"{prefix}the model repository [env HOPLINE_MODEL_REPO]",
+    )
 
 
 def _eval(args: argparse.Namespace) -> int:
