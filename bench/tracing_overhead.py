@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import numpy as np
 
 from hopline.common.v1 import common_pb2
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from hopline.supervisor import is_serving
+from hopline.supervisor import free_ports, is_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("tokenizer", "postprocess", "cache", "inference", "gateway")
@@ -57,16 +56,13 @@ exporters:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_mesh(
     repo: Path, work: Path, extra: dict[str, str]
 ) -> tuple[list[subprocess.Popen[bytes]], str]:
-    addrs = {name: f"127.0.0.1:{free_port()}" for name in SERVICES}
+    addrs = {
+        name: f"127.0.0.1:{port}"
+        for name, port in zip(SERVICES, free_ports(len(SERVICES)), strict=True)
+    }
     env = {
         **os.environ,
         "HOPLINE_MODEL_REPO": str(repo),
@@ -133,7 +129,7 @@ def main() -> None:
 
     jaeger_bin = ROOT / ".tools" / "bin" / "jaeger"
     work = Path(tempfile.mkdtemp(prefix="hopline-trace-bench-"))
-    ports = {"query": free_port(), "query_grpc": free_port(), "otlp": free_port()}
+    ports = dict(zip(("query", "query_grpc", "otlp"), free_ports(3), strict=True))
     (work / "jaeger.yaml").write_text(JAEGER_CONFIG.format(**ports))
     jaeger = subprocess.Popen(
         [str(jaeger_bin), "--config", str(work / "jaeger.yaml")],

@@ -65,6 +65,9 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ("grpc.http2.max_pings_without_data", 0),
+        # grpc turns SO_REUSEPORT on by default: a second server on a taken port would then
+        # start fine and silently receive part of the first one's connections. Fail instead.
+        ("grpc.so_reuseport", 0),
     ]
 
 

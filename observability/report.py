@@ -126,9 +126,9 @@ def read_json_documents(text: str) -> list[dict[str, Any]]:
 
 
 def fetch_jaeger(
-    base: str, service: str, since_s: float, limit: int = 1000
+    base: str, service: str, since_s: float, limit: int = 1000, operation: str | None = None
 ) -> list[dict[str, Any]]:
-    """Traces through `service` in the last `since_s` seconds, from Jaeger's api_v3."""
+    """Traces through `service` (and `operation`) in the last `since_s` s, from api_v3."""
     now = time.time()
 
     def rfc3339(t: float) -> str:
@@ -142,6 +142,7 @@ def fetch_jaeger(
             "query.search_depth": str(limit),
             "query.num_traces": str(limit),
         }
+        | ({"query.operation_name": operation} if operation else {})
     )
     url = f"{base.rstrip('/')}/api/v3/traces?{query}"
     try:
@@ -245,10 +246,15 @@ def _own_times(root: Span) -> dict[str, list[float]]:
 BANDS = (("p0-p50", 0, 50), ("p50-p90", 50, 90), ("p90-p99", 90, 99), ("p99-max", 99, 100))
 
 
-def analyse(traces: dict[str, list[Span]], above: float) -> Report:
+def analyse(traces: dict[str, list[Span]], above: float, operation: str | None = None) -> Report:
+    """Attribute the slow requests' time; `operation` keeps only traces rooted at that RPC."""
     roots = [r for r in (build_tree(spans) for spans in traces.values()) if r is not None]
+    if operation:
+        roots = [r for r in roots if r.name == operation]
     if not roots:
-        raise ValueError("no traces to report on")
+        raise ValueError(
+            "no traces to report on" + (f" with root operation {operation!r}" if operation else "")
+        )
     e2e = np.array([r.ms for r in roots])
     threshold = float(np.percentile(e2e, above))
     slow = [r for r in roots if r.ms >= threshold]

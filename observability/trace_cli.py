@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 GATEWAY_SERVICE = "gateway"
+# Admin calls (GetStats, Invalidate) are traced too but say nothing about request latency.
+PREDICT_OPERATION = "hopline.gateway.v1.GatewayService/Predict"
 
 
 def _percentile(raw: str) -> float:
@@ -35,6 +37,11 @@ def add_trace_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     source.add_argument("--jaeger", help="Jaeger query base URL, e.g. http://127.0.0.1:16686")
     source.add_argument("--file", type=Path, help="OTLP JSON (TracesData, one or many)")
     rep.add_argument("--service", default=GATEWAY_SERVICE, help="with --jaeger: entry service")
+    rep.add_argument(
+        "--operation",
+        default=PREDICT_OPERATION,
+        help="only traces rooted at this RPC (default: the gateway's Predict; 'any' for all)",
+    )
     rep.add_argument("--since", default="10m", help="with --jaeger: look back this far (s/m/h)")
     rep.add_argument("--limit", type=int, default=2000, help="with --jaeger: most traces")
     rep.add_argument("--above", type=_percentile, default=99.0, help="e.g. p90, p99 (default)")
@@ -53,11 +60,14 @@ def _report(args: argparse.Namespace) -> int:
         table,
     )
 
+    operation = None if args.operation == "any" else args.operation
     if args.jaeger:
-        docs = fetch_jaeger(args.jaeger, args.service, _duration_s(args.since), args.limit)
+        docs = fetch_jaeger(
+            args.jaeger, args.service, _duration_s(args.since), args.limit, operation
+        )
     else:
         docs = read_json_documents(args.file.read_text(encoding="utf-8"))
-    report = analyse(parse_otlp(docs), args.above)
+    report = analyse(parse_otlp(docs), args.above, operation)
     sys.stdout.write(table(report))
     if args.png:
         plot(report, args.png)

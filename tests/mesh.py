@@ -10,17 +10,32 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 from grpc_health.v1 import health_pb2
 
+from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.supervisor import health_status as health
 
 ALL = ("tokenizer", "postprocess", "cache", "inference", "gateway")
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now and never handed out before in this test session.
+
+    The kernel may return a port it gave us a moment ago once that probe socket is closed;
+    two services told the same port would both fail or, worse, split one port's traffic.
+    """
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -87,6 +102,35 @@ class Mesh:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} not SERVING after {timeout_s}s:\n{self.log(name)}")
             time.sleep(0.2)
+
+    def gateway_counters(self) -> dict[str, int | str]:
+        """The gateway's GetStats counters, plus its cache circuit state as `circuit`."""
+        with grpc.insecure_channel(self.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            stats = stub.GetStats(gateway_pb2.GetStatsRequest(), timeout=10)
+            return {**stats.counters, "circuit": stats.cache_circuit}
+
+    def cache_stats(self) -> cache_pb2.GetStatsResponse:
+        with grpc.insecure_channel(self.addrs["cache"]) as channel:
+            stub = cache_pb2_grpc.CacheServiceStub(channel)
+            stats: cache_pb2.GetStatsResponse = stub.GetStats(
+                cache_pb2.GetStatsRequest(), timeout=10
+            )
+            return stats
+
+    def settle(self, timeout_s: float = 20.0) -> None:
+        """Wait until every store the gateway sent has been written to Milvus.
+
+        Stores are off the reply's path, so a test that expects a hit must wait for them
+        rather than sleep: a loaded CI machine can take far longer than a sleep assumes.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            idle = self.gateway_counters()["stores_in_flight"] == 0
+            if idle and self.cache_stats().pending_writes == 0:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"cache stores did not land within {timeout_s} s")
 
     def terminate(self, name: str, timeout_s: float = 15.0) -> int:
         proc = self.procs[name]

@@ -21,7 +21,7 @@ from conftest import DEFAULT_MODEL
 from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.client import predict
 from hopline.common.v1 import common_pb2
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.gateway.v1 import gateway_pb2
 from mesh import Mesh
 
 EXACT = common_pb2.CACHE_OUTCOME_EXACT
@@ -72,31 +72,6 @@ def cache_stub(mesh: Mesh) -> tuple[grpc.Channel, cache_pb2_grpc.CacheServiceStu
     return channel, cache_pb2_grpc.CacheServiceStub(channel)
 
 
-def cache_stats(mesh: Mesh) -> cache_pb2.GetStatsResponse:
-    channel, stub = cache_stub(mesh)
-    with channel:
-        stats: cache_pb2.GetStatsResponse = stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
-        return stats
-
-
-def gateway_counters(mesh: Mesh) -> dict[str, int]:
-    with grpc.insecure_channel(mesh.gateway) as channel:
-        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-        stats = stub.GetStats(gateway_pb2.GetStatsRequest(), timeout=10)
-        return dict(stats.counters) | {"circuit": stats.cache_circuit}  # type: ignore[dict-item]
-
-
-def settle(mesh: Mesh) -> None:
-    """Wait until every store the gateway sent has been written to Milvus."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        idle = gateway_counters(mesh)["stores_in_flight"] == 0
-        if idle and cache_stats(mesh).pending_writes == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("cache stores did not land within 20 s")
-
-
 def lookup(mesh: Mesh, text: str, tenant: str, model: str, version: str = "1") -> int:
     """The cache's own answer for what the gateway would ask, without storing anything."""
     scope = common_pb2.Scope(
@@ -115,7 +90,7 @@ def ask(mesh: Mesh, text: str, **kw: Any) -> gateway_pb2.PredictResponse:
 def test_exact_then_semantic_then_miss(cmesh: Mesh) -> None:
     first = ask(cmesh, "where is my order, it has not arrived", tenant="t-tiers")
     assert first.cache.outcome == MISS
-    settle(cmesh)
+    cmesh.settle()
     exact = ask(cmesh, "  WHERE is my order,   it has not arrived ", tenant="t-tiers")
     assert exact.cache.outcome == EXACT, exact.cache
     assert exact.cache.similarity == pytest.approx(1.0)
@@ -127,7 +102,7 @@ def test_exact_then_semantic_then_miss(cmesh: Mesh) -> None:
     assert near.prediction.label == first.prediction.label
     far = ask(cmesh, "I forgot my password and cannot log in", tenant="t-tiers")
     assert far.cache.outcome == MISS, far.cache
-    stats = cache_stats(cmesh)
+    stats = cmesh.cache_stats()
     assert stats.exact_hits >= 1
     assert stats.semantic_hits >= 1
     assert stats.misses >= 2
@@ -138,7 +113,7 @@ def test_tenants_never_see_each_others_entries(cmesh: Mesh) -> None:
     text = "please cancel my subscription today"
     a = ask(cmesh, text, tenant="tenant-a")
     assert a.cache.outcome == MISS
-    settle(cmesh)
+    cmesh.settle()
     assert ask(cmesh, text, tenant="tenant-a").cache.outcome == EXACT
     # Identical text, and a near paraphrase, from tenant B: never A's entry.
     b = ask(cmesh, text, tenant="tenant-b")
@@ -153,7 +128,7 @@ def test_tenants_never_see_each_others_entries(cmesh: Mesh) -> None:
 def test_model_version_and_parameters_are_part_of_the_scope(cmesh: Mesh) -> None:
     text = "how do I change my billing address"
     assert ask(cmesh, text, model="sem", model_version="1").cache.outcome == MISS
-    settle(cmesh)
+    cmesh.settle()
     assert ask(cmesh, text, model="sem", model_version="1").cache.outcome == EXACT
     assert ask(cmesh, text, model="sem", model_version="2").cache.outcome == MISS
     # top_k changes the answer, so it changes the key.
@@ -163,7 +138,7 @@ def test_model_version_and_parameters_are_part_of_the_scope(cmesh: Mesh) -> None
 def test_ttl_expiry(cmesh: Mesh) -> None:
     text = "my discount code does not work"
     assert ask(cmesh, text, model="short").cache.outcome == MISS
-    settle(cmesh)
+    cmesh.settle()
     hit = ask(cmesh, text, model="short")
     assert hit.cache.outcome == EXACT
     time.sleep(max(0.0, 1.6 - hit.cache.age_s))
@@ -174,11 +149,11 @@ def test_eviction_keeps_the_newest_entries(cmesh: Mesh) -> None:
     texts = [f"question number {i} about my account settings" for i in range(5)]
     for text in texts:
         ask(cmesh, text, model="small", tenant="evict")
-        settle(cmesh)
+        cmesh.settle()
     outcomes = [lookup(cmesh, t, "evict", "small") for t in texts]
     assert outcomes[:2] == [MISS, MISS], outcomes
     assert outcomes[2:] == [EXACT, EXACT, EXACT], outcomes
-    assert cache_stats(cmesh).evictions >= 2
+    assert cmesh.cache_stats().evictions >= 2
 
 
 def test_invalidate_by_scope_and_by_id(cmesh: Mesh) -> None:
@@ -186,7 +161,7 @@ def test_invalidate_by_scope_and_by_id(cmesh: Mesh) -> None:
     for tenant in ("inv-a", "inv-b"):
         ask(cmesh, one, tenant=tenant)
         ask(cmesh, two, tenant=tenant)
-    settle(cmesh)
+    cmesh.settle()
     hit = ask(cmesh, one, tenant="inv-a")
     assert hit.cache.outcome == EXACT
     channel, stub = cache_stub(cmesh)
@@ -232,38 +207,38 @@ def test_lookup_rejects_bad_requests(cmesh: Mesh) -> None:
 def test_out_of_scope_answers_are_not_stored(cmesh: Mesh) -> None:
     text = "what is the boiling point of tungsten in kelvin"
     first = ask(cmesh, text, tenant="oos")
-    before = gateway_counters(cmesh)["stores_skipped_policy"]
+    before = cmesh.gateway_counters()["stores_skipped_policy"]
     if not first.prediction.out_of_scope:
         pytest.fail(f"expected an out-of-scope answer for {text!r}, got {first.prediction}")
     again = ask(cmesh, text, tenant="oos")
     assert again.cache.outcome == MISS
-    assert gateway_counters(cmesh)["stores_skipped_policy"] == before + 1
+    assert cmesh.gateway_counters()["stores_skipped_policy"] == before + 1
 
 
 def test_answers_below_the_policys_min_score_are_not_stored(cmesh: Mesh) -> None:
     text = "where is my order"
-    before = gateway_counters(cmesh)["stores_skipped_policy"]
+    before = cmesh.gateway_counters()["stores_skipped_policy"]
     first = ask(cmesh, text, tenant="picky", model="picky")
     assert not first.prediction.out_of_scope
     assert first.prediction.score < 0.99, "pick a text the model is less sure of"
-    settle(cmesh)
+    cmesh.settle()
     again = ask(cmesh, text, tenant="picky", model="picky")
     assert again.cache.outcome == MISS
-    assert gateway_counters(cmesh)["stores_skipped_policy"] == before + 2
+    assert cmesh.gateway_counters()["stores_skipped_policy"] == before + 2
     # The same answer under a policy without the bound is stored and replayed.
     ask(cmesh, text, tenant="picky", model="small")
-    settle(cmesh)
+    cmesh.settle()
     assert ask(cmesh, text, tenant="picky", model="small").cache.outcome == EXACT
 
 
 def test_entries_survive_a_cache_restart(cmesh: Mesh) -> None:
     text = "do you ship to canada"
     ask(cmesh, text, tenant="persist")
-    settle(cmesh)
-    entries = cache_stats(cmesh).entries
+    cmesh.settle()
+    entries = cmesh.cache_stats().entries
     assert cmesh.terminate("cache") == 0
     cmesh.start(("cache",))
-    assert cache_stats(cmesh).entries == entries
+    assert cmesh.cache_stats().entries == entries
     # The gateway may still hold a broken connection for a moment; the cache must come back.
     deadline = time.monotonic() + 20
     while (outcome := ask(cmesh, text, tenant="persist").cache.outcome) != EXACT:
@@ -294,12 +269,12 @@ def slow_mesh(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 def test_identical_concurrent_misses_run_inference_once(slow_mesh: Mesh) -> None:
     n = 8
-    before = gateway_counters(slow_mesh)
+    before = slow_mesh.gateway_counters()
     with ThreadPoolExecutor(n) as pool:
         replies = list(
             pool.map(lambda _: ask(slow_mesh, "is there a student discount", tenant="co"), range(n))
         )
-    after = gateway_counters(slow_mesh)
+    after = slow_mesh.gateway_counters()
     assert after["inferences"] - before["inferences"] == 1
     assert after["coalesced"] - before["coalesced"] == n - 1
     assert sum(r.cache.coalesced for r in replies) == n - 1
@@ -313,7 +288,7 @@ def test_identical_concurrent_misses_run_inference_once(slow_mesh: Mesh) -> None
             )
         )
     assert not any(r.cache.coalesced for r in other)
-    assert gateway_counters(slow_mesh)["inferences"] - after["inferences"] == 2
+    assert slow_mesh.gateway_counters()["inferences"] - after["inferences"] == 2
 
 
 def test_cache_killed_mid_run_fails_open_then_recovers(slow_mesh: Mesh) -> None:
@@ -329,7 +304,7 @@ def test_cache_killed_mid_run_fails_open_then_recovers(slow_mesh: Mesh) -> None:
     assert replies[-1].cache.outcome == FAIL_OPEN
     after_kill = [ask(slow_mesh, t, tenant="fo", model="short") for t in texts[:5]]
     assert all(r.cache.outcome == FAIL_OPEN for r in after_kill)
-    counters = gateway_counters(slow_mesh)
+    counters = slow_mesh.gateway_counters()
     assert counters["circuit"] == "open" or counters["cache_circuit_opened"] >= 1
     assert counters["cache_circuit_open"] >= 1, counters  # calls skipped while open
     assert any("circuit open" in r.cache.detail for r in after_kill)
@@ -341,27 +316,27 @@ def test_cache_killed_mid_run_fails_open_then_recovers(slow_mesh: Mesh) -> None:
     ).cache.outcome == FAIL_OPEN:
         assert time.monotonic() < deadline, reply.cache.detail
         time.sleep(0.5)
-    assert gateway_counters(slow_mesh)["circuit"] == "closed"
+    assert slow_mesh.gateway_counters()["circuit"] == "closed"
 
 
 def test_refresh_replaces_the_entry_and_bypass_leaves_the_cache_alone(cmesh: Mesh) -> None:
     text = "what are your opening hours"
     ask(cmesh, text, tenant="modes")
-    settle(cmesh)
+    cmesh.settle()
     first = ask(cmesh, text, tenant="modes")
     assert first.cache.outcome == EXACT
     time.sleep(0.3)
     refreshed = ask(cmesh, text, tenant="modes", cache_mode="refresh")
     assert refreshed.cache.outcome == common_pb2.CACHE_OUTCOME_SKIPPED
     assert "REFRESH" in refreshed.cache.detail
-    settle(cmesh)
+    cmesh.settle()
     again = ask(cmesh, text, tenant="modes")
     assert again.cache.outcome == EXACT
     assert again.cache.entry_id == first.cache.entry_id  # same key, new entry
     assert again.cache.age_s < first.cache.age_s + 0.3  # written by the refresh, not before
-    stores = gateway_counters(cmesh)["stores"]
+    stores = cmesh.gateway_counters()["stores"]
     bypass = ask(cmesh, "a question nobody asked before", tenant="modes", cache_mode="bypass")
     assert bypass.cache.outcome == common_pb2.CACHE_OUTCOME_SKIPPED
-    settle(cmesh)
-    assert gateway_counters(cmesh)["stores"] == stores
+    cmesh.settle()
+    assert cmesh.gateway_counters()["stores"] == stores
     assert lookup(cmesh, "a question nobody asked before", "modes", "sem") == MISS

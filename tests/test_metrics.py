@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 import grpc
@@ -14,7 +13,6 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 
 from hopline.client import predict
 from hopline.common.v1 import common_pb2
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from mesh import Mesh
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -47,22 +45,13 @@ def value(text: str, name: str, /, **labels: str) -> float:
 GATEWAY = "hopline.gateway.v1.GatewayService"
 
 
-def stores_landed(mesh: Mesh) -> None:
-    with grpc.insecure_channel(mesh.gateway) as channel:
-        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-        deadline = time.monotonic() + 20
-        while stub.GetStats(gateway_pb2.GetStatsRequest(), timeout=10).counters["stores_in_flight"]:
-            assert time.monotonic() < deadline, "the cache store did not land"
-            time.sleep(0.02)
-
-
 def test_every_service_exports_rpc_latency_and_the_gateway_its_cache_outcomes(
     mesh: Mesh,
 ) -> None:
     before = {name: scrape(mesh, name) for name in mesh.addrs}
     text = "where is my order 4411, it has not arrived"
     first = predict(text, gateway=mesh.gateway, tenant="metrics", timeout_s=30)
-    stores_landed(mesh)
+    mesh.settle()
     second = predict(text, gateway=mesh.gateway, tenant="metrics", timeout_s=30)
     assert first.cache.outcome == common_pb2.CACHE_OUTCOME_MISS
     assert second.cache.outcome == common_pb2.CACHE_OUTCOME_EXACT

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,6 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.common.v1 import common_pb2
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from mesh import Mesh
@@ -74,29 +72,6 @@ def rejection(
     return info.value.code(), info.value.details() or ""
 
 
-def gateway_counters(mesh: Mesh) -> dict[str, int]:
-    with grpc.insecure_channel(mesh.gateway) as channel:
-        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-        stats = stub.GetStats(gateway_pb2.GetStatsRequest(), timeout=10)
-        return dict(stats.counters)
-
-
-def cache_pending_writes(mesh: Mesh) -> int:
-    with grpc.insecure_channel(mesh.addrs["cache"]) as channel:
-        stub = cache_pb2_grpc.CacheServiceStub(channel)
-        return int(stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10).pending_writes)
-
-
-def settle(mesh: Mesh) -> None:
-    """Wait until every store the gateway sent has been written to Milvus."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if gateway_counters(mesh)["stores_in_flight"] == 0 and cache_pending_writes(mesh) == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("cache stores did not land within 20 s")
-
-
 TEXT = "I was charged twice for the same order"
 
 
@@ -129,7 +104,7 @@ def test_the_keys_tenant_scopes_the_cache(kmesh: Mesh) -> None:
     first = ask(kmesh, text, auth(ACME_KEY))
     assert first.tenant == "acme"
     assert first.cache.outcome == MISS, first.cache
-    settle(kmesh)
+    kmesh.settle()
 
     again = ask(kmesh, text, auth(ACME_KEY), tenant="acme")  # naming its own tenant is fine
     assert again.tenant == "acme"
@@ -142,7 +117,7 @@ def test_the_keys_tenant_scopes_the_cache(kmesh: Mesh) -> None:
     assert other.tenant == "globex"
     assert other.cache.outcome == MISS, other.cache
     assert other.prediction.label == first.prediction.label
-    settle(kmesh)
+    kmesh.settle()
 
     # globex now has an entry of its own, and acme still has its own.
     theirs = ask(kmesh, text, auth(GLOBEX_KEY))

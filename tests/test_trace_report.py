@@ -13,6 +13,8 @@ import pytest
 from hopline.observability.report import analyse, build_tree, critical_path, parse_otlp
 
 MS = 1_000_000
+PREDICT = "hopline.gateway.v1.GatewayService/Predict"
+STATS = "hopline.gateway.v1.GatewayService/GetStats"
 T0 = 1_700_000_000_000_000_000
 
 
@@ -46,9 +48,7 @@ def request(trace: str, inference_ms: float = 8.0) -> dict[str, Any]:
             resource(
                 "gateway",
                 [
-                    span(
-                        trace, 1, 0, "hopline.gateway.v1.GatewayService/Predict", 2, 0, inf_end + 7
-                    ),
+                    span(trace, 1, 0, PREDICT, 2, 0, inf_end + 7),
                     span(trace, 2, 1, "tokenize", 3, 0, 5),
                     span(trace, 3, 1, "cache_lookup", 3, 0, 20),
                     span(trace, 4, 1, "inference", 3, 20, inf_end + 1),
@@ -104,7 +104,15 @@ def test_critical_path_charges_only_what_delayed_the_reply() -> None:
 def test_report_names_the_hop_that_owns_the_tail(tmp_path: Path) -> None:
     docs = [request(f"{i:032x}") for i in range(1, 91)]
     docs += [request(f"{i:032x}", inference_ms=60.0) for i in range(91, 101)]
-    report = analyse(parse_otlp(docs), above=90)
+    # Slow admin calls are traced too, but they are not requests: the default leaves them out.
+    docs += [
+        {"resourceSpans": [resource("gateway", [span(f"{i:032x}", 1, 0, STATS, 2, 0, 500)])]}
+        for i in range(101, 106)
+    ]
+    assert analyse(parse_otlp(docs), above=90).traces == 105
+    with pytest.raises(ValueError, match="root operation 'Nope'"):
+        analyse(parse_otlp(docs), above=90, operation="Nope")
+    report = analyse(parse_otlp(docs), above=90, operation=PREDICT)
     assert report.traces == 100
     assert report.selected == 10
     assert report.top() == "inference"
