@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,3 +94,25 @@ def test_upstream_down_is_unavailable_with_the_hop_named(
             assert ok.prediction.label == "order_status"
     finally:
         mesh.stop()
+
+
+def test_a_taken_port_is_refused_not_shared(mesh: Mesh) -> None:
+    """grpc enables SO_REUSEPORT by default: a second server would bind the same port and take
+    part of the first one's connections. Ours refuse to start instead, and say why."""
+    env = {
+        **mesh.env,
+        "HOPLINE_POSTPROCESS_ADDR": mesh.addrs["tokenizer"],
+        "HOPLINE_METRICS_PORT": "0",
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "hopline", "serve", "postprocess"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "cannot bind" in out.stderr + out.stdout
+    assert mesh.addrs["tokenizer"] in out.stderr + out.stdout
+    assert health(mesh.addrs["tokenizer"]) == SERVING
