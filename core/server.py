@@ -22,10 +22,12 @@ log = logging.getLogger("hopline.server")
 class Service(Protocol):
     """What a hopline service plugs into the runtime."""
 
-    #: Fully qualified gRPC service names this service registers, for health and reflection.
-    #: One process may serve several APIs on the same port (the gateway: its own API and
-    #: KServe v2); the first name is the one logs report.
-    service_names: tuple[str, ...]
+    @property
+    def service_names(self) -> tuple[str, ...]:
+        """Fully qualified gRPC service names it registers, for health and reflection.
+
+        One process may serve several APIs on one port (the gateway: its own and KServe v2).
+        """
 
     def register(self, server: grpc.aio.Server) -> None: ...
 

@@ -435,3 +435,35 @@ def test_hoplines_own_stubs(omesh: Mesh) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [predict(omesh, t).prediction.label for t in texts]
+
+
+def test_live_but_not_ready_while_the_gateway_starts(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """A gateway whose inference service never answers stays not-ready, yet is live."""
+    alone = Mesh(default_repo, tmp_path)
+    with (tmp_path / "gateway.log").open("ab") as out:
+        alone.procs["gateway"] = subprocess.Popen(
+            [sys.executable, "-m", "hopline", "serve", "gateway"],
+            env=alone.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        c = triton.InferenceServerClient(url=alone.gateway)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert c.is_server_live(client_timeout=2) is True
+                break
+            except InferenceServerException:
+                assert alone.procs["gateway"].poll() is None, alone.log("gateway")
+                assert time.monotonic() < deadline, alone.log("gateway")
+                time.sleep(0.2)
+        assert c.is_server_ready() is False
+        status, message = rejection(c.infer, DEFAULT_MODEL, [text_input(["hi"])])
+        assert status == "StatusCode.UNAVAILABLE"
+        assert "not ready" in message
+        c.close()
+    finally:
+        alone.stop()
