@@ -22,11 +22,12 @@ mistake.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import numpy as np
@@ -34,16 +35,13 @@ import numpy as np
 from hopline.client import CACHE_MODES, outcome_name
 from hopline.common.v1 import common_pb2
 from hopline.gateway.identity import IdentityError
-from hopline.gateway.service import RequestError
+from hopline.gateway.service import GatewayService, RequestError
 from hopline.gateway.upstream import HopError
 from hopline.gateway.v1 import gateway_pb2
 from hopline.inference.v1 import inference_pb2
 from hopline.kserve.v2 import grpc_predict_v2_pb2 as pb
 from hopline.kserve.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 from hopline.observability.tracing import current_trace_id
-
-if TYPE_CHECKING:
-    from hopline.gateway.service import GatewayService
 
 SERVER_NAME = "hopline"
 PLATFORM = "hopline"
@@ -73,20 +71,14 @@ def _scores_row(answer: gateway_pb2.PredictResponse, labels: Sequence[str]) -> l
     return [scores[label] for label in labels]
 
 
+@dataclasses.dataclass(frozen=True)
 class Output:
     """One ModelInfer output: its metadata and how to encode it from the batch's answers."""
 
-    def __init__(
-        self,
-        name: str,
-        datatype: str,
-        shape: Callable[[int, int], list[int]],
-        encode: Callable[[Answers, Sequence[str]], bytes],
-    ) -> None:
-        self.name = name
-        self.datatype = datatype
-        self.shape = shape  # (batch, classes) -> shape; batch -1 for the metadata
-        self.encode = encode
+    name: str
+    datatype: str
+    shape: Callable[[int, int], list[int]]  # (batch, classes); batch -1 for the metadata
+    encode: Callable[[Answers, Sequence[str]], bytes]  # (answers, the model's labels)
 
 
 OUTPUTS = {
