@@ -371,7 +371,7 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         tenant: str,
         top_k: int,
         mode: common_pb2.CacheMode.ValueType,
-        timeout: float,
+        timeout_s: float,
         started: float,
     ) -> list[gateway_pb2.PredictResponse]:
         failure: HopError | None = None
@@ -380,7 +380,9 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
             async with asyncio.TaskGroup() as group:
                 tasks = [
                     group.create_task(
-                        self.gateway.predict_text(text, info, tenant, top_k, mode, timeout, started)
+                        self.gateway.predict_text(
+                            text, info, tenant, top_k, mode, timeout_s, started
+                        )
                     )
                     for text in texts
                 ]

@@ -285,7 +285,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         tenant: str,
         top_k: int,
         cache_mode: common_pb2.CacheMode.ValueType,
-        timeout: float,
+        timeout_s: float,
         started: float,
     ) -> gateway_pb2.PredictResponse:
         """One validated text through cache and hops; raises HopError when a hop fails."""
@@ -313,7 +313,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 tokenizer_pb2.TokenizeRequest(
                     model=info.name, model_version=info.version, texts=[text]
                 ),
-                timeout,
+                timeout_s,
                 timings,
             )
         )
@@ -334,7 +334,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
 
         async def infer() -> common_pb2.Prediction:
             self.counters["inferences"] += 1
-            prediction = await self._infer(tokenizing, info, top_k, timeout, timings)
+            prediction = await self._infer(tokenizing, info, top_k, timeout_s, timings)
             if cache_on and mode != common_pb2.CACHE_MODE_BYPASS:
                 self._maybe_store(scope, text, prediction, info)
             return prediction

@@ -160,9 +160,7 @@ def test_model_metadata_describes_inputs_and_outputs(
     assert meta.name == DEFAULT_MODEL
     assert list(meta.versions) == ["1"]
     assert meta.platform == "hopline"
-    assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] == [
-        ("text", "BYTES", [-1])
-    ]
+    assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] == [("text", "BYTES", [-1])]
     assert [(t.name, t.datatype, list(t.shape)) for t in meta.outputs] == [
         ("label", "BYTES", [-1]),
         ("score", "FP32", [-1]),
@@ -268,7 +266,9 @@ def test_async_infer_calls_back(client: triton.InferenceServerClient) -> None:
     assert strings(result.as_numpy("label")) == strings(sync.as_numpy("label"))
 
 
-def test_tenant_parameter_scopes_the_cache(omesh: Mesh, client: triton.InferenceServerClient) -> None:
+def test_tenant_parameter_scopes_the_cache(
+    omesh: Mesh, client: triton.InferenceServerClient
+) -> None:
     text = "my card payment keeps getting declined at checkout"
     outputs = [triton.InferRequestedOutput(n) for n in ("label", "score", "cache")]
 
@@ -351,9 +351,7 @@ def test_bad_tensors_are_invalid_argument(client: triton.InferenceServerClient) 
 
 def raw_request(texts: list[bytes], shape: list[int] | None = None) -> Any:
     request = service_pb2.ModelInferRequest(model_name=DEFAULT_MODEL, id="raw-1")
-    tensor = request.inputs.add(
-        name="text", datatype="BYTES", shape=shape or [len(texts)]
-    )
+    tensor = request.inputs.add(name="text", datatype="BYTES", shape=shape or [len(texts)])
     tensor.contents.bytes_contents.extend(texts)
     request.outputs.add(name="label")
     request.outputs.add(name="score")
@@ -437,9 +435,7 @@ def test_hoplines_own_stubs(omesh: Mesh) -> None:
     assert json.loads(out.stdout) == [predict(omesh, t).prediction.label for t in texts]
 
 
-def test_live_but_not_ready_while_the_gateway_starts(
-    default_repo: Path, tmp_path: Path
-) -> None:
+def test_live_but_not_ready_while_the_gateway_starts(default_repo: Path, tmp_path: Path) -> None:
     """A gateway whose inference service never answers stays not-ready, yet is live."""
     alone = Mesh(default_repo, tmp_path)
     with (tmp_path / "gateway.log").open("ab") as out:
