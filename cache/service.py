@@ -94,7 +94,7 @@ def _weights_dir() -> Path:
 
 
 class CacheService(cache_pb2_grpc.CacheServiceServicer):
-    service_name = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
+    service_names = (cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name,)
 
     def __init__(self, config: CacheConfig) -> None:
         self.config = config

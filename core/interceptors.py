@@ -1,7 +1,8 @@
 """A base for server interceptors that wrap the services' own unary RPCs.
 
-Health and reflection pass through untouched: probes must answer while a service is
-starting or draining, and tracing them would drown the traces that matter.
+Health, reflection and the KServe v2 liveness/readiness probes pass through untouched: probes
+must answer while a service is starting or draining, and tracing them would drown the traces
+that matter.
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ from typing import Any
 
 import grpc
 
-INFRA_METHOD_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
+INFRA_METHOD_PREFIXES = (
+    "/grpc.health.",
+    "/grpc.reflection.",
+    # The KServe v2 probes (gateway): Triton-style clients ask them while a server starts.
+    "/inference.GRPCInferenceService/ServerLive",
+    "/inference.GRPCInferenceService/ServerReady",
+)
 Behaviour = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
 
 

@@ -23,8 +23,12 @@ log = logging.getLogger("hopline.server")
 class Service(Protocol):
     """What a hopline service plugs into the runtime."""
 
-    #: Fully qualified gRPC service name, used for health and reflection.
-    service_name: str
+    @property
+    def service_names(self) -> tuple[str, ...]:
+        """Fully qualified gRPC service names it registers, for health and reflection.
+
+        One process may serve several APIs on one port (the gateway: its own and KServe v2).
+        """
 
     def register(self, server: grpc.aio.Server) -> None: ...
 
@@ -83,13 +87,13 @@ async def serve(service: Service, config: ServerConfig) -> int:
     service.register(server)
     reflection.enable_server_reflection(
         [
-            service.service_name,
+            *service.service_names,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
         ],
         server,
     )
-    for name in ("", service.service_name):
+    for name in ("", *service.service_names):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     try:
@@ -116,9 +120,9 @@ async def serve(service: Service, config: ServerConfig) -> int:
             await server.stop(0)
             return 1
         gate.ready = True
-        for name in ("", service.service_name):
+        for name in ("", *service.service_names):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving", extra={"service": service.service_name})
+        log.info("serving", extra={"services": list(service.service_names)})
         await stopping
     else:
         starting.cancel()

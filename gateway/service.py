@@ -1,5 +1,9 @@
 """hopline.gateway.v1.GatewayService: validates, resolves the model, and runs the hops.
 
+Two APIs share one prediction path: the gateway's own Predict and the KServe v2 ModelInfer
+(hopline.gateway.open_inference), which validate, resolve the tenant and the model, and run
+`predict_text` per text through the same helpers here.
+
 Tokenization and the cache lookup start together (the lookup needs no token ids); a hit
 short-circuits the rest. The cache never makes the mesh less available: a lookup that fails
 or overruns its budget is reported as FAIL_OPEN and the request goes on to inference, and
@@ -29,6 +33,7 @@ from hopline.gateway.resilience import CircuitBreaker, Coalescer
 from hopline.gateway.upstream import HopError, Upstream, call_hop
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.kserve.v2 import grpc_predict_v2_pb2
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import current_trace_id
 from hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
@@ -37,6 +42,15 @@ from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 log = logging.getLogger("hopline.gateway")
 
 Context = grpc.aio.ServicerContext[gateway_pb2.PredictRequest, gateway_pb2.PredictResponse]
+
+
+class RequestError(Exception):
+    """A request the gateway refuses before any hop; carries the status to return."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 def _upstream_field(service: str) -> Any:
@@ -84,7 +98,10 @@ class GatewayConfig(ServerConfig):
 
 
 class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
-    service_name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+    service_names = (
+        gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name,
+        grpc_predict_v2_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+    )
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -119,6 +136,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         self._refresh_lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()
         self.tenants = TenantResolver(config.api_keys)
+        self.serving = False
         self.breaker = CircuitBreaker(
             config.cache_breaker_failures, config.cache_breaker_cooldown_s
         )
@@ -126,6 +144,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         self.counters = dict.fromkeys(
             (
                 "requests",
+                "kserve_infer_requests",
                 "inferences",
                 "coalesced",
                 "cache_exact",
@@ -142,7 +161,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         )
 
     def register(self, server: grpc.aio.Server) -> None:
+        # Imported here: the KServe servicer builds on this module's GatewayService.
+        from hopline.gateway.open_inference import OpenInferenceService
+
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(self, server)
+        OpenInferenceService(self).register(server)
 
     # -- model catalogue ------------------------------------------------------------------
 
@@ -172,6 +195,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 await asyncio.sleep(0.5)
         log.info("models", extra={"models": sorted(f"{n}/{v}" for n, v in self.models)})
         self._spawn(self._refresh_loop())
+        self.serving = True
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -188,7 +212,32 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             key = (name, version or self.latest.get(name, ""))
         return self.models.get(key)
 
+    async def resolve_model(self, name: str, version: str) -> inference_pb2.ModelInfo:
+        info = await self._resolve(name, version)
+        if info is None:
+            known = ", ".join(sorted(f"{n}/{v}" for n, v in self.models)) or "none"
+            wanted = f"{name}/{version}" if version else name
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND, f"unknown model {wanted!r} (serving: {known})"
+            )
+        return info
+
+    def check_text(self, text: str, where: str = "PredictRequest.text") -> None:
+        if not text.strip():
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"text is empty: put the text to classify in {where}",
+            )
+        size = len(text.encode("utf-8"))
+        if size > self.config.max_text_bytes:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"text is {size} bytes; the limit is {self.config.max_text_bytes} "
+                "(HOPLINE_MAX_TEXT_BYTES)",
+            )
+
     async def stop(self) -> None:
+        self.serving = False
         stores = [t for t in self._background if not t.get_name().startswith("loop")]
         if stores:  # let pending cache writes land before the channels close
             await asyncio.wait(stores, timeout=2.0)
@@ -204,7 +253,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
 
     # -- Predict --------------------------------------------------------------------------
 
-    def _timeout(self, context: Context) -> float:
+    def timeout_for(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
         # grpc returns None without a deadline, whatever the stubs say.
         remaining = cast("float | None", context.time_remaining())
         if remaining is None:
@@ -216,51 +265,41 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> gateway_pb2.PredictResponse:
         started = time.perf_counter()
         self.counters["requests"] += 1
-        text = request.text
-        if not text.strip():
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "text is empty: put the text to classify in PredictRequest.text",
-            )
-        size = len(text.encode("utf-8"))
-        if size > self.config.max_text_bytes:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"text is {size} bytes; the limit is {self.config.max_text_bytes} "
-                "(HOPLINE_MAX_TEXT_BYTES)",
-            )
         try:
+            self.check_text(request.text)
             tenant = self.tenants.resolve(request.tenant, context.invocation_metadata() or ())
-        except IdentityError as err:
-            await context.abort(err.code, err.message)
-        name = request.model or self.config.default_model
-        info = await self._resolve(name, request.model_version)
-        if info is None:
-            known = ", ".join(sorted(f"{n}/{v}" for n, v in self.models)) or "none"
-            wanted = f"{name}/{request.model_version}" if request.model_version else name
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"unknown model {wanted!r} (serving: {known})"
+            info = await self.resolve_model(
+                request.model or self.config.default_model, request.model_version
             )
-        top_k = request.top_k or 1
-        if not 1 <= top_k <= len(info.labels):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"top_k must be 1 to {len(info.labels)} for {info.name}, got {request.top_k}",
+            top_k = request.top_k or 1
+            if not 1 <= top_k <= len(info.labels):
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"top_k must be 1 to {len(info.labels)} for {info.name}, got {request.top_k}",
+                )
+            return await self.predict_text(
+                request.text,
+                info,
+                tenant,
+                top_k,
+                request.cache_mode,
+                self.timeout_for(context),
+                started,
             )
-        try:
-            return await self._predict(request, context, info, tenant, top_k, started)
-        except HopError as err:
+        except (RequestError, IdentityError, HopError) as err:
             await context.abort(err.code, err.message)
 
-    async def _predict(
+    async def predict_text(
         self,
-        request: gateway_pb2.PredictRequest,
-        context: Context,
+        text: str,
         info: inference_pb2.ModelInfo,
         tenant: str,
         top_k: int,
+        cache_mode: common_pb2.CacheMode.ValueType,
+        timeout_s: float,
         started: float,
     ) -> gateway_pb2.PredictResponse:
+        """One validated text through cache and hops; raises HopError when a hop fails."""
         timings: dict[str, float] = {}
         # Every parameter that changes the answer is part of the scope, hence of every key.
         scope = common_pb2.Scope(
@@ -275,23 +314,22 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             tenant=tenant,
             trace_id=current_trace_id(),
         )
-        mode = request.cache_mode or common_pb2.CACHE_MODE_USE
+        mode = cache_mode or common_pb2.CACHE_MODE_USE
         cache_on = info.cache.mode != "off"
-        timeout = self._timeout(context)
         tokenizing = asyncio.ensure_future(
             call_hop(
                 schema.SPAN_TOKENIZE,
                 self.tokenizer.target,
                 self.tokenizer.stub().Tokenize,
                 tokenizer_pb2.TokenizeRequest(
-                    model=info.name, model_version=info.version, texts=[request.text]
+                    model=info.name, model_version=info.version, texts=[text]
                 ),
-                timeout,
+                timeout_s,
                 timings,
             )
         )
         if cache_on and mode == common_pb2.CACHE_MODE_USE:
-            hit = await self._lookup(scope, request.text, info, response.cache, timings)
+            hit = await self._lookup(scope, text, info, response.cache, timings)
             if hit is not None:
                 _discard(tokenizing)
                 response.prediction.CopyFrom(hit.prediction)
@@ -309,15 +347,15 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
 
         async def infer() -> common_pb2.Prediction:
             self.counters["inferences"] += 1
-            prediction = await self._infer(tokenizing, info, top_k, timeout, timings)
+            prediction = await self._infer(tokenizing, info, top_k, timeout_s, timings)
             if cache_on and mode != common_pb2.CACHE_MODE_BYPASS:
-                self._maybe_store(scope, request.text, prediction, info)
+                self._maybe_store(scope, text, prediction, info)
             return prediction
 
         if mode == common_pb2.CACHE_MODE_USE:
             # Coalesce only plain misses: REFRESH and BYPASS ask for an inference of their own.
             waited = time.perf_counter()
-            key = exact_key(scope_tuple(scope), request.text)
+            key = exact_key(scope_tuple(scope), text)
             prediction, shared = await self.coalescer.run(key, infer)
             if shared:
                 _discard(tokenizing)

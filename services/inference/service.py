@@ -117,7 +117,7 @@ def _model_info(cfg: ModelConfig) -> inference_pb2.ModelInfo:
 
 
 class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
-    service_name = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+    service_names = (inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,)
 
     def __init__(self, config: InferenceConfig) -> None:
         self.config = config

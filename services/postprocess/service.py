@@ -28,7 +28,7 @@ class PostprocessConfig(ServerConfig):
 
 
 class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
-    service_name = postprocess_pb2.DESCRIPTOR.services_by_name["PostprocessService"].full_name
+    service_names = (postprocess_pb2.DESCRIPTOR.services_by_name["PostprocessService"].full_name,)
 
     def __init__(self, config: PostprocessConfig) -> None:
         self.config = config

@@ -34,7 +34,7 @@ def _load(cfg: ModelConfig) -> Tokenizer:
 
 
 class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
-    service_name = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+    service_names = (tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name,)
 
     def __init__(self, config: TokenizerConfig) -> None:
         self.config = config

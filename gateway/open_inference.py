@@ -1,0 +1,416 @@
+"""inference.GRPCInferenceService, the KServe v2 / Open Inference Protocol, on the gateway.
+
+Existing clients (tritonclient, the KServe SDKs, stubs generated from the public spec) call
+hopline unchanged on the gateway's port. ModelInfer takes a BYTES tensor `text` of shape
+[batch]; each text goes through the gateway's own per-text path (GatewayService.predict_text:
+cache, coalescing, hops), all of them concurrently, so both APIs give the same answers and share
+one cache, and the gateway's identity rules (API keys, x-hopline-tenant) apply here too.
+
+Statuses follow what Triton returns for the same mistakes, so client code written for Triton
+handles hopline's errors unchanged:
+- unknown model or version: NOT_FOUND (Triton: "Request for unknown model: ... is not found");
+- a missing, unexpected or repeated input, a wrong datatype, a wrong shape, data whose size does
+  not match the shape, an unknown requested output, a batch over the model's max_batch_size,
+  a bad parameter: INVALID_ARGUMENT;
+- as Predict: an empty text INVALID_ARGUMENT, a text over HOPLINE_MAX_TEXT_BYTES
+  RESOURCE_EXHAUSTED, a missing or wrong API key UNAUTHENTICATED or PERMISSION_DENIED, a failing
+  hop its own status.
+ModelReady answers ready=false for an unknown model, as Triton does: it is a question, not a
+mistake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.metadata
+import struct
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from hopline.client import CACHE_MODES, outcome_name
+from hopline.common.v1 import common_pb2
+from hopline.gateway.identity import IdentityError
+from hopline.gateway.service import GatewayService, RequestError
+from hopline.gateway.upstream import HopError
+from hopline.gateway.v1 import gateway_pb2
+from hopline.inference.v1 import inference_pb2
+from hopline.kserve.v2 import grpc_predict_v2_pb2 as pb
+from hopline.kserve.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
+from hopline.observability.tracing import current_trace_id
+
+SERVER_NAME = "hopline"
+PLATFORM = "hopline"
+# Request parameters (tenant, cache_mode) are the only protocol extension served here.
+EXTENSIONS = ("parameters",)
+TEXT_INPUT = "text"
+TENSOR_META = pb.ModelMetadataResponse.TensorMetadata
+Answers = Sequence[gateway_pb2.PredictResponse]
+
+
+def _f32(rows: Any) -> bytes:
+    return np.asarray(rows, dtype="<f4").tobytes()
+
+
+def encode_bytes(items: Sequence[bytes]) -> bytes:
+    """A BYTES tensor's raw form: each element as a 4-byte little-endian length, then it."""
+    return b"".join(struct.pack("<I", len(item)) + item for item in items)
+
+
+def _scores_row(answer: gateway_pb2.PredictResponse, labels: Sequence[str]) -> list[float]:
+    scores = {s.label: s.score for s in answer.prediction.top_k}
+    if len(scores) != len(labels):
+        raise RequestError(
+            grpc.StatusCode.INTERNAL,
+            f"postprocess returned {len(scores)} scores for a model of {len(labels)} labels",
+        )
+    return [scores[label] for label in labels]
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """One ModelInfer output: its metadata and how to encode it from the batch's answers."""
+
+    name: str
+    datatype: str
+    shape: Callable[[int, int], list[int]]  # (batch, classes); batch -1 for the metadata
+    encode: Callable[[Answers, Sequence[str]], bytes]  # (answers, the model's labels)
+
+
+OUTPUTS = {
+    o.name: o
+    for o in (
+        Output(
+            "label",
+            "BYTES",
+            lambda batch, _: [batch],
+            lambda answers, _: encode_bytes([a.prediction.label.encode() for a in answers]),
+        ),
+        Output(
+            "score",
+            "FP32",
+            lambda batch, _: [batch],
+            lambda answers, _: _f32([a.prediction.score for a in answers]),
+        ),
+        # The full softmax row, columns in the order of the model's labels (labels.json).
+        Output(
+            "scores",
+            "FP32",
+            lambda batch, classes: [batch, classes],
+            lambda answers, labels: _f32([_scores_row(a, labels) for a in answers]),
+        ),
+        Output(
+            "out_of_scope",
+            "BOOL",
+            lambda batch, _: [batch],
+            lambda answers, _: np.asarray(
+                [a.prediction.out_of_scope for a in answers], dtype=np.bool_
+            ).tobytes(),
+        ),
+        # What the cache did for each text: MISS, EXACT, SEMANTIC, FAIL_OPEN or SKIPPED.
+        Output(
+            "cache",
+            "BYTES",
+            lambda batch, _: [batch],
+            lambda answers, _: encode_bytes(
+                [outcome_name(a.cache.outcome).encode() for a in answers]
+            ),
+        ),
+    )
+}
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def split_bytes(blob: bytes, count: int, name: str) -> list[bytes]:
+    """The elements of a raw BYTES tensor; refuses truncated data and a count off the shape."""
+    items: list[bytes] = []
+    offset = 0
+    while offset < len(blob):
+        if offset + 4 > len(blob):
+            raise _invalid(
+                f"raw data of input '{name}' ends inside a length prefix at byte {offset}: "
+                "each element is a 4-byte little-endian length followed by its bytes"
+            )
+        (size,) = struct.unpack_from("<I", blob, offset)
+        offset += 4
+        if offset + size > len(blob):
+            raise _invalid(
+                f"element {len(items)} of input '{name}' declares {size} bytes but only "
+                f"{len(blob) - offset} remain in its raw data"
+            )
+        items.append(blob[offset : offset + size])
+        offset += size
+    if len(items) != count:
+        raise _invalid(
+            f"unexpected number of string elements {len(items)} for inference input '{name}', "
+            f"expecting {count} (its shape)"
+        )
+    return items
+
+
+def decode_texts(request: pb.ModelInferRequest, model: str) -> list[str]:
+    """The texts of the request's single BYTES input, from raw or typed contents."""
+    for tensor in request.inputs:
+        if tensor.name != TEXT_INPUT:
+            raise _invalid(
+                f"unexpected inference input '{tensor.name}' for model '{model}': its only "
+                f"input is '{TEXT_INPUT}' (BYTES, shape [batch])"
+            )
+    if len(request.inputs) != 1:
+        raise _invalid(
+            f"expected 1 inputs but got {len(request.inputs)} inputs for model '{model}': send "
+            f"one BYTES input named '{TEXT_INPUT}' with shape [batch]"
+        )
+    tensor = request.inputs[0]
+    if tensor.datatype != "BYTES":
+        raise _invalid(
+            f"inference input '{TEXT_INPUT}' data-type is '{tensor.datatype}', but model "
+            f"'{model}' expects 'BYTES' (UTF-8 texts)"
+        )
+    shape = list(tensor.shape)
+    if len(shape) != 1 or shape[0] < 1:
+        raise _invalid(
+            f"unexpected shape for input '{TEXT_INPUT}' for model '{model}'. Expected [-1], got "
+            f"{shape}: one dimension, the number of texts (at least 1)"
+        )
+    count = shape[0]
+    raw = request.raw_input_contents
+    if raw:
+        if len(raw) != len(request.inputs):
+            raise _invalid(
+                f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs: "
+                "send one entry per input, in the order of the inputs"
+            )
+        if tensor.HasField("contents"):
+            raise _invalid(
+                f"input '{TEXT_INPUT}' has data both in contents and in raw_input_contents: "
+                "send it once"
+            )
+        elements = split_bytes(raw[0], count, TEXT_INPUT)
+    else:
+        typed = [field.name for field, _ in tensor.contents.ListFields()]
+        if not typed:
+            raise _invalid(
+                f"input '{TEXT_INPUT}' has no data: send it in raw_input_contents or in "
+                "contents.bytes_contents"
+            )
+        if typed != ["bytes_contents"]:
+            wrong = next(name for name in typed if name != "bytes_contents")
+            raise _invalid(
+                f"input '{TEXT_INPUT}' is BYTES: its elements go in contents.bytes_contents, "
+                f"not contents.{wrong}"
+            )
+        elements = list(tensor.contents.bytes_contents)
+        if len(elements) != count:
+            raise _invalid(
+                f"unexpected number of string elements {len(elements)} for inference input "
+                f"'{TEXT_INPUT}', expecting {count} (its shape)"
+            )
+    texts: list[str] = []
+    for i, element in enumerate(elements):
+        try:
+            texts.append(element.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise _invalid(f"element {i} of input '{TEXT_INPUT}' is not valid UTF-8") from None
+    return texts
+
+
+def string_parameter(parameters: Mapping[str, pb.InferParameter], key: str) -> str:
+    if key not in parameters:
+        return ""
+    parameter = parameters[key]
+    kind = parameter.WhichOneof("parameter_choice")
+    if kind != "string_param":
+        raise _invalid(f"parameter '{key}' must be a string, got {kind or 'no value'}")
+    return parameter.string_param
+
+
+def cache_mode(parameters: Mapping[str, pb.InferParameter]) -> common_pb2.CacheMode.ValueType:
+    mode = string_parameter(parameters, "cache_mode") or "use"
+    if mode not in CACHE_MODES:
+        raise _invalid(
+            f"parameter 'cache_mode' must be one of {', '.join(CACHE_MODES)}, got {mode!r}"
+        )
+    return CACHE_MODES[mode]
+
+
+def requested_outputs(request: pb.ModelInferRequest, model: str) -> list[str]:
+    names = [o.name for o in request.outputs] or list(OUTPUTS)
+    for name in names:
+        if name not in OUTPUTS:
+            raise _invalid(
+                f"unexpected inference output '{name}' for model '{model}': its outputs are "
+                f"{', '.join(OUTPUTS)}"
+            )
+    return list(dict.fromkeys(names))  # a name asked twice is returned once
+
+
+def _first_leaf(group: BaseExceptionGroup[HopError]) -> HopError:
+    first = group.exceptions[0]
+    return first if isinstance(first, HopError) else _first_leaf(first)
+
+
+def _server_version() -> str:
+    try:
+        return importlib.metadata.version("hopline")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, gateway: GatewayService) -> None:
+        self.gateway = gateway
+        self.version = _server_version()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self, server)
+
+    async def ServerLive(
+        self,
+        request: pb.ServerLiveRequest,
+        context: grpc.aio.ServicerContext[pb.ServerLiveRequest, pb.ServerLiveResponse],
+    ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self,
+        request: pb.ServerReadyRequest,
+        context: grpc.aio.ServicerContext[pb.ServerReadyRequest, pb.ServerReadyResponse],
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.gateway.serving)
+
+    async def ModelReady(
+        self,
+        request: pb.ModelReadyRequest,
+        context: grpc.aio.ServicerContext[pb.ModelReadyRequest, pb.ModelReadyResponse],
+    ) -> pb.ModelReadyResponse:
+        try:
+            info = await self.gateway.resolve_model(request.name, request.version)
+        except RequestError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=info.ready and self.gateway.serving)
+
+    async def ServerMetadata(
+        self,
+        request: pb.ServerMetadataRequest,
+        context: grpc.aio.ServicerContext[pb.ServerMetadataRequest, pb.ServerMetadataResponse],
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(
+            name=SERVER_NAME, version=self.version, extensions=list(EXTENSIONS)
+        )
+
+    async def ModelMetadata(
+        self,
+        request: pb.ModelMetadataRequest,
+        context: grpc.aio.ServicerContext[pb.ModelMetadataRequest, pb.ModelMetadataResponse],
+    ) -> pb.ModelMetadataResponse:
+        try:
+            info = await self.gateway.resolve_model(request.name, request.version)
+        except RequestError as err:
+            await context.abort(err.code, err.message)
+        classes = len(info.labels)
+        versions = sorted((v for n, v in self.gateway.models if n == info.name), key=int)
+        return pb.ModelMetadataResponse(
+            name=info.name,
+            versions=versions,
+            platform=PLATFORM,
+            inputs=[TENSOR_META(name=TEXT_INPUT, datatype="BYTES", shape=[-1])],
+            outputs=[
+                TENSOR_META(name=o.name, datatype=o.datatype, shape=o.shape(-1, classes))
+                for o in OUTPUTS.values()
+            ],
+        )
+
+    async def ModelInfer(
+        self,
+        request: pb.ModelInferRequest,
+        context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelInferResponse],
+    ) -> pb.ModelInferResponse:
+        started = time.perf_counter()
+        gateway = self.gateway
+        gateway.counters["kserve_infer_requests"] += 1
+        try:
+            # Identity first, as Predict does: an unauthenticated caller learns nothing else.
+            tenant = gateway.tenants.resolve(
+                string_parameter(request.parameters, "tenant"),
+                context.invocation_metadata() or (),
+            )
+            mode = cache_mode(request.parameters)
+            info = await gateway.resolve_model(request.model_name, request.model_version)
+            texts = decode_texts(request, info.name)
+            if info.max_batch_size and len(texts) > info.max_batch_size:
+                raise _invalid(
+                    f"inference request batch-size must be <= {info.max_batch_size} for "
+                    f"'{info.name}', got {len(texts)} texts: split the batch"
+                )
+            for i, text in enumerate(texts):
+                gateway.check_text(text, where=f"element {i} of input '{TEXT_INPUT}'")
+            outputs = requested_outputs(request, info.name)
+            # All scores only when asked for: label and score alone share Predict's cache
+            # entries (top_k is part of the cache scope).
+            top_k = len(info.labels) if "scores" in outputs else 1
+            gateway.counters["requests"] += len(texts)
+            answers = await self._predict_all(
+                texts, info, tenant, top_k, mode, gateway.timeout_for(context), started
+            )
+            return self._response(request, info, tenant, outputs, answers)
+        except (RequestError, IdentityError, HopError) as err:
+            await context.abort(err.code, err.message)
+
+    async def _predict_all(
+        self,
+        texts: Sequence[str],
+        info: inference_pb2.ModelInfo,
+        tenant: str,
+        top_k: int,
+        mode: common_pb2.CacheMode.ValueType,
+        timeout_s: float,
+        started: float,
+    ) -> list[gateway_pb2.PredictResponse]:
+        failure: HopError | None = None
+        try:
+            # A TaskGroup cancels the other texts as soon as one fails: the request fails anyway.
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(
+                        self.gateway.predict_text(
+                            text, info, tenant, top_k, mode, timeout_s, started
+                        )
+                    )
+                    for text in texts
+                ]
+        except* HopError as failed:
+            # Not raised here: an exception raised inside except* is wrapped in a group again.
+            failure = _first_leaf(failed)
+        if failure is not None:
+            raise failure
+        return [task.result() for task in tasks]
+
+    @staticmethod
+    def _response(
+        request: pb.ModelInferRequest,
+        info: inference_pb2.ModelInfo,
+        tenant: str,
+        outputs: Sequence[str],
+        answers: Answers,
+    ) -> pb.ModelInferResponse:
+        response = pb.ModelInferResponse(
+            model_name=info.name, model_version=info.version, id=request.id
+        )
+        response.parameters["tenant"].string_param = tenant
+        response.parameters["trace_id"].string_param = current_trace_id()
+        labels = list(info.labels)
+        for name in outputs:
+            output = OUTPUTS[name]
+            response.outputs.add(
+                name=name, datatype=output.datatype, shape=output.shape(len(answers), len(labels))
+            )
+            response.raw_output_contents.append(output.encode(answers, labels))
+        return response

@@ -1,0 +1,465 @@
+"""The gateway's KServe v2 / Open Inference Protocol service, called by the real tritonclient.
+
+Every call goes over real gRPC to a real mesh; answers are checked against the gateway's own
+Predict for the same texts, never against numbers written here.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import queue
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+# Triton's own generated stubs for the same wire protocol: "raw" stubs, independent of ours.
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from conftest import DEFAULT_MODEL
+from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.common.v1 import common_pb2
+from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from mesh import Mesh
+
+TEXTS = [
+    "I forgot my password and can't log in",
+    "where is my package? it still hasn't arrived",
+    "let me speak to a real human please",
+    "what is the boiling point of nitrogen in kelvin",
+    "please cancel my subscription",
+]
+OUTPUT_NAMES = ["label", "score", "scores", "out_of_scope", "cache"]
+
+
+@pytest.fixture(scope="module")
+def omesh(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The five services over a copy of the default repository."""
+    work = tmp_path_factory.mktemp("omesh")
+    repo = work / "models"
+    repo.mkdir()
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    m = Mesh(
+        repo,
+        work,
+        HOPLINE_CACHE_FLUSH_MS="2",
+        HOPLINE_CACHE_BUDGET_MS="2000",  # a slow CI machine must not turn hits into fail-opens
+    )
+    try:
+        yield m.start()
+    finally:
+        m.stop()
+
+
+@pytest.fixture(scope="module")
+def client(omesh: Mesh) -> Iterator[triton.InferenceServerClient]:
+    c = triton.InferenceServerClient(url=omesh.gateway)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def labels(omesh: Mesh) -> list[str]:
+    doc: list[str] = json.loads(
+        (omesh.repo / DEFAULT_MODEL / "1" / "labels.json").read_text(encoding="utf-8")
+    )
+    return doc
+
+
+def text_input(texts: list[str], name: str = "text") -> triton.InferInput:
+    tensor = triton.InferInput(name, [len(texts)], "BYTES")
+    tensor.set_data_from_numpy(np.array([t.encode("utf-8") for t in texts], dtype=np.object_))
+    return tensor
+
+
+def predict(
+    mesh: Mesh, text: str, top_k: int = 1, tenant: str = "", cache: str = "use"
+) -> gateway_pb2.PredictResponse:
+    modes = {"use": common_pb2.CACHE_MODE_USE, "bypass": common_pb2.CACHE_MODE_BYPASS}
+    with grpc.insecure_channel(mesh.gateway) as channel:
+        response: gateway_pb2.PredictResponse = gateway_pb2_grpc.GatewayServiceStub(
+            channel
+        ).Predict(
+            gateway_pb2.PredictRequest(
+                text=text, top_k=top_k, tenant=tenant, cache_mode=modes[cache]
+            ),
+            timeout=30,
+        )
+        return response
+
+
+def strings(array: Any) -> list[str]:
+    return [item.decode("utf-8") for item in array]
+
+
+def settle(mesh: Mesh) -> None:
+    """Wait until every cache store the gateway sent has been written."""
+    deadline = time.monotonic() + 20
+    with (
+        grpc.insecure_channel(mesh.gateway) as gw,
+        grpc.insecure_channel(mesh.addrs["cache"]) as cache,
+    ):
+        while time.monotonic() < deadline:
+            counters = gateway_pb2_grpc.GatewayServiceStub(gw).GetStats(
+                gateway_pb2.GetStatsRequest(), timeout=10
+            )
+            pending = cache_pb2_grpc.CacheServiceStub(cache).GetStats(
+                cache_pb2.GetStatsRequest(), timeout=10
+            )
+            if counters.counters["stores_in_flight"] == 0 and pending.pending_writes == 0:
+                return
+            time.sleep(0.05)
+    raise AssertionError("cache stores did not land within 20 s")
+
+
+def rejection(call: Any, *args: Any, **kwargs: Any) -> tuple[str, str]:
+    with pytest.raises(InferenceServerException) as info:
+        call(*args, **kwargs)
+    return str(info.value.status()), str(info.value.message())
+
+
+# -- server and model metadata --------------------------------------------------------------
+
+
+def test_live_ready_and_server_metadata(client: triton.InferenceServerClient) -> None:
+    assert client.is_server_live() is True
+    assert client.is_server_ready() is True
+    meta = client.get_server_metadata()
+    assert meta.name == "hopline"
+    assert meta.version == importlib.metadata.version("hopline")
+    assert list(meta.extensions) == ["parameters"]
+
+
+def test_model_ready_by_name_and_version(client: triton.InferenceServerClient) -> None:
+    assert client.is_model_ready(DEFAULT_MODEL) is True
+    assert client.is_model_ready(DEFAULT_MODEL, "1") is True
+    assert client.is_model_ready(DEFAULT_MODEL, "9") is False
+    assert client.is_model_ready("no-such-model") is False
+
+
+def test_model_metadata_describes_inputs_and_outputs(
+    client: triton.InferenceServerClient, labels: list[str]
+) -> None:
+    meta = client.get_model_metadata(DEFAULT_MODEL)
+    assert meta.name == DEFAULT_MODEL
+    assert list(meta.versions) == ["1"]
+    assert meta.platform == "hopline"
+    assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] == [("text", "BYTES", [-1])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in meta.outputs] == [
+        ("label", "BYTES", [-1]),
+        ("score", "FP32", [-1]),
+        ("scores", "FP32", [-1, len(labels)]),
+        ("out_of_scope", "BOOL", [-1]),
+        ("cache", "BYTES", [-1]),
+    ]
+    status, message = rejection(client.get_model_metadata, "no-such-model")
+    assert status == "StatusCode.NOT_FOUND"
+    assert "no-such-model" in message
+    assert f"{DEFAULT_MODEL}/1" in message  # says what is served
+
+
+def test_health_and_reflection_list_the_kserve_service(omesh: Mesh) -> None:
+    with grpc.insecure_channel(omesh.gateway) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("inference.GRPCInferenceService", "hopline.gateway.v1.GatewayService"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = reflection.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
+        names = {s.name for a in answers for s in a.list_services_response.service}
+    assert {"inference.GRPCInferenceService", "hopline.gateway.v1.GatewayService"} <= names
+
+
+# -- inference ------------------------------------------------------------------------------
+
+
+def test_batch_matches_predict(
+    omesh: Mesh, client: triton.InferenceServerClient, labels: list[str]
+) -> None:
+    result = client.infer(
+        DEFAULT_MODEL,
+        [text_input(TEXTS)],
+        request_id="batch-1",
+        parameters={"cache_mode": "bypass"},
+        client_timeout=60,
+    )
+    response = result.get_response()
+    assert response.id == "batch-1"
+    assert (response.model_name, response.model_version) == (DEFAULT_MODEL, "1")
+    assert [o.name for o in response.outputs] == OUTPUT_NAMES
+    assert len(response.parameters["trace_id"].string_param) == 32
+    assert response.parameters["tenant"].string_param == "default"
+
+    got_labels = strings(result.as_numpy("label"))
+    score = result.as_numpy("score")
+    scores = result.as_numpy("scores")
+    out_of_scope = result.as_numpy("out_of_scope")
+    assert score.dtype == np.float32
+    assert scores.dtype == np.float32
+    assert scores.shape == (len(TEXTS), len(labels))
+    assert out_of_scope.dtype == np.bool_
+    assert strings(result.as_numpy("cache")) == ["SKIPPED"] * len(TEXTS)
+    for i, text in enumerate(TEXTS):
+        expected = predict(omesh, text, top_k=len(labels), cache="bypass").prediction
+        assert got_labels[i] == expected.label, text
+        assert bool(out_of_scope[i]) == expected.out_of_scope, text
+        assert score[i] == pytest.approx(expected.score, rel=1e-5), text
+        by_label = {s.label: s.score for s in expected.top_k}
+        np.testing.assert_allclose(scores[i], [by_label[name] for name in labels], rtol=1e-5)
+        # The full softmax row, columns in the model's label order.
+        assert scores[i].sum() == pytest.approx(1.0, abs=1e-4)
+        assert score[i] == pytest.approx(scores[i].max(), rel=1e-6)
+        if not expected.out_of_scope:
+            assert got_labels[i] == labels[int(np.argmax(scores[i]))]
+    # The texts are not all the same intent: the batch is not one answer repeated.
+    assert len(set(got_labels)) >= 4
+
+
+def test_requested_outputs_only(client: triton.InferenceServerClient) -> None:
+    result = client.infer(
+        DEFAULT_MODEL,
+        [text_input(TEXTS[:2])],
+        outputs=[triton.InferRequestedOutput("score"), triton.InferRequestedOutput("label")],
+        client_timeout=60,
+    )
+    assert [o.name for o in result.get_response().outputs] == ["score", "label"]
+    assert result.as_numpy("scores") is None
+    assert result.as_numpy("score").shape == (2,)
+    assert strings(result.as_numpy("label"))[0] == "password_reset"
+
+
+def test_async_infer_calls_back(client: triton.InferenceServerClient) -> None:
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.async_infer(
+        DEFAULT_MODEL,
+        [text_input(TEXTS[:3])],
+        callback=lambda result, error: answers.put((result, error)),
+        outputs=[triton.InferRequestedOutput("label")],
+        client_timeout=60,
+    )
+    result, error = answers.get(timeout=60)
+    assert error is None
+    sync = client.infer(
+        DEFAULT_MODEL,
+        [text_input(TEXTS[:3])],
+        outputs=[triton.InferRequestedOutput("label")],
+        client_timeout=60,
+    )
+    assert strings(result.as_numpy("label")) == strings(sync.as_numpy("label"))
+
+
+def test_tenant_parameter_scopes_the_cache(
+    omesh: Mesh, client: triton.InferenceServerClient
+) -> None:
+    text = "my card payment keeps getting declined at checkout"
+    outputs = [triton.InferRequestedOutput(n) for n in ("label", "score", "cache")]
+
+    def ask(**kwargs: Any) -> Any:
+        return client.infer(
+            DEFAULT_MODEL, [text_input([text])], outputs=outputs, client_timeout=60, **kwargs
+        )
+
+    first = ask(parameters={"tenant": "acme"})
+    assert strings(first.as_numpy("cache")) == ["MISS"]
+    assert first.get_response().parameters["tenant"].string_param == "acme"
+    settle(omesh)
+    again = ask(parameters={"tenant": "acme"})
+    assert strings(again.as_numpy("cache")) == ["EXACT"]
+    assert strings(again.as_numpy("label")) == strings(first.as_numpy("label"))
+    assert again.as_numpy("score")[0] == first.as_numpy("score")[0]
+    # Another tenant never sees acme's entry.
+    other = ask(parameters={"tenant": "globex"})
+    assert strings(other.as_numpy("cache")) == ["MISS"]
+    # The gateway's identity rules hold here too: x-hopline-tenant metadata names the tenant.
+    by_header = ask(headers={"x-hopline-tenant": "acme"})
+    assert strings(by_header.as_numpy("cache")) == ["EXACT"]
+    assert by_header.get_response().parameters["tenant"].string_param == "acme"
+    # One path, one cache: the gateway's own Predict finds the entry ModelInfer stored.
+    assert predict(omesh, text, tenant="acme").cache.outcome == common_pb2.CACHE_OUTCOME_EXACT
+    # refresh recomputes instead of reading.
+    refreshed = ask(parameters={"tenant": "acme", "cache_mode": "refresh"})
+    assert strings(refreshed.as_numpy("cache")) == ["SKIPPED"]
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def test_unknown_model_and_version_are_not_found(client: triton.InferenceServerClient) -> None:
+    status, message = rejection(client.infer, "no-such-model", [text_input(["hi"])])
+    assert status == "StatusCode.NOT_FOUND"
+    assert "no-such-model" in message
+    assert f"{DEFAULT_MODEL}/1" in message
+    status, message = rejection(client.infer, DEFAULT_MODEL, [text_input(["hi"])], "9")
+    assert status == "StatusCode.NOT_FOUND"
+    assert f"{DEFAULT_MODEL}/9" in message
+
+
+def test_bad_tensors_are_invalid_argument(client: triton.InferenceServerClient) -> None:
+    fp32 = triton.InferInput("text", [2], "FP32")
+    fp32.set_data_from_numpy(np.zeros(2, dtype=np.float32))
+    two_d = triton.InferInput("text", [1, 2], "BYTES")
+    two_d.set_data_from_numpy(np.array([[b"a", b"b"]], dtype=np.object_))
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"inputs": [fp32]}, "expects 'BYTES'"),
+        ({"inputs": []}, "expected 1 inputs but got 0"),
+        ({"inputs": [text_input(["hi"], name="prompt")]}, "unexpected inference input 'prompt'"),
+        ({"inputs": [two_d]}, "unexpected shape"),
+        ({"inputs": [text_input(["fine", "  "])]}, "element 1 of input 'text'"),
+        (
+            {
+                "inputs": [text_input(["hi"])],
+                "outputs": [triton.InferRequestedOutput("logits")],
+            },
+            "unexpected inference output 'logits'",
+        ),
+        (
+            {"inputs": [text_input(["hi"])], "parameters": {"cache_mode": "sometimes"}},
+            "cache_mode",
+        ),
+        ({"inputs": [text_input(["hi"])], "parameters": {"tenant": 7}}, "must be a string"),
+    ]
+    for kwargs, needle in cases:
+        status, message = rejection(client.infer, DEFAULT_MODEL, client_timeout=30, **kwargs)
+        assert status == "StatusCode.INVALID_ARGUMENT", (needle, message)
+        assert needle in message, message
+    # Nothing crashed: the next request is answered.
+    assert client.is_server_ready() is True
+    ok = client.infer(DEFAULT_MODEL, [text_input(["hello there"])], client_timeout=60)
+    assert strings(ok.as_numpy("label"))[0]
+
+
+# -- raw stubs -----------------------------------------------------------------------------
+
+
+def raw_request(texts: list[bytes], shape: list[int] | None = None) -> Any:
+    request = service_pb2.ModelInferRequest(model_name=DEFAULT_MODEL, id="raw-1")
+    tensor = request.inputs.add(name="text", datatype="BYTES", shape=shape or [len(texts)])
+    tensor.contents.bytes_contents.extend(texts)
+    request.outputs.add(name="label")
+    request.outputs.add(name="score")
+    return request
+
+
+def decode_raw_bytes(blob: bytes) -> list[str]:
+    items, offset = [], 0
+    while offset < len(blob):
+        (size,) = struct.unpack_from("<I", blob, offset)
+        items.append(blob[offset + 4 : offset + 4 + size].decode("utf-8"))
+        offset += 4 + size
+    return items
+
+
+def test_raw_stubs_with_bytes_contents(omesh: Mesh) -> None:
+    texts = TEXTS[:3]
+    with grpc.insecure_channel(omesh.gateway) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        reply = stub.ModelInfer(raw_request([t.encode() for t in texts]), timeout=60)
+        assert reply.id == "raw-1"
+        assert [o.name for o in reply.outputs] == ["label", "score"]
+        assert [list(o.shape) for o in reply.outputs] == [[3], [3]]
+        got = decode_raw_bytes(reply.raw_output_contents[0])
+        score = np.frombuffer(reply.raw_output_contents[1], dtype="<f4")
+        for i, text in enumerate(texts):
+            expected = predict(omesh, text).prediction
+            assert got[i] == expected.label
+            assert score[i] == pytest.approx(expected.score, rel=1e-5)
+
+        # Shape and data disagree: INVALID_ARGUMENT, as Triton answers.
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(raw_request([b"one", b"two"], shape=[3]), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "expecting 3" in (info.value.details() or "")
+        # A raw BYTES element whose length prefix runs past the data.
+        truncated = raw_request([])
+        truncated.inputs[0].ClearField("contents")
+        truncated.inputs[0].shape[:] = [1]
+        truncated.raw_input_contents.append(struct.pack("<I", 50) + b"short")
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(truncated, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "declares 50 bytes" in (info.value.details() or "")
+
+
+# Runs in its own interpreter: hopline's stubs and tritonclient's both define the `inference`
+# protobuf package, and one process's default descriptor pool accepts only one of them.
+OWN_STUBS = textwrap.dedent(
+    """
+    import json, sys
+    import grpc
+    from hopline.kserve.v2 import grpc_predict_v2_pb2 as pb, grpc_predict_v2_pb2_grpc as pb_grpc
+
+    request = pb.ModelInferRequest(model_name=sys.argv[2])
+    tensor = request.inputs.add(name="text", datatype="BYTES", shape=[len(sys.argv) - 3])
+    tensor.contents.bytes_contents.extend(t.encode() for t in sys.argv[3:])
+    request.outputs.add(name="label")
+    with grpc.insecure_channel(sys.argv[1]) as channel:
+        reply = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+    blob, labels = reply.raw_output_contents[0], []
+    while blob:
+        size = int.from_bytes(blob[:4], "little")
+        labels.append(blob[4 : 4 + size].decode())
+        blob = blob[4 + size :]
+    print(json.dumps(labels))
+    """
+)
+
+
+def test_hoplines_own_stubs(omesh: Mesh) -> None:
+    texts = TEXTS[:2]
+    out = subprocess.run(
+        [sys.executable, "-c", OWN_STUBS, omesh.gateway, DEFAULT_MODEL, *texts],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [predict(omesh, t).prediction.label for t in texts]
+
+
+def test_live_but_not_ready_while_the_gateway_starts(default_repo: Path, tmp_path: Path) -> None:
+    """A gateway whose inference service never answers stays not-ready, yet is live."""
+    alone = Mesh(default_repo, tmp_path)
+    with (tmp_path / "gateway.log").open("ab") as out:
+        alone.procs["gateway"] = subprocess.Popen(
+            [sys.executable, "-m", "hopline", "serve", "gateway"],
+            env=alone.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        c = triton.InferenceServerClient(url=alone.gateway)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert c.is_server_live(client_timeout=2) is True
+                break
+            except InferenceServerException:
+                assert alone.procs["gateway"].poll() is None, alone.log("gateway")
+                assert time.monotonic() < deadline, alone.log("gateway")
+                time.sleep(0.2)
+        assert c.is_server_ready() is False
+        status, message = rejection(c.infer, DEFAULT_MODEL, [text_input(["hi"])])
+        assert status == "StatusCode.UNAVAILABLE"
+        assert "not ready" in message
+        c.close()
+    finally:
+        alone.stop()
