@@ -1,13 +1,19 @@
-"""A base for server interceptors that wrap the services' own unary RPCs.
+"""A base for server interceptors that wrap the services' own RPCs, unary and streaming.
 
 Health, reflection and the KServe v2 liveness/readiness probes pass through untouched: probes
 must answer while a service is starting or draining, and tracing them would drown the traces
 that matter.
+
+grpc.aio hands an interceptor the method handler, not the call: wrapping means building a new
+handler of the same cardinality around the servicer's behaviour. Responses that are a single
+message (unary and client-streaming RPCs) go through `wrap`; response streams (server and
+bidirectional streaming) through `wrap_stream`, whose behaviour is an async generator, so a
+wrapper sees the stream from its first message to its end, cancellation included.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -19,15 +25,23 @@ INFRA_METHOD_PREFIXES = (
     "/inference.GRPCInferenceService/ServerLive",
     "/inference.GRPCInferenceService/ServerReady",
 )
-Behaviour = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
+Context = grpc.aio.ServicerContext[Any, Any]
+Behaviour = Callable[[Any, Context], Awaitable[Any]]
+StreamBehaviour = Callable[[Any, Context], AsyncIterator[Any]]
 
 
-class UnaryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     def wrap(
         self, method: str, details: grpc.HandlerCallDetails, inner: Behaviour
     ) -> Behaviour | None:
-        """The behaviour to run instead of `inner`, or None to leave the RPC alone."""
-        raise NotImplementedError
+        """What to run instead of a single-response RPC's `inner`; None leaves it alone."""
+        return None
+
+    def wrap_stream(
+        self, method: str, details: grpc.HandlerCallDetails, inner: StreamBehaviour
+    ) -> StreamBehaviour | None:
+        """What to run instead of a response-streaming RPC's `inner`; None leaves it alone."""
+        return None
 
     async def intercept_service(
         self,
@@ -38,17 +52,26 @@ class UnaryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     ) -> grpc.RpcMethodHandler[Any, Any]:
         handler = await continuation(handler_call_details)
         method: str = handler_call_details.method
-        if (
-            handler is None
-            or handler.unary_unary is None
-            or method.startswith(INFRA_METHOD_PREFIXES)
-        ):
+        if handler is None or method.startswith(INFRA_METHOD_PREFIXES):
             return handler
-        wrapped = self.wrap(method, handler_call_details, handler.unary_unary)  # type: ignore[arg-type]
-        if wrapped is None:
-            return handler
-        return grpc.unary_unary_rpc_method_handler(
-            wrapped,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        codecs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary is not None:
+            wrapped = self.wrap(method, handler_call_details, handler.unary_unary)  # type: ignore[arg-type]
+            if wrapped is not None:
+                return grpc.unary_unary_rpc_method_handler(wrapped, **codecs)
+        elif handler.stream_unary is not None:
+            wrapped = self.wrap(method, handler_call_details, handler.stream_unary)  # type: ignore[arg-type]
+            if wrapped is not None:
+                return grpc.stream_unary_rpc_method_handler(wrapped, **codecs)
+        elif handler.unary_stream is not None:
+            streamed = self.wrap_stream(method, handler_call_details, handler.unary_stream)  # type: ignore[arg-type]
+            if streamed is not None:
+                return grpc.unary_stream_rpc_method_handler(streamed, **codecs)
+        elif handler.stream_stream is not None:
+            streamed = self.wrap_stream(method, handler_call_details, handler.stream_stream)  # type: ignore[arg-type]
+            if streamed is not None:
+                return grpc.stream_stream_rpc_method_handler(streamed, **codecs)
+        return handler

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import grpc
@@ -13,7 +14,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from hopline.config import ServerConfig
-from hopline.interceptors import Behaviour, UnaryInterceptor
+from hopline.interceptors import Behaviour, Context, RpcInterceptor, StreamBehaviour
 from hopline.observability.metrics import start_metrics_server
 from hopline.observability.tracing import ServerTracingInterceptor, shutdown_tracing
 
@@ -39,7 +40,10 @@ class Service(Protocol):
         """Release resources after in-flight RPCs have finished."""
 
 
-class ReadinessGate(UnaryInterceptor):
+NOT_READY = "starting up: not ready yet, retry"
+
+
+class ReadinessGate(RpcInterceptor):
     """Refuses service RPCs with UNAVAILABLE until start-up has finished.
 
     The port is bound before models load (so health probes can see NOT_SERVING); without
@@ -55,8 +59,22 @@ class ReadinessGate(UnaryInterceptor):
         if self.ready:
             return None
 
-        async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "starting up: not ready yet, retry")
+        async def refuse(request: Any, context: Context) -> Any:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
+
+        return refuse
+
+    def wrap_stream(
+        self, method: str, details: grpc.HandlerCallDetails, inner: StreamBehaviour
+    ) -> StreamBehaviour | None:
+        if self.ready:
+            return None
+
+        async def refuse(request: Any, context: Context) -> AsyncIterator[Any]:
+            nothing: tuple[Any, ...] = ()
+            for message in nothing:  # a stream behaviour must be an async generator
+                yield message
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
 
         return refuse
 

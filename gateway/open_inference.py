@@ -34,8 +34,8 @@ import numpy as np
 
 from hopline.client import CACHE_MODES, outcome_name
 from hopline.common.v1 import common_pb2
-from hopline.gateway.identity import IdentityError
-from hopline.gateway.service import GatewayService, RequestError
+from hopline.gateway.errors import STATUS_ERRORS, RequestError
+from hopline.gateway.service import GatewayService
 from hopline.gateway.upstream import HopError
 from hopline.gateway.v1 import gateway_pb2
 from hopline.inference.v1 import inference_pb2
@@ -361,7 +361,7 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 texts, info, tenant, top_k, mode, gateway.timeout_for(context), started
             )
             return self._response(request, info, tenant, outputs, answers)
-        except (RequestError, IdentityError, HopError) as err:
+        except STATUS_ERRORS as err:
             await context.abort(err.code, err.message)
 
     async def _predict_all(

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, cast
 
 import grpc
@@ -28,8 +29,10 @@ from hopline.cache.keys import exact_key, scope_tuple
 from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.common.v1 import common_pb2
 from hopline.config import DEFAULT_ADDRS, ServerConfig, addr_env, env_field, metrics_port_field
-from hopline.gateway.identity import IdentityError, TenantResolver
+from hopline.gateway.errors import STATUS_ERRORS, RequestError
+from hopline.gateway.identity import TenantResolver
 from hopline.gateway.resilience import CircuitBreaker, Coalescer
+from hopline.gateway.streaming import predict_stream
 from hopline.gateway.upstream import HopError, Upstream, call_hop
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -42,15 +45,6 @@ from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 log = logging.getLogger("hopline.gateway")
 
 Context = grpc.aio.ServicerContext[gateway_pb2.PredictRequest, gateway_pb2.PredictResponse]
-
-
-class RequestError(Exception):
-    """A request the gateway refuses before any hop; carries the status to return."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 def _upstream_field(service: str) -> Any:
@@ -91,6 +85,11 @@ class GatewayConfig(ServerConfig):
     )
     max_text_bytes: int = env_field(
         "HOPLINE_MAX_TEXT_BYTES", 16384, "longest text accepted, in UTF-8 bytes"
+    )
+    stream_max_in_flight: int = env_field(
+        "HOPLINE_STREAM_MAX_IN_FLIGHT",
+        64,
+        "requests of one PredictStream answered at once; past it the gateway stops reading",
     )
     model_refresh_s: float = env_field(
         "HOPLINE_MODEL_REFRESH_S", 10.0, "how often the model list is re-read from inference"
@@ -145,6 +144,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             (
                 "requests",
                 "kserve_infer_requests",
+                "streams",
                 "inferences",
                 "coalesced",
                 "cache_exact",
@@ -263,31 +263,44 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     async def Predict(
         self, request: gateway_pb2.PredictRequest, context: Context
     ) -> gateway_pb2.PredictResponse:
+        try:
+            return await self.answer(
+                request, context.invocation_metadata() or (), self.timeout_for(context)
+            )
+        except STATUS_ERRORS as err:
+            await context.abort(err.code, err.message)
+
+    async def PredictStream(
+        self,
+        request_iterator: AsyncIterator[gateway_pb2.PredictStreamRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[gateway_pb2.PredictStreamResponse]:
+        async for reply in predict_stream(self, request_iterator, context):
+            yield reply
+
+    async def answer(
+        self,
+        request: gateway_pb2.PredictRequest,
+        metadata: Iterable[tuple[str, str | bytes]],
+        timeout_s: float,
+    ) -> gateway_pb2.PredictResponse:
+        """One Predict; raises RequestError, IdentityError or HopError with its status."""
         started = time.perf_counter()
         self.counters["requests"] += 1
-        try:
-            self.check_text(request.text)
-            tenant = self.tenants.resolve(request.tenant, context.invocation_metadata() or ())
-            info = await self.resolve_model(
-                request.model or self.config.default_model, request.model_version
+        self.check_text(request.text)
+        tenant = self.tenants.resolve(request.tenant, metadata)
+        info = await self.resolve_model(
+            request.model or self.config.default_model, request.model_version
+        )
+        top_k = request.top_k or 1
+        if not 1 <= top_k <= len(info.labels):
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"top_k must be 1 to {len(info.labels)} for {info.name}, got {request.top_k}",
             )
-            top_k = request.top_k or 1
-            if not 1 <= top_k <= len(info.labels):
-                raise RequestError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"top_k must be 1 to {len(info.labels)} for {info.name}, got {request.top_k}",
-                )
-            return await self.predict_text(
-                request.text,
-                info,
-                tenant,
-                top_k,
-                request.cache_mode,
-                self.timeout_for(context),
-                started,
-            )
-        except (RequestError, IdentityError, HopError) as err:
-            await context.abort(err.code, err.message)
+        return await self.predict_text(
+            request.text, info, tenant, top_k, request.cache_mode, timeout_s, started
+        )
 
     async def predict_text(
         self,

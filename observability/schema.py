@@ -22,6 +22,8 @@ BATCH_SIZE = "hopline.batch_size"
 TOKENS = "hopline.tokens"
 HOP = "hopline.hop"
 DELAY_MS = "hopline.test_delay_ms"
+STREAM_MESSAGES_SENT = "hopline.stream.messages_sent"
+STREAM_MESSAGE_ID = "hopline.stream.message_id"
 
 ATTRIBUTES: dict[str, str] = {
     MODEL: "model name the request resolved to",
@@ -37,6 +39,8 @@ ATTRIBUTES: dict[str, str] = {
     HOP: "the upstream service a gateway client span calls",
     DELAY_MS: "test-only delay injected into this RPC (HOPLINE_TEST_DELAY_MS, or "
     "HOPLINE_INFERENCE_TEST_DELAY_MS before the model run)",
+    STREAM_MESSAGES_SENT: "responses a streaming RPC sent before it ended (on its server span)",
+    STREAM_MESSAGE_ID: "the client's id of one message on a stream (PredictStreamRequest.id)",
 }
 
 # -- spans (server spans are named after their RPC, e.g. hopline.gateway.v1.GatewayService/Predict)
@@ -52,6 +56,7 @@ SPAN_CACHE_EXACT = "cache.exact_read"
 SPAN_CACHE_EMBED = "cache.embed"
 SPAN_CACHE_SEARCH = "cache.search"
 SPAN_CACHE_WRITE = "cache.write"
+SPAN_STREAM_MESSAGE = "gateway.stream_message"
 
 SPANS: dict[str, str] = {
     SPAN_TOKENIZE: "gateway client span: the call to the tokenizer",
@@ -65,4 +70,6 @@ SPANS: dict[str, str] = {
     SPAN_CACHE_EMBED: "cache: the query's embedding (may be shared with other lookups' batch)",
     SPAN_CACHE_SEARCH: "cache: the scope-filtered Milvus vector search",
     SPAN_CACHE_WRITE: "cache: one batched Milvus write; its own trace, linked to the stores",
+    SPAN_STREAM_MESSAGE: "gateway: one request on a PredictStream, under the stream's server "
+    "span; its hops' client spans are its children",
 }

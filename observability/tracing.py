@@ -8,9 +8,11 @@ reflection RPCs are not traced: probes would drown the traces that matter.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import grpc
@@ -19,7 +21,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from hopline.interceptors import Behaviour, UnaryInterceptor
+from hopline.interceptors import Behaviour, Context, RpcInterceptor, StreamBehaviour
 from hopline.observability import metrics, schema
 
 log = logging.getLogger("hopline.tracing")
@@ -72,46 +74,78 @@ def outgoing_metadata(extra: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[st
     return tuple(carrier.items()) + extra
 
 
-class ServerTracingInterceptor(UnaryInterceptor):
-    """A server span per unary RPC, parented on the caller's `traceparent`, and the RPC's
-    latency histogram and in-flight gauge, observed inside the span so the exemplar carries
-    its trace id."""
+class ServerTracingInterceptor(RpcInterceptor):
+    """A server span per RPC, parented on the caller's `traceparent`, and the RPC's latency
+    histogram and in-flight gauge, observed inside the span so the exemplar carries its trace
+    id.
+
+    A streaming RPC gets one span from its start to its last message (the opentelemetry grpc
+    aio instrumentation ends it too early or not at all for streams, so this is our own), with
+    the messages counted; per-message work opens child spans under it.
+    """
 
     def __init__(self, test_delay_ms: float = 0.0) -> None:
         self.test_delay_s = test_delay_ms / 1e3
 
-    def wrap(
-        self, method: str, details: grpc.HandlerCallDetails, inner: Behaviour
-    ) -> Behaviour | None:
+    @contextlib.asynccontextmanager
+    async def _span(
+        self, method: str, details: grpc.HandlerCallDetails, context: Context
+    ) -> AsyncIterator[trace.Span]:
         parent = propagate.extract({k: v for k, v in details.invocation_metadata or ()})
         service, _, name = method.lstrip("/").rpartition("/")
         in_flight = metrics.RPC_IN_FLIGHT.labels(service, name)
+        with tracer().start_as_current_span(
+            method.lstrip("/"),
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            started = time.perf_counter()
+            in_flight.inc()
+            # None until the handler sets a code, whatever the stubs say.
+            code: grpc.StatusCode | None = None
+            try:
+                if self.test_delay_s > 0:
+                    span.set_attribute(schema.DELAY_MS, self.test_delay_s * 1e3)
+                    await asyncio.sleep(self.test_delay_s)
+                yield span
+            except asyncio.CancelledError:  # the client went away, or its deadline passed
+                remaining = cast("float | None", context.time_remaining())
+                expired = remaining is not None and remaining <= 0
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                in_flight.dec()
+                code = code or cast("grpc.StatusCode | None", context.code()) or grpc.StatusCode.OK
+                if code is not grpc.StatusCode.OK:
+                    span.set_status(Status(StatusCode.ERROR, code.name))
+                span.set_attribute("rpc.grpc.status_code", code.value[0])
+                metrics.RPC_DURATION.labels(service, name, code.name).observe(
+                    time.perf_counter() - started, metrics.trace_exemplar()
+                )
 
-        async def traced(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            with tracer().start_as_current_span(
-                method.lstrip("/"),
-                context=parent,
-                kind=SpanKind.SERVER,
-                attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
-                record_exception=False,
-                set_status_on_exception=False,
-            ) as span:
-                started = time.perf_counter()
-                in_flight.inc()
+    def wrap(
+        self, method: str, details: grpc.HandlerCallDetails, inner: Behaviour
+    ) -> Behaviour | None:
+        async def traced(request: Any, context: Context) -> Any:
+            async with self._span(method, details, context):
+                return await inner(request, context)
+
+        return traced
+
+    def wrap_stream(
+        self, method: str, details: grpc.HandlerCallDetails, inner: StreamBehaviour
+    ) -> StreamBehaviour | None:
+        async def traced(request: Any, context: Context) -> AsyncIterator[Any]:
+            async with self._span(method, details, context) as span:
+                sent = 0
                 try:
-                    if self.test_delay_s > 0:
-                        span.set_attribute(schema.DELAY_MS, self.test_delay_s * 1e3)
-                        await asyncio.sleep(self.test_delay_s)
-                    return await inner(request, context)
+                    async for reply in inner(request, context):
+                        sent += 1
+                        yield reply
                 finally:
-                    in_flight.dec()
-                    # None until the handler sets a code, whatever the stubs say.
-                    code = cast("grpc.StatusCode | None", context.code()) or grpc.StatusCode.OK
-                    if code is not grpc.StatusCode.OK:
-                        span.set_status(Status(StatusCode.ERROR, code.name))
-                    span.set_attribute("rpc.grpc.status_code", code.value[0])
-                    metrics.RPC_DURATION.labels(service, name, code.name).observe(
-                        time.perf_counter() - started, metrics.trace_exemplar()
-                    )
+                    span.set_attribute(schema.STREAM_MESSAGES_SENT, sent)
 
         return traced

@@ -14,12 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL, ROOT
 from hopline.client import predict
 from hopline.common.v1 import common_pb2
-from hopline.gateway.v1 import gateway_pb2
+from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.observability.report import Span, build_tree, parse_otlp
 from mesh import Mesh, free_port
 
@@ -150,6 +151,50 @@ def one(spans: list[Span], name: str, service: str) -> Span:
     return found[0]
 
 
+def check_stream_trace(traced: Mesh, base: str) -> None:
+    """One stream is one trace: the stream's server span (ended after its last message, our
+    own interceptor's work) over a `gateway.stream_message` span per request, each with
+    that request's hops beneath it."""
+    ids = ["s0", "s1", "s2"]
+    messages = [
+        gateway_pb2.PredictStreamRequest(
+            id=rid, request=gateway_pb2.PredictRequest(text=f"stream order {rid}", tenant="traces")
+        )
+        for rid in ids
+    ]
+    with grpc.insecure_channel(traced.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        replies = list(stub.PredictStream(iter(messages), timeout=30))
+    assert sorted(r.id for r in replies) == ids
+    assert {r.code for r in replies} == {grpc.StatusCode.OK.value[0]}
+    trace_id = replies[0].response.trace_id
+    deadline = time.monotonic() + 30
+    while True:
+        spans = fetch_trace(base, trace_id, want_services=5)
+        posts = [s for s in spans if s.name.endswith("PostprocessService/Postprocess")]
+        if len(posts) == len(ids):
+            break
+        assert time.monotonic() < deadline, f"{len(posts)} postprocess spans in {trace_id}"
+        time.sleep(0.2)
+    root = build_tree(spans)
+    assert root is not None
+    assert (root.name, root.service) == (
+        "hopline.gateway.v1.GatewayService/PredictStream",
+        "gateway",
+    )
+    assert root.attributes["hopline.stream.messages_sent"] == len(ids)
+    per_message = [s for s in spans if s.name == "gateway.stream_message"]
+    assert sorted(s.attributes["hopline.stream.message_id"] for s in per_message) == ids
+    for message in per_message:
+        assert message.parent_id == root.span_id
+        assert message.end <= root.end
+        hops = {s.name: s for s in spans if s.parent_id == message.span_id}
+        assert {"tokenize", "cache_lookup", "inference", "postprocess"} <= set(hops), hops
+        server = [s for s in spans if s.parent_id == hops["inference"].span_id]
+        assert [s.name for s in server] == ["hopline.inference.v1.InferenceService/Infer"]
+        assert message.attributes["hopline.cache.outcome"] == "miss"
+
+
 def test_traces_span_every_hop_with_correct_parents_and_the_report_blames_the_slow_hop(
     traced: Mesh, jaeger: dict[str, str], tmp_path: Path
 ) -> None:
@@ -218,6 +263,8 @@ def test_traces_span_every_hop_with_correct_parents_and_the_report_blames_the_sl
         spans = fetch_trace(base, reply.trace_id, want_services=5 if reply in replies[:20] else 2)
         roots = [s for s in spans if not s.parent_id]
         assert [r.name for r in roots] == ["hopline.gateway.v1.GatewayService/Predict"]
+
+    check_stream_trace(traced, base)
 
     out = subprocess.run(
         [

@@ -1,0 +1,95 @@
+"""PredictStream: many Predicts over one bidirectional stream.
+
+Requests are answered concurrently, up to `HOPLINE_STREAM_MAX_IN_FLIGHT` per stream; past that
+the gateway stops reading, so HTTP/2 flow control pushes back on the client instead of the
+gateway buffering without bound. Responses go out as they complete, each carrying its
+request's id. A request that fails gets a response with its status code and message; only a
+broken stream (cancelled, deadline passed) ends the RPC.
+
+Tracing: the stream's server span (the interceptor's) is the parent of one
+`gateway.stream_message` span per request, under which that request's hops hang, so one
+stream is one trace and each request in it is a subtree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from opentelemetry.trace import Status, StatusCode
+
+from hopline.gateway.errors import STATUS_ERRORS
+from hopline.gateway.v1 import gateway_pb2
+from hopline.observability import schema
+from hopline.observability.tracing import tracer
+
+if TYPE_CHECKING:
+    from hopline.gateway.service import GatewayService
+
+log = logging.getLogger("hopline.gateway.stream")
+
+_END = object()
+
+
+async def predict_stream(
+    gateway: GatewayService,
+    requests: AsyncIterator[gateway_pb2.PredictStreamRequest],
+    context: grpc.aio.ServicerContext[Any, Any],
+) -> AsyncIterator[gateway_pb2.PredictStreamResponse]:
+    metadata = tuple(context.invocation_metadata() or ())
+    replies: asyncio.Queue[Any] = asyncio.Queue()
+    slots = asyncio.Semaphore(gateway.config.stream_max_in_flight)
+    running: set[asyncio.Task[None]] = set()
+    gateway.counters["streams"] += 1
+
+    async def answer(message: gateway_pb2.PredictStreamRequest) -> None:
+        try:
+            with tracer().start_as_current_span(
+                schema.SPAN_STREAM_MESSAGE,
+                attributes={schema.STREAM_MESSAGE_ID: message.id},
+                record_exception=False,
+                set_status_on_exception=False,
+            ) as span:
+                reply = gateway_pb2.PredictStreamResponse(id=message.id)
+                try:
+                    reply.response.CopyFrom(
+                        await gateway.answer(
+                            message.request, metadata, gateway.timeout_for(context)
+                        )
+                    )
+                except STATUS_ERRORS as err:
+                    span.set_status(Status(StatusCode.ERROR, err.code.name))
+                    reply.code, reply.message = err.code.value[0], err.message
+                except Exception as exc:  # one request's bug must not end the others
+                    log.exception("stream request failed", extra={"id": message.id})
+                    span.set_status(Status(StatusCode.ERROR, "INTERNAL"))
+                    reply.code = grpc.StatusCode.INTERNAL.value[0]
+                    reply.message = f"internal error: {type(exc).__name__}"
+            await replies.put(reply)
+        finally:
+            slots.release()
+
+    async def read() -> None:
+        try:
+            async for message in requests:
+                await slots.acquire()
+                task = asyncio.create_task(answer(message))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            while running:  # the client has half-closed: finish what it sent
+                await asyncio.wait(set(running))
+        finally:
+            await replies.put(_END)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (reply := await replies.get()) is not _END:
+            yield reply
+        await reader  # a read that failed ends the RPC with that failure
+    finally:
+        reader.cancel()
+        for task in list(running):
+            task.cancel()

@@ -1,0 +1,146 @@
+"""PredictStream: many requests on one stream, answered by id, failures per request."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from mesh import NOT_SERVING, Mesh, health
+
+OK = grpc.StatusCode.OK.value[0]
+
+
+def stream_of(
+    *requests: tuple[str, gateway_pb2.PredictRequest],
+) -> Iterator[gateway_pb2.PredictStreamRequest]:
+    for rid, request in requests:
+        yield gateway_pb2.PredictStreamRequest(id=rid, request=request)
+
+
+def test_every_request_is_answered_once_by_id_and_failures_stay_per_request(
+    mesh: Mesh,
+) -> None:
+    salt = uuid.uuid4().hex[:8]
+    texts = {
+        f"r{n}": f"{text} {salt}"
+        for n, text in enumerate(
+            [
+                "where is my order",
+                "I want a refund for my purchase",
+                "cancel my subscription please",
+                "how do I reset my password",
+            ]
+            * 5
+        )
+    }
+    requests = [(rid, gateway_pb2.PredictRequest(text=t, tenant="s")) for rid, t in texts.items()]
+    requests.insert(3, ("empty", gateway_pb2.PredictRequest(text="  ")))
+    requests.insert(7, ("nomodel", gateway_pb2.PredictRequest(text="hi", model="no-such-model")))
+    with grpc.insecure_channel(mesh.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        replies = list(stub.PredictStream(stream_of(*requests), timeout=60))
+        # The same texts through unary Predict, for the labels to compare with.
+        unary = {
+            rid: stub.Predict(gateway_pb2.PredictRequest(text=t, tenant="s"), timeout=30)
+            for rid, t in texts.items()
+        }
+    by_id = {r.id: r for r in replies}
+    assert len(replies) == len(requests) == len(by_id), [r.id for r in replies]
+    assert by_id["empty"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "empty" in by_id["empty"].message
+    assert not by_id["empty"].HasField("response")
+    assert by_id["nomodel"].code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert "no-such-model" in by_id["nomodel"].message
+    for rid in texts:
+        assert by_id[rid].code == OK, by_id[rid].message
+        assert by_id[rid].response.prediction.label == unary[rid].prediction.label, rid
+    # One stream, one trace: every request on it is a subtree of the stream's span.
+    assert len({by_id[rid].response.trace_id for rid in texts}) == 1
+
+
+def test_an_empty_stream_ends_cleanly(mesh: Mesh) -> None:
+    with grpc.insecure_channel(mesh.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        assert list(stub.PredictStream(iter(()), timeout=10)) == []
+
+
+def gateway_metric(mesh: Mesh, line_start: str) -> float | None:
+    url = f"http://127.0.0.1:{mesh.metrics_ports['gateway']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(line_start):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_a_cancelled_stream_is_closed_out_and_the_gateway_carries_on(mesh: Mesh) -> None:
+    """The interceptor follows a stream to its end, cancellation included: the in-flight
+    gauge drops back and the stream's latency is recorded with status CANCELLED."""
+    in_flight = 'hopline_rpc_in_flight{method="PredictStream",service="hopline.gateway.v1.'
+    cancelled = (
+        'hopline_rpc_duration_seconds_count{code="CANCELLED",method="PredictStream",'
+        'service="hopline.gateway.v1.GatewayService"}'
+    )
+    before = gateway_metric(mesh, cancelled) or 0.0
+    more = threading.Event()
+
+    def client() -> Iterator[gateway_pb2.PredictStreamRequest]:
+        yield gateway_pb2.PredictStreamRequest(
+            id="a", request=gateway_pb2.PredictRequest(text="where is my order")
+        )
+        more.wait(30)  # holds the stream open until the test cancels it
+
+    with grpc.insecure_channel(mesh.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        call = stub.PredictStream(client(), timeout=30)
+        first = next(call)
+        assert first.id == "a"
+        assert first.code == OK
+        assert gateway_metric(mesh, in_flight) == 1.0
+        call.cancel()
+        more.set()
+        deadline = time.monotonic() + 10
+        while gateway_metric(mesh, cancelled) != before + 1:
+            assert time.monotonic() < deadline, "the cancelled stream was never closed out"
+            time.sleep(0.05)
+        assert gateway_metric(mesh, in_flight) == 0.0
+        reply = stub.Predict(gateway_pb2.PredictRequest(text="where is my order"), timeout=10)
+        assert reply.prediction.label
+
+
+def test_streams_are_refused_until_the_gateway_is_ready(default_repo: Path, tmp_path: Path) -> None:
+    """A gateway whose inference service never answers stays NOT_SERVING; a stream opened
+    then is refused UNAVAILABLE by the readiness gate, like a unary call."""
+    alone = Mesh(default_repo, tmp_path)
+    with (tmp_path / "gateway.log").open("ab") as out:
+        alone.procs["gateway"] = subprocess.Popen(
+            [sys.executable, "-m", "hopline", "serve", "gateway"],
+            env=alone.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while health(alone.gateway) != NOT_SERVING:
+            assert alone.procs["gateway"].poll() is None, alone.log("gateway")
+            assert time.monotonic() < deadline, alone.log("gateway")
+            time.sleep(0.2)
+        with grpc.insecure_channel(alone.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            request = gateway_pb2.PredictRequest(text="hi")
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.PredictStream(stream_of(("a", request)), timeout=10))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "not ready" in (info.value.details() or "")
+    finally:
+        alone.stop()
