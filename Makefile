@@ -36,13 +36,25 @@ JAEGER := .tools/bin/jaeger
 GOENV := GOPATH=$(CURDIR)/.tools/go GOMODCACHE=$(CURDIR)/.tools/go/pkg/mod \
 	GOCACHE=$(CURDIR)/.tools/go/cache GOFLAGS=-modcacherw GOTOOLCHAIN=local
 
-.PHONY: help install protos model run test lint fmt typecheck buf-lint clean jaeger
+# Generated clients for hopline's own API (issue 6): code is generated into ignored folders by
+# `make clients`, from the same protos, with pinned generators from each language's registry.
+CLIENT_PROTOS := protos/hopline/common/v1/common.proto protos/hopline/gateway/v1/gateway.proto
+GO_MODULE := hopline.dev/clients/go
+# The protos carry no go_package (they are language-neutral): Go import paths are mapped here.
+GO_MAP := Mhopline/common/v1/common.proto=$(GO_MODULE)/gen/hopline/common/v1;commonv1,Mhopline/gateway/v1/gateway.proto=$(GO_MODULE)/gen/hopline/gateway/v1;gatewayv1
+PROTOC_GEN_GO := google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.10
+PROTOC_GEN_GO_GRPC := google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
+CLIENT_BIN := build/clients
+MVN := mvn --batch-mode --quiet -Dmaven.repo.local=$(CURDIR)/.tools/m2
+
+.PHONY: help install protos model run test lint fmt typecheck buf-lint clean jaeger clients
 
 help:
 	@echo "make run    start the whole mesh (gateway on 127.0.0.1:8001)"
 	@echo "make test   lint, type-check and run the test suite"
 	@echo "make protos regenerate the Python stubs from protos/"
 	@echo "make model  build the default model if it is missing"
+	@echo "make clients generate and build the Go, Java and Node clients (clients/)"
 	@echo "make jaeger build (once) and run Jaeger v2 on 127.0.0.1 (OTLP 4317, UI/API 16686)"
 
 $(STAMPS)/venv:
@@ -98,6 +110,42 @@ $(JAEGER):
 jaeger: $(JAEGER)
 	$(JAEGER)
 
+.tools/bin/protoc-gen-go:
+	$(GOENV) GOBIN=$(CURDIR)/.tools/bin go install $(PROTOC_GEN_GO)
+
+.tools/bin/protoc-gen-go-grpc:
+	$(GOENV) GOBIN=$(CURDIR)/.tools/bin go install $(PROTOC_GEN_GO_GRPC)
+
+$(CLIENT_BIN)/go-predict: $(STAMPS)/codegen .tools/bin/protoc-gen-go .tools/bin/protoc-gen-go-grpc \
+		$(CLIENT_PROTOS) $(wildcard clients/go/*.mod clients/go/*.sum clients/go/cmd/*/*.go)
+	rm -rf clients/go/gen && mkdir -p $(CLIENT_BIN)
+	$(PY) -m grpc_tools.protoc -I protos \
+		--plugin=protoc-gen-go=.tools/bin/protoc-gen-go \
+		--plugin=protoc-gen-go-grpc=.tools/bin/protoc-gen-go-grpc \
+		--go_out=clients/go --go_opt='module=$(GO_MODULE),$(GO_MAP)' \
+		--go-grpc_out=clients/go --go-grpc_opt='module=$(GO_MODULE),$(GO_MAP)' $(CLIENT_PROTOS)
+	cd clients/go && $(GOENV) go build -o $(CURDIR)/$@ ./cmd/predict
+
+# protoc and protoc-gen-grpc-java come from Maven Central through the pom's plugins.
+clients/java/target/classpath.txt: $(CLIENT_PROTOS) clients/java/pom.xml \
+		$(shell find clients/java/src -name '*.java')
+	$(MVN) -Dstyle.color=never -f clients/java/pom.xml package
+
+clients/node/node_modules/.stamp: clients/node/package.json clients/node/package-lock.json
+	cd clients/node && npm ci --silent --no-audit --no-fund
+	@touch $@
+
+clients/node/dist/src/predict.js: $(STAMPS)/codegen clients/node/node_modules/.stamp $(CLIENT_PROTOS) \
+		clients/node/tsconfig.json clients/node/src/predict.ts
+	rm -rf clients/node/gen clients/node/dist && mkdir -p clients/node/gen
+	$(PY) -m grpc_tools.protoc -I protos \
+		--plugin=protoc-gen-ts_proto=clients/node/node_modules/.bin/protoc-gen-ts_proto \
+		--ts_proto_out=clients/node/gen \
+		--ts_proto_opt=outputServices=grpc-js,esModuleInterop=true,env=node $(CLIENT_PROTOS)
+	cd clients/node && npx --no-install tsc -p .
+
+clients: $(CLIENT_BIN)/go-predict clients/java/target/classpath.txt clients/node/dist/src/predict.js
+
 buf-lint: $(BUF)
 	cd protos && ../$(BUF) lint
 
@@ -112,7 +160,7 @@ fmt: $(STAMPS)/install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: model lint typecheck $(JAEGER)
+test: model lint typecheck $(JAEGER) clients
 	HOPLINE_MODEL_REPO=$(MODEL_REPO) $(BIN)/pytest
 
 clean:
