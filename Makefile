@@ -47,7 +47,7 @@ PROTOC_GEN_GO_GRPC := google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
 CLIENT_BIN := build/clients
 MVN := mvn --batch-mode --quiet -Dmaven.repo.local=$(CURDIR)/.tools/m2
 
-.PHONY: help install protos model run test lint fmt typecheck buf-lint clean jaeger clients
+.PHONY: help install protos model run test lint fmt typecheck buf-lint buf-breaking clean jaeger clients
 
 help:
 	@echo "make run    start the whole mesh (gateway on 127.0.0.1:8001)"
@@ -149,7 +149,16 @@ clients: $(CLIENT_BIN)/go-predict clients/java/target/classpath.txt clients/node
 buf-lint: $(BUF)
 	cd protos && ../$(BUF) lint
 
-lint: $(STAMPS)/install buf-lint
+# FILE level, the strictest set: services are redeployed one at a time, so every client built
+# from an older proto (any language, any generator) must keep compiling and keep its wire
+# meaning. Compared with the previous commit (HEAD~1: on a merge, main before it).
+buf-breaking: $(BUF)
+	@git rev-parse --verify -q 'HEAD~1^{commit}' >/dev/null || { \
+		echo "buf breaking compares with HEAD~1, which this clone lacks (shallow?): clone with history"; \
+		exit 1; }
+	cd protos && ../$(BUF) breaking --against '../.git#ref=HEAD~1,subdir=protos'
+
+lint: $(STAMPS)/install buf-lint buf-breaking
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
