@@ -58,20 +58,15 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,
         }
-        if handler.unary_unary is not None:
-            wrapped = self.wrap(method, handler_call_details, handler.unary_unary)  # type: ignore[arg-type]
-            if wrapped is not None:
-                return grpc.unary_unary_rpc_method_handler(wrapped, **codecs)
-        elif handler.stream_unary is not None:
-            wrapped = self.wrap(method, handler_call_details, handler.stream_unary)  # type: ignore[arg-type]
-            if wrapped is not None:
-                return grpc.stream_unary_rpc_method_handler(wrapped, **codecs)
-        elif handler.unary_stream is not None:
-            streamed = self.wrap_stream(method, handler_call_details, handler.unary_stream)  # type: ignore[arg-type]
-            if streamed is not None:
-                return grpc.unary_stream_rpc_method_handler(streamed, **codecs)
-        elif handler.stream_stream is not None:
-            streamed = self.wrap_stream(method, handler_call_details, handler.stream_stream)  # type: ignore[arg-type]
-            if streamed is not None:
-                return grpc.stream_stream_rpc_method_handler(streamed, **codecs)
+        kinds: tuple[tuple[str, Any, Any], ...] = (
+            ("unary_unary", self.wrap, grpc.unary_unary_rpc_method_handler),
+            ("stream_unary", self.wrap, grpc.stream_unary_rpc_method_handler),
+            ("unary_stream", self.wrap_stream, grpc.unary_stream_rpc_method_handler),
+            ("stream_stream", self.wrap_stream, grpc.stream_stream_rpc_method_handler),
+        )
+        for kind, wrap, build in kinds:
+            inner = getattr(handler, kind)
+            if inner is not None:
+                wrapped = wrap(method, handler_call_details, inner)
+                return handler if wrapped is None else build(wrapped, **codecs)
         return handler

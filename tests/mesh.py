@@ -77,6 +77,13 @@ class Mesh:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def start(self, names: tuple[str, ...] = ALL, timeout_s: float = 120.0) -> Mesh:
+        self.spawn(names)
+        for name in names:
+            self.wait_serving(name, timeout_s)
+        return self
+
+    def spawn(self, names: tuple[str, ...]) -> None:
+        """Start the processes without waiting for them to serve."""
         for name in names:
             with (self.workdir / f"{name}.log").open("ab") as out:
                 self.procs[name] = subprocess.Popen(
@@ -89,9 +96,6 @@ class Mesh:
                     stdout=out,
                     stderr=subprocess.STDOUT,
                 )
-        for name in names:
-            self.wait_serving(name, timeout_s)
-        return self
 
     def wait_serving(self, name: str, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s

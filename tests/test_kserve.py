@@ -438,13 +438,7 @@ def test_hoplines_own_stubs(omesh: Mesh) -> None:
 def test_live_but_not_ready_while_the_gateway_starts(default_repo: Path, tmp_path: Path) -> None:
     """A gateway whose inference service never answers stays not-ready, yet is live."""
     alone = Mesh(default_repo, tmp_path)
-    with (tmp_path / "gateway.log").open("ab") as out:
-        alone.procs["gateway"] = subprocess.Popen(
-            [sys.executable, "-m", "hopline", "serve", "gateway"],
-            env=alone.env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    alone.spawn(("gateway",))
     try:
         c = triton.InferenceServerClient(url=alone.gateway)
         deadline = time.monotonic() + 60

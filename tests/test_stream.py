@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -122,13 +120,7 @@ def test_streams_are_refused_until_the_gateway_is_ready(default_repo: Path, tmp_
     """A gateway whose inference service never answers stays NOT_SERVING; a stream opened
     then is refused UNAVAILABLE by the readiness gate, like a unary call."""
     alone = Mesh(default_repo, tmp_path)
-    with (tmp_path / "gateway.log").open("ab") as out:
-        alone.procs["gateway"] = subprocess.Popen(
-            [sys.executable, "-m", "hopline", "serve", "gateway"],
-            env=alone.env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    alone.spawn(("gateway",))
     try:
         deadline = time.monotonic() + 60
         while health(alone.gateway) != NOT_SERVING:
