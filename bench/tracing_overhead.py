@@ -89,6 +89,12 @@ def start_mesh(
     return procs, addrs["gateway"]
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def stop(procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         p.send_signal(signal.SIGTERM)
@@ -125,6 +131,17 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--model-repo", type=Path, default=ROOT / "models")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--bsp-delay-ms", type=int, default=200, help="OTEL_BSP_SCHEDULE_DELAY (hopline's default)"
+    )
+    parser.add_argument(
+        "--bsp-batch", type=int, default=64, help="OTEL_BSP_MAX_EXPORT_BATCH_SIZE (hopline's)"
+    )
+    parser.add_argument(
+        "--sample-ratio",
+        type=float,
+        help="head sampling for the 'on' variant (parentbased_traceidratio); default all",
+    )
     args = parser.parse_args()
 
     jaeger_bin = ROOT / ".tools" / "bin" / "jaeger"
@@ -144,8 +161,17 @@ def main() -> None:
                 extra = (
                     {
                         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{ports['otlp']}",
-                        "OTEL_BSP_SCHEDULE_DELAY": "1000",
+                        "OTEL_BSP_SCHEDULE_DELAY": str(args.bsp_delay_ms),
+                        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": str(args.bsp_batch),
                     }
+                    | (
+                        {
+                            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                            "OTEL_TRACES_SAMPLER_ARG": str(args.sample_ratio),
+                        }
+                        if args.sample_ratio is not None
+                        else {}
+                    )
                     if variant == "on"
                     else {}
                 )
@@ -154,9 +180,13 @@ def main() -> None:
                 procs, gateway = start_mesh(args.model_repo, run_dir, extra)
                 try:
                     asyncio.run(load(gateway, args.concurrency, args.warmup, f"w{rnd}{variant}"))
+                    mesh_before = sum(cpu_s(p.pid) for p in procs)
+                    jaeger_before = cpu_s(jaeger.pid)
                     lat = asyncio.run(
                         load(gateway, args.concurrency, args.duration, f"m{rnd}{variant}")
                     )
+                    mesh_cpu = sum(cpu_s(p.pid) for p in procs) - mesh_before
+                    jaeger_cpu = cpu_s(jaeger.pid) - jaeger_before
                 finally:
                     stop(procs)
                 a = np.array(lat)
@@ -165,11 +195,17 @@ def main() -> None:
                     "p50_ms": float(np.percentile(a, 50)),
                     "p99_ms": float(np.percentile(a, 99)),
                     "requests": float(len(a)),
+                    # CPU the five services spent per request: the SDK's own cost, free of
+                    # the collector's (which shares these 2 cores here, not in production).
+                    "mesh_cpu_ms_per_request": mesh_cpu * 1e3 / len(a),
+                    "jaeger_cpu_share": jaeger_cpu / args.duration,
                 }
                 results[variant].append(row)
                 print(
                     f"round {rnd} tracing {variant:<3} {row['throughput_rps']:7.1f} rps  "
-                    f"p50 {row['p50_ms']:6.2f} ms  p99 {row['p99_ms']:6.2f} ms  n={len(a)}",
+                    f"p50 {row['p50_ms']:6.2f} ms  p99 {row['p99_ms']:6.2f} ms  n={len(a)}  "
+                    f"mesh CPU {row['mesh_cpu_ms_per_request']:.2f} ms/req  "
+                    f"Jaeger {row['jaeger_cpu_share']:.0%} of a core",
                     flush=True,
                 )
         with urllib.request.urlopen(
@@ -188,6 +224,7 @@ def main() -> None:
         "throughput_loss": 1 - on["throughput_rps"] / off["throughput_rps"],
         "p50_added_ms": on["p50_ms"] - off["p50_ms"],
         "p99_added_ms": on["p99_ms"] - off["p99_ms"],
+        "mesh_cpu_added": on["mesh_cpu_ms_per_request"] / off["mesh_cpu_ms_per_request"] - 1,
     }
     lines = [
         f"\nmedian of {args.rounds} rounds, concurrency {args.concurrency}, "
@@ -200,6 +237,8 @@ def main() -> None:
         f"  throughput loss {ratios['throughput_loss']:.1%} (target <= 5%), "
         f"added p50 {ratios['p50_added_ms']:+.2f} ms (target <= 0.2 ms), "
         f"added p99 {ratios['p99_added_ms']:+.2f} ms",
+        f"  mesh CPU per request {ratios['mesh_cpu_added']:+.1%}; Jaeger (same machine) used "
+        f"{on['jaeger_cpu_share']:.0%} of a core",
     ]
     print("\n".join(lines))
     if args.json:
