@@ -21,7 +21,7 @@ PROTO_DIRS := common/v1:core/common gateway/v1:gateway cache/v1:cache \
 	tokenizer/v1:services/tokenizer inference/v1:services/inference \
 	postprocess/v1:services/postprocess kserve/v2:gateway/kserve
 PROTO_FILES := $(shell find protos -name '*.proto')
-PY_PACKAGES := core gateway cache observability services
+PY_PACKAGES := core gateway cache observability services bench
 # Strict editable installs link files, so a new module needs a reinstall: track the file list.
 PY_LIST := build/pyfiles.txt
 $(shell mkdir -p build; find $(PY_PACKAGES) -name '*.py' -not -name '*_pb2*' 2>/dev/null | sort \

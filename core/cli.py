@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from hopline import config as cfg
+from hopline.bench.cli import add_bench_command, run_bench
 from hopline.cache.cli import add_cache_commands, run_cache_command
 from hopline.observability.trace_cli import add_trace_commands, run_trace_command
 
@@ -200,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cache_commands(sub)
     add_trace_commands(sub)
+    add_bench_command(sub)
     return parser
 
 
@@ -219,5 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_cache_command(args)
     if args.command == "trace":
         return run_trace_command(args)
+    if args.command == "bench":
+        return run_bench(args)
     build_parser().parse_args([args.command, "--help"])
     return 2

@@ -58,7 +58,8 @@ def setup_tracing(service: str) -> None:
             )
         # Smaller, more frequent batches than the SDK's (512 spans, 5 s): encoding holds the
         # GIL for about 30 us a span, so a 512-span batch stalls the event loop for ~15 ms.
-        # Measured with bench/tracing_overhead.py: added p99 +14 ms at 512/1 s, +5 ms at 64/200 ms.
+        # Measured with bench/scripts/tracing_overhead.py: added p99 +14 ms at 512/1 s, +5 ms
+        # at 64/200 ms.
         batch = int(os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "64"))
         delay_ms = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "200"))
         provider.add_span_processor(

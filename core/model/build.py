@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from hopline.batching import DEFAULT_BUCKETS, DEFAULT_MAX_BATCH
 from hopline.model.encoder import ClassifierHead, build_encoder
 from hopline.model.head import (
     calibrate_oos_threshold,
@@ -256,6 +257,14 @@ def _config(
         ],
         "max_batch_size": 64,
         "max_sequence_length": DEFAULT_MAX_LENGTH,
+        # The inference service's dynamic batcher (hopline.batching); written out in full so
+        # an operator sees and tunes it here. Delay 0: nothing waits when the model is idle.
+        "dynamic_batching": {
+            "max_batch_size": DEFAULT_MAX_BATCH,
+            "max_queue_delay_us": 0,
+            "length_buckets": list(DEFAULT_BUCKETS),
+            "max_queue_size": 1024,
+        },
         "oos_threshold": round(threshold, 4),
         "cache": {
             "ttl_s": 3600.0,

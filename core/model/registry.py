@@ -68,5 +68,8 @@ class ModelRegistry(Generic[T]):
             raise ModelNotFoundError(f"model {name!r} version {version!r} is not loaded")
         return found
 
+    def loaded(self) -> list[tuple[ModelConfig, T]]:
+        return sorted(self._loaded.values(), key=lambda m: m[0].key)
+
     def models(self) -> list[ModelConfig]:
         return [cfg for cfg, _ in sorted(self._loaded.values(), key=lambda m: m[0].key)]

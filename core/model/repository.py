@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hopline.batching import BatchingPolicy
+
 CONFIG_FILE = "config.json"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 
@@ -59,6 +61,7 @@ class ModelConfig:
     labels: tuple[str, ...]
     oos_threshold: float
     cache: CachePolicy
+    batching: BatchingPolicy
     files: dict[str, str]
     build: dict[str, Any]
 
@@ -104,6 +107,9 @@ def load_config(path: Path) -> ModelConfig:
             labels=labels,
             oos_threshold=float(raw["oos_threshold"]),
             cache=CachePolicy(**raw.get("cache", {})),
+            batching=BatchingPolicy.from_json(
+                raw.get("dynamic_batching", {}), int(raw["max_batch_size"])
+            ),
             files=dict(raw["files"]),
             build=dict(raw.get("build", {})),
         )
@@ -130,6 +136,9 @@ def config_to_json(cfg: ModelConfig) -> dict[str, Any]:
     doc = dataclasses.asdict(cfg)
     doc.pop("path")
     doc.pop("labels")
+    batching = doc.pop("batching")
+    batching.pop("max_in_flight")
+    doc["dynamic_batching"] = dict(batching, length_buckets=list(batching["length_buckets"]))
     for kind in ("inputs", "outputs"):
         doc[kind] = [dict(s, shape=list(s["shape"])) for s in doc[kind]]
     doc["providers"] = list(cfg.providers)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,9 +12,11 @@ import grpc
 import numpy as np
 from opentelemetry import trace
 
+from hopline.batching import QueueFullError
 from hopline.common.v1 import common_pb2
 from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
-from hopline.inference.backend import Array, Backend, create_backend, warm_up
+from hopline.inference.backend import Array, create_backend, warm_up
+from hopline.inference.batching import BatchedModel, ModelRequest
 from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.model.registry import ModelRegistry
 from hopline.model.repository import (
@@ -25,7 +25,7 @@ from hopline.model.repository import (
     ModelRepository,
     TensorSpec,
 )
-from hopline.observability import metrics, schema
+from hopline.observability import schema
 from hopline.observability.tracing import tracer
 from hopline.tensors import TensorError, dtype_name, from_tensor, to_tensor
 
@@ -121,17 +121,17 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
 
     def __init__(self, config: InferenceConfig) -> None:
         self.config = config
-        self.models: ModelRegistry[Backend] = ModelRegistry(
+        self.models: ModelRegistry[BatchedModel] = ModelRegistry(
             ModelRepository(Path(config.model_repo)), self._load
         )
         self.executor = ThreadPoolExecutor(
             max_workers=max(1, config.workers), thread_name_prefix="model"
         )
 
-    def _load(self, cfg: ModelConfig) -> Backend:
+    def _load(self, cfg: ModelConfig) -> BatchedModel:
         backend = create_backend(cfg, self.config.threads)
         warm_up(backend)
-        return backend
+        return BatchedModel(backend, self.executor, max(1, self.config.workers))
 
     def register(self, server: grpc.aio.Server) -> None:
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(self, server)
@@ -144,6 +144,8 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             raise RuntimeError(f"no models in repository {self.config.model_repo!r}")
 
     async def stop(self) -> None:
+        for _, model in self.models.loaded():
+            await model.close()
         self.executor.shutdown(wait=True)
 
     async def Infer(
@@ -152,7 +154,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         context: grpc.aio.ServicerContext[inference_pb2.InferRequest, inference_pb2.InferResponse],
     ) -> inference_pb2.InferResponse:
         try:
-            cfg, backend = self.models.get(request.model, request.model_version)
+            cfg, model = self.models.get(request.model, request.model_version)
         except ModelNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         try:
@@ -166,52 +168,37 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{cfg.key} has no output(s) {missing}; has {known}",
             )
-        submitted = time.perf_counter()
-        submitted_ns = time.time_ns()
-        started = 0.0
-        started_ns = 0
-        depth = metrics.QUEUE_DEPTH.labels("inference", cfg.name)
-        depth.inc()
-        queued = threading.Lock()  # leave the queue exactly once: by running or by giving up
-
-        def leave_queue() -> None:
-            if queued.acquire(blocking=False):
-                depth.dec()
-
-        def run() -> dict[str, Array]:
-            nonlocal started, started_ns
-            started = time.perf_counter()
-            started_ns = time.time_ns()
-            leave_queue()
-            return backend.run(inputs, list(request.outputs))
-
+        batch, seq = next(iter(inputs.values())).shape[:2]
         if self.config.test_delay_ms > 0:
             trace.get_current_span().set_attribute(schema.DELAY_MS, self.config.test_delay_ms)
             await asyncio.sleep(self.config.test_delay_ms / 1e3)
         try:
-            outputs = await asyncio.get_running_loop().run_in_executor(self.executor, run)
-        finally:
-            leave_queue()
-        done = time.perf_counter()
-        batch = int(next(iter(inputs.values())).shape[0])
-        metrics.BATCH_SIZE.labels("inference", cfg.name).observe(batch)
-        # The run happened on a worker thread: its spans are written afterwards, from the
-        # timestamps taken there, under this RPC's server span.
+            outputs, run = await model.infer(
+                ModelRequest(inputs, tuple(request.outputs), int(batch), int(seq))
+            )
+        except QueueFullError as exc:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"inference queue for {cfg.key} is full: {exc}; retry with backoff, or add "
+                "inference replicas",
+            )
+        # The run happened on a worker thread, possibly for several requests at once: each
+        # request's spans are written from the batch's timestamps, under its own server span.
         attrs = {schema.MODEL: cfg.name, schema.MODEL_VERSION: cfg.version}
         tracer().start_span(
-            schema.SPAN_INFERENCE_QUEUE, start_time=submitted_ns, attributes=attrs
-        ).end(end_time=started_ns)
+            schema.SPAN_INFERENCE_QUEUE, start_time=run.enqueued_ns, attributes=attrs
+        ).end(end_time=run.started_ns)
         tracer().start_span(
             schema.SPAN_INFERENCE_RUN,
-            start_time=started_ns,
-            attributes={**attrs, schema.BATCH_SIZE: batch},
-        ).end(end_time=started_ns + int((done - started) * 1e9))
+            start_time=run.started_ns,
+            attributes={**attrs, schema.BATCH_SIZE: run.rows},
+        ).end(end_time=run.finished_ns)
         return inference_pb2.InferResponse(
             model=cfg.name,
             model_version=cfg.version,
             outputs=[to_tensor(name, np.asarray(value)) for name, value in outputs.items()],
-            queue_ms=(started - submitted) * 1e3,
-            compute_ms=(done - started) * 1e3,
+            queue_ms=(run.started_ns - run.enqueued_ns) / 1e6,
+            compute_ms=(run.finished_ns - run.started_ns) / 1e6,
         )
 
     async def ListModels(

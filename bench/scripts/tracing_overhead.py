@@ -6,7 +6,8 @@ machine hits both alike. Each round starts a fresh mesh, warms it, then runs a c
 every hop) for `--duration` seconds. Reported: throughput, p50 and p99 per variant (medians
 over rounds) and the ratios the issue's targets are written against.
 
-Usage: .venv/bin/python bench/tracing_overhead.py [--rounds 3] [--duration 20] [--concurrency 4]
+Usage: .venv/bin/python bench/scripts/tracing_overhead.py [--rounds 3] [--duration 20]
+       [--concurrency 4]
 Needs the default model (`make model`) and Jaeger (`make .tools/bin/jaeger`).
 """
 
@@ -32,7 +33,7 @@ from hopline.common.v1 import common_pb2
 from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.supervisor import free_ports, is_serving
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("tokenizer", "postprocess", "cache", "inference", "gateway")
 JAEGER_CONFIG = """
 service:

@@ -22,7 +22,7 @@ left behind (processes, files, data) when the owning process is killed, and what
 when the embedded server subprocess (2.5 only) stalls or dies under an open client.
 
 Run it with the Python of a venv holding the pymilvus / milvus-lite pair under test, e.g.
-  /tmp/mv25/bin/python bench/milvus_lite_versions.py --n 20000 --probes --json mv25.json
+  /tmp/mv25/bin/python bench/scripts/milvus_lite_versions.py --n 20000 --probes --json mv25.json
 Latencies are wall-clock per client call, in milliseconds, one call at a time.
 """
 

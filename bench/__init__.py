@@ -1,0 +1,1 @@
+"""`hopline bench`: the load generator and baselines behind every performance claim."""

@@ -1,0 +1,234 @@
+"""The load engine of `hopline bench`: closed and open loops over any target.
+
+Kept cheap on purpose, because on a 2-core machine every cycle the load generator burns is
+taken from the system it measures:
+- payloads are built (for gRPC targets: serialised) before the measured window;
+- a completed request costs two clock reads and three appends: responses are kept as raw
+  bytes and decoded only after the window (outcome counts, per-hop timings);
+- the open loop schedules Poisson arrivals from a precomputed list and measures each
+  request from its scheduled arrival, so a late load generator shows up as latency instead
+  of silently sending less (no coordinated omission);
+- its own CPU time is read from the kernel for the window and reported beside the results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import resource
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+OK = "OK"
+
+
+class TargetError(Exception):
+    """A failed call whose status is not a gRPC one (an in-process target's exception)."""
+
+    def __init__(self, status: str) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+Call = Callable[[Any], Awaitable[Any]]
+
+
+@dataclasses.dataclass
+class Run:
+    """What one measured window produced, before any decoding."""
+
+    latencies_ns: list[int]
+    statuses: list[str]
+    responses: list[Any]  # OK responses, raw, in completion order
+    duration_s: float
+    loadgen_cpu_s: float
+    machine_busy: float  # share of all cores busy during the window (/proc/stat)
+    offered_rps: float | None = None
+
+    @property
+    def completed(self) -> int:
+        return len(self.latencies_ns)
+
+    @property
+    def errors(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for status in self.statuses:
+            if status != OK:
+                counts[status] = counts.get(status, 0) + 1
+        return counts
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _machine_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies over all cores; (0, 0) where /proc/stat does not exist."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+class _Window:
+    """CPU and machine counters around a measured window."""
+
+    def __enter__(self) -> _Window:
+        self.cpu0, self.ticks0 = _cpu_s(), _machine_ticks()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.elapsed = time.perf_counter() - self.t0
+        self.cpu = _cpu_s() - self.cpu0
+        busy1, total1 = _machine_ticks()
+        total = total1 - self.ticks0[1]
+        self.busy = (busy1 - self.ticks0[0]) / total if total else 0.0
+
+
+def _status(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code().name
+    if isinstance(exc, TargetError):
+        return exc.status
+    return type(exc).__name__
+
+
+async def closed_loop(
+    call: Call,
+    payload: Callable[[int], Any],
+    *,
+    concurrency: int,
+    duration_s: float,
+    warmup_s: float = 0.0,
+) -> Run:
+    """`concurrency` callers, each sending its next request as soon as the last returns."""
+    counter = iter(range(1 << 62))
+
+    async def phase(seconds: float, record: bool) -> tuple[list[int], list[str], list[Any]]:
+        lat: list[int] = []
+        st: list[str] = []
+        out: list[Any] = []
+        stop_at = time.perf_counter_ns() + int(seconds * 1e9)
+
+        async def caller() -> None:
+            while True:
+                started = time.perf_counter_ns()
+                if started >= stop_at:
+                    return
+                try:
+                    response = await call(payload(next(counter)))
+                except Exception as exc:
+                    status, response = _status(exc), None
+                else:
+                    status = OK
+                if record:
+                    lat.append(time.perf_counter_ns() - started)
+                    st.append(status)
+                    if response is not None:
+                        out.append(response)
+
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+        return lat, st, out
+
+    if warmup_s > 0:
+        await phase(warmup_s, record=False)
+    with _Window() as window:
+        lat, st, out = await phase(duration_s, record=True)
+    # Requests still running when the window closed finish after it: divide by the time the
+    # last one took, not by the nominal duration, so throughput is not overstated.
+    return Run(lat, st, out, window.elapsed, window.cpu, window.busy)
+
+
+async def open_loop(
+    call: Call,
+    payload: Callable[[int], Any],
+    *,
+    rps: float,
+    duration_s: float,
+    warmup_s: float = 0.0,
+    max_in_flight: int = 20_000,
+    seed: int = 0,
+) -> Run:
+    """Poisson arrivals at `rps`; each request's latency counts from its scheduled arrival."""
+    rng = np.random.default_rng(seed)
+    counter = iter(range(1 << 62))
+
+    async def phase(seconds: float, record: bool) -> tuple[list[int], list[str], list[Any]]:
+        gaps = rng.exponential(1.0 / rps, size=int(rps * seconds * 1.5) + 16)
+        arrivals = np.cumsum(gaps)
+        arrivals_ns = (arrivals[arrivals < seconds] * 1e9).astype(np.int64).tolist()
+        lat: list[int] = []
+        st: list[str] = []
+        out: list[Any] = []
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(scheduled: int) -> None:
+            try:
+                response = await call(payload(next(counter)))
+            except Exception as exc:
+                status, response = _status(exc), None
+            else:
+                status = OK
+            if record:
+                lat.append(time.perf_counter_ns() - scheduled)
+                st.append(status)
+                if response is not None:
+                    out.append(response)
+
+        start = time.perf_counter_ns()
+        for offset in arrivals_ns:
+            due = start + offset
+            wait = due - time.perf_counter_ns()
+            if wait > 0:
+                await asyncio.sleep(wait / 1e9)
+            if len(tasks) >= max_in_flight:
+                # The target is so far behind that the generator would run out of memory:
+                # count the arrival as shed here rather than pretend it was served.
+                if record:
+                    lat.append(time.perf_counter_ns() - due)
+                    st.append("LOADGEN_OVERFLOW")
+                continue
+            task = asyncio.create_task(one(due))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.wait(set(tasks))
+        return lat, st, out
+
+    if warmup_s > 0:
+        await phase(warmup_s, record=False)
+    with _Window() as window:
+        lat, st, out = await phase(duration_s, record=True)
+    return Run(lat, st, out, window.elapsed, window.cpu, window.busy, offered_rps=rps)
+
+
+def percentiles_ms(latencies_ns: Sequence[int]) -> dict[str, float]:
+    """p50/p90/p99/p99.9/max from an HDR histogram (1 us to 10 min, 3 significant digits)."""
+    from hdrh.histogram import HdrHistogram
+
+    hist = HdrHistogram(1, 600_000_000, 3)
+    for ns in latencies_ns:
+        hist.record_value(max(1, ns // 1000))
+    if not latencies_ns:
+        return {k: float("nan") for k in ("p50_ms", "p90_ms", "p99_ms", "p99_9_ms", "max_ms")}
+    return {
+        "p50_ms": hist.get_value_at_percentile(50) / 1e3,
+        "p90_ms": hist.get_value_at_percentile(90) / 1e3,
+        "p99_ms": hist.get_value_at_percentile(99) / 1e3,
+        "p99_9_ms": hist.get_value_at_percentile(99.9) / 1e3,
+        "max_ms": hist.get_max_value() / 1e3,
+    }
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

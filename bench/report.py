@@ -1,0 +1,131 @@
+"""Summaries of measured windows: the JSON schema, the table, and the latency CDF plot."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hopline.bench.load import Run, cpu_count, percentiles_ms
+
+Describe = Callable[[Any], tuple[str | None, dict[str, float]]]
+
+
+def summarise(run: Run, describe: Describe) -> dict[str, Any]:
+    """The per-target record of `--json`: the keys scripts compute ratios from, and more."""
+    outcomes: dict[str, int] = {}
+    hops: dict[str, list[float]] = {}
+    for response in run.responses:  # decoded now, after the window
+        outcome, timings = describe(response)
+        if outcome is not None:
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        for hop, ms in timings.items():
+            hops.setdefault(hop, []).append(ms)
+    errors = run.errors
+    return {
+        **percentiles_ms(run.latencies_ns),
+        "throughput_rps": run.completed / run.duration_s if run.duration_s else 0.0,
+        "requests": run.completed,
+        "errors": sum(errors.values()),
+        "errors_by_status": errors,
+        "offered_rps": run.offered_rps,
+        "duration_s": run.duration_s,
+        "cache_outcomes": outcomes,
+        "hops_ms": {
+            hop: {
+                "p50": float(np.percentile(v, 50)),
+                "p99": float(np.percentile(v, 99)),
+                "mean": float(np.mean(v)),
+            }
+            for hop, v in hops.items()
+        },
+        # Share of one core the load generator used in the window (for in-process targets
+        # this is the pipeline itself), and how busy the whole machine was.
+        "loadgen_cpu_core_share": run.loadgen_cpu_s / run.duration_s if run.duration_s else 0.0,
+        "machine_busy": run.machine_busy,
+        "cores": cpu_count(),
+    }
+
+
+def ratios(targets: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """The comparisons the performance targets are written against, where both sides ran."""
+    out: dict[str, float] = {}
+    mesh = targets.get("mesh")
+    if mesh is None:
+        return out
+    echo = targets.get("echo")
+    plain = targets.get("inprocess")
+    batched = targets.get("inprocess_batched")
+    if echo:
+        out["mesh_p50_over_echo_p50"] = mesh["p50_ms"] / echo["p50_ms"]
+    if echo and plain:
+        # Miss path: the mesh may cost the in-process pipeline plus a few echo round trips.
+        out["mesh_p50_minus_inprocess_in_echo_p50s"] = (mesh["p50_ms"] - plain["p50_ms"]) / echo[
+            "p50_ms"
+        ]
+    if plain:
+        out["mesh_p50_over_inprocess_p50"] = mesh["p50_ms"] / plain["p50_ms"]
+        out["mesh_throughput_over_inprocess"] = mesh["throughput_rps"] / plain["throughput_rps"]
+    if batched:
+        out["mesh_throughput_over_inprocess_batched"] = (
+            mesh["throughput_rps"] / batched["throughput_rps"]
+        )
+    out["mesh_p99_over_p50"] = mesh["p99_ms"] / mesh["p50_ms"]
+    for name, peer in targets.items():
+        if name.startswith("peer_"):
+            out[f"mesh_throughput_over_{name}"] = mesh["throughput_rps"] / peer["throughput_rps"]
+            out[f"mesh_p99_over_{name}_p99"] = mesh["p99_ms"] / peer["p99_ms"]
+    return out
+
+
+def table(targets: Mapping[str, Mapping[str, Any]]) -> str:
+    head = (
+        f"{'target':<18} {'requests':>8} {'errors':>6} {'rps':>8} {'p50':>8} {'p90':>8} "
+        f"{'p99':>8} {'p99.9':>8} {'max':>8}  loadgen CPU"
+    )
+    lines = [head, "-" * len(head)]
+    for name, t in targets.items():
+        lines.append(
+            f"{name:<18} {t['requests']:>8} {t['errors']:>6} {t['throughput_rps']:>8.1f} "
+            f"{t['p50_ms']:>8.2f} {t['p90_ms']:>8.2f} {t['p99_ms']:>8.2f} "
+            f"{t['p99_9_ms']:>8.2f} {t['max_ms']:>8.2f}  {t['loadgen_cpu_core_share']:.0%} "
+            "of a core"
+        )
+    lines.append("(latencies in ms)")
+    for name, t in targets.items():
+        if t["errors_by_status"]:
+            lines.append(f"{name} errors: {t['errors_by_status']}")
+        if t["cache_outcomes"]:
+            lines.append(f"{name} cache outcomes: {t['cache_outcomes']}")
+        if t["hops_ms"]:
+            hops = "  ".join(
+                f"{hop} {v['p50']:.2f}/{v['p99']:.2f}" for hop, v in t["hops_ms"].items()
+            )
+            lines.append(f"{name} hops p50/p99 ms: {hops}")
+    return "\n".join(lines)
+
+
+def write_png(runs: Mapping[str, Run], path: Path, title: str) -> None:
+    """Latency CDF per target (log-scaled time), the picture a ratio table hides."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, run in runs.items():
+        if not run.latencies_ns:
+            continue
+        ms = np.sort(np.asarray(run.latencies_ns, dtype=np.float64) / 1e6)
+        ax.plot(ms, np.arange(1, len(ms) + 1) / len(ms), label=f"{name} (n={len(ms)})")
+    ax.set_xscale("log")
+    ax.set_xlabel("latency (ms, log scale)")
+    ax.set_ylabel("share of requests at or below")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
