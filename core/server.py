@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -14,9 +14,15 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from hopline.config import ServerConfig
-from hopline.interceptors import Behaviour, Context, RpcInterceptor, StreamBehaviour
+from hopline.interceptors import (
+    Behaviour,
+    Context,
+    RpcWrapper,
+    StreamBehaviour,
+    WrappingRegistrar,
+)
 from hopline.observability.metrics import start_metrics_server
-from hopline.observability.tracing import ServerTracingInterceptor, shutdown_tracing
+from hopline.observability.tracing import ServerTracing, shutdown_tracing
 
 log = logging.getLogger("hopline.server")
 
@@ -43,7 +49,7 @@ class Service(Protocol):
 NOT_READY = "starting up: not ready yet, retry"
 
 
-class ReadinessGate(RpcInterceptor):
+class ReadinessGate(RpcWrapper):
     """Refuses service RPCs with UNAVAILABLE until start-up has finished.
 
     The port is bound before models load (so health probes can see NOT_SERVING); without
@@ -53,30 +59,22 @@ class ReadinessGate(RpcInterceptor):
     def __init__(self) -> None:
         self.ready = False
 
-    def wrap(
-        self, method: str, details: grpc.HandlerCallDetails, inner: Behaviour
-    ) -> Behaviour | None:
-        if self.ready:
-            return None
+    def wrap(self, method: str, inner: Behaviour) -> Behaviour:
+        async def gated(request: Any, context: Context) -> Any:
+            if not self.ready:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
+            return await inner(request, context)
 
-        async def refuse(request: Any, context: Context) -> Any:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
+        return gated
 
-        return refuse
+    def wrap_stream(self, method: str, inner: StreamBehaviour) -> StreamBehaviour:
+        async def gated(request: Any, context: Context) -> AsyncIterator[Any]:
+            if not self.ready:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
+            async for reply in inner(request, context):
+                yield reply
 
-    def wrap_stream(
-        self, method: str, details: grpc.HandlerCallDetails, inner: StreamBehaviour
-    ) -> StreamBehaviour | None:
-        if self.ready:
-            return None
-
-        async def refuse(request: Any, context: Context) -> AsyncIterator[Any]:
-            nothing: tuple[Any, ...] = ()
-            for message in nothing:  # a stream behaviour must be an async generator
-                yield message
-            await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
-
-        return refuse
+        return gated
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -96,13 +94,12 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 async def serve(service: Service, config: ServerConfig) -> int:
     """Run `service` until SIGTERM/SIGINT, then drain. Returns the process exit code."""
     gate = ReadinessGate()
-    server = grpc.aio.server(
-        options=server_options(config.max_message_bytes),
-        interceptors=[gate, ServerTracingInterceptor(config.test_delay_ms)],
-    )
+    server = grpc.aio.server(options=server_options(config.max_message_bytes))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    service.register(server)
+    # Each method's handler is wrapped once here, not per call (see hopline.interceptors).
+    registrar = WrappingRegistrar(server, [gate, ServerTracing(config.test_delay_ms)])
+    service.register(cast(grpc.aio.Server, registrar))
     reflection.enable_server_reflection(
         [
             *service.service_names,

@@ -403,6 +403,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             timeout_s,
             timings,
         )
+        timings["inference.queue"] = inferred.queue_ms
+        timings["inference.compute"] = inferred.compute_ms
         post: postprocess_pb2.PostprocessResponse = await call_hop(
             schema.SPAN_POSTPROCESS,
             self.postprocess.target,

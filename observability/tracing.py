@@ -21,7 +21,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from hopline.interceptors import Behaviour, Context, RpcInterceptor, StreamBehaviour
+from hopline.interceptors import Behaviour, Context, RpcWrapper, StreamBehaviour
 from hopline.observability import metrics, schema
 
 log = logging.getLogger("hopline.tracing")
@@ -78,8 +78,15 @@ def shutdown_tracing() -> None:
         provider.shutdown()
 
 
+_TRACER: trace.Tracer | None = None
+
+
 def tracer() -> trace.Tracer:
-    return trace.get_tracer("hopline")
+    """hopline's tracer, from the provider installed by `setup_tracing` (looked up once)."""
+    global _TRACER
+    if _TRACER is None:
+        _TRACER = trace.get_tracer("hopline")
+    return _TRACER
 
 
 def current_trace_id() -> str:
@@ -94,78 +101,115 @@ def outgoing_metadata(extra: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[st
     return tuple(carrier.items()) + extra
 
 
-class ServerTracingInterceptor(RpcInterceptor):
+class ServerTracing(RpcWrapper):
     """A server span per RPC, parented on the caller's `traceparent`, and the RPC's latency
     histogram and in-flight gauge, observed inside the span so the exemplar carries its trace
     id.
 
     A streaming RPC gets one span from its start to its last message (the opentelemetry grpc
     aio instrumentation ends it too early or not at all for streams, so this is our own), with
-    the messages counted; per-message work opens child spans under it.
+    the messages counted; per-message work opens child spans under it. Everything that does
+    not change per call (names, attributes, metric children) is resolved once per method.
     """
 
     def __init__(self, test_delay_ms: float = 0.0) -> None:
         self.test_delay_s = test_delay_ms / 1e3
 
-    @contextlib.asynccontextmanager
-    async def _span(
-        self, method: str, details: grpc.HandlerCallDetails, context: Context
-    ) -> AsyncIterator[trace.Span]:
-        parent = propagate.extract({k: v for k, v in details.invocation_metadata or ()})
-        service, _, name = method.lstrip("/").rpartition("/")
-        in_flight = metrics.RPC_IN_FLIGHT.labels(service, name)
-        with tracer().start_as_current_span(
-            method.lstrip("/"),
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
-            started = time.perf_counter()
-            in_flight.inc()
-            # None until the handler sets a code, whatever the stubs say.
-            code: grpc.StatusCode | None = None
-            try:
-                if self.test_delay_s > 0:
-                    span.set_attribute(schema.DELAY_MS, self.test_delay_s * 1e3)
-                    await asyncio.sleep(self.test_delay_s)
-                yield span
-            except asyncio.CancelledError:  # the client went away, or its deadline passed
-                remaining = cast("float | None", context.time_remaining())
-                expired = remaining is not None and remaining <= 0
-                code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-                raise
-            finally:
-                in_flight.dec()
-                code = code or cast("grpc.StatusCode | None", context.code()) or grpc.StatusCode.OK
-                if code is not grpc.StatusCode.OK:
-                    span.set_status(Status(StatusCode.ERROR, code.name))
-                span.set_attribute("rpc.grpc.status_code", code.value[0])
-                metrics.RPC_DURATION.labels(service, name, code.name).observe(
-                    time.perf_counter() - started, metrics.trace_exemplar()
-                )
+    def _rpc(self, method: str) -> _TracedRpc:
+        return _TracedRpc(method, self.test_delay_s)
 
-    def wrap(
-        self, method: str, details: grpc.HandlerCallDetails, inner: Behaviour
-    ) -> Behaviour | None:
+    def wrap(self, method: str, inner: Behaviour) -> Behaviour:
+        rpc = self._rpc(method)
+
         async def traced(request: Any, context: Context) -> Any:
-            async with self._span(method, details, context):
-                return await inner(request, context)
+            with rpc.span(context) as span:
+                code: grpc.StatusCode | None = None
+                started = time.perf_counter()
+                try:
+                    await rpc.delay(span)
+                    return await inner(request, context)
+                except asyncio.CancelledError:
+                    code = _cancelled_code(context)
+                    raise
+                finally:
+                    rpc.finish(span, context, code, started)
 
         return traced
 
-    def wrap_stream(
-        self, method: str, details: grpc.HandlerCallDetails, inner: StreamBehaviour
-    ) -> StreamBehaviour | None:
+    def wrap_stream(self, method: str, inner: StreamBehaviour) -> StreamBehaviour:
+        rpc = self._rpc(method)
+
         async def traced(request: Any, context: Context) -> AsyncIterator[Any]:
-            async with self._span(method, details, context) as span:
+            with rpc.span(context) as span:
+                code: grpc.StatusCode | None = None
+                started = time.perf_counter()
                 sent = 0
                 try:
+                    await rpc.delay(span)
                     async for reply in inner(request, context):
                         sent += 1
                         yield reply
+                except asyncio.CancelledError:  # the client went away, or its deadline passed
+                    code = _cancelled_code(context)
+                    raise
                 finally:
                     span.set_attribute(schema.STREAM_MESSAGES_SENT, sent)
+                    rpc.finish(span, context, code, started)
 
         return traced
+
+
+def _cancelled_code(context: Context) -> grpc.StatusCode:
+    remaining = cast("float | None", context.time_remaining())
+    expired = remaining is not None and remaining <= 0
+    return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+
+
+class _TracedRpc:
+    """One method's span name, attributes and metric children."""
+
+    def __init__(self, method: str, test_delay_s: float) -> None:
+        self.name = method.lstrip("/")
+        service, _, rpc_method = self.name.rpartition("/")
+        self.service, self.method = service, rpc_method
+        self.attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc_method}
+        self.in_flight = metrics.RPC_IN_FLIGHT.labels(service, rpc_method)
+        self.durations: dict[grpc.StatusCode, Any] = {}
+        self.test_delay_s = test_delay_s
+
+    def span(self, context: Context) -> contextlib.AbstractContextManager[trace.Span]:
+        parent = propagate.extract(dict(context.invocation_metadata() or ()))
+        self.in_flight.inc()
+        return tracer().start_as_current_span(
+            self.name,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=self.attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        )
+
+    async def delay(self, span: trace.Span) -> None:
+        if self.test_delay_s > 0:
+            span.set_attribute(schema.DELAY_MS, self.test_delay_s * 1e3)
+            await asyncio.sleep(self.test_delay_s)
+
+    def finish(
+        self,
+        span: trace.Span,
+        context: Context,
+        code: grpc.StatusCode | None,
+        started: float,
+    ) -> None:
+        self.in_flight.dec()
+        # None until the handler sets a code, whatever the stubs say.
+        code = code or cast("grpc.StatusCode | None", context.code()) or grpc.StatusCode.OK
+        if code is not grpc.StatusCode.OK:
+            span.set_status(Status(StatusCode.ERROR, code.name))
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        histogram = self.durations.get(code)
+        if histogram is None:
+            histogram = self.durations[code] = metrics.RPC_DURATION.labels(
+                self.service, self.method, code.name
+            )
+        histogram.observe(time.perf_counter() - started, metrics.trace_exemplar())

@@ -25,10 +25,10 @@ class Backend(Protocol):
 
 
 class OnnxRuntimeBackend:
-    def __init__(self, config: ModelConfig, threads: int) -> None:
+    def __init__(self, config: ModelConfig, threads: int, *, spin: bool = False) -> None:
         self.config = config
         self.session = make_session(
-            config.file("model"), threads=threads, providers=config.providers
+            config.file("model"), threads=threads, providers=config.providers, spin=spin
         )
         self.output_names = [o.name for o in self.session.get_outputs()]
 
@@ -38,9 +38,9 @@ class OnnxRuntimeBackend:
         return dict(zip(names, results, strict=True))
 
 
-def create_backend(config: ModelConfig, threads: int) -> Backend:
+def create_backend(config: ModelConfig, threads: int, *, spin: bool = False) -> Backend:
     if config.backend == "onnxruntime":
-        return OnnxRuntimeBackend(config, threads)
+        return OnnxRuntimeBackend(config, threads, spin=spin)
     raise ValueError(f"{config.key}: unknown backend {config.backend!r} (have: onnxruntime)")
 
 

@@ -44,6 +44,11 @@ class InferenceConfig(ServerConfig):
         "HOPLINE_INFERENCE_THREADS", 0, "ONNX Runtime intra-op threads per run (0: all cores)"
     )
     workers: int = env_field("HOPLINE_INFERENCE_WORKERS", 1, "model runs in parallel")
+    spin: bool = env_field(
+        "HOPLINE_INFERENCE_SPIN",
+        False,
+        "ONNX Runtime threads spin while waiting for work (lower latency, busier cores)",
+    )
     # Tests use it to hold requests in flight (coalescing) or to make this hop the slow one.
     test_delay_ms: float = env_field(
         "HOPLINE_INFERENCE_TEST_DELAY_MS", 0.0, "TEST ONLY: added to every Infer call"
@@ -129,7 +134,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         )
 
     def _load(self, cfg: ModelConfig) -> BatchedModel:
-        backend = create_backend(cfg, self.config.threads)
+        backend = create_backend(cfg, self.config.threads, spin=self.config.spin)
         warm_up(backend)
         return BatchedModel(backend, self.executor, max(1, self.config.workers))
 
