@@ -48,12 +48,14 @@ class Mesh:
         repo: Path,
         workdir: Path,
         service_env: dict[str, dict[str, str]] | None = None,
+        addrs: dict[str, str] | None = None,
         **env: str,
     ) -> None:
         self.service_env = service_env or {}
         self.repo = repo
         self.workdir = workdir
-        self.addrs = {name: f"127.0.0.1:{free_port()}" for name in ALL}
+        # `addrs` overrides some, e.g. unix:PATH sockets for co-located services.
+        self.addrs = {name: f"127.0.0.1:{free_port()}" for name in ALL} | (addrs or {})
         # Each service's /metrics on its own free port: the defaults would collide with a
         # `make run` on the same machine and with other meshes of the test session.
         self.metrics_ports = {name: free_port() for name in ALL}

@@ -1,0 +1,194 @@
+"""Dynamic batching: the same answers as runs alone, in order, failures and overload contained."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import DEFAULT_MODEL
+from hopline.batching import BatchingPolicy, DynamicBatcher, QueueFullError
+from hopline.common.v1 import common_pb2
+from hopline.inference.backend import OnnxRuntimeBackend
+from hopline.inference.batching import BatchedModel, ModelRequest
+from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.model.repository import load_config
+from hopline.model.tokenizer import encode, load_tokenizer
+from hopline.tensors import to_tensor
+from mesh import Mesh
+
+TEXTS = [
+    "reset my password",
+    "I was charged twice for the same order and want the second payment refunded please",
+    "where is my parcel",
+    "cancel",
+    "can you tell me how to change the delivery address on an order that already shipped",
+    "hi",
+    "my card was declined at checkout even though it has money on it",
+    "talk to a human",
+    "the app crashes every time I open the settings page on my phone",
+    "update billing info",
+    "what are your opening hours on public holidays",
+    "delete my account and all of my data",
+]
+
+
+def _requests(repo: Path) -> tuple[OnnxRuntimeBackend, list[ModelRequest]]:
+    cfg = load_config(repo / DEFAULT_MODEL / "1")
+    tokenizer = load_tokenizer(cfg.file("tokenizer"), cfg.max_sequence_length)
+    backend = OnnxRuntimeBackend(cfg, threads=1)
+    requests = []
+    for text in TEXTS:
+        batch = encode(tokenizer, [text])
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        requests.append(ModelRequest(inputs, (), 1, int(batch.input_ids.shape[1])))
+    # Two 3-row requests: rows of one request must stay together and in order.
+    for first in (0, 6):
+        batch = encode(tokenizer, TEXTS[first : first + 3])
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        requests.append(ModelRequest(inputs, ("logits",), 3, int(batch.input_ids.shape[1])))
+    return backend, requests
+
+
+def test_batched_results_match_runs_alone_in_order(default_repo: Path) -> None:
+    """Every request's outputs equal its own run alone (1e-5), labels identical, rows in order.
+
+    Requests of different lengths share the one length bucket below 16 tokens, so they are
+    padded together; the two longer ones land in the next bucket.
+    """
+    backend, requests = _requests(default_repo)
+    alone = [backend.run(r.inputs, list(r.outputs)) for r in requests]
+
+    async def together() -> tuple[list[dict[str, Any]], BatchedModel]:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            model = BatchedModel(backend, executor, max_in_flight=1)
+            try:
+                results = await asyncio.gather(*(model.infer(r) for r in requests))
+            finally:
+                await model.close()
+        return [outputs for outputs, _ in results], model
+
+    batched, model = asyncio.run(together())
+    # With one run at a time, the first request runs alone and the rest queue behind it.
+    assert model.batcher.batches < len(requests), "nothing was batched"
+    assert model.batcher.rows == sum(r.rows for r in requests)
+    for request, mine, reference in zip(requests, batched, alone, strict=True):
+        assert set(mine) == set(reference)
+        for name, value in reference.items():
+            assert mine[name].shape == value.shape, name
+            np.testing.assert_allclose(mine[name], value, atol=1e-5, rtol=0)
+        labels = np.argmax(mine["logits"], axis=1)
+        assert labels.tolist() == np.argmax(reference["logits"], axis=1).tolist()
+        assert mine["logits"].shape[0] == request.rows
+
+
+def test_failed_batch_fails_only_its_own_requests() -> None:
+    """A run that raises fails the requests it carried; the batch beside it succeeds.
+
+    The run function here is a stand-in for a model so the test decides which batch fails;
+    the scheduler under test is the one the inference service uses.
+    """
+    gate = threading.Event()
+
+    def run(payloads: list[str]) -> Sequence[str]:
+        if "hold" in payloads:
+            gate.wait(10)
+        if "poison" in payloads:
+            raise RuntimeError("model run failed")
+        return [p.upper() for p in payloads]
+
+    async def scenario() -> list[Any]:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher: DynamicBatcher[str, str] = DynamicBatcher(
+                run, BatchingPolicy(length_buckets=(16, 64)), executor
+            )
+            hold = asyncio.ensure_future(batcher.submit("hold", length=4))
+            await asyncio.sleep(0.05)  # the holding run occupies the only slot
+            short = [asyncio.ensure_future(batcher.submit(t, length=8)) for t in ("a", "b")]
+            long = [asyncio.ensure_future(batcher.submit(t, length=40)) for t in ("poison", "c")]
+            await asyncio.sleep(0.05)
+            gate.set()
+            results = await asyncio.gather(hold, *short, *long, return_exceptions=True)
+            await batcher.close()
+            return [r if isinstance(r, BaseException) else r[0] for r in results]
+
+    hold, a, b, poison, c = asyncio.run(scenario())
+    assert (hold, a, b) == ("HOLD", "A", "B")
+    assert isinstance(poison, RuntimeError)
+    assert isinstance(c, RuntimeError)
+
+
+def test_queue_bound_is_enforced_in_the_batcher() -> None:
+    async def scenario() -> None:
+        gate = threading.Event()
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher: DynamicBatcher[str, str] = DynamicBatcher(
+                lambda p: (gate.wait(10), p)[1], BatchingPolicy(max_queue_size=3), executor
+            )
+            running = asyncio.ensure_future(batcher.submit("x"))
+            await asyncio.sleep(0.05)
+            queued = asyncio.ensure_future(batcher.submit("y", rows=3))
+            await asyncio.sleep(0)
+            with pytest.raises(QueueFullError, match="max_queue_size 3"):
+                await batcher.submit("z")
+            gate.set()
+            assert (await running)[0] == "x"
+            assert (await queued)[0] == "y"
+            await batcher.close()
+
+    asyncio.run(scenario())
+
+
+def test_full_queue_returns_resource_exhausted(default_repo: Path, tmp_path: Path) -> None:
+    """A real inference service with a 4-row queue, hit by 24 concurrent 4-row requests."""
+    repo = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    config_path = repo / DEFAULT_MODEL / "1" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["dynamic_batching"] = {"max_queue_size": 4, "max_batch_size": 4}
+    config_path.write_text(json.dumps(config))
+    mesh = Mesh(repo, tmp_path)
+    mesh.start(("inference",))
+    try:
+        cfg = load_config(config_path.parent)
+        tokenizer = load_tokenizer(cfg.file("tokenizer"), cfg.max_sequence_length)
+        batch = encode(tokenizer, TEXTS[:4])
+        request = inference_pb2.InferRequest(
+            model=DEFAULT_MODEL,
+            inputs=[
+                to_tensor("input_ids", batch.input_ids),
+                to_tensor("attention_mask", batch.attention_mask),
+            ],
+        )
+
+        async def burst() -> list[Any]:
+            async with grpc.aio.insecure_channel(mesh.addrs["inference"]) as channel:
+                stub = inference_pb2_grpc.InferenceServiceStub(channel)
+                calls = [stub.Infer(request, timeout=30) for _ in range(24)]
+                return await asyncio.gather(*calls, return_exceptions=True)
+
+        results = asyncio.run(burst())
+    finally:
+        mesh.stop()
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    answered = [r for r in results if isinstance(r, inference_pb2.InferResponse)]
+    assert refused, "no request was refused by a 4-row queue under a 96-row burst"
+    assert answered, "every request was refused"
+    assert len(refused) + len(answered) == len(results)
+    for err in refused:
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "inference queue for support-intents" in (err.details() or "")
+        assert "retry with backoff" in (err.details() or "")
+    for reply in answered:
+        logits = next(t for t in reply.outputs if t.name == "logits")
+        assert logits.dtype == common_pb2.DATA_TYPE_FP32
+        assert list(logits.shape) == [4, 26]
