@@ -47,7 +47,7 @@ PROTOC_GEN_GO_GRPC := google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
 CLIENT_BIN := build/clients
 MVN := mvn --batch-mode --quiet -Dmaven.repo.local=$(CURDIR)/.tools/m2
 
-.PHONY: help install protos model run test lint fmt typecheck buf-lint buf-breaking clean jaeger clients
+.PHONY: help install protos model run test lint fmt typecheck buf-lint buf-breaking clean jaeger clients bench
 
 help:
 	@echo "make run    start the whole mesh (gateway on 127.0.0.1:8001)"
@@ -56,6 +56,7 @@ help:
 	@echo "make model  build the default model if it is missing"
 	@echo "make clients generate and build the Go, Java and Node clients (clients/)"
 	@echo "make jaeger build (once) and run Jaeger v2 on 127.0.0.1 (OTLP 4317, UI/API 16686)"
+	@echo "make bench  the benchmark suite vs echo, in-process, ghz and Ray Serve (bench/results/)"
 
 $(STAMPS)/venv:
 	@mkdir -p $(STAMPS)
@@ -105,6 +106,22 @@ $(JAEGER):
 	cd .tools/go/pkg/mod/$(JAEGER_MODULE)@$(JAEGER_VERSION) && \
 		$(GOENV) go build -trimpath -o $(CURDIR)/$(JAEGER).tmp ./cmd/jaeger
 	mv $(JAEGER).tmp $(JAEGER)
+
+# ghz, the external check on `hopline bench`'s latencies (it reads the gateway's reflection).
+GHZ_VERSION := v0.121.0
+GHZ := .tools/bin/ghz
+$(GHZ):
+	@mkdir -p .tools/bin
+	$(GOENV) GOBIN=$(CURDIR)/.tools/bin go install github.com/bojand/ghz/cmd/ghz@$(GHZ_VERSION)
+
+# The standard suite (its own mesh on free ports; Ray Serve from the bench extra, only here):
+# bench/results/<date>-<host>.json and .md.
+$(STAMPS)/bench-extra: $(STAMPS)/install
+	$(PY) -m pip install --quiet -e '.[dev,bench]' --config-settings editable_mode=strict
+	@touch $@
+
+bench: model $(GHZ) $(STAMPS)/bench-extra
+	HOPLINE_MODEL_REPO=$(MODEL_REPO) $(PY) -m hopline.bench.suite
 
 # Foreground, loopback only, in-memory storage: OTLP gRPC on 4317, query API on 16686.
 jaeger: $(JAEGER)

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ log = logging.getLogger("hopline.cache")
 
 SEMANTIC_CANDIDATES = 4  # nearest entries checked for verification and agreement
 RECENT_VECTORS = 4096  # 1.5 KiB each
+WATCH_QUEUE = 1024  # invalidation events a watcher may fall behind before its stream ends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +129,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         # Milvus calls block: two threads so a batched write never stalls every lookup.
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="milvus")
         self._tasks: list[asyncio.Task[None]] = []
+        self._watchers: set[asyncio.Queue[cache_pb2.WatchInvalidationsResponse | None]] = set()
 
     def register(self, server: grpc.aio.Server) -> None:
         cache_pb2_grpc.add_CacheServiceServicer_to_server(self, server)
@@ -158,6 +161,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             asyncio.create_task(self._sweep(), name="sweep"),
             asyncio.create_task(self._writer(), name="writer"),
         ]
+
+    async def drain(self) -> None:
+        """End the watch streams, so held-open streams do not take the drain's whole grace."""
+        for queue in list(self._watchers):
+            self._end_watch(queue)
 
     async def stop(self) -> None:
         # Let the writer land what was accepted: nothing acknowledged is lost on a drain.
@@ -243,6 +251,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                     continue
                 doomed = await self._io_call(store.oldest, tenant, model, count - limit)
                 self.counters["evictions"] += await self._io_call(store.delete, doomed)
+                self._publish(cache_pb2.WatchInvalidationsResponse(entry_ids=doomed))
             except CacheStoreError as exc:
                 log.warning("eviction failed", extra={"error": str(exc)})
 
@@ -466,7 +475,47 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 removed += await self._io_call(store.delete_scope, scope)
         except CacheStoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        # After the delete: a watcher's lookup that starts after this event cannot read the
+        # entry any more, and one in flight across it is not copied (see the gateway's tier).
+        self._publish(
+            cache_pb2.WatchInvalidationsResponse(
+                scope=request.scope if scope is not None else None, entry_ids=ids
+            )
+        )
         return cache_pb2.InvalidateResponse(removed=removed)
+
+    async def WatchInvalidations(
+        self,
+        request: cache_pb2.WatchInvalidationsRequest,
+        context: grpc.aio.ServicerContext[
+            cache_pb2.WatchInvalidationsRequest, cache_pb2.WatchInvalidationsResponse
+        ],
+    ) -> AsyncIterator[cache_pb2.WatchInvalidationsResponse]:
+        queue: asyncio.Queue[cache_pb2.WatchInvalidationsResponse | None] = asyncio.Queue(
+            WATCH_QUEUE
+        )
+        self._watchers.add(queue)
+        try:
+            yield cache_pb2.WatchInvalidationsResponse(live=True)
+            while (event := await queue.get()) is not None:
+                yield event
+        finally:
+            self._watchers.discard(queue)
+
+    def _publish(self, event: cache_pb2.WatchInvalidationsResponse) -> None:
+        for queue in list(self._watchers):
+            try:
+                queue.put_nowait(event)
+            except asyncio.QueueFull:
+                # A watcher this far behind ends its stream; it drops its copy and starts over,
+                # which is always safe, where a lost event would not be.
+                self._end_watch(queue)
+
+    def _end_watch(self, queue: asyncio.Queue[cache_pb2.WatchInvalidationsResponse | None]) -> None:
+        self._watchers.discard(queue)
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(None)
 
     async def GetStats(
         self,

@@ -147,6 +147,9 @@ async def serve(service: Service, config: ServerConfig) -> int:
     log.info("draining", extra={"delay_s": config.drain_delay_s, "grace_s": config.drain_grace_s})
     await health.enter_graceful_shutdown()
     await asyncio.sleep(config.drain_delay_s)
+    drain = getattr(service, "drain", None)  # optional: end streams held open indefinitely
+    if drain is not None:
+        await drain()
     await server.stop(config.drain_grace_s)
     await service.stop()
     shutdown_tracing()

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any, cast
 
 import grpc
@@ -30,6 +30,7 @@ from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.common.v1 import common_pb2
 from hopline.config import DEFAULT_ADDRS, ServerConfig, addr_env, env_field, metrics_port_field
 from hopline.gateway.errors import STATUS_ERRORS, RequestError
+from hopline.gateway.exact_tier import LocalEntry, LocalExactTier
 from hopline.gateway.identity import TenantResolver
 from hopline.gateway.resilience import CircuitBreaker, Coalescer
 from hopline.gateway.streaming import predict_stream
@@ -43,6 +44,7 @@ from hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 log = logging.getLogger("hopline.gateway")
+LOCAL_DETAIL = "answered by the gateway's local exact tier"
 
 Context = grpc.aio.ServicerContext[gateway_pb2.PredictRequest, gateway_pb2.PredictResponse]
 
@@ -61,6 +63,12 @@ class GatewayConfig(ServerConfig):
     postprocess_addr: str = _upstream_field("postprocess")
     default_model: str = env_field(
         "HOPLINE_DEFAULT_MODEL", "support-intents", "model used when a request names none"
+    )
+    local_exact_entries: int = env_field(
+        "HOPLINE_GATEWAY_EXACT_ENTRIES",
+        10_000,
+        "exact cache entries the gateway keeps to answer repeats without a hop (0: none); "
+        "served only while its invalidation watch on the cache is live",
     )
     channels_per_upstream: int = env_field(
         "HOPLINE_CHANNELS_PER_UPSTREAM", 2, "connections the gateway keeps to each upstream"
@@ -140,6 +148,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             config.cache_breaker_failures, config.cache_breaker_cooldown_s
         )
         self.coalescer: Coalescer[common_pb2.Prediction] = Coalescer()
+        self.exact_tier = LocalExactTier(config.local_exact_entries)
         self.counters = dict.fromkeys(
             (
                 "requests",
@@ -148,6 +157,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 "inferences",
                 "coalesced",
                 "cache_exact",
+                "cache_exact_local",
                 "cache_semantic",
                 "cache_miss",
                 "cache_skipped",
@@ -195,7 +205,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 await asyncio.sleep(0.5)
         log.info("models", extra={"models": sorted(f"{n}/{v}" for n, v in self.models)})
         self._spawn(self._refresh_loop())
+        if self.exact_tier.capacity > 0:
+            self._spawn(self.exact_tier.follow(self._watch_cache))
         self.serving = True
+
+    def _watch_cache(self) -> AsyncIterable[cache_pb2.WatchInvalidationsResponse]:
+        return self.cache.stub().WatchInvalidations(cache_pb2.WatchInvalidationsRequest())
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -329,6 +344,22 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         )
         mode = cache_mode or common_pb2.CACHE_MODE_USE
         cache_on = info.cache.mode != "off"
+        scope_t = scope_tuple(scope)
+        key = exact_key(scope_t, text)
+        if cache_on and mode == common_pb2.CACHE_MODE_USE:
+            now = time.time()
+            local = self.exact_tier.get(key, now)
+            if local is not None:  # an exact repeat: no hop at all
+                self.counters["cache_exact"] += 1
+                self.counters["cache_exact_local"] += 1
+                metrics.CACHE_OUTCOMES.labels(info.name, "exact").inc()
+                response.cache.outcome = common_pb2.CACHE_OUTCOME_EXACT
+                response.cache.similarity = 1.0
+                response.cache.entry_id = key
+                response.cache.age_s = max(0.0, now - local.created_at)
+                response.cache.detail = LOCAL_DETAIL
+                response.prediction.CopyFrom(local.prediction)
+                return self._finish(response, timings, started)
         tokenizing = asyncio.ensure_future(
             call_hop(
                 schema.SPAN_TOKENIZE,
@@ -342,7 +373,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             )
         )
         if cache_on and mode == common_pb2.CACHE_MODE_USE:
-            hit = await self._lookup(scope, text, info, response.cache, timings)
+            hit = await self._lookup(scope, key, text, info, response.cache, timings)
             if hit is not None:
                 _discard(tokenizing)
                 response.prediction.CopyFrom(hit.prediction)
@@ -362,13 +393,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             self.counters["inferences"] += 1
             prediction = await self._infer(tokenizing, info, top_k, timeout_s, timings)
             if cache_on and mode != common_pb2.CACHE_MODE_BYPASS:
-                self._maybe_store(scope, text, prediction, info)
+                self._maybe_store(scope, key, text, prediction, info)
             return prediction
 
         if mode == common_pb2.CACHE_MODE_USE:
             # Coalesce only plain misses: REFRESH and BYPASS ask for an inference of their own.
             waited = time.perf_counter()
-            key = exact_key(scope_tuple(scope), text)
             prediction, shared = await self.coalescer.run(key, infer)
             if shared:
                 _discard(tokenizing)
@@ -423,6 +453,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     async def _lookup(
         self,
         scope: common_pb2.Scope,
+        key: str,
         text: str,
         info: inference_pb2.ModelInfo,
         cache: gateway_pb2.CacheInfo,
@@ -439,6 +470,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 f"{self.breaker.retry_in():.1f}s"
             )
             return None
+        generation = self.exact_tier.generation
         try:
             found: cache_pb2.LookupResponse = await call_hop(
                 schema.SPAN_CACHE_LOOKUP,
@@ -467,6 +499,18 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             cache.similarity = found.similarity
             cache.entry_id = found.entry_id
             cache.age_s = found.age_s
+            if exact and info.cache.ttl_s > 0:
+                created = time.time() - found.age_s
+                self.exact_tier.put(
+                    key,
+                    LocalEntry(
+                        found.prediction,
+                        scope_tuple(scope),
+                        created,
+                        created + info.cache.ttl_s,
+                    ),
+                    generation,
+                )
             return found
         self.counters["cache_miss"] += 1
         cache.outcome = common_pb2.CACHE_OUTCOME_MISS
@@ -475,6 +519,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     def _maybe_store(
         self,
         scope: common_pb2.Scope,
+        key: str,
         text: str,
         prediction: common_pb2.Prediction,
         info: inference_pb2.ModelInfo,
@@ -487,15 +532,17 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             return
         if self.breaker.state != "closed":
             return  # a failing cache gets no writes either; the probe lookup decides
-        self._spawn(self._store(scope, text, prediction, info), name="store")
+        self._spawn(self._store(scope, key, text, prediction, info), name="store")
 
     async def _store(
         self,
         scope: common_pb2.Scope,
+        key: str,
         text: str,
         prediction: common_pb2.Prediction,
         info: inference_pb2.ModelInfo,
     ) -> None:
+        generation = self.exact_tier.generation
         try:
             await call_hop(
                 schema.SPAN_CACHE_STORE,
@@ -512,6 +559,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 {},
             )
             self.counters["stores"] += 1
+            if info.cache.ttl_s > 0:
+                now = time.time()
+                self.exact_tier.put(
+                    key,
+                    LocalEntry(prediction, scope_tuple(scope), now, now + info.cache.ttl_s),
+                    generation,
+                )
         except HopError as err:
             self.counters["store_errors"] += 1
             log.warning("cache store failed", extra={"status": err.code.name})
@@ -529,6 +583,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 "cache_circuit_opened": self.breaker.opened,
                 "stores_in_flight": sum(t.get_name() == "store" for t in self._background),
                 "coalescing_in_flight": len(self.coalescer),
+                "local_exact_entries": len(self.exact_tier),
+                "local_exact_live": int(self.exact_tier.live),
             },
             cache_circuit=self.breaker.state,
         )
@@ -545,6 +601,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 schema.CACHE_OUTCOME: _outcome(response.cache.outcome),
                 schema.CACHE_SIMILARITY: response.cache.similarity,
                 schema.CACHE_COALESCED: response.cache.coalesced,
+                schema.CACHE_LOCAL: response.cache.detail == LOCAL_DETAIL,
             }
         )
         timings["total"] = (time.perf_counter() - started) * 1e3

@@ -66,6 +66,11 @@ CACHE_FAIL_OPEN = Counter(
 COALESCED = Counter(
     "hopline_coalesced_total", "Cache misses that shared another request's inference", ()
 )
+LOCAL_EXACT_ENTRIES = Gauge(
+    "hopline_local_exact_entries",
+    "Exact entries in the gateway's local tier (0 while its cache watch is not live)",
+    (),
+)
 CACHE_LOOKUPS = Counter(
     "hopline_cache_lookups_total",
     "Cache service lookups by tier answered (exact, semantic, miss)",

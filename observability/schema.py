@@ -16,6 +16,7 @@ TENANT = "hopline.tenant"
 CACHE_OUTCOME = "hopline.cache.outcome"
 CACHE_SIMILARITY = "hopline.cache.similarity"
 CACHE_COALESCED = "hopline.cache.coalesced"
+CACHE_LOCAL = "hopline.cache.local"
 CACHE_CANDIDATES = "hopline.cache.candidates"
 CACHE_ENTRIES = "hopline.cache.entries"
 BATCH_SIZE = "hopline.batch_size"
@@ -32,6 +33,7 @@ ATTRIBUTES: dict[str, str] = {
     CACHE_OUTCOME: "exact, semantic, miss, fail_open or skipped",
     CACHE_SIMILARITY: "cosine similarity of the entry a hit served (1 for exact)",
     CACHE_COALESCED: "this miss waited for another identical request's inference",
+    CACHE_LOCAL: "the gateway's local exact tier answered: no hop to the cache",
     CACHE_CANDIDATES: "entries the Milvus search returned for verification and agreement",
     CACHE_ENTRIES: "entries in one batched Milvus write",
     BATCH_SIZE: "texts in the model or embedder run",

@@ -1,0 +1,456 @@
+"""`make bench`: the standard suite, one run, written to bench/results/<date>-<host>.{json,md}.
+
+It starts its own mesh (fresh cache database, free ports, so a `make run` beside it is left
+alone) and measures, one scenario after the other:
+
+1. miss, concurrency 1: echo, in-process, mesh (cache USE, every text new).
+2. exact, concurrency 1: echo, mesh (every text already cached).
+3. saturation, concurrency 32, miss: in-process plain and batched, mesh.
+4. open loop at 70% of the mesh's saturation throughput: mesh.
+5. ghz against the gateway's Predict beside `hopline bench` on the same texts (c=1).
+6. the Ray Serve peer (bench extra), once the mesh is idle: concurrency 32 and open loop at
+   the mesh's rps, compared with the mesh at cache BYPASS (the peer has no cache).
+
+Each target is measured alone; targets share the 2 cores, so nothing runs beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hopline.bench.cli import add_bench_command, run_targets
+from hopline.bench.mixes import make_mix
+from hopline.bench.report import ratios
+from hopline.config import addr_env
+from hopline.supervisor import START_ORDER, free_ports, is_serving, stop_all
+
+ROOT = Path(__file__).resolve().parents[1]
+GHZ_DEFAULT = ROOT / ".tools" / "bin" / "ghz"
+PEER_SCRIPT = ROOT / "bench" / "peers" / "ray_serve.py"
+# ghz 0.121's reflection client finds no symbols on grpcio's reflection service ("Symbol not
+# found" even for grpc.health.v1.Health.Check), so it reads the .proto files instead.
+PROTO = (
+    "--proto",
+    str(ROOT / "protos/hopline/gateway/v1/gateway.proto"),
+    "--import-paths",
+    str(ROOT / "protos"),
+)
+
+
+def _bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_command(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+class Mesh:
+    """The five services on free loopback ports, over `model_repo`, with a fresh cache."""
+
+    def __init__(self, model_repo: Path, work: Path) -> None:
+        ports = free_ports(len(START_ORDER))
+        self.addrs = {n: f"127.0.0.1:{p}" for n, p in zip(START_ORDER, ports, strict=True)}
+        self.env = {
+            **os.environ,
+            "HOPLINE_MODEL_REPO": str(model_repo.resolve()),
+            "HOPLINE_CACHE_URI": str(work / "cache.db"),
+            "HOPLINE_METRICS_PORT": "0",
+            "HOPLINE_LOG_FORMAT": "text",
+            **{addr_env(n): a for n, a in self.addrs.items()},
+        }
+        self.log = (work / "mesh.log").open("ab")
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, timeout_s: float = 180.0) -> None:
+        for name in START_ORDER:
+            self.children[name] = subprocess.Popen(
+                [sys.executable, "-m", "hopline", "serve", name],
+                env=self.env,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout_s
+        while not all(is_serving(a) for a in self.addrs.values()):
+            dead = {n: p.returncode for n, p in self.children.items() if p.poll() is not None}
+            if dead or time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"mesh did not start (exited: {dead}); see {self.log.name}")
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        stop_all(self.children)
+        self.log.close()
+
+
+def bench(*argv: str) -> dict[str, Any]:
+    args = _bench_args(*argv)
+    sys.stderr.write(f"hopline bench {' '.join(argv)}\n")
+    _, result = asyncio.run(run_targets(args))
+    return {"argv": list(argv), **result, "ratios": ratios(result["targets"])}
+
+
+def ghz(binary: Path, gateway: str, texts: list[str], cache: str, seconds: float) -> dict[str, Any]:
+    """ghz over reflection, round-robin over `texts`, one connection, concurrency 1."""
+    mode = {"use": "CACHE_MODE_USE", "bypass": "CACHE_MODE_BYPASS"}[cache]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as data:
+        json.dump([{"text": t, "cacheMode": mode} for t in texts], data)
+    try:
+        for text in texts:  # the exact mix's texts must be cached before the window
+            subprocess.run(
+                [
+                    str(binary),
+                    "--insecure",
+                    *PROTO,
+                    "--call",
+                    "hopline.gateway.v1.GatewayService.Predict",
+                    "-d",
+                    json.dumps({"text": text}),
+                    "-n",
+                    "1",
+                    "-c",
+                    "1",
+                    gateway,
+                ],
+                check=True,
+                capture_output=True,
+            )
+        out = subprocess.run(
+            [
+                str(binary),
+                "--insecure",
+                *PROTO,
+                "--call",
+                "hopline.gateway.v1.GatewayService.Predict",
+                "-D",
+                data.name,
+                "-c",
+                "1",
+                "--connections",
+                "1",
+                "-z",
+                f"{seconds}s",
+                "--format",
+                "json",
+                gateway,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        os.unlink(data.name)
+    report = json.loads(out.stdout)
+    dist = {int(d["percentage"]): d["latency"] / 1e6 for d in report["latencyDistribution"]}
+    return {
+        "p50_ms": dist[50],
+        "p90_ms": dist[90],
+        "p99_ms": dist[99],
+        "throughput_rps": report["rps"],
+        "requests": report["count"],
+        "errors": sum(report.get("errorDistribution", {}).values()),
+    }
+
+
+def start_peer(model_repo: Path) -> tuple[subprocess.Popen[str], str]:
+    (port,) = free_ports(1)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(PEER_SCRIPT),
+            "--grpc-port",
+            str(port),
+            "--model-repo",
+            str(model_repo),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line.startswith("READY "):
+        proc.kill()
+        raise RuntimeError(f"the Ray Serve peer did not start (said {line!r})")
+    return proc, line.split()[1]
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def run_suite(args: argparse.Namespace) -> dict[str, Any]:
+    common = [
+        "--duration",
+        str(args.duration),
+        "--warmup",
+        str(args.warmup),
+        "--model-repo",
+        str(args.model_repo),
+    ]
+    doc: dict[str, Any] = {
+        "hopline_bench_suite": 1,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "cores": len(os.sched_getaffinity(0)),
+        "scenarios": {},
+    }
+    sc = doc["scenarios"]
+    work = Path(tempfile.mkdtemp(prefix="hopline-bench-"))
+    mesh = Mesh(args.model_repo, work)
+    mesh.start()
+    gw = mesh.addrs["gateway"]
+    try:
+        sc["miss_c1"] = bench(
+            "--target",
+            gw,
+            "--concurrency",
+            "1",
+            "--mix",
+            "miss",
+            "--baseline",
+            "echo,inprocess",
+            *common,
+        )
+        sc["exact_c1"] = bench(
+            "--target", gw, "--concurrency", "1", "--mix", "exact", "--baseline", "echo", *common
+        )
+        sc["miss_c32"] = bench(
+            "--target",
+            gw,
+            "--concurrency",
+            "32",
+            "--mix",
+            "miss",
+            "--baseline",
+            "inprocess,inprocess_batched",
+            *common,
+        )
+        rps = 0.7 * sc["miss_c32"]["targets"]["mesh"]["throughput_rps"]
+        sc["miss_open70"] = bench(
+            "--target", gw, "--rps", f"{rps:.1f}", "--mix", "miss", "--baseline", "none", *common
+        )
+        if args.ghz.is_file():
+            texts = [make_mix("exact").text(i) for i in range(64)]
+            sc["ghz_exact_c1"] = {
+                "ghz": ghz(args.ghz, gw, texts, "use", args.duration),
+                "hopline_bench": bench(
+                    "--target",
+                    gw,
+                    "--concurrency",
+                    "1",
+                    "--mix",
+                    "exact",
+                    "--baseline",
+                    "none",
+                    *common,
+                )["targets"]["mesh"],
+            }
+            sc["ghz_bypass_c1"] = {
+                "ghz": ghz(args.ghz, gw, texts, "bypass", args.duration),
+                "hopline_bench": bench(
+                    "--target",
+                    gw,
+                    "--concurrency",
+                    "1",
+                    "--mix",
+                    "exact",
+                    "--cache",
+                    "bypass",
+                    "--baseline",
+                    "none",
+                    *common,
+                )["targets"]["mesh"],
+            }
+        else:
+            doc["ghz_missing"] = f"{args.ghz} not found (make bench installs it)"
+        if args.peer:
+            sc["peer_c32"] = bench(
+                "--target",
+                gw,
+                "--concurrency",
+                "32",
+                "--mix",
+                "miss",
+                "--cache",
+                "bypass",
+                "--baseline",
+                "none",
+                *common,
+            )
+            mesh_rps = 0.7 * sc["peer_c32"]["targets"]["mesh"]["throughput_rps"]
+            sc["peer_open"] = bench(
+                "--target",
+                gw,
+                "--rps",
+                f"{mesh_rps:.1f}",
+                "--mix",
+                "miss",
+                "--cache",
+                "bypass",
+                "--baseline",
+                "none",
+                *common,
+            )
+    finally:
+        mesh.stop()
+    if args.peer:
+        # The peer runs with the mesh stopped: the two never share the cores.
+        proc, addr = start_peer(args.model_repo)
+        try:
+            for key in ("peer_c32", "peer_open"):
+                argv = sc[key]["argv"]
+                run = bench(
+                    *argv[: argv.index("--baseline")],
+                    "--baseline",
+                    "none",
+                    "--target",
+                    "none",
+                    "--peer",
+                    f"ray={addr}",
+                    *common,
+                )
+                sc[key]["targets"]["peer_ray"] = run["targets"]["peer_ray"]
+                sc[key]["ratios"] = ratios(sc[key]["targets"])
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    shutil.rmtree(work, ignore_errors=True)
+    doc["targets_met"] = check_targets(sc)
+    return doc
+
+
+def check_targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 5's targets, each with the figures it was judged on."""
+    rows: list[dict[str, Any]] = []
+
+    def row(name: str, value: float, limit: float, ok: bool, how: str) -> None:
+        rows.append({"target": name, "value": value, "limit": limit, "met": ok, "how": how})
+
+    t = sc["miss_c1"]["targets"]
+    limit = t["inprocess"]["p50_ms"] + 3 * t["echo"]["p50_ms"]
+    row(
+        "miss c=1: mesh p50 <= inprocess p50 + 3 x echo p50",
+        t["mesh"]["p50_ms"],
+        limit,
+        t["mesh"]["p50_ms"] <= limit,
+        "ms",
+    )
+    t = sc["exact_c1"]["targets"]
+    limit = 1.5 * t["echo"]["p50_ms"]
+    row(
+        "exact c=1: mesh p50 <= 1.5 x echo p50",
+        t["mesh"]["p50_ms"],
+        limit,
+        t["mesh"]["p50_ms"] <= limit,
+        "ms",
+    )
+    t = sc["miss_c32"]["targets"]
+    r = _ratio(t["mesh"]["throughput_rps"], t["inprocess"]["throughput_rps"])
+    row("c=32: mesh rps >= 1.5 x inprocess (batch 1)", r, 1.5, r >= 1.5, "ratio")
+    r = _ratio(t["mesh"]["throughput_rps"], t["inprocess_batched"]["throughput_rps"])
+    row("c=32: mesh rps >= 0.7 x inprocess batched", r, 0.7, r >= 0.7, "ratio")
+    m = sc["miss_open70"]["targets"]["mesh"]
+    r = _ratio(m["p99_ms"], m["p50_ms"])
+    row(
+        "open loop 70%: p99 <= 3 x p50, no errors",
+        r,
+        3.0,
+        r <= 3.0 and m["errors"] == 0,
+        f"ratio; errors {m['errors']}",
+    )
+    for key in ("ghz_exact_c1", "ghz_bypass_c1"):
+        if key in sc:
+            g, h = sc[key]["ghz"]["p50_ms"], sc[key]["hopline_bench"]["p50_ms"]
+            r = abs(h - g) / g
+            row(f"{key}: |bench p50 - ghz p50| <= 10% of ghz", r, 0.10, r <= 0.10, "share")
+    for key in ("peer_c32", "peer_open"):
+        t = sc.get(key, {}).get("targets", {})
+        if "peer_ray" in t:
+            mt, pt = t["mesh"], t["peer_ray"]
+            ok = mt["throughput_rps"] >= pt["throughput_rps"] * 0.99 and mt["p99_ms"] < pt["p99_ms"]
+            row(
+                f"{key}: mesh vs Ray Serve, rps and p99",
+                _ratio(mt["throughput_rps"], pt["throughput_rps"]),
+                1.0,
+                ok,
+                f"rps ratio; p99 {mt['p99_ms']:.1f} vs {pt['p99_ms']:.1f} ms",
+            )
+    return rows
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = [f"# hopline bench suite, {doc['date']} on {doc['host']} ({doc['cores']} cores)", ""]
+    lines += [
+        "| scenario | target | requests | errors | rps | p50 ms | p90 ms | p99 ms | max ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in doc["scenarios"].items():
+        targets = s.get("targets") or {"ghz": s["ghz"], "hopline_bench": s["hopline_bench"]}
+        for tname, t in targets.items():
+            lines.append(
+                f"| {name} | {tname} | {t['requests']} | {t['errors']} | "
+                f"{t['throughput_rps']:.1f} | {t['p50_ms']:.2f} | {t['p90_ms']:.2f} | "
+                f"{t['p99_ms']:.2f} | {t.get('max_ms', float('nan')):.2f} |"
+            )
+    lines += ["", "| target | value | limit | met |", "|---|---|---|---|"]
+    for r in doc["targets_met"]:
+        lines.append(
+            f"| {r['target']} | {r['value']:.3f} ({r['how']}) | {r['limit']:.3f} | "
+            f"{'yes' if r['met'] else 'no'} |"
+        )
+    for name, s in doc["scenarios"].items():
+        if s.get("ratios"):
+            ratios = ", ".join(f"{k} {v:.3f}" for k, v in s["ratios"].items())
+            lines.append(f"\n{name}: {ratios}")
+        mesh = s.get("targets", {}).get("mesh")
+        if mesh and mesh.get("hops_ms"):
+            hops = ", ".join(f"{h} {v['p50']:.2f}" for h, v in mesh["hops_ms"].items())
+            lines.append(f"{name} mesh hops p50 ms: {hops}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m hopline.bench.suite",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument(
+        "--model-repo",
+        type=Path,
+        default=Path(os.environ.get("HOPLINE_MODEL_REPO", ROOT / "models")),
+    )
+    p.add_argument("--duration", type=float, default=10.0)
+    p.add_argument("--warmup", type=float, default=3.0)
+    p.add_argument("--ghz", type=Path, default=GHZ_DEFAULT)
+    p.add_argument("--no-peer", dest="peer", action="store_false", help="skip Ray Serve")
+    args = p.parse_args(argv)
+    if args.peer and importlib.util.find_spec("ray") is None:
+        raise SystemExit("the Ray Serve peer needs the bench extra: pip install -e '.[bench]'")
+    doc = run_suite(args)
+    stem = f"{dt.date.today().isoformat()}-{doc['host']}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    summary = markdown(doc)
+    (args.out / f"{stem}.md").write_text(summary)
+    sys.stdout.write(summary)
+    sys.stdout.write(f"\nwrote {args.out / stem}.json and .md\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

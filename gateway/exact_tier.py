@@ -1,0 +1,118 @@
+"""The gateway's local exact tier: exact repeats answered without a hop to the cache.
+
+A bounded LRU copy of exact entries the gateway has seen: the cache's EXACT hits, and the
+gateway's own stores once the cache has accepted them. Keys are the cache's own exact keys
+(SHA-256 over the full scope and the normalised text), so the scope rules are the cache's:
+another tenant, model, version or top_k is another key.
+
+Coherence with the cache, which stays the source of truth:
+- The copy is served only while a WatchInvalidations stream to the cache is live. The first
+  message of a stream clears the copy; a broken or ended stream clears it again and stops
+  serving until a new stream is live. A gateway never serves what it cannot hear about.
+- Invalidations (by ids or by scope) and evictions arrive on the stream and drop entries.
+- Each event bumps a generation. A copy is taken only if no event arrived while the lookup
+  or store that produced it was in flight, so a hit read just before an invalidation landed
+  cannot be copied after the event that should have dropped it.
+- An entry expires at the cache entry's own expiry (created + the model's ttl_s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterable, Callable
+
+import grpc
+
+from hopline.cache.v1 import cache_pb2
+from hopline.common.v1 import common_pb2
+from hopline.observability import metrics
+
+log = logging.getLogger("hopline.gateway.exact_tier")
+
+Scope = tuple[str, str, str, str]  # tenant, model, version, parameters (as in the cache key)
+Watch = Callable[[], AsyncIterable[cache_pb2.WatchInvalidationsResponse]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalEntry:
+    prediction: common_pb2.Prediction
+    scope: Scope
+    created_at: float  # wall clock, as the cache records it
+    expires_at: float
+
+
+class LocalExactTier:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.live = False
+        self.generation = 0
+        self._entries: OrderedDict[str, LocalEntry] = OrderedDict()
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str, now: float) -> LocalEntry | None:
+        if not self.live:
+            return None
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry.expires_at <= now:
+            del self._entries[key]
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry
+
+    def put(self, key: str, entry: LocalEntry, generation: int) -> None:
+        """Copy an entry read or written when the generation was `generation`."""
+        if not self.live or generation != self.generation or self.capacity <= 0:
+            return
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        metrics.LOCAL_EXACT_ENTRIES.set(len(self._entries))
+
+    def apply(self, event: cache_pb2.WatchInvalidationsResponse) -> None:
+        self.generation += 1
+        for key in event.entry_ids:
+            self._entries.pop(key, None)
+        if event.HasField("scope"):
+            want = (event.scope.tenant, event.scope.model, event.scope.model_version)
+            doomed = [
+                key
+                for key, entry in self._entries.items()
+                if all(not w or w == got for w, got in zip(want, entry.scope[:3], strict=True))
+            ]
+            for key in doomed:
+                del self._entries[key]
+        metrics.LOCAL_EXACT_ENTRIES.set(len(self._entries))
+
+    def reset(self, live: bool) -> None:
+        self.generation += 1
+        self.live = live
+        self._entries.clear()
+        metrics.LOCAL_EXACT_ENTRIES.set(0)
+
+    async def follow(self, watch: Watch, retry_s: float = 1.0) -> None:
+        """Hold a watch stream to the cache for good, serving only while one is live."""
+        while True:
+            try:
+                async for event in watch():
+                    if event.live:
+                        self.reset(live=True)
+                        log.info("local exact tier live")
+                    else:
+                        self.apply(event)
+                reason = "stream ended"
+            except grpc.aio.AioRpcError as err:
+                reason = err.code().name
+            if self.live:
+                log.info("local exact tier off until the cache answers", extra={"reason": reason})
+            self.reset(live=False)
+            await asyncio.sleep(retry_s)
