@@ -129,6 +129,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         # Milvus calls block: two threads so a batched write never stalls every lookup.
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="milvus")
         self._tasks: list[asyncio.Task[None]] = []
+        self._placeholder: Vector = np.zeros(1, dtype=np.float32)  # sized at start
         self._watchers: set[asyncio.Queue[cache_pb2.WatchInvalidationsResponse | None]] = set()
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -142,6 +143,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             lambda: Embedder.load(_weights_dir(), work, threads=self.config.embed_threads),
         )
         model = self.embedder.model
+        self._placeholder = np.zeros(model.dim, dtype=np.float32)
+        self._placeholder[0] = 1.0
         self.store = await loop.run_in_executor(
             self._io,
             lambda: MilvusStore(
@@ -414,10 +417,20 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{len(self._pending)} stores are waiting for Milvus; retry later",
             )
+        if request.mode not in ("", "exact", "semantic"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"mode must be 'exact' or 'semantic', got {request.mode!r}",
+            )
         assert self.embedder is not None
         text = normalise_text(request.text)
         vector = self._recent.pop(text, None)
-        if vector is None:
+        if request.mode == "exact":
+            # Never searched: the gateway looks exact-mode scopes up by key only. A unit
+            # placeholder keeps the collection's schema; a direct semantic lookup on such a
+            # scope compares against it and stays far below any threshold.
+            vector = self._placeholder
+        elif vector is None:
             vector = await self.embedder.embed(text)
             self.counters["store_embeddings"] += 1
         now = time.time()

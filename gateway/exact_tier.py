@@ -99,12 +99,14 @@ class LocalExactTier:
         self._entries.clear()
         metrics.LOCAL_EXACT_ENTRIES.set(0)
 
-    async def follow(self, watch: Watch, retry_s: float = 1.0) -> None:
+    async def follow(self, watch: Watch, max_retry_s: float = 2.0) -> None:
         """Hold a watch stream to the cache for good, serving only while one is live."""
+        retry_s = 0.1
         while True:
             try:
                 async for event in watch():
                     if event.live:
+                        retry_s = 0.1
                         self.reset(live=True)
                         log.info("local exact tier live")
                     else:
@@ -116,3 +118,4 @@ class LocalExactTier:
                 log.info("local exact tier off until the cache answers", extra={"reason": reason})
             self.reset(live=False)
             await asyncio.sleep(retry_s)
+            retry_s = min(max_retry_s, retry_s * 2)

@@ -554,6 +554,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                     prediction=prediction,
                     ttl_s=info.cache.ttl_s,
                     max_entries=info.cache.max_entries,
+                    mode=info.cache.mode,
                 ),
                 2.0,
                 {},

@@ -82,7 +82,26 @@ class Mesh:
         self.spawn(names)
         for name in names:
             self.wait_serving(name, timeout_s)
+        if {"gateway", "cache"} <= set(names) and self._env(
+            "gateway", "HOPLINE_GATEWAY_EXACT_ENTRIES"
+        ) != "0":
+            self.wait_local_tier(timeout_s)
         return self
+
+    def _env(self, service: str, name: str) -> str | None:
+        return self.service_env.get(service, {}).get(name, self.env.get(name))
+
+    def wait_local_tier(self, timeout_s: float = 120.0) -> None:
+        """Until the gateway's local exact tier is live (its watch on the cache connected).
+
+        Without it, what a test stores right after start-up is not copied locally, and
+        whether a repeat is answered by the gateway or by the cache depends on timing.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.gateway_counters().get("local_exact_live") != 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gateway exact tier not live:\n{self.log('gateway')}")
+            time.sleep(0.05)
 
     def spawn(self, names: tuple[str, ...]) -> None:
         """Start the processes without waiting for them to serve."""

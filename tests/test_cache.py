@@ -60,6 +60,9 @@ def cmesh(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         HOPLINE_DEFAULT_MODEL="sem",
         HOPLINE_CACHE_FLUSH_MS="2",
         HOPLINE_CACHE_BUDGET_MS="2000",  # a slow CI machine must not turn hits into fail-opens
+        # These tests are about the cache service's own tiers: every exact repeat must reach
+        # it. The gateway's local copy of exact entries has its tests in test_exact_tier.py.
+        HOPLINE_GATEWAY_EXACT_ENTRIES="0",
     )
     try:
         yield m.start()
