@@ -2,16 +2,15 @@
 
 The encoder file is built once from the bundled safetensors (hopline.model.encoder) and kept
 under the cache's work directory, keyed by the weights' digest, so a restart loads it in well
-under a second. Lookups that arrive together are embedded in one session run: while a batch
-runs, the next requests queue, and the next run takes all of them (no added delay for a lone
-request).
+under a second. Texts that arrive together are embedded in one session run by the same
+dynamic batcher the inference service uses (hopline.batching): a lone text runs at once, the
+texts that queue during a run form the next one, bucketed by length so a short lookup is not
+padded to a long one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import contextlib
 import hashlib
 import logging
 import os
@@ -24,6 +23,7 @@ import numpy.typing as npt
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from hopline.batching import BatchingPolicy, DynamicBatcher
 from hopline.model.encoder import build_encoder
 from hopline.model.session import embed_texts, make_session
 from hopline.model.tokenizer import DEFAULT_MAX_LENGTH, load_tokenizer
@@ -86,20 +86,20 @@ class Embedder:
         model: EmbeddingModel,
         *,
         max_batch: int = 32,
+        max_queue: int = 4096,
     ) -> None:
         self.session = session
         self.tokenizer = tokenizer
         self.model = model
-        self.max_batch = max_batch
-        self._queue: list[tuple[str, asyncio.Future[Vector]]] = []
-        self._wake = asyncio.Event()
-        self._worker: asyncio.Task[None] | None = None
         # One thread: ONNX Runtime parallelises inside a run, and runs must not overlap.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embed")
-        self.batches = 0
-        self.embedded = 0
-        self._depth = metrics.QUEUE_DEPTH.labels("embedder", model.name)
-        self._batch_size = metrics.BATCH_SIZE.labels("embedder", model.name)
+        self.batcher: DynamicBatcher[str, Vector] = DynamicBatcher(
+            lambda texts: list(self.embed_many(texts)),
+            BatchingPolicy(max_batch_size=max_batch, max_queue_size=max_queue),
+            self._executor,
+            on_queue_depth=metrics.QUEUE_DEPTH.labels("embedder", model.name).set,
+            on_batch=metrics.BATCH_SIZE.labels("embedder", model.name).observe,
+        )
 
     @classmethod
     def load(cls, weights_dir: Path, work_dir: Path, *, threads: int = 0) -> Embedder:
@@ -112,46 +112,12 @@ class Embedder:
         return embed_texts(self.session, self.tokenizer, texts, batch_size=batch_size)
 
     async def embed(self, text: str) -> Vector:
-        if self._worker is None:
-            self._worker = asyncio.create_task(self._run(), name="loop-embedder")
-        future: asyncio.Future[Vector] = asyncio.get_running_loop().create_future()
-        self._queue.append((text, future))
-        self._depth.set(len(self._queue))
-        self._wake.set()
-        return await future
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._queue:
-                batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
-                self._depth.set(len(self._queue))
-                live = [(t, f) for t, f in batch if not f.done()]
-                if not live:
-                    continue
-                self._batch_size.observe(len(live))
-                try:
-                    vectors = await loop.run_in_executor(
-                        self._executor, self.embed_many, [t for t, _ in live]
-                    )
-                except Exception as exc:  # a failed run fails only its batch
-                    for _, f in live:
-                        if not f.done():
-                            f.set_exception(exc)
-                    continue
-                self.batches += 1
-                self.embedded += len(live)
-                for (_, f), v in zip(live, vectors, strict=True):
-                    if not f.done():
-                        f.set_result(v)
+        """One text's unit vector; raises QueueFullError past the queue bound."""
+        # The bucket only groups similar lengths, so a word count (WordPiece gives a few
+        # more tokens than words) spares tokenizing on the event loop as well as in the run.
+        vector, _ = await self.batcher.submit(text, 1, len(text.split()) + 2)
+        return vector
 
     async def close(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._worker
-        for _, f in self._queue:
-            f.cancel()
+        await self.batcher.close()
         self._executor.shutdown(wait=True)

@@ -26,6 +26,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
+from hopline.batching import QueueFullError
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
 from hopline.cache.store import CacheStore, CacheStoreError, Entry, MilvusStore, ScopeFilter
@@ -285,6 +286,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             response = await self._lookup(scope, request.text, semantic, request.threshold)
         except CacheStoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except QueueFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"embedder overloaded: {exc}")
         self.counters["lookups"] += 1
         self.lookup_ms.append((time.perf_counter() - started) * 1e3)
         return response
@@ -431,7 +434,12 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             # scope compares against it and stays far below any threshold.
             vector = self._placeholder
         elif vector is None:
-            vector = await self.embedder.embed(text)
+            try:
+                vector = await self.embedder.embed(text)
+            except QueueFullError as exc:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"embedder overloaded: {exc}; retry later"
+                )
             self.counters["store_embeddings"] += 1
         now = time.time()
         key = exact_key(scope, request.text)
