@@ -1,0 +1,38 @@
+"""`hopline bench` against a live mesh: the JSON scripts compute ratios from."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from mesh import Mesh
+
+
+def test_bench_writes_every_target_with_the_documented_keys(mesh: Mesh, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "hopline", "bench", "--target", mesh.gateway,
+         "--concurrency", "2", "--duration", "1", "--warmup", "0.5", "--mix", "miss",
+         "--baseline", "echo,inprocess,inprocess_batched", "--model-repo", str(mesh.repo),
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(out.read_text())
+    assert set(doc["targets"]) == {"echo", "inprocess", "inprocess_batched", "mesh"}
+    for name, target in doc["targets"].items():
+        for key in ("p50_ms", "p90_ms", "p99_ms", "max_ms", "throughput_rps", "requests"):
+            assert target[key] > 0, (name, key)
+        assert target["errors"] == 0, (name, target["errors_by_status"])
+        assert target["p50_ms"] <= target["p99_ms"] <= target["max_ms"]
+    mesh_hops = doc["targets"]["mesh"]["hops_ms"]
+    assert {"tokenize", "inference", "inference.compute", "postprocess"} <= set(mesh_hops)
+    # Every text is new: each request misses (or fails open, on a machine too busy for the
+    # lookup budget), and the outcomes account for every request.
+    outcomes = doc["targets"]["mesh"]["cache_outcomes"]
+    assert set(outcomes) <= {"miss", "fail_open"}, outcomes
+    assert sum(outcomes.values()) == doc["targets"]["mesh"]["requests"]
+    assert "mesh_p50_over_echo_p50" in doc["ratios"]
+    assert "mesh" in run.stdout  # the table
