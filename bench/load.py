@@ -103,6 +103,35 @@ def _status(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+class _Tally:
+    """What one phase recorded: latencies, statuses and the responses to decode later."""
+
+    def __init__(self, record: bool) -> None:
+        self.record = record
+        self.lat: list[int] = []
+        self.st: list[str] = []
+        self.out: list[Any] = []
+
+    def add(self, since_ns: int, status: str, response: Any = None) -> None:
+        if self.record:
+            self.lat.append(time.perf_counter_ns() - since_ns)
+            self.st.append(status)
+            if response is not None:
+                self.out.append(response)
+
+    async def send(self, call: Call, payload: Any, since_ns: int) -> None:
+        """One request, timed from `since_ns` (its start, or its scheduled arrival)."""
+        try:
+            response = await call(payload)
+        except Exception as exc:
+            self.add(since_ns, _status(exc))
+        else:
+            self.add(since_ns, OK, response)
+
+    def result(self) -> tuple[list[int], list[str], list[Any]]:
+        return self.lat, self.st, self.out
+
+
 async def closed_loop(
     call: Call,
     payload: Callable[[int], Any],
@@ -115,30 +144,15 @@ async def closed_loop(
     counter = iter(range(1 << 62))
 
     async def phase(seconds: float, record: bool) -> tuple[list[int], list[str], list[Any]]:
-        lat: list[int] = []
-        st: list[str] = []
-        out: list[Any] = []
+        tally = _Tally(record)
         stop_at = time.perf_counter_ns() + int(seconds * 1e9)
 
         async def caller() -> None:
-            while True:
-                started = time.perf_counter_ns()
-                if started >= stop_at:
-                    return
-                try:
-                    response = await call(payload(next(counter)))
-                except Exception as exc:
-                    status, response = _status(exc), None
-                else:
-                    status = OK
-                if record:
-                    lat.append(time.perf_counter_ns() - started)
-                    st.append(status)
-                    if response is not None:
-                        out.append(response)
+            while (started := time.perf_counter_ns()) < stop_at:
+                await tally.send(call, payload(next(counter)), started)
 
         await asyncio.gather(*(caller() for _ in range(concurrency)))
-        return lat, st, out
+        return tally.result()
 
     if warmup_s > 0:
         await phase(warmup_s, record=False)
@@ -167,23 +181,8 @@ async def open_loop(
         gaps = rng.exponential(1.0 / rps, size=int(rps * seconds * 1.5) + 16)
         arrivals = np.cumsum(gaps)
         arrivals_ns = (arrivals[arrivals < seconds] * 1e9).astype(np.int64).tolist()
-        lat: list[int] = []
-        st: list[str] = []
-        out: list[Any] = []
+        tally = _Tally(record)
         tasks: set[asyncio.Task[None]] = set()
-
-        async def one(scheduled: int) -> None:
-            try:
-                response = await call(payload(next(counter)))
-            except Exception as exc:
-                status, response = _status(exc), None
-            else:
-                status = OK
-            if record:
-                lat.append(time.perf_counter_ns() - scheduled)
-                st.append(status)
-                if response is not None:
-                    out.append(response)
 
         start = time.perf_counter_ns()
         for offset in arrivals_ns:
@@ -194,16 +193,14 @@ async def open_loop(
             if len(tasks) >= max_in_flight:
                 # The target is so far behind that the generator would run out of memory:
                 # count the arrival as shed here rather than pretend it was served.
-                if record:
-                    lat.append(time.perf_counter_ns() - due)
-                    st.append("LOADGEN_OVERFLOW")
+                tally.add(due, "LOADGEN_OVERFLOW")
                 continue
-            task = asyncio.create_task(one(due))
+            task = asyncio.create_task(tally.send(call, payload(next(counter)), due))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         if tasks:
             await asyncio.wait(set(tasks))
-        return lat, st, out
+        return tally.result()
 
     if warmup_s > 0:
         await phase(warmup_s, record=False)
