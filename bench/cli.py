@@ -29,7 +29,7 @@ from hopline.bench.targets import (
     Target,
     inprocess_threads,
 )
-from hopline.client import CACHE_MODES, gateway_address
+from hopline.cli.client import CACHE_MODES, gateway_address
 
 BASELINES = ("echo", "inprocess", "inprocess_batched")
 DESCRIPTION = """\
@@ -146,9 +146,9 @@ async def measure(target: Target, mix: Mix, args: argparse.Namespace) -> Run:
 
 
 def _inprocess(name: str, args: argparse.Namespace) -> InProcessTarget:
-    from hopline import config as cfg
-    from hopline.inference.service import InferenceConfig
     from hopline.model.repository import ModelRepository
+    from hopline.runtime import config as cfg
+    from hopline.services.inference.service import InferenceConfig
 
     model = args.model or os.environ.get("HOPLINE_DEFAULT_MODEL", "support-intents")
     config = ModelRepository(Path(args.model_repo)).resolve(model)

@@ -15,7 +15,7 @@ import sys
 
 import grpc
 
-from hopline.server import server_options
+from hopline.runtime.server import server_options
 
 
 async def _echo(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:

@@ -35,8 +35,8 @@ from typing import Any
 from hopline.bench.cli import add_bench_command, run_targets
 from hopline.bench.mixes import make_mix
 from hopline.bench.report import ratios
-from hopline.config import addr_env
-from hopline.supervisor import START_ORDER, free_ports, is_serving, stop_all
+from hopline.runtime.config import addr_env
+from hopline.runtime.launcher import START_ORDER, free_ports, is_serving, stop_all
 
 ROOT = Path(__file__).resolve().parents[1]
 GHZ_DEFAULT = ROOT / ".tools" / "bin" / "ghz"

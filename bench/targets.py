@@ -16,13 +16,13 @@ from typing import Any, Protocol
 import grpc
 import numpy as np
 
-from hopline.common.v1 import common_pb2
-from hopline.gateway.v1 import gateway_pb2
-from hopline.inference.backend import OnnxRuntimeBackend
-from hopline.inference.batching import BatchedModel, ModelRequest
 from hopline.model.repository import ModelConfig
 from hopline.model.tokenizer import encode, load_tokenizer
-from hopline.postprocess.logic import predictions
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2
+from hopline.services.inference.backend import OnnxRuntimeBackend
+from hopline.services.inference.batched_model import BatchedModel, ModelRequest
+from hopline.services.postprocess.logic import predictions
 
 PREDICT = "/hopline.gateway.v1.GatewayService/Predict"
 ECHO = "/hopline.bench.Echo/Echo"

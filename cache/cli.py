@@ -135,9 +135,9 @@ def _model_args(parser: argparse.ArgumentParser, prefix: str) -> None:
 
 def _eval(args: argparse.Namespace) -> int:
     from hopline.cache.evaluate import markdown, run
-    from hopline.client import gateway_address
-    from hopline.config import DEFAULT_ADDRS, addr_env
+    from hopline.cli.client import gateway_address
     from hopline.model.repository import ModelRepository
+    from hopline.runtime.config import DEFAULT_ADDRS, addr_env
 
     resolved = ModelRepository(args.model_repo).resolve(args.model, args.model_version)
     policy = resolved.cache
@@ -250,7 +250,7 @@ def _model_labels(
     args: argparse.Namespace, store: Examples, queries: Examples
 ) -> tuple[Examples, Examples]:
     """The data set relabelled with the model's answers; the store as the policy fills it."""
-    from hopline.pipeline import Pipeline
+    from hopline.services.pipeline import Pipeline
 
     pipeline = Pipeline.load(args.model_repo, args.model, args.model_version)
     policy = pipeline.config.cache

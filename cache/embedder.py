@@ -3,7 +3,7 @@
 The encoder file is built once from the bundled safetensors (hopline.model.encoder) and kept
 under the cache's work directory, keyed by the weights' digest, so a restart loads it in well
 under a second. Texts that arrive together are embedded in one session run by the same
-dynamic batcher the inference service uses (hopline.batching): a lone text runs at once, the
+dynamic batcher the inference service uses (hopline.runtime.batching): a lone text runs at once, the
 texts that queue during a run form the next one, bucketed by length so a short lookup is not
 padded to a long one.
 """
@@ -23,11 +23,11 @@ import numpy.typing as npt
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from hopline.batching import BatchingPolicy, DynamicBatcher
 from hopline.model.encoder import build_encoder
 from hopline.model.session import embed_texts, make_session
 from hopline.model.tokenizer import DEFAULT_MAX_LENGTH, load_tokenizer
 from hopline.observability import metrics
+from hopline.runtime.batching import BatchingPolicy, DynamicBatcher
 
 log = logging.getLogger("hopline.cache.embedder")
 

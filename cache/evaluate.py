@@ -23,10 +23,10 @@ import grpc
 import numpy as np
 
 from hopline.cache.keys import exact_key, scope_tuple
-from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
-from hopline.common.v1 import common_pb2
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.model.repository import CachePolicy
+from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 Examples = list[tuple[str, str]]
 OUTCOMES = {

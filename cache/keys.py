@@ -7,7 +7,7 @@ import json
 import re
 import unicodedata
 
-from hopline.common.v1 import common_pb2
+from hopline.protos.hopline.common.v1 import common_pb2
 
 _SPACE = re.compile(r"\s+")
 

@@ -26,15 +26,15 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
-from hopline.batching import QueueFullError
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
 from hopline.cache.store import CacheStore, CacheStoreError, Entry, MilvusStore, ScopeFilter
-from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
-from hopline.common.v1 import common_pb2
-from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import tracer
+from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.runtime.batching import QueueFullError
+from hopline.runtime.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
 
 log = logging.getLogger("hopline.cache")
 

@@ -26,9 +26,9 @@ from collections.abc import AsyncIterable, Callable
 
 import grpc
 
-from hopline.cache.v1 import cache_pb2
-from hopline.common.v1 import common_pb2
 from hopline.observability import metrics
+from hopline.protos.hopline.cache.v1 import cache_pb2
+from hopline.protos.hopline.common.v1 import common_pb2
 
 log = logging.getLogger("hopline.gateway.exact_tier")
 

@@ -32,16 +32,16 @@ from typing import Any
 import grpc
 import numpy as np
 
-from hopline.client import CACHE_MODES, outcome_name
-from hopline.common.v1 import common_pb2
+from hopline.cli.client import CACHE_MODES, outcome_name
 from hopline.gateway.errors import STATUS_ERRORS, RequestError
 from hopline.gateway.service import GatewayService
 from hopline.gateway.upstream import HopError
-from hopline.gateway.v1 import gateway_pb2
-from hopline.inference.v1 import inference_pb2
-from hopline.kserve.v2 import grpc_predict_v2_pb2 as pb
-from hopline.kserve.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 from hopline.observability.tracing import current_trace_id
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2
+from hopline.protos.hopline.inference.v1 import inference_pb2
+from hopline.protos.hopline.kserve.v2 import grpc_predict_v2_pb2 as pb
+from hopline.protos.hopline.kserve.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 
 SERVER_NAME = "hopline"
 PLATFORM = "hopline"

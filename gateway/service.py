@@ -26,22 +26,28 @@ import grpc
 from opentelemetry import trace
 
 from hopline.cache.keys import exact_key, scope_tuple
-from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
-from hopline.common.v1 import common_pb2
-from hopline.config import DEFAULT_ADDRS, ServerConfig, addr_env, env_field, metrics_port_field
 from hopline.gateway.errors import STATUS_ERRORS, RequestError
 from hopline.gateway.exact_tier import LocalEntry, LocalExactTier
 from hopline.gateway.identity import TenantResolver
 from hopline.gateway.resilience import CircuitBreaker, Coalescer
 from hopline.gateway.streaming import predict_stream
 from hopline.gateway.upstream import HopError, Upstream, call_hop
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
-from hopline.kserve.v2 import grpc_predict_v2_pb2
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import current_trace_id
-from hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
-from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.protos.hopline.kserve.v2 import grpc_predict_v2_pb2
+from hopline.protos.hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
+from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from hopline.runtime.config import (
+    DEFAULT_ADDRS,
+    ServerConfig,
+    addr_env,
+    env_field,
+    metrics_port_field,
+)
 
 log = logging.getLogger("hopline.gateway")
 LOCAL_DETAIL = "answered by the gateway's local exact tier"

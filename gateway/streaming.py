@@ -22,9 +22,9 @@ import grpc
 from opentelemetry.trace import Status, StatusCode
 
 from hopline.gateway.errors import STATUS_ERRORS
-from hopline.gateway.v1 import gateway_pb2
 from hopline.observability import schema
 from hopline.observability.tracing import tracer
+from hopline.protos.hopline.gateway.v1 import gateway_pb2
 
 if TYPE_CHECKING:
     from hopline.gateway.service import GatewayService

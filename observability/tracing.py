@@ -21,8 +21,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from hopline.interceptors import Behaviour, Context, RpcWrapper, StreamBehaviour
 from hopline.observability import metrics, schema
+from hopline.runtime.interceptors import Behaviour, Context, RpcWrapper, StreamBehaviour
 
 log = logging.getLogger("hopline.tracing")
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from mesh import Mesh
+from harness import Mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"

@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 
 from conftest import DEFAULT_MODEL
-from hopline.batching import BatchingPolicy, DynamicBatcher, QueueFullError
-from hopline.common.v1 import common_pb2
-from hopline.inference.backend import OnnxRuntimeBackend
-from hopline.inference.batching import BatchedModel, ModelRequest
-from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from harness import Mesh
 from hopline.model.repository import load_config
 from hopline.model.tokenizer import encode, load_tokenizer
-from hopline.tensors import to_tensor
-from mesh import Mesh
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.runtime.batching import BatchingPolicy, DynamicBatcher, QueueFullError
+from hopline.runtime.tensors import to_tensor
+from hopline.services.inference.backend import OnnxRuntimeBackend
+from hopline.services.inference.batched_model import BatchedModel, ModelRequest
 
 TEXTS = [
     "reset my password",

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mesh import Mesh
+from harness import Mesh
 
 
 def test_bench_writes_every_target_with_the_documented_keys(mesh: Mesh, tmp_path: Path) -> None:

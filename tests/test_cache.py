@@ -18,11 +18,11 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
-from hopline.client import predict
-from hopline.common.v1 import common_pb2
-from hopline.gateway.v1 import gateway_pb2
-from mesh import Mesh
+from harness import Mesh
+from hopline.cli.client import predict
+from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2
 
 EXACT = common_pb2.CACHE_OUTCOME_EXACT
 SEMANTIC = common_pb2.CACHE_OUTCOME_SEMANTIC

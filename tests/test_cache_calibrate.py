@@ -26,7 +26,7 @@ from hopline.cache.calibrate import (
 )
 from hopline.cache.embedder import Embedder
 from hopline.model.build import DEFAULT_TRAIN_FILE, default_weights_dir, load_examples
-from hopline.pipeline import Pipeline
+from hopline.services.pipeline import Pipeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from harness import Mesh, free_port
 from hopline.cache.embedder import embedding_model
 from hopline.model.build import default_weights_dir
-from mesh import Mesh, free_port
 
 
 def serve_cache(uri: str, timeout_s: float = 60.0) -> tuple[int, str, float]:

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from conftest import ROOT
-from mesh import Mesh
+from harness import Mesh
 
 OUTPUT = re.compile(
     r"^label=(?P<label>\S+) score=(?P<score>[0-9.]+) model=(?P<model>\S+)/(?P<version>\S+) "

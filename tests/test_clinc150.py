@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from conftest import CLINC
-from hopline.common.v1 import common_pb2
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from mesh import Mesh
+from harness import Mesh
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

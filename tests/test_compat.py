@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from conftest import ROOT
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from mesh import Mesh
+from harness import Mesh
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 PROTOS = ("protos/hopline/common/v1/common.proto", "protos/hopline/gateway/v1/gateway.proto")
 BUF = ROOT / ".tools/node_modules/.bin/buf"
@@ -77,7 +77,7 @@ def test_a_client_built_from_the_previous_protos_still_works(mesh: Mesh, tmp_pat
     client = textwrap.dedent(
         f"""
         import grpc
-        from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+        from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
         assert gateway_pb2.__file__.startswith({str(stubs)!r}), gateway_pb2.__file__
         with grpc.insecure_channel({mesh.gateway!r}) as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)

@@ -11,9 +11,9 @@ import grpc
 import numpy as np
 
 from conftest import DEFAULT_MODEL
-from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
-from hopline.tensors import to_tensor
-from mesh import NOT_SERVING, SERVING, Mesh, health
+from harness import NOT_SERVING, SERVING, Mesh, health
+from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.runtime.tensors import to_tensor
 
 
 def _request(batch: int, seq: int) -> inference_pb2.InferRequest:

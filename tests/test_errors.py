@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from mesh import SERVING, Mesh, health
+from harness import SERVING, Mesh, health
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 @pytest.fixture(scope="module")

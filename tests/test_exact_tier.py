@@ -7,10 +7,10 @@ import time
 
 import grpc
 
-from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
-from hopline.common.v1 import common_pb2
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from mesh import Mesh
+from harness import Mesh
+from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 LOCAL = "answered by the gateway's local exact tier"
 EXACT = common_pb2.CACHE_OUTCOME_EXACT

@@ -31,10 +31,10 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from conftest import DEFAULT_MODEL
-from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
-from hopline.common.v1 import common_pb2
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from mesh import Mesh
+from harness import Mesh
+from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 TEXTS = [
     "I forgot my password and can't log in",
@@ -404,7 +404,8 @@ OWN_STUBS = textwrap.dedent(
     """
     import json, sys
     import grpc
-    from hopline.kserve.v2 import grpc_predict_v2_pb2 as pb, grpc_predict_v2_pb2_grpc as pb_grpc
+    from hopline.protos.hopline.kserve.v2 import grpc_predict_v2_pb2 as pb
+    from hopline.protos.hopline.kserve.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 
     request = pb.ModelInferRequest(model_name=sys.argv[2])
     tensor = request.inputs.add(name="text", datatype="BYTES", shape=[len(sys.argv) - 3])

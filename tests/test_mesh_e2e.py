@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from mesh import Mesh
+from harness import Mesh
 
 OBVIOUS = {
     "I forgot my password and can't log in": "password_reset",

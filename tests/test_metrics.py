@@ -11,9 +11,9 @@ from prometheus_client.openmetrics.parser import (
 )
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from hopline.client import predict
-from hopline.common.v1 import common_pb2
-from mesh import Mesh
+from harness import Mesh
+from hopline.cli.client import predict
+from hopline.protos.hopline.common.v1 import common_pb2
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 

@@ -7,10 +7,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
-from hopline.tensors import from_tensor, to_tensor
-from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from mesh import Mesh
+from harness import Mesh
+from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from hopline.runtime.tensors import from_tensor, to_tensor
 
 
 def _tokenize(mesh: Mesh, texts: list[str]) -> tokenizer_pb2.TokenizeResponse:

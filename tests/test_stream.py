@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from mesh import NOT_SERVING, Mesh, health
+from harness import NOT_SERVING, Mesh, health
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 OK = grpc.StatusCode.OK.value[0]
 

@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from hopline.common.v1 import common_pb2
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from mesh import Mesh
+from harness import Mesh
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 EXACT = common_pb2.CACHE_OUTCOME_EXACT
 MISS = common_pb2.CACHE_OUTCOME_MISS

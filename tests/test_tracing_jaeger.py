@@ -18,11 +18,11 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL, ROOT
-from hopline.client import predict
-from hopline.common.v1 import common_pb2
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from harness import Mesh, free_port
+from hopline.cli.client import predict
 from hopline.observability.report import Span, build_tree, parse_otlp
-from mesh import Mesh, free_port
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 JAEGER = ROOT / ".tools" / "bin" / "jaeger"
 CONFIG = """

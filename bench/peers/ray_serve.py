@@ -34,12 +34,12 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from hopline.common.v1 import common_pb2
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.model.repository import ModelConfig, ModelRepository
 from hopline.model.session import make_session
 from hopline.model.tokenizer import encode, load_tokenizer
-from hopline.postprocess.logic import predictions
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.services.postprocess.logic import predictions
 
 # Ray reads these when its processes start, so they must be set before `import ray`
 # spawns anything; workers inherit the driver's environment.
@@ -62,7 +62,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ApplicationStatus, LoggingConfig
 
 APP_NAME = "hopline-peer"
-SERVICER = "hopline.gateway.v1.gateway_pb2_grpc.add_GatewayServiceServicer_to_server"
+SERVICER = "hopline.protos.hopline.gateway.v1.gateway_pb2_grpc.add_GatewayServiceServicer_to_server"
 PROBE_TEXT = "I forgot my password"
 # The graceful shutdown Serve gives each replica; its default (20 s) only delays exit here,
 # since nothing long-running is in flight when the harness stops the peer.

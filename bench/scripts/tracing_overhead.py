@@ -29,9 +29,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from hopline.common.v1 import common_pb2
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from hopline.supervisor import free_ports, is_serving
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.launcher import free_ports, is_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("tokenizer", "postprocess", "cache", "inference", "gateway")

@@ -12,12 +12,6 @@ import grpc
 import numpy as np
 from opentelemetry import trace
 
-from hopline.batching import QueueFullError
-from hopline.common.v1 import common_pb2
-from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
-from hopline.inference.backend import Array, create_backend, warm_up
-from hopline.inference.batching import BatchedModel, ModelRequest
-from hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.model.registry import ModelRegistry
 from hopline.model.repository import (
     ModelConfig,
@@ -27,7 +21,13 @@ from hopline.model.repository import (
 )
 from hopline.observability import schema
 from hopline.observability.tracing import tracer
-from hopline.tensors import TensorError, dtype_name, from_tensor, to_tensor
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.runtime.batching import QueueFullError
+from hopline.runtime.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
+from hopline.runtime.tensors import TensorError, dtype_name, from_tensor, to_tensor
+from hopline.services.inference.backend import Array, create_backend, warm_up
+from hopline.services.inference.batched_model import BatchedModel, ModelRequest
 
 log = logging.getLogger("hopline.inference")
 

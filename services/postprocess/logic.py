@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from hopline.common.v1 import common_pb2
 from hopline.model.head import softmax
-from hopline.tensors import to_tensor
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.runtime.tensors import to_tensor
 
 OUT_OF_SCOPE = "out_of_scope"
 

@@ -9,13 +9,13 @@ from typing import cast
 import grpc
 import numpy as np
 
-from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
 from hopline.model.head import F32
 from hopline.model.registry import ModelRegistry
 from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
-from hopline.postprocess.logic import predictions
-from hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
-from hopline.tensors import TensorError, from_tensor
+from hopline.protos.hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
+from hopline.runtime.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
+from hopline.runtime.tensors import TensorError, from_tensor
+from hopline.services.postprocess.logic import predictions
 
 
 @dataclasses.dataclass(frozen=True)

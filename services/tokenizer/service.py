@@ -9,13 +9,13 @@ import grpc
 from opentelemetry import trace
 from tokenizers import Tokenizer
 
-from hopline.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
 from hopline.model.registry import ModelRegistry
 from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.observability import schema
-from hopline.tensors import to_tensor
-from hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from hopline.runtime.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
+from hopline.runtime.tensors import to_tensor
 
 
 @dataclasses.dataclass(frozen=True)

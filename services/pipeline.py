@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from hopline.common.v1 import common_pb2
 from hopline.model.repository import ModelConfig, ModelRepository
 from hopline.model.session import make_session
 from hopline.model.tokenizer import encode, load_tokenizer
-from hopline.postprocess.logic import predictions
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.services.postprocess.logic import predictions
 
 
 class Pipeline:

@@ -13,18 +13,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from hopline.config import ServerConfig
-from hopline.interceptors import (
+from hopline.observability.metrics import start_metrics_server
+from hopline.observability.tracing import ServerTracing, shutdown_tracing
+from hopline.runtime.config import ServerConfig
+from hopline.runtime.interceptors import (
     Behaviour,
     Context,
     RpcWrapper,
     StreamBehaviour,
     WrappingRegistrar,
 )
-from hopline.observability.metrics import start_metrics_server
-from hopline.observability.tracing import ServerTracing, shutdown_tracing
 
-log = logging.getLogger("hopline.server")
+log = logging.getLogger("hopline.runtime.server")
 
 
 class Service(Protocol):
@@ -97,7 +97,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
     server = grpc.aio.server(options=server_options(config.max_message_bytes))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    # Each method's handler is wrapped once here, not per call (see hopline.interceptors).
+    # Each method's handler is wrapped once here, not per call (see hopline.runtime.interceptors).
     registrar = WrappingRegistrar(server, [gate, ServerTracing(config.test_delay_ms)])
     service.register(cast(grpc.aio.Server, registrar))
     reflection.enable_server_reflection(

@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2
 
-from hopline.cache.v1 import cache_pb2, cache_pb2_grpc
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from hopline.supervisor import health_status as health
+from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.launcher import health_status as health
 
 ALL = ("tokenizer", "postprocess", "cache", "inference", "gateway")
 

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hopline.batching import BatchingPolicy
+from hopline.runtime.batching import BatchingPolicy
 
 CONFIG_FILE = "config.json"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")

@@ -13,10 +13,10 @@ from typing import Any
 
 import grpc
 
-from hopline import config as cfg
 from hopline.bench.cli import add_bench_command, run_bench
 from hopline.cache.cli import add_cache_commands, run_cache_command
 from hopline.observability.trace_cli import add_trace_commands, run_trace_command
+from hopline.runtime import config as cfg
 
 SERVICES = ("tokenizer", "cache", "inference", "postprocess", "gateway")
 
@@ -24,7 +24,7 @@ SERVICES = ("tokenizer", "cache", "inference", "postprocess", "gateway")
 def _service_factory(name: str) -> tuple[type[Any], Callable[[Any], Any]]:
     """Import only the service asked for: each process loads what it needs, nothing else."""
     if name == "tokenizer":
-        from hopline.tokenizer.service import TokenizerConfig, TokenizerService
+        from hopline.services.tokenizer.service import TokenizerConfig, TokenizerService
 
         return TokenizerConfig, TokenizerService
     if name == "cache":
@@ -32,11 +32,11 @@ def _service_factory(name: str) -> tuple[type[Any], Callable[[Any], Any]]:
 
         return CacheConfig, CacheService
     if name == "inference":
-        from hopline.inference.service import InferenceConfig, InferenceService
+        from hopline.services.inference.service import InferenceConfig, InferenceService
 
         return InferenceConfig, InferenceService
     if name == "postprocess":
-        from hopline.postprocess.service import PostprocessConfig, PostprocessService
+        from hopline.services.postprocess.service import PostprocessConfig, PostprocessService
 
         return PostprocessConfig, PostprocessService
     from hopline.gateway.service import GatewayConfig, GatewayService
@@ -47,7 +47,7 @@ def _service_factory(name: str) -> tuple[type[Any], Callable[[Any], Any]]:
 def _serve(name: str, argv: Sequence[str]) -> int:
     from hopline.observability.logs import setup_logging
     from hopline.observability.tracing import setup_tracing
-    from hopline.server import serve
+    from hopline.runtime.server import serve
 
     config_cls, service_cls = _service_factory(name)
     config = cfg.load(config_cls, argv, prog=f"hopline serve {name}")
@@ -63,7 +63,7 @@ def _serve(name: str, argv: Sequence[str]) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from hopline.client import predict, to_json
+    from hopline.cli.client import predict, to_json
 
     try:
         response = predict(
@@ -133,7 +133,7 @@ def _model_build(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hopline.supervisor import run_mesh
+    from hopline.runtime.launcher import run_mesh
 
     return run_mesh(Path(args.model_repo), log_format=args.log_format)
 

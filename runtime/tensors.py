@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from hopline.common.v1 import common_pb2
+from hopline.protos.hopline.common.v1 import common_pb2
 
 DataType = common_pb2.DataType
 

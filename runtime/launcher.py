@@ -20,7 +20,7 @@ from types import FrameType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hopline.config import DEFAULT_ADDRS, addr_env
+from hopline.runtime.config import DEFAULT_ADDRS, addr_env
 
 log = logging.getLogger("hopline.run")
 

@@ -16,10 +16,10 @@ from concurrent.futures import Executor
 
 import numpy as np
 
-from hopline.batching import BatchInfo, DynamicBatcher
-from hopline.inference.backend import Array, Backend
 from hopline.model.repository import ModelConfig
 from hopline.observability import metrics
+from hopline.runtime.batching import BatchInfo, DynamicBatcher
+from hopline.services.inference.backend import Array, Backend
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,9 +7,9 @@ from typing import Any
 
 import grpc
 
-from hopline.common.v1 import common_pb2
-from hopline.config import DEFAULT_ADDRS, addr_env
-from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.config import DEFAULT_ADDRS, addr_env
 
 CACHE_MODES = {
     "use": common_pb2.CACHE_MODE_USE,

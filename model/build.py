@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from hopline.batching import DEFAULT_BUCKETS, DEFAULT_MAX_BATCH
 from hopline.model.encoder import ClassifierHead, build_encoder
 from hopline.model.head import (
     calibrate_oos_threshold,
@@ -36,6 +35,7 @@ from hopline.model.repository import (
 )
 from hopline.model.session import embed_texts, make_session
 from hopline.model.tokenizer import DEFAULT_MAX_LENGTH, load_tokenizer
+from hopline.runtime.batching import DEFAULT_BUCKETS, DEFAULT_MAX_BATCH
 
 log = logging.getLogger("hopline.model.build")
 
@@ -257,7 +257,7 @@ def _config(
         ],
         "max_batch_size": 64,
         "max_sequence_length": DEFAULT_MAX_LENGTH,
-        # The inference service's dynamic batcher (hopline.batching); written out in full so
+        # The inference service's dynamic batcher (hopline.runtime.batching); written out in full so
         # an operator sees and tunes it here. Delay 0: nothing waits when the model is idle.
         "dynamic_batching": {
             "max_batch_size": DEFAULT_MAX_BATCH,

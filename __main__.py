@@ -1,0 +1,3 @@
+from hopline.cli.main import main
+
+raise SystemExit(main())

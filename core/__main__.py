@@ -1,3 +1,0 @@
-from hopline.cli import main
-
-raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The three model-path services (tokenizer, inference, postprocess), one folder each."""
