@@ -40,11 +40,13 @@ PROTOC_GEN_GO_GRPC := google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
 CLIENT_BIN := build/clients
 MVN := mvn --batch-mode --quiet -Dmaven.repo.local=$(CURDIR)/.tools/m2
 
-.PHONY: help install protos model run test lint fmt typecheck buf-lint buf-breaking clean jaeger clients bench
+.PHONY: help install protos model run test unit check ruff lint fmt typecheck buf-lint buf-breaking clean jaeger clients bench
 
 help:
 	@echo "make run    start the whole mesh (gateway on 127.0.0.1:8001)"
-	@echo "make test   lint, type-check and run the test suite"
+	@echo "make test   lint (buf too), type-check and run every test (tests/unit and tests/mesh)"
+	@echo "make check  the quick gate: ruff, format check, mypy on the package and the tests"
+	@echo "make unit   the fast lane: tests/unit (no processes, no network; under a minute)"
 	@echo "make protos regenerate the Python stubs from protos/"
 	@echo "make model  build the default model if it is missing"
 	@echo "make clients generate and build the Go, Java and Node clients (clients/)"
@@ -168,21 +170,34 @@ buf-breaking: $(BUF)
 		exit 1; }
 	cd protos && ../$(BUF) breaking --against '../.git#ref=HEAD~1,subdir=protos'
 
-lint: $(STAMPS)/install buf-lint buf-breaking
+ruff: $(STAMPS)/install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+lint: buf-lint buf-breaking ruff
 
 # mypy finds a package by its folder's name; this package's folder is the repository root.
 build/typeroot/hopline:
 	@mkdir -p build/typeroot && ln -sfn $(CURDIR) $@
 
+# The tests are a second run, strict as well: tests/ is no package, so conftest and harness are
+# found on MYPYPATH and a test module is named by its path under tests/ (unit.test_batching).
 typecheck: $(STAMPS)/install build/typeroot/hopline
 	$(BIN)/mypy -p hopline
+	MYPYPATH=tests $(BIN)/mypy --explicit-package-bases tests
+
+# The quick gate before a commit: no buf (installed from npm; `buf breaking` needs history).
+check: ruff typecheck
 
 fmt: $(STAMPS)/install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# The fast lane: tests that start no process and open no socket. tests/mesh runs real services.
+unit: model
+	HOPLINE_MODEL_REPO=$(MODEL_REPO) $(BIN)/pytest tests/unit
+
+# Everything: buf's lint and breaking check, `make check`, then both lanes (the fast one first).
 test: model lint typecheck $(JAEGER) clients
 	HOPLINE_MODEL_REPO=$(MODEL_REPO) $(BIN)/pytest
 

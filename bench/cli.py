@@ -29,7 +29,7 @@ from hopline.bench.targets import (
     Target,
     inprocess_threads,
 )
-from hopline.cli.client import CACHE_MODES, gateway_address
+from hopline.gateway.client import CACHE_MODES, gateway_address
 
 BASELINES = ("echo", "inprocess", "inprocess_batched")
 DESCRIPTION = """\

@@ -28,15 +28,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from hopline.bench.cli import add_bench_command, run_targets
 from hopline.bench.mixes import make_mix
 from hopline.bench.report import ratios
-from hopline.runtime.config import addr_env
-from hopline.runtime.launcher import START_ORDER, free_ports, is_serving, stop_all
+from hopline.runtime.launcher import Mesh, MeshError, free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 GHZ_DEFAULT = ROOT / ".tools" / "bin" / "ghz"
@@ -55,44 +53,6 @@ def _bench_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_bench_command(parser.add_subparsers(dest="command"))
     return parser.parse_args(["bench", *argv])
-
-
-class Mesh:
-    """The five services on free loopback ports, over `model_repo`, with a fresh cache."""
-
-    def __init__(self, model_repo: Path, work: Path) -> None:
-        ports = free_ports(len(START_ORDER))
-        self.addrs = {n: f"127.0.0.1:{p}" for n, p in zip(START_ORDER, ports, strict=True)}
-        self.env = {
-            **os.environ,
-            "HOPLINE_MODEL_REPO": str(model_repo.resolve()),
-            "HOPLINE_CACHE_URI": str(work / "cache.db"),
-            "HOPLINE_METRICS_PORT": "0",
-            "HOPLINE_LOG_FORMAT": "text",
-            **{addr_env(n): a for n, a in self.addrs.items()},
-        }
-        self.log = (work / "mesh.log").open("ab")
-        self.children: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, timeout_s: float = 180.0) -> None:
-        for name in START_ORDER:
-            self.children[name] = subprocess.Popen(
-                [sys.executable, "-m", "hopline", "serve", name],
-                env=self.env,
-                stdout=self.log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + timeout_s
-        while not all(is_serving(a) for a in self.addrs.values()):
-            dead = {n: p.returncode for n, p in self.children.items() if p.poll() is not None}
-            if dead or time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit(f"mesh did not start (exited: {dead}); see {self.log.name}")
-            time.sleep(0.3)
-
-    def stop(self) -> None:
-        stop_all(self.children)
-        self.log.close()
 
 
 def bench(*argv: str) -> dict[str, Any]:
@@ -209,8 +169,12 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     }
     sc = doc["scenarios"]
     work = Path(tempfile.mkdtemp(prefix="hopline-bench-"))
-    mesh = Mesh(args.model_repo, work)
-    mesh.start()
+    # Metrics stay on (free ports): the mesh measured is the one operators run.
+    mesh = Mesh.on_free_ports(args.model_repo, work)
+    try:
+        mesh.start(timeout_s=180.0)
+    except MeshError as exc:
+        raise SystemExit(f"mesh did not start; logs in {work}: {exc}") from exc
     gw = mesh.addrs["gateway"]
     try:
         sc["miss_c1"] = bench(

@@ -135,9 +135,9 @@ def _model_args(parser: argparse.ArgumentParser, prefix: str) -> None:
 
 def _eval(args: argparse.Namespace) -> int:
     from hopline.cache.evaluate import markdown, run
-    from hopline.cli.client import gateway_address
+    from hopline.gateway.client import gateway_address
     from hopline.model.repository import ModelRepository
-    from hopline.runtime.config import DEFAULT_ADDRS, addr_env
+    from hopline.runtime.service_table import spec
 
     resolved = ModelRepository(args.model_repo).resolve(args.model, args.model_version)
     policy = resolved.cache
@@ -148,7 +148,7 @@ def _eval(args: argparse.Namespace) -> int:
     report = run(
         args.clinc,
         gateway=gateway_address(args.gateway),
-        cache=args.cache or os.environ.get(addr_env("cache")) or DEFAULT_ADDRS["cache"],
+        cache=args.cache or spec("cache").address(),
         model=args.model,
         model_version=resolved.version,
         policy=policy,

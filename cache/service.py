@@ -34,7 +34,7 @@ from hopline.observability.tracing import tracer
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.runtime.batching import QueueFullError
-from hopline.runtime.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
+from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
 
 log = logging.getLogger("hopline.cache")
 
@@ -45,7 +45,7 @@ WATCH_QUEUE = 1024  # invalidation events a watcher may fall behind before its s
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig(ServerConfig):
-    listen: str = env_field("HOPLINE_CACHE_ADDR", DEFAULT_ADDRS["cache"], "address to bind")
+    listen: str = listen_field("cache")
     metrics_port: int = metrics_port_field("cache")
     uri: str = env_field(
         "HOPLINE_CACHE_URI",

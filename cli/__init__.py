@@ -1,1 +1,1 @@
-"""The `hopline` command and the small Python client it uses; sits above everything else."""
+"""The `hopline` command; it sits above everything else and imports each tool only when run."""

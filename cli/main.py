@@ -7,41 +7,15 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import grpc
 
-from hopline.bench.cli import add_bench_command, run_bench
-from hopline.cache.cli import add_cache_commands, run_cache_command
-from hopline.observability.trace_cli import add_trace_commands, run_trace_command
 from hopline.runtime import config as cfg
+from hopline.runtime.service_table import SERVICES, spec
 
-SERVICES = ("tokenizer", "cache", "inference", "postprocess", "gateway")
-
-
-def _service_factory(name: str) -> tuple[type[Any], Callable[[Any], Any]]:
-    """Import only the service asked for: each process loads what it needs, nothing else."""
-    if name == "tokenizer":
-        from hopline.services.tokenizer.service import TokenizerConfig, TokenizerService
-
-        return TokenizerConfig, TokenizerService
-    if name == "cache":
-        from hopline.cache.service import CacheConfig, CacheService
-
-        return CacheConfig, CacheService
-    if name == "inference":
-        from hopline.services.inference.service import InferenceConfig, InferenceService
-
-        return InferenceConfig, InferenceService
-    if name == "postprocess":
-        from hopline.services.postprocess.service import PostprocessConfig, PostprocessService
-
-        return PostprocessConfig, PostprocessService
-    from hopline.gateway.service import GatewayConfig, GatewayService
-
-    return GatewayConfig, GatewayService
+SERVICE_NAMES = tuple(s.name for s in SERVICES)
 
 
 def _serve(name: str, argv: Sequence[str]) -> int:
@@ -49,7 +23,8 @@ def _serve(name: str, argv: Sequence[str]) -> int:
     from hopline.observability.tracing import setup_tracing
     from hopline.runtime.server import serve
 
-    config_cls, service_cls = _service_factory(name)
+    # Only this service's module is imported: `serve gateway` loads no ONNX Runtime or Milvus.
+    config_cls, service_cls = spec(name).load()
     config = cfg.load(config_cls, argv, prog=f"hopline serve {name}")
     setup_logging(name, config.log_level, config.log_format)
     setup_tracing(name)
@@ -63,7 +38,7 @@ def _serve(name: str, argv: Sequence[str]) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from hopline.cli.client import predict, to_json
+    from hopline.gateway.client import predict, to_json
 
     try:
         response = predict(
@@ -133,7 +108,7 @@ def _model_build(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hopline.runtime.launcher import run_mesh
+    from hopline.cli.run import run_mesh
 
     return run_mesh(Path(args.model_repo), log_format=args.log_format)
 
@@ -143,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run one service (see `hopline serve NAME --help`)")
-    serve.add_argument("service", choices=SERVICES)
+    serve.add_argument("service", choices=SERVICE_NAMES)
 
     run = sub.add_parser("run", help="start all five services locally, stop them on Ctrl-C")
     run.add_argument("--model-repo", default="models")
@@ -153,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("text")
     pred.add_argument(
         "--gateway",
-        help=f"gateway address [env HOPLINE_GATEWAY_ADDR; default {cfg.DEFAULT_ADDRS['gateway']}]",
+        help=f"gateway address [env HOPLINE_GATEWAY_ADDR; default {spec('gateway').default_addr}]",
     )
     pred.add_argument("--tenant", default="")
     pred.add_argument("--model", default="")
@@ -199,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
         "of cache-induced errors; 0 otherwise)",
     )
 
+    # Imported here, not at the top: `hopline serve NAME` never builds this parser, so a
+    # service process loads none of the tools' dependencies.
+    from hopline.bench.cli import add_bench_command
+    from hopline.cache.cli import add_cache_commands
+    from hopline.observability.trace_cli import add_trace_commands
+
     add_cache_commands(sub)
     add_trace_commands(sub)
     add_bench_command(sub)
@@ -208,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `serve NAME` hands the rest of the line to the service's own config parser.
-    if len(argv) >= 2 and argv[0] == "serve" and argv[1] in SERVICES:
+    if len(argv) >= 2 and argv[0] == "serve" and argv[1] in SERVICE_NAMES:
         return _serve(argv[1], argv[2:])
     args = build_parser().parse_args(argv)
     if args.command == "predict":
@@ -218,10 +199,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run":
         return _run(args)
     if args.command == "cache":
+        from hopline.cache.cli import run_cache_command
+
         return run_cache_command(args)
     if args.command == "trace":
+        from hopline.observability.trace_cli import run_trace_command
+
         return run_trace_command(args)
     if args.command == "bench":
+        from hopline.bench.cli import run_bench
+
         return run_bench(args)
     build_parser().parse_args([args.command, "--help"])
     return 2

@@ -39,8 +39,7 @@ ATTRIBUTES: dict[str, str] = {
     BATCH_SIZE: "texts in the model or embedder run",
     TOKENS: "tokens of the request's texts before padding",
     HOP: "the upstream service a gateway client span calls",
-    DELAY_MS: "test-only delay injected into this RPC (HOPLINE_TEST_DELAY_MS, or "
-    "HOPLINE_INFERENCE_TEST_DELAY_MS before the model run)",
+    DELAY_MS: "test-only delay injected into this RPC (HOPLINE_TEST_DELAY_MS)",
     STREAM_MESSAGES_SENT: "responses a streaming RPC sent before it ended (on its server span)",
     STREAM_MESSAGE_ID: "the client's id of one message on a stream (PredictStreamRequest.id)",
 }

@@ -12,6 +12,8 @@ import os
 from collections.abc import Sequence
 from typing import Any, TypeVar, get_type_hints
 
+from hopline.runtime.service_table import spec
+
 T = TypeVar("T")
 
 
@@ -83,37 +85,25 @@ def describe(cls: type[Any]) -> list[tuple[str, str, str, str]]:
     ]
 
 
-# Where each service listens and where the gateway dials it, unless HOPLINE_<NAME>_ADDR says
-# otherwise. 8001 is Triton's gRPC port, so KServe clients' defaults reach the gateway.
-DEFAULT_ADDRS = {
-    "gateway": "127.0.0.1:8001",
-    "tokenizer": "127.0.0.1:8011",
-    "cache": "127.0.0.1:8012",
-    "inference": "127.0.0.1:8013",
-    "postprocess": "127.0.0.1:8014",
-}
+# Addresses and ports come from the service table, their one source.
+def listen_field(service: str) -> Any:
+    """The address a service binds: its HOPLINE_<NAME>_ADDR, which the gateway also dials."""
+    row = spec(service)
+    return env_field(row.addr_env, row.default_addr, "address to bind")
 
 
-# Prometheus endpoints, beside each service's gRPC port (8002 is Triton's metrics port).
-DEFAULT_METRICS_PORTS = {
-    "gateway": 8002,
-    "tokenizer": 8021,
-    "cache": 8022,
-    "inference": 8023,
-    "postprocess": 8024,
-}
+def upstream_field(service: str) -> Any:
+    """Where a caller dials `service`: the same variable and default the service binds."""
+    row = spec(service)
+    return env_field(row.addr_env, row.default_addr, f"where the {service} listens")
 
 
 def metrics_port_field(service: str) -> Any:
     return env_field(
         "HOPLINE_METRICS_PORT",
-        DEFAULT_METRICS_PORTS[service],
+        spec(service).metrics_port,
         "port of the Prometheus /metrics endpoint (0: none)",
     )
-
-
-def addr_env(service: str) -> str:
-    return f"HOPLINE_{service.upper()}_ADDR"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,11 @@
-"""`hopline run` (what `make run` calls): the five services as child processes.
+"""The one launcher of a mesh of processes: `hopline run`, the tests and the bench suite use it.
 
-Children get SIGTERM when we stop (and, through PR_SET_PDEATHSIG, when we die without a
-chance to clean up), so Ctrl-C never leaves orphans holding the ports.
+Each service is `python -m hopline serve NAME` in its own process group, told where every
+service listens through the HOPLINE_<NAME>_ADDR variables the service table names. With
+`die_with_parent`, children get SIGTERM when the launcher dies without a chance to clean up
+(PR_SET_PDEATHSIG), so a killed `hopline run` never leaves orphans holding the ports; it
+runs code between fork and exec, which is unsafe in a process with threads (a test runner
+with gRPC channels open), so only the single-threaded `hopline run` turns it on.
 """
 
 from __future__ import annotations
@@ -14,44 +18,46 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from types import FrameType
+from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hopline.runtime.config import DEFAULT_ADDRS, addr_env
+from hopline.runtime.service_table import SERVICES, ServiceName, spec
 
-log = logging.getLogger("hopline.run")
+log = logging.getLogger("hopline.launcher")
 
-# Gateway last: it waits for inference anyway, but starting it last keeps the logs readable.
-START_ORDER = ("tokenizer", "postprocess", "cache", "inference", "gateway")
-STOP_TIMEOUT_S = 8.0
+ALL: tuple[ServiceName, ...] = tuple(s.name for s in SERVICES)
+SERVING = int(health_pb2.HealthCheckResponse.SERVING)
+STOP_TIMEOUT_S = 15.0
 
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+_handed_out: set[int] = set()
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports free right now on `host`.
+    """`count` distinct ports free now on `host`, none handed out before by this process.
 
-    All probe sockets stay open until every port is chosen: probing one at a time lets the
-    kernel hand back a port it gave a moment ago, and two servers told the same port fail.
+    All probe sockets stay open until every port is chosen, and ports handed out earlier are
+    skipped: the kernel may give back a port it gave a moment ago, and two servers told the
+    same port either fail or, worse, split one port's traffic.
     """
-    probes = [socket.socket() for _ in range(count)]
+    ports: list[int] = []
+    probes: list[socket.socket] = []
     try:
-        for probe in probes:
+        while len(ports) < count:
+            probe = socket.socket()
+            probes.append(probe)
             probe.bind((host, 0))
-        return [int(probe.getsockname()[1]) for probe in probes]
+            port = int(probe.getsockname()[1])
+            if port not in _handed_out:
+                _handed_out.add(port)
+                ports.append(port)
+        return ports
     finally:
         for probe in probes:
             probe.close()
-
-
-def address(service: str) -> str:
-    return os.environ.get(addr_env(service), DEFAULT_ADDRS[service])
 
 
 def health_status(target: str, timeout_s: float = 1.0) -> int | None:
@@ -67,81 +73,154 @@ def health_status(target: str, timeout_s: float = 1.0) -> int | None:
 
 
 def is_serving(target: str, timeout_s: float = 1.0) -> bool:
-    return health_status(target, timeout_s) == int(health_pb2.HealthCheckResponse.SERVING)
+    return health_status(target, timeout_s) == SERVING
 
 
-def start_service(
-    name: str, env: dict[str, str], extra: list[str] | None = None
-) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "hopline", "serve", name, *(extra or [])],
-        env=env,
-        preexec_fn=_die_with_parent,
-        process_group=0,  # Ctrl-C reaches only us; we stop the children in order.
-    )
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def stop_all(
-    children: dict[str, subprocess.Popen[bytes]], timeout_s: float = STOP_TIMEOUT_S
-) -> None:
-    for proc in children.values():
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for name, proc in children.items():
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("did not drain in time; killing", extra={"service": name})
-            proc.kill()
-            proc.wait()
+class MeshError(RuntimeError):
+    """A service exited or did not become SERVING; the message carries its log's tail."""
 
 
-def run_mesh(model_repo: Path, log_format: str = "text", ready_timeout_s: float = 180.0) -> int:
-    from hopline.observability.logs import setup_logging
+class Mesh:
+    """hopline services as child processes, each on the address the table (or `addrs`) gives.
 
-    setup_logging("run", "info", log_format)
-    if not model_repo.is_dir():
-        log.error("no model repository; run `make model`", extra={"path": str(model_repo)})
-        return 2
-    env = dict(
-        os.environ, HOPLINE_MODEL_REPO=str(model_repo.resolve()), HOPLINE_LOG_FORMAT=log_format
-    )
-    stopping = False
+    `env` goes to every service, `service_env[NAME]` to one. With `log_dir`, each service
+    writes `<log_dir>/<name>.log`; without it, children share this process's stdout.
+    """
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        stopping = True
+    def __init__(
+        self,
+        model_repo: Path,
+        *,
+        addrs: Mapping[str, str] | None = None,
+        metrics_ports: Mapping[str, int] | None = None,
+        env: Mapping[str, str] | None = None,
+        service_env: Mapping[str, Mapping[str, str]] | None = None,
+        log_dir: Path | None = None,
+        die_with_parent: bool = False,
+    ) -> None:
+        self.repo = model_repo
+        self.log_dir = log_dir
+        self.die_with_parent = die_with_parent
+        self.service_env = {name: dict(values) for name, values in (service_env or {}).items()}
+        self.env = {**os.environ, **(env or {}), "HOPLINE_MODEL_REPO": str(model_repo.resolve())}
+        self.addrs = {s.name: s.address(self.env) for s in SERVICES} | dict(addrs or {})
+        self.metrics_ports = dict(metrics_ports or {})
+        for name, addr in self.addrs.items():
+            self.env[spec(name).addr_env] = addr
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    children = {name: start_service(name, env) for name in START_ORDER}
-    gateway = address("gateway")
-    try:
-        deadline = time.monotonic() + ready_timeout_s
-        while not stopping and not is_serving(gateway):
-            dead = {n: p.returncode for n, p in children.items() if p.poll() is not None}
-            if dead:
-                log.error("service exited during start-up", extra={"exit_codes": dead})
-                return 1
+    @classmethod
+    def on_free_ports(
+        cls,
+        model_repo: Path,
+        workdir: Path,
+        *,
+        addrs: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
+        service_env: Mapping[str, Mapping[str, str]] | None = None,
+    ) -> Mesh:
+        """A mesh beside any other: free loopback ports for gRPC and /metrics, its own
+        milvus-lite file (one process per database file) and its logs in `workdir`."""
+        ports = iter(free_ports(2 * len(ALL)))
+        return cls(
+            model_repo,
+            addrs={name: f"127.0.0.1:{next(ports)}" for name in ALL} | dict(addrs or {}),
+            metrics_ports={name: next(ports) for name in ALL},
+            env={"HOPLINE_CACHE_URI": str(workdir / "cache.db"), **(env or {})},
+            service_env=service_env,
+            log_dir=workdir,
+        )
+
+    @property
+    def gateway(self) -> str:
+        return self.addrs[ServiceName.GATEWAY]
+
+    def service_env_value(self, service: str, name: str) -> str | None:
+        """What `name` is in `service`'s environment."""
+        return self.service_env.get(service, {}).get(name, self.env.get(name))
+
+    def log(self, name: str) -> str:
+        """The service's log so far ('' when it shares our stdout)."""
+        if self.log_dir is None:
+            return ""
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def spawn(self, names: Iterable[str] = ALL) -> None:
+        """Start the processes without waiting for them to serve."""
+        for name in names:
+            env = dict(self.env)
+            if name in self.metrics_ports:
+                env["HOPLINE_METRICS_PORT"] = str(self.metrics_ports[name])
+            env |= self.service_env.get(name, {})
+            out: IO[bytes] | None = None
+            if self.log_dir is not None:
+                out = (self.log_dir / f"{name}.log").open("ab")
+            try:
+                self.procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "hopline", "serve", name],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out else None,
+                    preexec_fn=_die_with_parent if self.die_with_parent else None,
+                    process_group=0,  # a Ctrl-C reaches the launcher, which stops them in order
+                )
+            finally:
+                if out is not None:
+                    out.close()  # the child holds its own descriptor
+
+    def exited(self) -> dict[str, int]:
+        """Exit codes of the services that are no longer running."""
+        return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+
+    def wait_serving(self, name: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while health_status(self.addrs[name]) != SERVING:
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                raise MeshError(f"{name} exited {proc.returncode}:\n{self.log(name)[-4000:]}")
             if time.monotonic() > deadline:
-                log.error("gateway not SERVING in time", extra={"timeout_s": ready_timeout_s})
-                return 1
-            time.sleep(0.3)
-        if not stopping:
-            sys.stdout.write(
-                f"\nhopline is up: gateway SERVING on {gateway}\n"
-                f'  try: .venv/bin/hopline predict "I forgot my password"\n'
-                f"  stop: Ctrl-C\n\n"
-            )
-            sys.stdout.flush()
-        while not stopping:
-            dead = {n: p.returncode for n, p in children.items() if p.poll() is not None}
-            if dead:
-                log.error("service exited; stopping the mesh", extra={"exit_codes": dead})
-                return 1
-            time.sleep(0.3)
-        return 0
-    finally:
-        log.info("stopping the mesh")
-        stop_all(children)
+                raise MeshError(
+                    f"{name} not SERVING after {timeout_s:.0f} s:\n{self.log(name)[-4000:]}"
+                )
+            time.sleep(0.2)
+
+    def start(self, names: Iterable[str] = ALL, timeout_s: float = 120.0) -> Mesh:
+        """Spawn `names` and wait until each is SERVING; on failure stop them all."""
+        names = tuple(names)
+        self.spawn(names)
+        try:
+            for name in names:
+                self.wait_serving(name, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def terminate(self, name: str, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout=timeout_s)
+
+    def kill(self, name: str) -> None:
+        self.procs[name].kill()
+        self.procs[name].wait()
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM to every service (each drains), SIGKILL to any still running after."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("did not drain in time; killing", extra={"service": name})
+                proc.kill()
+                proc.wait()

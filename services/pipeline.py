@@ -1,8 +1,8 @@
 """Tokenizer, model and postprocessing of one model version, called in one process.
 
 The same code the services run, without the hops: the reference for what the mesh must
-answer (cache calibration labels pairs with it) and the in-process baseline the mesh's
-latency is measured against.
+answer (`hopline cache calibrate` and `eval` label pairs with it). `hopline bench`'s
+in-process baselines are bench/targets.py's own (threaded, and through the batcher).
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
+"""Fixtures and helpers shared by both lanes: tests/unit (no processes, no network) and
+tests/mesh (real service processes). `pythonpath = ["tests"]` in pyproject.toml makes this
+module and harness.py importable from either folder as `conftest` and `harness`."""
+
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +51,116 @@ def mesh(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield m.start()
     finally:
         m.stop()
+
+
+# --- helpers for tests split between the lanes ---------------------------------------------
+
+# Support texts of many lengths: the batcher's tests (unit) and the inference service's
+# queue bound (mesh).
+BATCH_TEXTS = [
+    "reset my password",
+    "I was charged twice for the same order and want the second payment refunded please",
+    "where is my parcel",
+    "cancel",
+    "can you tell me how to change the delivery address on an order that already shipped",
+    "hi",
+    "my card was declined at checkout even though it has money on it",
+    "talk to a human",
+    "the app crashes every time I open the settings page on my phone",
+    "update billing info",
+    "what are your opening hours on public holidays",
+    "delete my account and all of my data",
+]
+
+
+def false_hit_rate(sims: Sequence[float], same: Sequence[bool], t: float) -> tuple[int, int]:
+    """(hits, false hits) at threshold t, counted the slow, obvious way."""
+    hits = [s for s, ok in zip(sims, same, strict=True) if s >= t]
+    wrong = [s for s, ok in zip(sims, same, strict=True) if s >= t and not ok]
+    return len(hits), len(wrong)
+
+
+def check_conservative(
+    sims: Sequence[float], same: Sequence[bool], t: float, target: float, min_hits: int = 1
+) -> None:
+    """A calibrated threshold t meets the target, as does every higher one with min_hits
+    hits, and the next lower one does not (so t is the lowest that does)."""
+    hits, wrong = false_hit_rate(sims, same, t)
+    assert hits > 0
+    assert wrong / hits <= target
+    for u in sorted({s for s in sims if s > t}):
+        h, w = false_hit_rate(sims, same, u)
+        if h >= min_hits:
+            assert w / h <= target, f"threshold {u} above the chosen {t} misses the target"
+    lower = [s for s in sims if s < t]
+    if lower:
+        h, w = false_hit_rate(sims, same, max(lower))
+        assert w / h > target, "the next lower threshold also meets the target: not the lowest"
+
+
+# Hand-made OTLP JSON for `hopline trace report`: its analysis (unit) and its CLI (mesh).
+MS = 1_000_000
+PREDICT = "hopline.gateway.v1.GatewayService/Predict"
+STATS = "hopline.gateway.v1.GatewayService/GetStats"
+T0 = 1_700_000_000_000_000_000
+
+
+def otlp_span(
+    trace: str, sid: int, parent: int, name: str, kind: int, start_ms: float, end_ms: float
+) -> dict[str, Any]:
+    return {
+        "traceId": trace,
+        "spanId": f"{sid:016x}",
+        "parentSpanId": f"{parent:016x}" if parent else "",
+        "name": name,
+        "kind": kind,
+        "startTimeUnixNano": str(T0 + round(start_ms * MS)),
+        "endTimeUnixNano": str(T0 + round(end_ms * MS)),
+    }
+
+
+def otlp_resource(service: str, spans: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": service}}]},
+        "scopeSpans": [{"spans": spans}],
+    }
+
+
+def otlp_request(trace: str, inference_ms: float = 8.0) -> dict[str, Any]:
+    """A miss: tokenize and the cache lookup together, then inference (slow or not), then
+    postprocess, then 2 ms of the gateway's own work."""
+    span, resource = otlp_span, otlp_resource
+    inf_end = 21 + inference_ms
+    return {
+        "resourceSpans": [
+            resource(
+                "gateway",
+                [
+                    span(trace, 1, 0, PREDICT, 2, 0, inf_end + 7),
+                    span(trace, 2, 1, "tokenize", 3, 0, 5),
+                    span(trace, 3, 1, "cache_lookup", 3, 0, 20),
+                    span(trace, 4, 1, "inference", 3, 20, inf_end + 1),
+                    span(trace, 5, 1, "postprocess", 3, inf_end + 1, inf_end + 5),
+                ],
+            ),
+            resource("tokenizer", [span(trace, 6, 2, "Tokenize", 2, 1, 4)]),
+            resource(
+                "cache",
+                [
+                    span(trace, 7, 3, "Lookup", 2, 1, 19),
+                    span(trace, 8, 7, "cache.search", 1, 10, 18),
+                ],
+            ),
+            resource(
+                "inference",
+                [
+                    span(trace, 9, 4, "Infer", 2, 21, inf_end),
+                    span(trace, 10, 9, "inference.queue", 1, 21, 22),
+                    span(trace, 11, 9, "inference.run", 1, 22, inf_end),
+                ],
+            ),
+            resource(
+                "postprocess", [span(trace, 12, 5, "Postprocess", 2, inf_end + 2, inf_end + 4)]
+            ),
+        ]
+    }

@@ -1,13 +1,10 @@
-"""Start real hopline service processes on free loopback ports, for tests."""
+"""The mesh launcher (hopline.runtime.launcher) with what tests add: free ports and a work
+folder per mesh, quick start-up settings, and reads of the gateway's and cache's state."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import grpc
@@ -15,34 +12,27 @@ from grpc_health.v1 import health_pb2
 
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime import launcher
+from hopline.runtime.launcher import ALL, free_ports
 from hopline.runtime.launcher import health_status as health
 
-ALL = ("tokenizer", "postprocess", "cache", "inference", "gateway")
-
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port free now and never handed out before in this test session.
-
-    The kernel may return a port it gave us a moment ago once that probe socket is closed;
-    two services told the same port would both fail or, worse, split one port's traffic.
-    """
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
-
+__all__ = ["ALL", "NOT_SERVING", "SERVING", "Mesh", "free_port", "health"]
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
+# Drain quickly (tests stop many meshes) and log for people reading a failure.
+TEST_DEFAULTS = {"HOPLINE_LOG_FORMAT": "text", "HOPLINE_DRAIN_DELAY_S": "0.2"}
 
-class Mesh:
+
+def free_port() -> int:
+    """A loopback port free now and never handed out before in this test session."""
+    return free_ports(1)[0]
+
+
+class Mesh(launcher.Mesh):
+    """Services on free loopback ports over `repo`, each logging to `workdir/<name>.log`."""
+
     def __init__(
         self,
         repo: Path,
@@ -51,45 +41,27 @@ class Mesh:
         addrs: dict[str, str] | None = None,
         **env: str,
     ) -> None:
-        self.service_env = service_env or {}
-        self.repo = repo
-        self.workdir = workdir
         # `addrs` overrides some, e.g. unix:PATH sockets for co-located services.
-        self.addrs = {name: f"127.0.0.1:{free_port()}" for name in ALL} | (addrs or {})
-        # Each service's /metrics on its own free port: the defaults would collide with a
-        # `make run` on the same machine and with other meshes of the test session.
-        self.metrics_ports = {name: free_port() for name in ALL}
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        defaults = {
-            "HOPLINE_LOG_FORMAT": "text",
-            "HOPLINE_DRAIN_DELAY_S": "0.2",
-            # Each mesh gets its own milvus-lite file: one process per database file.
-            "HOPLINE_CACHE_URI": str(workdir / "cache.db"),
-        }
-        self.env = {**os.environ, **defaults, "HOPLINE_MODEL_REPO": str(repo), **env}
-        for name, addr in self.addrs.items():
-            self.env[f"HOPLINE_{name.upper()}_ADDR"] = addr
+        ports = iter(free_ports(2 * len(ALL)))
+        super().__init__(
+            repo,
+            addrs={name: f"127.0.0.1:{next(ports)}" for name in ALL} | (addrs or {}),
+            # Each service's /metrics on its own port: the defaults would collide with a
+            # `make run` on this machine and with the test session's other meshes.
+            metrics_ports={name: next(ports) for name in ALL},
+            env={**TEST_DEFAULTS, "HOPLINE_CACHE_URI": str(workdir / "cache.db"), **env},
+            service_env=service_env,
+            log_dir=workdir,
+        )
+        self.workdir = workdir
 
-    @property
-    def gateway(self) -> str:
-        return self.addrs["gateway"]
-
-    def log(self, name: str) -> str:
-        path = self.workdir / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def start(self, names: tuple[str, ...] = ALL, timeout_s: float = 120.0) -> Mesh:
-        self.spawn(names)
-        for name in names:
-            self.wait_serving(name, timeout_s)
-        if {"gateway", "cache"} <= set(names) and self._env(
-            "gateway", "HOPLINE_GATEWAY_EXACT_ENTRIES"
-        ) != "0":
+    def start(self, names: Iterable[str] = ALL, timeout_s: float = 120.0) -> Mesh:
+        names = tuple(names)
+        super().start(names, timeout_s)
+        local_tier = self.service_env_value("gateway", "HOPLINE_GATEWAY_EXACT_ENTRIES") != "0"
+        if {"gateway", "cache"} <= set(names) and local_tier:
             self.wait_local_tier(timeout_s)
         return self
-
-    def _env(self, service: str, name: str) -> str | None:
-        return self.service_env.get(service, {}).get(name, self.env.get(name))
 
     def wait_local_tier(self, timeout_s: float = 120.0) -> None:
         """Until the gateway's local exact tier is live (its watch on the cache connected).
@@ -102,31 +74,6 @@ class Mesh:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"gateway exact tier not live:\n{self.log('gateway')}")
             time.sleep(0.05)
-
-    def spawn(self, names: tuple[str, ...]) -> None:
-        """Start the processes without waiting for them to serve."""
-        for name in names:
-            with (self.workdir / f"{name}.log").open("ab") as out:
-                self.procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "hopline", "serve", name],
-                    env={
-                        **self.env,
-                        "HOPLINE_METRICS_PORT": str(self.metrics_ports[name]),
-                        **self.service_env.get(name, {}),
-                    },
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                )
-
-    def wait_serving(self, name: str, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while health(self.addrs[name]) != SERVING:
-            proc = self.procs[name]
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited {proc.returncode}:\n{self.log(name)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} not SERVING after {timeout_s}s:\n{self.log(name)}")
-            time.sleep(0.2)
 
     def gateway_counters(self) -> dict[str, int | str]:
         """The gateway's GetStats counters, plus its cache circuit state as `circuit`."""
@@ -156,23 +103,3 @@ class Mesh:
                 return
             time.sleep(0.05)
         raise AssertionError(f"cache stores did not land within {timeout_s} s")
-
-    def terminate(self, name: str, timeout_s: float = 15.0) -> int:
-        proc = self.procs[name]
-        proc.send_signal(signal.SIGTERM)
-        return proc.wait(timeout=timeout_s)
-
-    def kill(self, name: str) -> None:
-        self.procs[name].kill()
-        self.procs[name].wait()
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()

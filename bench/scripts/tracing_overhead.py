@@ -18,9 +18,7 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -31,10 +29,9 @@ import numpy as np
 
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from hopline.runtime.launcher import free_ports, is_serving
+from hopline.runtime.launcher import Mesh, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = ("tokenizer", "postprocess", "cache", "inference", "gateway")
 JAEGER_CONFIG = """
 service:
   extensions: [jaeger_storage, jaeger_query]
@@ -57,50 +54,16 @@ exporters:
 """
 
 
-def start_mesh(
-    repo: Path, work: Path, extra: dict[str, str]
-) -> tuple[list[subprocess.Popen[bytes]], str]:
-    addrs = {
-        name: f"127.0.0.1:{port}"
-        for name, port in zip(SERVICES, free_ports(len(SERVICES)), strict=True)
-    }
-    env = {
-        **os.environ,
-        "HOPLINE_MODEL_REPO": str(repo),
-        "HOPLINE_CACHE_URI": str(work / "cache.db"),
-        "HOPLINE_METRICS_PORT": "0",
-        "HOPLINE_LOG_LEVEL": "warning",
-        **{f"HOPLINE_{n.upper()}_ADDR": a for n, a in addrs.items()},
-        **extra,
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "hopline", "serve", name],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=(work / f"{name}.log").open("ab"),
-        )
-        for name in SERVICES
-    ]
-    deadline = time.monotonic() + 180
-    while not all(is_serving(a) for a in addrs.values()):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"mesh did not come up; logs in {work}")
-        time.sleep(0.3)
-    return procs, addrs["gateway"]
+def start_mesh(repo: Path, work: Path, extra: dict[str, str]) -> Mesh:
+    return Mesh.on_free_ports(repo, work, env={"HOPLINE_LOG_LEVEL": "warning", **extra}).start(
+        timeout_s=180.0
+    )
 
 
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds the process has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        p.send_signal(signal.SIGTERM)
-    for p in procs:
-        p.wait(timeout=30)
 
 
 async def load(gateway: str, concurrency: int, duration_s: float, salt: str) -> list[float]:
@@ -178,7 +141,8 @@ def main() -> None:
                 )
                 run_dir = work / f"{variant}{rnd}"
                 run_dir.mkdir()
-                procs, gateway = start_mesh(args.model_repo, run_dir, extra)
+                mesh = start_mesh(args.model_repo, run_dir, extra)
+                gateway, procs = mesh.gateway, list(mesh.procs.values())
                 try:
                     asyncio.run(load(gateway, args.concurrency, args.warmup, f"w{rnd}{variant}"))
                     mesh_before = sum(cpu_s(p.pid) for p in procs)
@@ -189,7 +153,7 @@ def main() -> None:
                     mesh_cpu = sum(cpu_s(p.pid) for p in procs) - mesh_before
                     jaeger_cpu = cpu_s(jaeger.pid) - jaeger_before
                 finally:
-                    stop(procs)
+                    mesh.stop(30.0)
                 a = np.array(lat)
                 row = {
                     "throughput_rps": len(a) / args.duration,

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from opentelemetry import trace
 
 from hopline.model.registry import ModelRegistry
 from hopline.model.repository import (
@@ -24,7 +23,7 @@ from hopline.observability.tracing import tracer
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.runtime.batching import QueueFullError
-from hopline.runtime.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
+from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
 from hopline.runtime.tensors import TensorError, dtype_name, from_tensor, to_tensor
 from hopline.services.inference.backend import Array, create_backend, warm_up
 from hopline.services.inference.batched_model import BatchedModel, ModelRequest
@@ -34,12 +33,12 @@ log = logging.getLogger("hopline.inference")
 
 @dataclasses.dataclass(frozen=True)
 class InferenceConfig(ServerConfig):
-    listen: str = env_field("HOPLINE_INFERENCE_ADDR", DEFAULT_ADDRS["inference"], "address to bind")
+    listen: str = listen_field("inference")
     metrics_port: int = metrics_port_field("inference")
     model_repo: str = env_field("HOPLINE_MODEL_REPO", "models", "model repository directory")
-    # Measured through the mesh on 2 cores (bench/mesh_vs_inprocess.py): the inference hop's
-    # p50 was 4.5 ms with threads=0/workers=1 and 7.0 ms with threads=1, so all cores per run
-    # is the default; parallel runs and batching are tuned with the benchmark harness.
+    # Measured through the mesh on 2 cores (with a script `hopline bench` has replaced): the
+    # inference hop's p50 was 4.5 ms with threads=0/workers=1 and 7.0 ms with threads=1, so
+    # all cores per run is the default; parallel runs and batching are tuned with bench.
     threads: int = env_field(
         "HOPLINE_INFERENCE_THREADS", 0, "ONNX Runtime intra-op threads per run (0: all cores)"
     )
@@ -48,10 +47,6 @@ class InferenceConfig(ServerConfig):
         "HOPLINE_INFERENCE_SPIN",
         False,
         "ONNX Runtime threads spin while waiting for work (lower latency, busier cores)",
-    )
-    # Tests use it to hold requests in flight (coalescing) or to make this hop the slow one.
-    test_delay_ms: float = env_field(
-        "HOPLINE_INFERENCE_TEST_DELAY_MS", 0.0, "TEST ONLY: added to every Infer call"
     )
 
 
@@ -174,9 +169,6 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
                 f"{cfg.key} has no output(s) {missing}; has {known}",
             )
         batch, seq = next(iter(inputs.values())).shape[:2]
-        if self.config.test_delay_ms > 0:
-            trace.get_current_span().set_attribute(schema.DELAY_MS, self.config.test_delay_ms)
-            await asyncio.sleep(self.config.test_delay_ms / 1e3)
         try:
             outputs, run = await model.infer(
                 ModelRequest(inputs, tuple(request.outputs), int(batch), int(seq))

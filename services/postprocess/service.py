@@ -13,16 +13,14 @@ from hopline.model.head import F32
 from hopline.model.registry import ModelRegistry
 from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
-from hopline.runtime.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
+from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
 from hopline.runtime.tensors import TensorError, from_tensor
 from hopline.services.postprocess.logic import predictions
 
 
 @dataclasses.dataclass(frozen=True)
 class PostprocessConfig(ServerConfig):
-    listen: str = env_field(
-        "HOPLINE_POSTPROCESS_ADDR", DEFAULT_ADDRS["postprocess"], "address to bind"
-    )
+    listen: str = listen_field("postprocess")
     metrics_port: int = metrics_port_field("postprocess")
     model_repo: str = env_field("HOPLINE_MODEL_REPO", "models", "model repository directory")
 

@@ -14,13 +14,13 @@ from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepos
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.observability import schema
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from hopline.runtime.config import DEFAULT_ADDRS, ServerConfig, env_field, metrics_port_field
+from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
 from hopline.runtime.tensors import to_tensor
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerConfig(ServerConfig):
-    listen: str = env_field("HOPLINE_TOKENIZER_ADDR", DEFAULT_ADDRS["tokenizer"], "address to bind")
+    listen: str = listen_field("tokenizer")
     metrics_port: int = metrics_port_field("tokenizer")
     model_repo: str = env_field("HOPLINE_MODEL_REPO", "models", "model repository directory")
     max_batch: int = env_field("HOPLINE_TOKENIZER_MAX_BATCH", 256, "most texts in one request")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import grpc
 
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from hopline.runtime.config import DEFAULT_ADDRS, addr_env
+from hopline.runtime.service_table import spec
 
 CACHE_MODES = {
     "use": common_pb2.CACHE_MODE_USE,
@@ -19,7 +18,7 @@ CACHE_MODES = {
 
 
 def gateway_address(explicit: str | None = None) -> str:
-    return explicit or os.environ.get(addr_env("gateway")) or DEFAULT_ADDRS["gateway"]
+    return explicit or spec("gateway").address()
 
 
 def outcome_name(outcome: int) -> str:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from conftest import ROOT
 from hopline.observability import schema
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("core", "gateway", "cache", "observability", "services")
 # call_hop opens the gateway's client span for a hop, named by its first argument.
 SPAN_CALLS = {"start_as_current_span", "start_span", "call_hop"}

@@ -51,7 +51,7 @@ def test_sigterm_drains_in_flight_requests(default_repo: Path, tmp_path: Path) -
             statuses.append(health(target, timeout_s=0.5))
             time.sleep(0.05)
 
-    slow_result: list[object] = []
+    slow_result: list[inference_pb2.InferResponse] = []
 
     def slow_call() -> None:
         with grpc.insecure_channel(target) as channel:

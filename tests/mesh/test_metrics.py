@@ -12,7 +12,7 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from harness import Mesh
-from hopline.cli.client import predict
+from hopline.gateway.client import predict
 from hopline.protos.hopline.common.v1 import common_pb2
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -92,7 +92,7 @@ def test_latency_exemplars_carry_the_trace_id(mesh: Mesh) -> None:
     body = scrape(mesh, "gateway", OPENMETRICS)
     exemplars = {
         s.exemplar.labels["trace_id"]
-        for family in parse_openmetrics(body)
+        for family in parse_openmetrics(body)  # type: ignore[no-untyped-call]  # untyped upstream
         if family.name == "hopline_rpc_duration_seconds"
         for s in family.samples
         if s.exemplar is not None and s.labels.get("method") == "Predict"

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import DEFAULT_MODEL, ROOT
 from harness import Mesh, free_port
-from hopline.cli.client import predict
+from hopline.gateway.client import predict
 from hopline.observability.report import Span, build_tree, parse_otlp
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc

@@ -1,45 +1,27 @@
-"""Dynamic batching: the same answers as runs alone, in order, failures and overload contained."""
+"""Dynamic batching: the same answers as runs alone, in order, failures and overload contained.
+
+In process (the model runs on onnxruntime here); the inference service's own queue bound, over
+gRPC, is tests/mesh/test_batching_service.py."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
+import numpy.typing as npt
 import pytest
 
-from conftest import DEFAULT_MODEL
-from harness import Mesh
+from conftest import BATCH_TEXTS, DEFAULT_MODEL
 from hopline.model.repository import load_config
 from hopline.model.tokenizer import encode, load_tokenizer
-from hopline.protos.hopline.common.v1 import common_pb2
-from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.runtime.batching import BatchingPolicy, DynamicBatcher, QueueFullError
-from hopline.runtime.tensors import to_tensor
-from hopline.services.inference.backend import OnnxRuntimeBackend
+from hopline.services.inference.backend import Array, OnnxRuntimeBackend
 from hopline.services.inference.batched_model import BatchedModel, ModelRequest
-
-TEXTS = [
-    "reset my password",
-    "I was charged twice for the same order and want the second payment refunded please",
-    "where is my parcel",
-    "cancel",
-    "can you tell me how to change the delivery address on an order that already shipped",
-    "hi",
-    "my card was declined at checkout even though it has money on it",
-    "talk to a human",
-    "the app crashes every time I open the settings page on my phone",
-    "update billing info",
-    "what are your opening hours on public holidays",
-    "delete my account and all of my data",
-]
 
 
 def _requests(repo: Path) -> tuple[OnnxRuntimeBackend, list[ModelRequest]]:
@@ -47,13 +29,16 @@ def _requests(repo: Path) -> tuple[OnnxRuntimeBackend, list[ModelRequest]]:
     tokenizer = load_tokenizer(cfg.file("tokenizer"), cfg.max_sequence_length)
     backend = OnnxRuntimeBackend(cfg, threads=1)
     requests = []
-    for text in TEXTS:
+    for text in BATCH_TEXTS:
         batch = encode(tokenizer, [text])
-        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        inputs: dict[str, Array] = {
+            "input_ids": batch.input_ids,
+            "attention_mask": batch.attention_mask,
+        }
         requests.append(ModelRequest(inputs, (), 1, int(batch.input_ids.shape[1])))
     # Two 3-row requests: rows of one request must stay together and in order.
     for first in (0, 6):
-        batch = encode(tokenizer, TEXTS[first : first + 3])
+        batch = encode(tokenizer, BATCH_TEXTS[first : first + 3])
         inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
         requests.append(ModelRequest(inputs, ("logits",), 3, int(batch.input_ids.shape[1])))
     return backend, requests
@@ -66,7 +51,9 @@ def test_batched_results_match_runs_alone_in_order(default_repo: Path) -> None:
     padded together; the two longer ones land in the next bucket.
     """
     backend, requests = _requests(default_repo)
-    alone = [backend.run(r.inputs, list(r.outputs)) for r in requests]
+    alone: list[dict[str, npt.NDArray[Any]]] = [
+        backend.run(r.inputs, list(r.outputs)) for r in requests
+    ]
 
     async def together() -> tuple[list[dict[str, Any]], BatchedModel]:
         with ThreadPoolExecutor(max_workers=1) as executor:
@@ -146,49 +133,3 @@ def test_queue_bound_is_enforced_in_the_batcher() -> None:
             await batcher.close()
 
     asyncio.run(scenario())
-
-
-def test_full_queue_returns_resource_exhausted(default_repo: Path, tmp_path: Path) -> None:
-    """A real inference service with a 4-row queue, hit by 24 concurrent 4-row requests."""
-    repo = tmp_path / "models"
-    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
-    config_path = repo / DEFAULT_MODEL / "1" / "config.json"
-    config = json.loads(config_path.read_text())
-    config["dynamic_batching"] = {"max_queue_size": 4, "max_batch_size": 4}
-    config_path.write_text(json.dumps(config))
-    mesh = Mesh(repo, tmp_path)
-    mesh.start(("inference",))
-    try:
-        cfg = load_config(config_path.parent)
-        tokenizer = load_tokenizer(cfg.file("tokenizer"), cfg.max_sequence_length)
-        batch = encode(tokenizer, TEXTS[:4])
-        request = inference_pb2.InferRequest(
-            model=DEFAULT_MODEL,
-            inputs=[
-                to_tensor("input_ids", batch.input_ids),
-                to_tensor("attention_mask", batch.attention_mask),
-            ],
-        )
-
-        async def burst() -> list[Any]:
-            async with grpc.aio.insecure_channel(mesh.addrs["inference"]) as channel:
-                stub = inference_pb2_grpc.InferenceServiceStub(channel)
-                calls = [stub.Infer(request, timeout=30) for _ in range(24)]
-                return await asyncio.gather(*calls, return_exceptions=True)
-
-        results = asyncio.run(burst())
-    finally:
-        mesh.stop()
-    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
-    answered = [r for r in results if isinstance(r, inference_pb2.InferResponse)]
-    assert refused, "no request was refused by a 4-row queue under a 96-row burst"
-    assert answered, "every request was refused"
-    assert len(refused) + len(answered) == len(results)
-    for err in refused:
-        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "inference queue for support-intents" in (err.details() or "")
-        assert "retry with backoff" in (err.details() or "")
-    for reply in answered:
-        logits = next(t for t in reply.outputs if t.name == "logits")
-        assert logits.dtype == common_pb2.DATA_TYPE_FP32
-        assert list(logits.shape) == [4, 26]

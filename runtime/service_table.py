@@ -1,0 +1,104 @@
+"""The one table of hopline's services: the CLI, the launcher, the tests and bench read it.
+
+Servicers and their config classes are named by import path, not imported: the table sits in
+the runtime layer, and `hopline serve gateway` must load the gateway's code and nothing else
+(no ONNX Runtime, no Milvus).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+
+class ServiceName(enum.StrEnum):
+    TOKENIZER = "tokenizer"
+    CACHE = "cache"
+    INFERENCE = "inference"
+    POSTPROCESS = "postprocess"
+    GATEWAY = "gateway"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceSpec:
+    name: ServiceName
+    module: str  # where the servicer and its config class live
+    servicer: str
+    config: str
+    default_addr: str
+    metrics_port: int
+
+    @property
+    def addr_env(self) -> str:
+        """The env var a service listens on, and the gateway and clients dial."""
+        return f"HOPLINE_{self.name.upper()}_ADDR"
+
+    def address(self, environ: Mapping[str, str] = os.environ) -> str:
+        return environ.get(self.addr_env) or self.default_addr
+
+    def load(self) -> tuple[type[Any], type[Any]]:
+        """(config class, servicer class), importing only this service's module."""
+        module = importlib.import_module(self.module)
+        return getattr(module, self.config), getattr(module, self.servicer)
+
+
+# In start order: the gateway last, so its upstreams are coming up when it dials them (it
+# waits for them anyway; starting it last keeps the logs readable). 8001 and 8002 are
+# Triton's gRPC and metrics ports, so KServe clients' defaults reach the gateway.
+SERVICES: tuple[ServiceSpec, ...] = (
+    ServiceSpec(
+        ServiceName.TOKENIZER,
+        "hopline.services.tokenizer.service",
+        "TokenizerService",
+        "TokenizerConfig",
+        "127.0.0.1:8011",
+        8021,
+    ),
+    ServiceSpec(
+        ServiceName.POSTPROCESS,
+        "hopline.services.postprocess.service",
+        "PostprocessService",
+        "PostprocessConfig",
+        "127.0.0.1:8014",
+        8024,
+    ),
+    ServiceSpec(
+        ServiceName.CACHE,
+        "hopline.cache.service",
+        "CacheService",
+        "CacheConfig",
+        "127.0.0.1:8012",
+        8022,
+    ),
+    ServiceSpec(
+        ServiceName.INFERENCE,
+        "hopline.services.inference.service",
+        "InferenceService",
+        "InferenceConfig",
+        "127.0.0.1:8013",
+        8023,
+    ),
+    ServiceSpec(
+        ServiceName.GATEWAY,
+        "hopline.gateway.service",
+        "GatewayService",
+        "GatewayConfig",
+        "127.0.0.1:8001",
+        8002,
+    ),
+)
+
+BY_NAME: Mapping[ServiceName, ServiceSpec] = {spec.name: spec for spec in SERVICES}
+
+
+def spec(name: str) -> ServiceSpec:
+    """The table row of `name`; ValueError names the services there are."""
+    try:
+        return BY_NAME[ServiceName(name)]
+    except ValueError:
+        known = ", ".join(s.name for s in SERVICES)
+        raise ValueError(f"unknown service {name!r} (one of: {known})") from None

@@ -1,0 +1,73 @@
+"""What each service process loads, read from the running process itself.
+
+`hopline serve gateway` and `hopline serve tokenizer` must load neither ONNX Runtime nor
+pymilvus: each service imports its own code and nothing else, so a gateway replica starts
+fast and stays small. Two views of the live process: /proc/PID/maps (every shared library it
+mapped) and Python's own import log (PYTHONPROFILEIMPORTTIME prints every module imported).
+The inference service, which does load ONNX Runtime, shows both views can see it.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import DEFAULT_MODEL
+from harness import Mesh
+
+HEAVY = ("onnxruntime", "pymilvus", "milvus_lite")
+IMPORT_LINE = re.compile(r"^import time:\s+\d+ \|\s+\d+ \|\s*([\w.]+)\s*$", re.MULTILINE)
+
+
+def imported_modules(log: str) -> set[str]:
+    return set(IMPORT_LINE.findall(log))
+
+
+def mapped_files(pid: int) -> set[str]:
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {line.split(maxsplit=5)[5] for line in lines if len(line.split(maxsplit=5)) == 6}
+
+
+def heavy_in(names: set[str]) -> set[str]:
+    return {n for n in names if any(h in n for h in HEAVY)}
+
+
+@pytest.fixture(scope="module")
+def services(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    work = tmp_path_factory.mktemp("imports")
+    repo = work / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    profile = {"PYTHONPROFILEIMPORTTIME": "1"}
+    mesh = Mesh(
+        repo,
+        work,
+        service_env={name: profile for name in ("tokenizer", "inference", "gateway")},
+    )
+    try:
+        yield mesh.start(("tokenizer", "inference", "gateway"))
+    finally:
+        mesh.stop()
+
+
+# A module each service imports with an import statement (the service module itself comes
+# through importlib, which the import log does not list): proof the log is being read.
+OWN_MODULE = {"gateway": "hopline.gateway.upstream", "tokenizer": "hopline.model.tokenizer"}
+
+
+@pytest.mark.parametrize("name", ["gateway", "tokenizer"])
+def test_a_light_service_loads_neither_onnxruntime_nor_pymilvus(services: Mesh, name: str) -> None:
+    modules = imported_modules(services.log(name))
+    assert OWN_MODULE[name] in modules, f"no import log in {name}'s output"
+    assert heavy_in(modules) == set(), f"{name} imported {sorted(heavy_in(modules))}"
+    assert heavy_in(mapped_files(services.procs[name].pid)) == set()
+
+
+def test_the_inference_service_shows_both_views_see_onnxruntime(services: Mesh) -> None:
+    modules = imported_modules(services.log("inference"))
+    assert "onnxruntime" in modules
+    maps = heavy_in(mapped_files(services.procs["inference"].pid))
+    assert any("onnxruntime" in path and path.endswith(".so") for path in maps), maps

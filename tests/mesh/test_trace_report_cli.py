@@ -1,0 +1,80 @@
+"""`hopline trace report` as a user runs it, a process reading hand-made OTLP JSON files: the
+hop that owns the tail, and an empty input refused. The analysis itself is unit-tested in
+tests/unit/test_trace_report.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import PREDICT, STATS, otlp_request, otlp_resource, otlp_span
+from hopline.observability.report import analyse, parse_otlp
+
+
+def test_report_names_the_hop_that_owns_the_tail(tmp_path: Path) -> None:
+    docs = [otlp_request(f"{i:032x}") for i in range(1, 91)]
+    docs += [otlp_request(f"{i:032x}", inference_ms=60.0) for i in range(91, 101)]
+    # Slow admin calls are traced too, but they are not requests: the default leaves them out.
+    docs += [
+        {
+            "resourceSpans": [
+                otlp_resource("gateway", [otlp_span(f"{i:032x}", 1, 0, STATS, 2, 0, 500)])
+            ]
+        }
+        for i in range(101, 106)
+    ]
+    assert analyse(parse_otlp(docs), above=90).traces == 105
+    with pytest.raises(ValueError, match="root operation 'Nope'"):
+        analyse(parse_otlp(docs), above=90, operation="Nope")
+    report = analyse(parse_otlp(docs), above=90, operation=PREDICT)
+    assert report.traces == 100
+    assert report.selected == 10
+    assert report.top() == "inference"
+    inference = next(r for r in report.rows if r["name"] == "inference")
+    assert inference["critical_ms"] == pytest.approx(60.0)
+    assert inference["p50_ms"] == pytest.approx(60.0)
+    # The CLI reads the same from an OTLP JSON file (lines of TracesData) and draws the bands.
+    path, png = tmp_path / "traces.jsonl", tmp_path / "bands.png"
+    path.write_text("\n".join(json.dumps(d) for d in docs))
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hopline",
+            "trace",
+            "report",
+            "--file",
+            str(path),
+            "--above",
+            "p90",
+            "--png",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "10 of 100 traces at or above p90" in run.stdout
+    first_row = run.stdout.splitlines()[3]
+    assert first_row.startswith("inference"), run.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_refuses_an_empty_input(tmp_path: Path) -> None:
+    path = tmp_path / "empty.json"
+    path.write_text('{"resourceSpans": []}')
+    run = subprocess.run(
+        [sys.executable, "-m", "hopline", "trace", "report", "--file", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 1
+    assert "no traces" in run.stderr
