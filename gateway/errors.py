@@ -1,22 +1,13 @@
-"""The errors a gateway request can end with, each carrying the gRPC status to return."""
+"""Refusals the gateway makes itself, before any hop.
+
+Every status error derives from hopline.runtime.errors.StatusError, whose docstring draws the
+whole hierarchy; this module holds only the gateway's own request checks' error.
+"""
 
 from __future__ import annotations
 
-import grpc
-
-from hopline.gateway.identity import IdentityError
-from hopline.gateway.upstream import HopError
+from hopline.runtime.errors import StatusError
 
 
-class RequestError(Exception):
-    """A request the gateway refuses before any hop; carries the status to return."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-# Each has `.code` (grpc.StatusCode) and `.message` (for the caller, actionable).
-StatusError = RequestError | IdentityError | HopError
-STATUS_ERRORS = (RequestError, IdentityError, HopError)
+class RequestError(StatusError):
+    """A request the gateway refuses before any hop: bad text, unknown model, bad top_k."""

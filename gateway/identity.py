@@ -16,15 +16,14 @@ from pathlib import Path
 
 import grpc
 
+from hopline.runtime.errors import StatusError
+
 TENANT_METADATA = "x-hopline-tenant"
 DEFAULT_TENANT = "default"
 
 
-class IdentityError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+class IdentityError(StatusError):
+    """No API key, an unknown one, or a tenant the key does not belong to."""
 
 
 def _digest(key: str) -> str:

@@ -32,16 +32,18 @@ from typing import Any
 import grpc
 import numpy as np
 
-from hopline.cli.client import CACHE_MODES, outcome_name
-from hopline.gateway.errors import STATUS_ERRORS, RequestError
+from hopline.gateway.client import CACHE_MODES, outcome_name
+from hopline.gateway.errors import RequestError
 from hopline.gateway.service import GatewayService
 from hopline.gateway.upstream import HopError
+from hopline.observability import metrics
 from hopline.observability.tracing import current_trace_id
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.protos.hopline.kserve.v2 import grpc_predict_v2_pb2 as pb
 from hopline.protos.hopline.kserve.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
+from hopline.runtime.errors import StatusError
 
 SERVER_NAME = "hopline"
 PLATFORM = "hopline"
@@ -335,7 +337,7 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         started = time.perf_counter()
         gateway = self.gateway
-        gateway.counters["kserve_infer_requests"] += 1
+        metrics.GATEWAY_CALLS.labels("ModelInfer").inc()
         try:
             # Identity first, as Predict does: an unauthenticated caller learns nothing else.
             tenant = gateway.tenants.resolve(
@@ -356,12 +358,12 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
             # All scores only when asked for: label and score alone share Predict's cache
             # entries (top_k is part of the cache scope).
             top_k = len(info.labels) if "scores" in outputs else 1
-            gateway.counters["requests"] += len(texts)
+            metrics.GATEWAY_REQUESTS.inc(len(texts))
             answers = await self._predict_all(
                 texts, info, tenant, top_k, mode, gateway.timeout_for(context), started
             )
             return self._response(request, info, tenant, outputs, answers)
-        except STATUS_ERRORS as err:
+        except StatusError as err:
             await context.abort(err.code, err.message)
 
     async def _predict_all(

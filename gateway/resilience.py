@@ -9,13 +9,24 @@ normalised text) share one inference; the others wait for its answer.
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
-CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+class CircuitState(enum.StrEnum):
+    """The breaker's state; its value is what GetStats reports as `cache_circuit`."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+# Module-level names too: tests/unit/test_gateway_resilience.py imports them.
+CLOSED, OPEN, HALF_OPEN = CircuitState.CLOSED, CircuitState.OPEN, CircuitState.HALF_OPEN
 
 
 class CircuitBreaker:
@@ -36,7 +47,7 @@ class CircuitBreaker:
         self.opened = 0  # times the circuit opened, for stats
 
     @property
-    def state(self) -> str:
+    def state(self) -> CircuitState:
         if self._state == OPEN and self.clock() >= self._open_until:
             return HALF_OPEN
         return self._state

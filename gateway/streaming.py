@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from opentelemetry.trace import Status, StatusCode
 
-from hopline.gateway.errors import STATUS_ERRORS
-from hopline.observability import schema
+from hopline.observability import metrics, schema
 from hopline.observability.tracing import tracer
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
+from hopline.runtime.errors import StatusError
 
 if TYPE_CHECKING:
     from hopline.gateway.service import GatewayService
@@ -43,7 +43,7 @@ async def predict_stream(
     replies: asyncio.Queue[Any] = asyncio.Queue()
     slots = asyncio.Semaphore(gateway.config.stream_max_in_flight)
     running: set[asyncio.Task[None]] = set()
-    gateway.counters["streams"] += 1
+    metrics.GATEWAY_CALLS.labels("PredictStream").inc()
 
     async def answer(message: gateway_pb2.PredictStreamRequest) -> None:
         try:
@@ -60,7 +60,7 @@ async def predict_stream(
                             message.request, metadata, gateway.timeout_for(context)
                         )
                     )
-                except STATUS_ERRORS as err:
+                except StatusError as err:
                     span.set_status(Status(StatusCode.ERROR, err.code.name))
                     reply.code, reply.message = err.code.value[0], err.message
                 except Exception as exc:  # one request's bug must not end the others

@@ -3,33 +3,44 @@
 gRPC shares one TCP connection between channels whose arguments are identical, so each
 channel of a pool gets its own index argument and a local subchannel pool: N channels are
 N connections, and concurrent calls are not serialised behind one HTTP/2 connection.
+
+GatewayUpstreams holds the four pools the gateway calls. GatewayService builds them from its
+config unless it is given them, which is how tests/unit runs the orchestration in-process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import outgoing_metadata, tracer
+from hopline.protos.hopline.cache.v1 import cache_pb2_grpc
+from hopline.protos.hopline.inference.v1 import inference_pb2_grpc
+from hopline.protos.hopline.postprocess.v1 import postprocess_pb2_grpc
+from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2_grpc
+from hopline.runtime.errors import StatusError
+
+if TYPE_CHECKING:
+    from hopline.gateway.service import GatewayConfig
 
 StubT = TypeVar("StubT")
+StubT_co = TypeVar("StubT_co", covariant=True)
 
 
-class HopError(Exception):
+class HopError(StatusError):
     """An upstream call failed; carries the status the gateway should return."""
 
     def __init__(self, hop: str, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
+        super().__init__(code, message)
         self.hop = hop
-        self.code = code
-        self.message = message
 
 
 def channel_options(index: int, max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -73,6 +84,71 @@ class Upstream(Generic[StubT]):
     async def close(self) -> None:
         for channel in self.channels:
             await channel.close(grace=None)
+
+
+class Pool(Protocol[StubT_co]):
+    """What the gateway needs of an upstream: Upstream is the real one, tests use stand-ins."""
+
+    @property
+    def target(self) -> str:
+        """The address it dials, for error messages and spans."""
+
+    def stub(self) -> StubT_co:
+        """A stub for the next call."""
+
+    async def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayUpstreams:
+    """The four services the gateway calls.
+
+    GatewayService connects to the addresses in its config unless it is handed these, so the
+    orchestration can run in-process against stand-ins.
+    """
+
+    tokenizer: Pool[tokenizer_pb2_grpc.TokenizerServiceAsyncStub]
+    cache: Pool[cache_pb2_grpc.CacheServiceAsyncStub]
+    inference: Pool[inference_pb2_grpc.InferenceServiceAsyncStub]
+    postprocess: Pool[postprocess_pb2_grpc.PostprocessServiceAsyncStub]
+
+    @classmethod
+    def connect(cls, config: GatewayConfig) -> GatewayUpstreams:
+        n, size = config.channels_per_upstream, config.max_message_bytes
+        return cls(
+            tokenizer=Upstream(
+                schema.SPAN_TOKENIZE,
+                config.tokenizer_addr,
+                tokenizer_pb2_grpc.TokenizerServiceStub,
+                n,
+                size,
+            ),
+            cache=Upstream(
+                schema.SPAN_CACHE_LOOKUP,
+                config.cache_addr,
+                cache_pb2_grpc.CacheServiceStub,
+                n,
+                size,
+            ),
+            inference=Upstream(
+                schema.SPAN_INFERENCE,
+                config.inference_addr,
+                inference_pb2_grpc.InferenceServiceStub,
+                n,
+                size,
+            ),
+            postprocess=Upstream(
+                schema.SPAN_POSTPROCESS,
+                config.postprocess_addr,
+                postprocess_pb2_grpc.PostprocessServiceStub,
+                n,
+                size,
+            ),
+        )
+
+    async def close(self) -> None:
+        for upstream in (self.tokenizer, self.cache, self.inference, self.postprocess):
+            await upstream.close()
 
 
 def _hop_error(hop: str, target: str, err: grpc.aio.AioRpcError) -> HopError:

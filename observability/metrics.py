@@ -66,6 +66,34 @@ CACHE_FAIL_OPEN = Counter(
 COALESCED = Counter(
     "hopline_coalesced_total", "Cache misses that shared another request's inference", ()
 )
+# The gateway's GetStats counters are read from these (and the three above): Prometheus is
+# the one place a gateway count is kept, so a scrape and GetStats cannot disagree.
+GATEWAY_REQUESTS = Counter(
+    "hopline_gateway_requests_total",
+    "Texts the gateway was asked to classify: one per Predict or PredictStream message, one "
+    "per text of a ModelInfer",
+    (),
+)
+GATEWAY_CALLS = Counter(
+    "hopline_gateway_calls_total",
+    "Gateway calls that carry several requests, by method (PredictStream, ModelInfer)",
+    ("method",),
+)
+INFERENCES = Counter(
+    "hopline_gateway_inferences_total",
+    "Inferences the gateway ran (tokenize, inference, postprocess); coalesced misses share one",
+    (),
+)
+LOCAL_EXACT_HITS = Counter(
+    "hopline_local_exact_hits_total",
+    "Exact hits the gateway's local tier answered, with no hop to the cache",
+    (),
+)
+CACHE_STORES = Counter(
+    "hopline_cache_stores_total",
+    "The gateway's cache writes after an inference, by result (stored, error, skipped_policy)",
+    ("result",),
+)
 LOCAL_EXACT_ENTRIES = Gauge(
     "hopline_local_exact_entries",
     "Exact entries in the gateway's local tier (0 while its cache watch is not live)",
@@ -95,6 +123,18 @@ def trace_exemplar() -> dict[str, str] | None:
     if not ctx.is_valid or not ctx.trace_flags.sampled:
         return None
     return {"trace_id": format(ctx.trace_id, "032x")}
+
+
+def count(metric: Counter, **labels: str) -> int:
+    """A counter's value, summed over every label not given (this process's count)."""
+    total = 0.0
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and all(
+                sample.labels.get(k) == v for k, v in labels.items()
+            ):
+                total += sample.value
+    return int(total)
 
 
 def start_metrics_server(host: str, port: int) -> int | None:

@@ -1,0 +1,87 @@
+"""One validated text on its way through the gateway: what the steps of predict_text share.
+
+GatewayService.predict_text builds one PredictCall and hands it from step to step; each step
+reads what it needs (scope, key, cache mode) and writes what it found (the reply's cache
+info, timings, whether the local tier answered, why the cache failed open).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from hopline.cache.keys import exact_key, scope_tuple
+from hopline.observability.tracing import current_trace_id
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2
+from hopline.protos.hopline.inference.v1 import inference_pb2
+from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
+
+
+@dataclasses.dataclass
+class PredictCall:
+    """One text through cache and hops (see the module docstring)."""
+
+    text: str
+    info: inference_pb2.ModelInfo
+    top_k: int
+    mode: common_pb2.CacheMode.ValueType  # the request's; UNSPECIFIED is read as USE
+    timeout_s: float
+    started: float  # perf_counter when the RPC began, for the `total` timing
+    # Every parameter that changes the answer is part of the scope, hence of every key.
+    scope: common_pb2.Scope
+    key: str  # the cache's exact key, also the local tier's and the coalescer's
+    response: gateway_pb2.PredictResponse
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    tokenizing: asyncio.Future[tokenizer_pb2.TokenizeResponse] | None = None
+    local: bool = False  # the gateway's local exact tier answered
+    fail_open_reason: str = ""  # the upstream status, or circuit_open
+
+    @classmethod
+    def new(
+        cls,
+        text: str,
+        info: inference_pb2.ModelInfo,
+        tenant: str,
+        top_k: int,
+        cache_mode: common_pb2.CacheMode.ValueType,
+        timeout_s: float,
+        started: float,
+    ) -> PredictCall:
+        scope = common_pb2.Scope(
+            tenant=tenant,
+            model=info.name,
+            model_version=info.version,
+            parameters={"top_k": str(top_k)},
+        )
+        response = gateway_pb2.PredictResponse(
+            model=info.name, model_version=info.version, tenant=tenant, trace_id=current_trace_id()
+        )
+        mode = cache_mode or common_pb2.CACHE_MODE_USE
+        key = exact_key(scope_tuple(scope), text)
+        return cls(text, info, top_k, mode, timeout_s, started, scope, key, response)
+
+    @property
+    def cache(self) -> gateway_pb2.CacheInfo:
+        return self.response.cache
+
+    @property
+    def use_cache(self) -> bool:
+        """Whether to read the cache: the model caches and the request did not opt out."""
+        return self.info.cache.mode != "off" and self.mode == common_pb2.CACHE_MODE_USE
+
+    @property
+    def may_store(self) -> bool:
+        """Whether an inference may be written back: REFRESH stores, BYPASS does not."""
+        return self.info.cache.mode != "off" and self.mode != common_pb2.CACHE_MODE_BYPASS
+
+    def drop_tokens(self) -> None:
+        if self.tokenizing is not None:
+            _discard(self.tokenizing)
+
+
+def _discard(task: asyncio.Future[Any]) -> None:
+    """Cancel work whose answer is no longer needed, without an unretrieved-error warning."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())

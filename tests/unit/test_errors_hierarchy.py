@@ -1,0 +1,79 @@
+"""Every error that ends a gateway request with a status is a StatusError with code and message,
+and runtime/errors.py's docstring draws each of them where it lives."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from hopline.gateway.errors import RequestError
+from hopline.gateway.identity import IdentityError, TenantResolver
+from hopline.gateway.upstream import HopError, call_hop
+from hopline.runtime import errors
+from hopline.runtime.errors import StatusError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RequestError(grpc.StatusCode.NOT_FOUND, "unknown model 'x' (serving: a/1)"),
+        IdentityError(grpc.StatusCode.UNAUTHENTICATED, "unknown API key"),
+        HopError("inference", grpc.StatusCode.UNAVAILABLE, "inference service unavailable"),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+def test_each_is_a_status_error_with_code_and_message(error: StatusError) -> None:
+    assert isinstance(error, StatusError)
+    assert isinstance(error.code, grpc.StatusCode)
+    assert error.message
+    assert str(error) == error.message
+
+
+def test_hop_error_keeps_the_hop() -> None:
+    error = HopError("tokenize", grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+    assert (error.hop, error.code, error.message) == (
+        "tokenize",
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "deadline exceeded",
+    )
+
+
+def test_what_the_gateway_raises_is_caught_as_a_status_error() -> None:
+    with pytest.raises(StatusError) as refused:
+        TenantResolver().resolve("\x00", ())
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+    async def failing(request: Any, **_: Any) -> Any:
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down", None
+        )
+
+    with pytest.raises(StatusError) as failed:
+        asyncio.run(call_hop("postprocess", "pp.test:1", failing, None, 1.0, {}))
+    assert (failed.value.code, failed.value.message) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "postprocess service unavailable at pp.test:1: down",
+    )
+
+
+def test_every_gateway_exception_is_a_status_error_drawn_in_the_tree() -> None:
+    tree = errors.__doc__ or ""
+    found: dict[str, str] = {}
+    for path in sorted((ROOT / "gateway").glob("*.py")):
+        module = importlib.import_module(f"hopline.gateway.{path.stem}")
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if issubclass(cls, BaseException) and cls.__module__ == module.__name__:
+                found[name] = f"gateway/{path.name}"
+                assert issubclass(cls, StatusError), f"{name} ({path.name}) is no StatusError"
+    assert {"RequestError", "IdentityError", "HopError"} <= set(found)
+    for name, where in found.items():
+        line = next((ln for ln in tree.splitlines() if f" {name} " in ln), "")
+        assert where in line, f"runtime/errors.py's tree does not draw {name} in {where}"

@@ -1,0 +1,599 @@
+"""The gateway's prediction path, in-process: a real GatewayService over stand-in upstreams.
+
+The tokenizer, cache, inference and postprocess are small in-process stand-ins for their gRPC
+stubs, handed to GatewayService through GatewayUpstreams: no processes, no sockets. They
+answer the way the real services do for these cases (a slow cache overruns the call's
+deadline, a broken upstream raises the AioRpcError a channel would) and record what they
+were asked. The real processes are covered by the mesh lane (tests/mesh/).
+
+Counts are this process's Prometheus counters, shared by every test here, so each test
+compares GetStats before and after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, cast
+
+import grpc
+import pytest
+
+from hopline.gateway.service import GatewayConfig, GatewayService
+from hopline.gateway.upstream import GatewayUpstreams, HopError
+from hopline.observability import metrics
+from hopline.protos.hopline.cache.v1 import cache_pb2
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2
+from hopline.protos.hopline.inference.v1 import inference_pb2
+from hopline.protos.hopline.postprocess.v1 import postprocess_pb2
+from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
+from hopline.runtime.errors import StatusError
+
+MODEL, UNCACHED = "intents", "intents-uncached"
+LABELS = ["refund", "delivery", "billing"]
+MISS = common_pb2.CACHE_OUTCOME_MISS
+EXACT = common_pb2.CACHE_OUTCOME_EXACT
+SEMANTIC = common_pb2.CACHE_OUTCOME_SEMANTIC
+FAIL_OPEN = common_pb2.CACHE_OUTCOME_FAIL_OPEN
+SKIPPED = common_pb2.CACHE_OUTCOME_SKIPPED
+STATS_KEYS = {
+    "requests",
+    "kserve_infer_requests",
+    "streams",
+    "inferences",
+    "coalesced",
+    "cache_exact",
+    "cache_exact_local",
+    "cache_semantic",
+    "cache_miss",
+    "cache_skipped",
+    "cache_fail_open",
+    "cache_circuit_open",
+    "stores",
+    "stores_skipped_policy",
+    "store_errors",
+    "cache_circuit_opened",
+    "stores_in_flight",
+    "coalescing_in_flight",
+    "local_exact_entries",
+    "local_exact_live",
+}
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """What a grpc.aio stub raises when the call fails."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details, None)
+
+
+def model(name: str, cache_mode: str) -> inference_pb2.ModelInfo:
+    info = inference_pb2.ModelInfo(name=name, version="1", labels=LABELS, ready=True)
+    info.cache.mode = cache_mode
+    info.cache.threshold = 0.9
+    info.cache.ttl_s = 600.0
+    return info
+
+
+class Tokenizer:
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.error: grpc.aio.AioRpcError | None = None
+
+    async def Tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, **_: Any
+    ) -> tokenizer_pb2.TokenizeResponse:
+        self.texts.extend(request.texts)
+        if self.error is not None:
+            raise self.error
+        width = len(request.texts[0].split())
+        ids = common_pb2.Tensor(name="input_ids", shape=[1, width])
+        mask = common_pb2.Tensor(name="attention_mask", shape=[1, width])
+        return tokenizer_pb2.TokenizeResponse(input_ids=ids, attention_mask=mask)
+
+
+class Inference:
+    def __init__(self) -> None:
+        self.requests: list[inference_pb2.InferRequest] = []
+        self.error: grpc.aio.AioRpcError | None = None
+        self.gate: asyncio.Event | None = None  # when set, Infer waits for it
+
+    async def ListModels(
+        self, request: inference_pb2.ListModelsRequest, **_: Any
+    ) -> inference_pb2.ListModelsResponse:
+        return inference_pb2.ListModelsResponse(
+            models=[model(MODEL, "semantic"), model(UNCACHED, "off")]
+        )
+
+    async def Infer(
+        self, request: inference_pb2.InferRequest, **_: Any
+    ) -> inference_pb2.InferResponse:
+        self.requests.append(request)
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.error is not None:
+            raise self.error
+        logits = common_pb2.Tensor(name="logits", shape=[1, len(LABELS)])
+        return inference_pb2.InferResponse(outputs=[logits], queue_ms=1.5, compute_ms=4.0)
+
+
+class Postprocess:
+    def __init__(self) -> None:
+        self.requests: list[postprocess_pb2.PostprocessRequest] = []
+
+    async def Postprocess(
+        self, request: postprocess_pb2.PostprocessRequest, **_: Any
+    ) -> postprocess_pb2.PostprocessResponse:
+        self.requests.append(request)
+        top = [common_pb2.LabelScore(label=LABELS[i], score=0.8 - i / 10) for i in range(3)]
+        prediction = common_pb2.Prediction(
+            label="refund", score=0.8, top_k=top[: request.top_k or 1]
+        )
+        return postprocess_pb2.PostprocessResponse(predictions=[prediction])
+
+
+Entry = tuple[common_pb2.Prediction, common_pb2.CacheOutcome.ValueType]
+
+
+class Cache:
+    """Answers lookups from what it was given or stored; can be slow or broken."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Entry] = {}
+        self.lookups: list[cache_pb2.LookupRequest] = []
+        self.stores: list[cache_pb2.StoreRequest] = []
+        self.lookup_delay_s = 0.0
+        self.lookup_error: grpc.aio.AioRpcError | None = None
+        self.store_gate: asyncio.Event | None = None  # when set, Store waits for it
+
+    async def Lookup(
+        self,
+        request: cache_pb2.LookupRequest,
+        *,
+        timeout: float,  # noqa: ASYNC109 - a grpc.aio stub's signature, honoured as its deadline
+        **_: Any,
+    ) -> cache_pb2.LookupResponse:
+        self.lookups.append(request)
+        if self.lookup_error is not None:
+            raise self.lookup_error
+        if self.lookup_delay_s > timeout:  # what the channel does at the call's deadline
+            await asyncio.sleep(timeout)
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        await asyncio.sleep(self.lookup_delay_s)
+        if request.text not in self.entries:
+            return cache_pb2.LookupResponse(outcome=MISS)
+        prediction, outcome = self.entries[request.text]
+        similarity = 1.0 if outcome == EXACT else 0.93
+        return cache_pb2.LookupResponse(
+            outcome=outcome, prediction=prediction, similarity=similarity, entry_id="e-1", age_s=2
+        )
+
+    async def Store(self, request: cache_pb2.StoreRequest, **_: Any) -> cache_pb2.StoreResponse:
+        if self.store_gate is not None:
+            await self.store_gate.wait()
+        self.stores.append(request)
+        self.entries[request.text] = (request.prediction, EXACT)
+        return cache_pb2.StoreResponse(entry_id="e-2")
+
+    async def WatchInvalidations(
+        self, request: cache_pb2.WatchInvalidationsRequest
+    ) -> AsyncIterator[cache_pb2.WatchInvalidationsResponse]:
+        yield cache_pb2.WatchInvalidationsResponse(live=True)
+        await asyncio.Event().wait()  # live until the gateway stops
+
+
+@dataclasses.dataclass
+class StandIn:
+    """One upstream as GatewayUpstreams holds it: an address and a stub per call."""
+
+    target: str
+    _stub: object
+    closed: bool = False
+
+    def stub(self) -> Any:
+        return self._stub
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@dataclasses.dataclass
+class Mesh:
+    gateway: GatewayService
+    tokenizer: Tokenizer
+    cache: Cache
+    inference: Inference
+    postprocess: Postprocess
+
+    async def predict(
+        self,
+        text: str,
+        model: str = MODEL,
+        cache_mode: common_pb2.CacheMode.ValueType = common_pb2.CACHE_MODE_USE,
+    ) -> gateway_pb2.PredictResponse:
+        request = gateway_pb2.PredictRequest(text=text, model=model, cache_mode=cache_mode)
+        return await self.gateway.answer(request, (), timeout_s=2.0)
+
+    async def stats(self) -> gateway_pb2.GetStatsResponse:
+        return await self.gateway.GetStats(gateway_pb2.GetStatsRequest(), cast(Any, None))
+
+    async def counters(self) -> dict[str, int]:
+        return dict((await self.stats()).counters)
+
+    async def settle(self) -> None:
+        """Until the stores the gateway scheduled have landed (as tests/harness.py waits)."""
+        for _ in range(1000):
+            if not (await self.counters())["stores_in_flight"]:
+                return
+            await asyncio.sleep(0)
+        raise AssertionError("stores still in flight")
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Let the loop run until `condition` holds (the stand-ins do no I/O)."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")
+
+
+def changed(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+
+def run(scenario: Callable[[Mesh], Awaitable[None]], **config: Any) -> None:
+    """Start a gateway over fresh stand-ins, run the scenario against it, stop it."""
+
+    async def main() -> None:
+        tokenizer, cache, inference, postprocess = Tokenizer(), Cache(), Inference(), Postprocess()
+        stand_ins = [
+            StandIn(f"{name}.test:1", stub)
+            for name, stub in [
+                ("tokenizer", tokenizer),
+                ("cache", cache),
+                ("inference", inference),
+                ("postprocess", postprocess),
+            ]
+        ]
+        upstreams = GatewayUpstreams(*stand_ins)
+        settings: dict[str, Any] = {
+            "default_model": MODEL,
+            "local_exact_entries": 0,
+            "cache_budget_ms": 20.0,
+            "cache_breaker_failures": 2,
+            "cache_breaker_cooldown_s": 60.0,
+            "model_refresh_s": 3600.0,
+            **config,
+        }
+        gateway = GatewayService(GatewayConfig(**settings), upstreams)
+        async with asyncio.timeout(5):
+            await gateway.start()
+            try:
+                await scenario(Mesh(gateway, tokenizer, cache, inference, postprocess))
+            finally:
+                await gateway.stop()
+        assert all(s.closed for s in stand_ins)  # stop() closed every upstream
+
+    asyncio.run(main())
+
+
+def hops(reply: gateway_pb2.PredictResponse) -> list[str]:
+    return [t.hop for t in reply.timings]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_miss_runs_tokenize_infer_postprocess_then_stores_after_the_reply() -> None:
+    text = "where is my parcel"
+
+    async def scenario(m: Mesh) -> None:
+        m.cache.store_gate = asyncio.Event()
+        before = await m.counters()
+        reply = await m.predict(text)
+        assert reply.cache.outcome == MISS
+        assert reply.prediction.label == "refund"
+        assert (reply.model, reply.model_version, reply.tenant) == (MODEL, "1", "default")
+        assert m.tokenizer.texts == [text]
+        [infer] = m.inference.requests
+        assert [t.name for t in infer.inputs] == ["input_ids", "attention_mask"]
+        assert list(infer.inputs[0].shape) == [1, 4]  # the tokenizer's ids reached inference
+        [post] = m.postprocess.requests
+        assert [t.name for t in post.outputs] == ["logits"]  # inference's outputs reached it
+        assert post.top_k == 1
+        assert sorted(hops(reply)) == sorted(
+            [
+                "tokenize",
+                "cache_lookup",
+                "inference",
+                "inference.queue",
+                "inference.compute",
+                "postprocess",
+                "total",
+            ]
+        )
+        # The store is scheduled, not awaited: it lands after the reply.
+        assert (await m.counters())["stores_in_flight"] == 1
+        assert m.cache.stores == []
+        m.cache.store_gate.set()
+        await m.settle()
+        [store] = m.cache.stores
+        assert (store.text, store.scope.tenant, store.scope.model) == (text, "default", MODEL)
+        assert store.scope.parameters["top_k"] == "1"
+        assert store.ttl_s == 600.0
+        assert changed(before, await m.counters()) == {
+            "requests": 1,
+            "cache_miss": 1,
+            "inferences": 1,
+            "stores": 1,
+        }
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("outcome", [EXACT, SEMANTIC])
+def test_a_cache_hit_short_circuits_inference(outcome: common_pb2.CacheOutcome.ValueType) -> None:
+    text = "I want my money back"
+
+    async def scenario(m: Mesh) -> None:
+        m.cache.entries[text] = (common_pb2.Prediction(label="billing", score=0.7), outcome)
+        before = await m.counters()
+        reply = await m.predict(text)
+        assert reply.cache.outcome == outcome
+        assert reply.prediction.label == "billing"
+        assert (reply.cache.entry_id, reply.cache.age_s) == ("e-1", 2.0)
+        assert m.inference.requests == []
+        assert m.postprocess.requests == []
+        assert "inference" not in hops(reply)
+        await m.settle()
+        assert m.cache.stores == []
+        name = "cache_exact" if outcome == EXACT else "cache_semantic"
+        assert changed(before, await m.counters()) == {"requests": 1, name: 1}
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("mode", "stores"),
+    [(common_pb2.CACHE_MODE_BYPASS, 0), (common_pb2.CACHE_MODE_REFRESH, 1)],
+)
+def test_bypass_and_refresh_skip_the_lookup_and_only_refresh_stores(
+    mode: common_pb2.CacheMode.ValueType, stores: int
+) -> None:
+    text = "cancel my order"
+
+    async def scenario(m: Mesh) -> None:
+        m.cache.entries[text] = (common_pb2.Prediction(label="billing"), EXACT)
+        before = await m.counters()
+        reply = await m.predict(text, cache_mode=mode)
+        assert reply.cache.outcome == SKIPPED
+        assert reply.cache.detail == f"request cache_mode {common_pb2.CacheMode.Name(mode)}"
+        assert reply.prediction.label == "refund"  # from inference, not the stored entry
+        assert m.cache.lookups == []
+        assert len(m.inference.requests) == 1
+        await m.settle()
+        assert len(m.cache.stores) == stores
+        expected = {"requests": 1, "cache_skipped": 1, "inferences": 1}
+        assert changed(before, await m.counters()) == expected | ({"stores": 1} if stores else {})
+
+    run(scenario)
+
+
+def test_a_model_without_a_cache_never_touches_it() -> None:
+    async def scenario(m: Mesh) -> None:
+        reply = await m.predict("hello", model=UNCACHED)
+        assert reply.cache.outcome == SKIPPED
+        assert reply.cache.detail == f"cache mode 'off' for {UNCACHED}"
+        await m.settle()
+        assert (m.cache.lookups, m.cache.stores) == ([], [])
+
+    run(scenario)
+
+
+def test_a_slow_cache_fails_open_to_inference_and_the_breaker_counts_it() -> None:
+    async def scenario(m: Mesh) -> None:
+        m.cache.lookup_delay_s = 1.0  # far past the 20 ms budget
+        before = await m.counters()
+        overruns = metrics.count(metrics.CACHE_FAIL_OPEN, reason="deadline_exceeded")
+
+        first = await m.predict("is my order late")
+        assert first.cache.outcome == FAIL_OPEN
+        assert first.cache.detail == "deadline exceeded waiting for the cache_lookup service"
+        assert first.prediction.label == "refund"  # inference answered
+        assert m.gateway.breaker.state == "closed"  # one failure of the two allowed
+        await m.settle()
+        assert len(m.cache.stores) == 1  # the circuit is still closed: writes go on
+
+        second = await m.predict("is my order late again")
+        assert second.cache.outcome == FAIL_OPEN
+        assert (await m.stats()).cache_circuit == "open"
+        await m.settle()
+        assert len(m.cache.stores) == 1  # an open circuit gets no writes
+
+        third = await m.predict("is my order very late")
+        assert third.cache.outcome == FAIL_OPEN
+        assert third.cache.detail.startswith("cache circuit open after repeated failures")
+        assert len(m.cache.lookups) == 2  # the open circuit skipped the third lookup
+        assert len(m.inference.requests) == 3
+        after = await m.counters()
+        assert changed(before, after) == {
+            "requests": 3,
+            "inferences": 3,
+            "cache_fail_open": 3,
+            "cache_circuit_open": 1,
+            "cache_circuit_opened": 1,
+            "stores": 1,
+        }
+        assert metrics.count(metrics.CACHE_FAIL_OPEN, reason="deadline_exceeded") == overruns + 2
+
+    run(scenario)
+
+
+def test_a_broken_cache_fails_open_with_the_reason() -> None:
+    async def scenario(m: Mesh) -> None:
+        m.cache.lookup_error = rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        unavailable = metrics.count(metrics.CACHE_FAIL_OPEN, reason="unavailable")
+        reply = await m.predict("where is my refund")
+        assert reply.cache.outcome == FAIL_OPEN
+        assert reply.cache.detail == (
+            "cache_lookup service unavailable at cache.test:1: connection refused"
+        )
+        assert reply.prediction.label == "refund"
+        assert metrics.count(metrics.CACHE_FAIL_OPEN, reason="unavailable") == unavailable + 1
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("where", "code", "status", "message"),
+    [
+        (
+            "inference",
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.UNAVAILABLE,
+            "inference service unavailable at inference.test:1: socket closed",
+        ),
+        (
+            "inference",
+            grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.INTERNAL,
+            "inference failed with FAILED_PRECONDITION: socket closed",
+        ),
+        (
+            "tokenizer",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "tokenize: socket closed",
+        ),
+    ],
+)
+def test_an_upstream_error_ends_the_request_with_its_mapped_status(
+    where: str, code: grpc.StatusCode, status: grpc.StatusCode, message: str
+) -> None:
+    async def scenario(m: Mesh) -> None:
+        failing = m.inference if where == "inference" else m.tokenizer
+        failing.error = rpc_error(code, "socket closed")
+        with pytest.raises(StatusError) as caught:
+            await m.predict("change my address")
+        assert isinstance(caught.value, HopError)
+        assert (caught.value.code, caught.value.message) == (status, message)
+        # Predict turns it into that status for the caller.
+        context = AbortingContext()
+        with pytest.raises(Aborted):
+            await m.gateway.Predict(
+                gateway_pb2.PredictRequest(text="change my address"), cast(Any, context)
+            )
+        assert context.aborted == (status, message)
+
+    run(scenario)
+
+
+class Aborted(Exception):
+    pass
+
+
+class AbortingContext:
+    """The bits of a grpc.aio ServicerContext Predict uses; abort raises, as grpc's does."""
+
+    def __init__(self) -> None:
+        self.aborted: tuple[grpc.StatusCode, str] | None = None
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.aborted = (code, details)
+        raise Aborted
+
+
+def test_identical_concurrent_misses_share_one_inference() -> None:
+    text = "my card was declined"
+
+    async def scenario(m: Mesh) -> None:
+        m.inference.gate = asyncio.Event()
+        before = await m.counters()
+        callers = [asyncio.create_task(m.predict(text)) for _ in range(3)]
+        await until(lambda: len(m.inference.requests) == 1 and m.gateway.coalescer.coalesced == 2)
+        assert (await m.counters())["coalescing_in_flight"] == 1
+        m.inference.gate.set()
+        replies = await asyncio.gather(*callers)
+        assert [r.prediction.label for r in replies] == ["refund"] * 3
+        assert sorted(r.cache.coalesced for r in replies) == [False, True, True]
+        assert all("coalesced_wait" in hops(r) for r in replies if r.cache.coalesced)
+        await m.settle()
+        assert len(m.cache.stores) == 1  # one inference, one store
+        assert changed(before, await m.counters()) == {
+            "requests": 3,
+            "cache_miss": 3,
+            "inferences": 1,
+            "coalesced": 2,
+            "stores": 1,
+        }
+
+    run(scenario)
+
+
+def test_getstats_counts_each_outcome_once_from_the_prometheus_counters() -> None:
+    text = "reset my password"
+
+    def outcome(name: str) -> int:
+        return metrics.count(metrics.CACHE_OUTCOMES, model=MODEL, outcome=name)
+
+    async def scenario(m: Mesh) -> None:
+        await until(lambda: m.gateway.exact_tier.live)
+        stats = await m.stats()
+        assert set(stats.counters) == STATS_KEYS
+        assert stats.cache_circuit == "closed"
+        before = await m.counters()
+        prometheus = {name: outcome(name) for name in ("exact", "miss", "skipped")}
+
+        miss = await m.predict(text)
+        await m.settle()  # stored, and copied to the gateway's local tier
+        repeat = await m.predict(text)
+        skipped = await m.predict(text, cache_mode=common_pb2.CACHE_MODE_BYPASS)
+
+        assert (miss.cache.outcome, repeat.cache.outcome) == (MISS, EXACT)
+        assert repeat.cache.detail == "answered by the gateway's local exact tier"
+        assert "cache_lookup" not in hops(repeat)
+        assert "tokenize" not in hops(repeat)
+        assert len(m.cache.lookups) == 1  # the repeat made no hop at all
+        assert skipped.cache.outcome == SKIPPED
+        assert changed(before, await m.counters()) == {
+            "requests": 3,
+            "cache_miss": 1,
+            "cache_exact": 1,
+            "cache_exact_local": 1,
+            "cache_skipped": 1,
+            "inferences": 2,
+            "stores": 1,
+            "local_exact_entries": 1,
+        }
+        # GetStats and a scrape read the same counters: each outcome was counted once.
+        assert {name: outcome(name) - n for name, n in prometheus.items()} == {
+            "exact": 1,
+            "miss": 1,
+            "skipped": 1,
+        }
+
+    run(scenario, local_exact_entries=100)
+
+
+def test_store_policy_skips_low_scores() -> None:
+    async def scenario(m: Mesh) -> None:
+        m.gateway.catalogue.models[(MODEL, "1")].cache.min_score = 0.9  # above the 0.8 answer
+        before = await m.counters()
+        await m.predict("a vague question")
+        await m.settle()
+        assert m.cache.stores == []
+        assert changed(before, await m.counters()) == {
+            "requests": 1,
+            "cache_miss": 1,
+            "inferences": 1,
+            "stores_skipped_policy": 1,
+        }
+
+    run(scenario)
