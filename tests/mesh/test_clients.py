@@ -91,9 +91,15 @@ def test_example_reports_a_refusal_with_its_status(mesh: Mesh, lang: str) -> Non
 
 
 def test_generated_code_is_not_committed() -> None:
-    """Generated stubs live only in ignored folders: what is committed is the protos."""
+    """Generated code is ignored, never committed: the clients' and the Python stubs `make
+    protos` writes beside each .proto. What is committed is the protos."""
     tracked = subprocess.run(
-        ["git", "ls-files", "clients"], cwd=ROOT, capture_output=True, text=True, check=True
+        ["git", "ls-files", "clients", "protos"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     generated = [p for p in tracked if re.search(r"(^|/)(gen|target|dist|node_modules)/", p)]
     assert generated == []
+    assert [p for p in tracked if p.startswith("protos/") and p.endswith((".py", ".pyi"))] == []

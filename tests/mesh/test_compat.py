@@ -77,7 +77,7 @@ def test_a_client_built_from_the_previous_protos_still_works(mesh: Mesh, tmp_pat
     client = textwrap.dedent(
         f"""
         import grpc
-        from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+        from hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
         assert gateway_pb2.__file__.startswith({str(stubs)!r}), gateway_pb2.__file__
         with grpc.insecure_channel({mesh.gateway!r}) as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)

@@ -9,7 +9,8 @@ from pathlib import Path
 from conftest import ROOT
 from hopline.observability import schema
 
-PACKAGES = ("core", "gateway", "cache", "observability", "services")
+# Every folder of Python code (a missing one would be skipped silently by rglob: checked below).
+PACKAGES = ("runtime", "model", "services", "gateway", "cache", "observability", "cli", "bench")
 # call_hop opens the gateway's client span for a hop, named by its first argument.
 SPAN_CALLS = {"start_as_current_span", "start_span", "call_hop"}
 # OpenTelemetry semantic conventions the code also uses.
@@ -17,6 +18,7 @@ SEMCONV = ("rpc.", "server.")
 
 
 def _sources() -> list[Path]:
+    assert all((ROOT / pkg).is_dir() for pkg in PACKAGES), PACKAGES
     return [
         p
         for pkg in PACKAGES
