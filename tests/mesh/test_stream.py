@@ -83,13 +83,25 @@ def gateway_metric(mesh: Mesh, line_start: str) -> float | None:
 
 def test_a_cancelled_stream_is_closed_out_and_the_gateway_carries_on(mesh: Mesh) -> None:
     """The interceptor follows a stream to its end, cancellation included: the in-flight
-    gauge drops back and the stream's latency is recorded with status CANCELLED."""
+    gauge drops back and the stream's latency is recorded once.
+
+    Recorded as CANCELLED or as OK: when a client's cancel lands between messages, grpc.aio
+    hands the handler an end of input, indistinguishable from a half-close (the context says
+    neither cancelled nor done), and the handler may finish before grpc cancels its task.
+    Measured on a bare grpc.aio bidi server shaped like PredictStream: 10 of 400 such cancels
+    ended as a normal end of input. Waiting for CANCELLED alone failed this test by chance.
+    """
     in_flight = 'hopline_rpc_in_flight{method="PredictStream",service="hopline.gateway.v1.'
-    cancelled = (
-        'hopline_rpc_duration_seconds_count{code="CANCELLED",method="PredictStream",'
+    ended = [
+        f'hopline_rpc_duration_seconds_count{{code="{code}",method="PredictStream",'
         'service="hopline.gateway.v1.GatewayService"}'
-    )
-    before = gateway_metric(mesh, cancelled) or 0.0
+        for code in ("CANCELLED", "OK")
+    ]
+
+    def streams_ended() -> float:
+        return sum(gateway_metric(mesh, line) or 0.0 for line in ended)
+
+    before = streams_ended()
     more = threading.Event()
 
     def client() -> Iterator[gateway_pb2.PredictStreamRequest]:
@@ -108,7 +120,7 @@ def test_a_cancelled_stream_is_closed_out_and_the_gateway_carries_on(mesh: Mesh)
         call.cancel()  # type: ignore[no-untyped-call]  # unannotated in grpc-stubs
         more.set()
         deadline = time.monotonic() + 10
-        while gateway_metric(mesh, cancelled) != before + 1:
+        while streams_ended() != before + 1:
             assert time.monotonic() < deadline, "the cancelled stream was never closed out"
             time.sleep(0.05)
         assert gateway_metric(mesh, in_flight) == 0.0
