@@ -29,6 +29,7 @@ from opentelemetry.trace import Link, SpanContext
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
 from hopline.cache.store import CacheStore, CacheStoreError, Entry, MilvusStore, ScopeFilter
+from hopline.model.tokenizer import unseen
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import tracer
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
@@ -115,6 +116,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 "expirations",
                 "store_embeddings",
                 "ambiguous",
+                "unseen_mismatches",
             ),
             0,
         )
@@ -331,7 +333,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 found = await self._io_call(store.search, vector, scope, now, SEMANTIC_CANDIDATES)
                 span.set_attribute(schema.CACHE_CANDIDATES, len(found))
             response.search_ms = (time.perf_counter() - t2) * 1e3
-            hit = self._accept(found, scope, now, threshold)
+            hit = self._accept(found, scope, now, threshold, self._unseen(normalised))
             if hit is not None:
                 self.counters["semantic_hits"] += 1
                 metrics.CACHE_LOOKUPS.labels("semantic").inc()
@@ -356,14 +358,23 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         scope: tuple[str, str, str, str],
         now: float,
         threshold: float,
+        query_unseen: tuple[str, ...],
     ) -> tuple[Entry, float] | None:
         """The nearest entry at or above the threshold, unless a runner-up close to it carries
-        another answer: the query sits between two answers, and guessing is a false hit."""
+        another answer: the query sits between two answers, and guessing is a false hit.
+
+        Only entries whose unseen parts (what the encoder could not see: characters under
+        [UNK], a truncated tail) equal the query's take part: texts that differ only there
+        embed identically, so their similarity says nothing about them.
+        """
         best: tuple[Entry, float, str] | None = None
         for candidate, similarity in found:
             # The filter already scoped the search; checking again costs nothing and keeps a
             # filter mistake from ever crossing tenants.
             if candidate.scope != scope or candidate.expires_at <= now:
+                continue
+            if self._unseen(candidate.text) != query_unseen:
+                self.counters["unseen_mismatches"] += 1
                 continue
             label = common_pb2.Prediction.FromString(candidate.response).label
             if best is None:
@@ -374,6 +385,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 self.counters["ambiguous"] += 1
                 return None
         return (best[0], best[1]) if best is not None else None
+
+    def _unseen(self, normalised: str) -> tuple[str, ...]:
+        assert self.embedder is not None
+        return unseen(self.embedder.tokenizer, normalised)
 
     def _remember(self, text: str, vector: Vector) -> None:
         self._recent[text] = vector

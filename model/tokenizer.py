@@ -47,3 +47,31 @@ def encode(tokenizer: Tokenizer, texts: list[str]) -> Batch:
         lengths=[int(m.sum()) for m in mask],
         truncated=[bool(e.overflowing) for e in encodings],
     )
+
+
+def unseen(tokenizer: Tokenizer, text: str) -> tuple[str, ...]:
+    """What the encoder cannot see of `text`: the characters under each [UNK] token, in order,
+    then the tail truncation cut off ('' when none). Empty when it sees everything.
+
+    Two texts with the same token ids embed identically whatever those characters are ("What
+    is 😀?" and "What is 🚀?" are both "what is [UNK] ?"), so a semantic match between them
+    means nothing unless these parts are equal too.
+    """
+    encoding = tokenizer.encode(text)
+    unk = tokenizer.token_to_id("[UNK]")
+    parts = [
+        text[start:end]
+        for i, (start, end) in zip(encoding.ids, encoding.offsets, strict=True)
+        if i == unk
+    ]
+    tail = ""
+    if encoding.overflowing:
+        seen = [
+            end
+            for (_, end), special in zip(
+                encoding.offsets, encoding.special_tokens_mask, strict=True
+            )
+            if not special
+        ]
+        tail = text[max(seen, default=0) :]
+    return (*parts, tail) if parts or tail else ()
