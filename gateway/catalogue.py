@@ -1,15 +1,17 @@
 """The models inference serves, as the gateway knows them.
 
-Re-read every HOPLINE_MODEL_REFRESH_S, and at once (at most once a second) when a request names
-a model the gateway has not heard of, so a model added to the repository is served without a
-gateway restart and a typo does not turn into a ListModels storm.
+Re-read every HOPLINE_MODEL_REFRESH_S, and before any NOT_FOUND: a request naming a model or
+version the gateway has not heard of waits for a re-read that started after it asked, so a
+model built while the mesh runs is served on its first request. Re-reads are single-flight:
+one ListModels at a time, and every request that missed while one was in flight shares the
+next, so a burst of typos costs one call per ListModels round trip, not one per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
+import logging
 
 import grpc
 
@@ -17,26 +19,41 @@ from hopline.gateway.errors import RequestError
 from hopline.gateway.upstream import Pool
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 
+log = logging.getLogger("hopline.gateway.catalogue")
+
 
 class ModelCatalogue:
     def __init__(self, inference: Pool[inference_pb2_grpc.InferenceServiceAsyncStub]) -> None:
         self.inference = inference
         self.models: dict[tuple[str, str], inference_pb2.ModelInfo] = {}
         self.latest: dict[str, str] = {}
-        self._last_refresh = 0.0
-        self._refresh_lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one ListModels at a time
+        self._started = 0  # re-reads started so far; the n-th one is number n
+        self._done = 0  # the number of the last re-read that finished (or failed)
 
     async def refresh(self) -> None:
-        response = await self.inference.stub().ListModels(
-            inference_pb2.ListModelsRequest(), timeout=5.0
-        )
+        """Re-read the model list now (after any re-read in flight); raises on RPC errors."""
+        async with self._lock:
+            await self._list()
+
+    async def _list(self) -> None:
+        self._started += 1
+        number = self._started
+        try:
+            response = await self.inference.stub().ListModels(
+                inference_pb2.ListModelsRequest(), timeout=5.0
+            )
+        finally:
+            self._done = number
         models = {(m.name, m.version): m for m in response.models}
         latest: dict[str, str] = {}
         for name, version in models:
             if int(version) > int(latest.get(name, "0")):
                 latest[name] = version
+        added = sorted(f"{n}/{v}" for n, v in models.keys() - self.models.keys())
+        if self.models and added:
+            log.info("models added", extra={"models": added})
         self.models, self.latest = models, latest
-        self._last_refresh = time.monotonic()
 
     async def follow(self, every_s: float) -> None:
         while True:
@@ -44,14 +61,21 @@ class ModelCatalogue:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self.refresh()
 
+    def _lookup(self, name: str, version: str) -> inference_pb2.ModelInfo | None:
+        return self.models.get((name, version or self.latest.get(name, "")))
+
     async def _find(self, name: str, version: str) -> inference_pb2.ModelInfo | None:
-        key = (name, version or self.latest.get(name, ""))
-        if key not in self.models and time.monotonic() - self._last_refresh > 1.0:
-            async with self._refresh_lock:
+        info = self._lookup(name, version)
+        if info is not None:
+            return info
+        # A re-read numbered above `ticket` started after this miss, so it has seen whatever
+        # the repository held when the request arrived; one in flight now may not have.
+        ticket = self._started
+        async with self._lock:
+            if self._done <= ticket:
                 with contextlib.suppress(grpc.aio.AioRpcError):
-                    await self.refresh()
-            key = (name, version or self.latest.get(name, ""))
-        return self.models.get(key)
+                    await self._list()
+        return self._lookup(name, version)
 
     async def resolve(self, name: str, version: str) -> inference_pb2.ModelInfo:
         """The model `name` at `version` (the latest when empty); RequestError NOT_FOUND."""

@@ -1,75 +1,133 @@
 """Per-service view of the model repository: loaded models, version resolution, rescans.
 
-A version built while the services run is picked up on first use: an unknown name or
-version triggers a rescan of the repository (at most once per `rescan_interval_s`).
+Every version in the repository is loaded at start-up, before the service is SERVING. A
+version or model written while the services run is picked up on first use, with no time
+window in which it is refused:
+
+- `get` on a name or version it has not loaded rescans the repository's listing (a few
+  directory reads) and loads the new version there and then;
+- `models` rescans first, so a model list built from it (inference's ListModels, which the
+  gateway reads when a request names a model it does not know) includes every version the
+  repository holds now; a version is loaded by the first `get` that needs it.
+
+Rescans are single-flight: callers that miss while one is running share the next one (a scan
+that started before a caller missed may not have seen what the caller wants), so a burst of
+requests for an unknown name costs at most two listings. Only complete versions are seen
+(`ModelRepository.versions` needs config.json, and `hopline model build` renames a finished
+folder into place); a version whose config or files are broken is left out, with a warning,
+and looked at again on the next rescan.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
+from hopline.model.repository import (
+    InvalidModelError,
+    ModelConfig,
+    ModelNotFoundError,
+    ModelRepository,
+    load_config,
+)
 
 T = TypeVar("T")
+Key = tuple[str, str]
 log = logging.getLogger("hopline.model.registry")
 
 
 class ModelRegistry(Generic[T]):
-    def __init__(
-        self,
-        repo: ModelRepository,
-        loader: Callable[[ModelConfig], T],
-        *,
-        rescan_interval_s: float = 1.0,
-    ) -> None:
+    def __init__(self, repo: ModelRepository, loader: Callable[[ModelConfig], T]) -> None:
         self._repo = repo
         self._loader = loader
-        self._loaded: dict[tuple[str, str], tuple[ModelConfig, T]] = {}
+        self._configs: dict[Key, ModelConfig] = {}  # every complete version seen
+        self._loaded: dict[Key, tuple[ModelConfig, T]] = {}
         self._latest: dict[str, str] = {}
-        self._rescan_interval_s = rescan_interval_s
-        self._last_scan = 0.0
+        self._broken: dict[Key, str] = {}  # versions left out, with why (logged once)
         self._lock = threading.Lock()
+        self._scans_started = 0
+        self._scans_done = 0
 
     def load_all(self) -> list[ModelConfig]:
         """Load every version in the repository; used at start-up, before SERVING."""
         with self._lock:
             self._scan()
+            for key in sorted(self._configs):
+                self._load(key)
         return [cfg for cfg, _ in self._loaded.values()]
 
-    def _scan(self) -> None:
-        self._last_scan = time.monotonic()
-        for name in self._repo.names():
-            versions = self._repo.versions(name)
-            for version in versions:
-                if (name, version) not in self._loaded:
-                    cfg = self._repo.resolve(name, version)
-                    self._loaded[(name, version)] = (cfg, self._loader(cfg))
-                    log.info("model loaded", extra={"model": name, "version": version})
-            self._latest[name] = versions[-1]
+    # -- scanning (under the lock) ---------------------------------------------------------
 
-    def _lookup(self, name: str, version: str) -> tuple[ModelConfig, T] | None:
-        resolved = version or self._latest.get(name, "")
-        return self._loaded.get((name, resolved))
+    def _scan(self) -> None:
+        self._scans_started += 1
+        configs: dict[Key, ModelConfig] = {}
+        broken: dict[Key, str] = {}
+        for name in self._repo.names():
+            for version in self._repo.versions(name):
+                key = (name, version)
+                cfg = self._configs.get(key)  # versions are immutable: read each config once
+                if cfg is None:
+                    try:
+                        cfg = load_config(self._repo.root / name / version)
+                    except InvalidModelError as exc:
+                        broken[key] = str(exc)
+                        if self._broken.get(key) != str(exc):
+                            log.warning(
+                                "model version left out",
+                                extra={"model": name, "version": version, "error": str(exc)},
+                            )
+                        continue
+                    log.info("model version found", extra={"model": name, "version": version})
+                configs[key] = cfg
+        latest: dict[str, str] = {}
+        for name, version in configs:
+            if int(version) > int(latest.get(name, "0")):
+                latest[name] = version
+        self._configs, self._latest, self._broken = configs, latest, broken
+        self._scans_done = self._scans_started
+
+    def _rescan_after(self, ticket: int) -> None:
+        """Rescan unless one that started after the caller's miss (`ticket`) already ran."""
+        with self._lock:
+            if self._scans_done <= ticket:
+                self._scan()
+
+    def _load(self, key: Key) -> tuple[ModelConfig, T]:
+        found = self._loaded.get(key)
+        if found is None:
+            cfg = self._configs[key]
+            found = (cfg, self._loader(cfg))
+            self._loaded[key] = found
+            log.info("model loaded", extra={"model": cfg.name, "version": cfg.version})
+        return found
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def _key(self, name: str, version: str) -> Key:
+        return (name, version or self._latest.get(name, ""))
 
     def get(self, name: str, version: str = "") -> tuple[ModelConfig, T]:
-        found = self._lookup(name, version)
+        """The loaded model; rescans and loads on a name or version not loaded yet."""
+        found = self._loaded.get(self._key(name, version))
         if found is not None:
             return found
+        ticket = self._scans_started
+        self._rescan_after(ticket)
         with self._lock:
-            if time.monotonic() - self._last_scan >= self._rescan_interval_s:
-                self._scan()
-            found = self._lookup(name, version)
-        if found is None:
-            self._repo.resolve(name, version)  # raises with the repository's own message
-            raise ModelNotFoundError(f"model {name!r} version {version!r} is not loaded")
-        return found
+            key = self._key(name, version)
+            if key in self._configs:
+                return self._load(key)
+        if key in self._broken:
+            raise ModelNotFoundError(f"model {name}/{key[1]} is broken: {self._broken[key]}")
+        self._repo.resolve(name, version)  # raises with the repository's own message
+        raise ModelNotFoundError(f"model {name!r} version {version!r} is not loaded")
 
     def loaded(self) -> list[tuple[ModelConfig, T]]:
         return sorted(self._loaded.values(), key=lambda m: m[0].key)
 
     def models(self) -> list[ModelConfig]:
-        return [cfg for cfg, _ in sorted(self._loaded.values(), key=lambda m: m[0].key)]
+        """Every complete version in the repository now (rescanned), loaded or not yet."""
+        self._rescan_after(self._scans_started)
+        return [self._configs[key] for key in sorted(self._configs)]

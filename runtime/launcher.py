@@ -18,13 +18,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, Self
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime.service_table import SERVICES, ServiceName, spec
 
 log = logging.getLogger("hopline.launcher")
@@ -82,7 +83,11 @@ def _die_with_parent() -> None:
 
 
 class MeshError(RuntimeError):
-    """A service exited or did not become SERVING; the message carries its log's tail."""
+    """A service exited or did not become ready in time; the message carries logs' tails."""
+
+
+class StartInterrupted(Exception):
+    """Start-up was called off (Ctrl-C) before the mesh was ready."""
 
 
 class Mesh:
@@ -178,25 +183,77 @@ class Mesh:
         """Exit codes of the services that are no longer running."""
         return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
 
-    def wait_serving(self, name: str, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while health_status(self.addrs[name]) != SERVING:
-            proc = self.procs[name]
-            if proc.poll() is not None:
-                raise MeshError(f"{name} exited {proc.returncode}:\n{self.log(name)[-4000:]}")
-            if time.monotonic() > deadline:
+    def wait_until(
+        self,
+        what: str,
+        ready: Callable[[], bool],
+        deadline: float,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Poll `ready` until it holds; MeshError when a service exits or the deadline passes,
+        StartInterrupted when `stopping` says so (a Ctrl-C during start-up)."""
+        while not ready():
+            if stopping():
+                raise StartInterrupted(what)
+            if dead := self.exited():
+                name = next(iter(dead))
                 raise MeshError(
-                    f"{name} not SERVING after {timeout_s:.0f} s:\n{self.log(name)[-4000:]}"
+                    f"{name} exited {dead[name]} while waiting for {what}:\n"
+                    f"{self.log(name)[-4000:]}"
                 )
-            time.sleep(0.2)
+            if time.monotonic() > deadline:
+                logs = "".join(f"\n--- {n}:\n{self.log(n)[-2000:]}" for n in self.procs)
+                raise MeshError(f"not ready in time: {what}{logs}")
+            time.sleep(0.1)
 
-    def start(self, names: Iterable[str] = ALL, timeout_s: float = 120.0) -> Mesh:
-        """Spawn `names` and wait until each is SERVING; on failure stop them all."""
-        names = tuple(names)
-        self.spawn(names)
+    def _serving(self, name: str) -> Callable[[], bool]:
+        return lambda: health_status(self.addrs[name]) == SERVING
+
+    def wait_serving(self, name: str, timeout_s: float = 120.0) -> None:
+        self.wait_until(f"{name} SERVING", self._serving(name), time.monotonic() + timeout_s)
+
+    def local_tier_live(self) -> bool:
+        """Whether the gateway's local exact tier serves (its watch on the cache connected)."""
         try:
-            for name in names:
-                self.wait_serving(name, timeout_s)
+            with grpc.insecure_channel(self.gateway) as channel:
+                stats = gateway_pb2_grpc.GatewayServiceStub(channel).GetStats(
+                    gateway_pb2.GetStatsRequest(), timeout=1.0
+                )
+        except grpc.RpcError:
+            return False
+        return stats.counters.get("local_exact_live") == 1
+
+    def start(
+        self,
+        names: Iterable[str] = ALL,
+        timeout_s: float = 120.0,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> Self:
+        """Start `names` and return when each answers, in the order that makes "ready" true.
+
+        The gateway's upstreams first, until SERVING: a gateway channel that met a refused
+        connection backs off and fails the first requests sent on it (FAIL_OPEN on the cache,
+        UNAVAILABLE on inference). Then the gateway, and, with the cache running and the local
+        exact tier on, until that tier is live, so the first repeat is an EXACT hit. On any
+        failure every service started is stopped.
+        """
+        names = tuple(names)
+        deadline = time.monotonic() + timeout_s
+        upstreams = [n for n in names if n != ServiceName.GATEWAY]
+        local_tier = self.service_env_value("gateway", "HOPLINE_GATEWAY_EXACT_ENTRIES") != "0"
+        try:
+            self.spawn(upstreams)
+            for name in upstreams:
+                self.wait_until(f"{name} SERVING", self._serving(name), deadline, stopping)
+            if ServiceName.GATEWAY in names:
+                self.spawn([ServiceName.GATEWAY])
+                self.wait_until(
+                    "gateway SERVING", lambda: is_serving(self.gateway), deadline, stopping
+                )
+                if ServiceName.CACHE in names and local_tier:
+                    self.wait_until(
+                        "the gateway's local exact tier", self.local_tier_live, deadline, stopping
+                    )
         except BaseException:
             self.stop()
             raise

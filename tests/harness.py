@@ -4,7 +4,6 @@ folder per mesh, quick start-up settings, and reads of the gateway's and cache's
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import grpc
@@ -54,26 +53,6 @@ class Mesh(launcher.Mesh):
             log_dir=workdir,
         )
         self.workdir = workdir
-
-    def start(self, names: Iterable[str] = ALL, timeout_s: float = 120.0) -> Mesh:
-        names = tuple(names)
-        super().start(names, timeout_s)
-        local_tier = self.service_env_value("gateway", "HOPLINE_GATEWAY_EXACT_ENTRIES") != "0"
-        if {"gateway", "cache"} <= set(names) and local_tier:
-            self.wait_local_tier(timeout_s)
-        return self
-
-    def wait_local_tier(self, timeout_s: float = 120.0) -> None:
-        """Until the gateway's local exact tier is live (its watch on the cache connected).
-
-        Without it, what a test stores right after start-up is not copied locally, and
-        whether a repeat is answered by the gateway or by the cache depends on timing.
-        """
-        deadline = time.monotonic() + timeout_s
-        while self.gateway_counters().get("local_exact_live") != 1:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gateway exact tier not live:\n{self.log('gateway')}")
-            time.sleep(0.05)
 
     def gateway_counters(self) -> dict[str, int | str]:
         """The gateway's GetStats counters, plus its cache circuit state as `circuit`."""

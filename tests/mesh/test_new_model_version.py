@@ -1,0 +1,72 @@
+"""A model version or model published while the mesh runs is served on its first request.
+
+Publishing is what `hopline model build` does: write the version folder under a staging
+name, then rename it into place. The copies here are of the default model with config.json's
+name and version edited, which is all a version folder needs beyond its files. Every request
+below is the first that names the new version: no retry, no wait for a periodic refresh.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from conftest import DEFAULT_MODEL
+from harness import Mesh
+from hopline.gateway.client import predict
+from hopline.protos.hopline.gateway.v1 import gateway_pb2
+
+
+def publish(repo: Path, name: str, version: str) -> None:
+    """A copy of the default model's version 1 as name/version, renamed into place."""
+    staging = repo / name / f".staging-{version}"
+    shutil.copytree(repo / DEFAULT_MODEL / "1", staging)
+    config = json.loads((staging / "config.json").read_text())
+    config["name"], config["version"] = name, int(version)
+    (staging / "config.json").write_text(json.dumps(config))
+    staging.rename(repo / name / version)
+
+
+def ask(mesh: Mesh, text: str, model: str, version: str = "") -> gateway_pb2.PredictResponse:
+    return predict(text, gateway=mesh.gateway, model=model, model_version=version, timeout_s=60)
+
+
+def test_a_new_version_is_served_on_its_first_request(mesh: Mesh) -> None:
+    before = ask(mesh, "I forgot my password", DEFAULT_MODEL, "1")
+    publish(mesh.repo, DEFAULT_MODEL, "2")
+
+    reply = ask(mesh, "I forgot my password", DEFAULT_MODEL, "2")
+
+    assert (reply.model, reply.model_version) == (DEFAULT_MODEL, "2")
+    assert reply.prediction.label == before.prediction.label  # the same weights
+
+
+def test_a_new_model_is_served_on_its_first_request(mesh: Mesh) -> None:
+    publish(mesh.repo, "support-intents-copy", "1")
+
+    reply = ask(mesh, "where is my parcel", "support-intents-copy")  # no version: the latest
+
+    assert (reply.model, reply.model_version) == ("support-intents-copy", "1")
+    assert reply.prediction.label
+
+
+def test_concurrent_first_requests_for_a_new_version_all_succeed(mesh: Mesh) -> None:
+    publish(mesh.repo, DEFAULT_MODEL, "3")
+    texts = [f"cancel my order number {i}" for i in range(8)]
+
+    with ThreadPoolExecutor(len(texts)) as pool:
+        replies = list(pool.map(lambda t: ask(mesh, t, DEFAULT_MODEL, "3"), texts))
+
+    assert {r.model_version for r in replies} == {"3"}
+
+
+def test_an_unknown_version_is_still_not_found(mesh: Mesh) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        ask(mesh, "hi", DEFAULT_MODEL, "99")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "support-intents/1" in (err.value.details() or "")
