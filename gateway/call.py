@@ -3,6 +3,10 @@
 GatewayService.predict_text builds one PredictCall and hands it from step to step; each step
 reads what it needs (scope, key, cache mode) and writes what it found (the reply's cache
 info, timings, whether the local tier answered, why the cache failed open).
+
+It also holds the checks on what a request may say before a PredictCall is built: `clip` (a
+client's string as an error message may echo it) and `check_cache_mode` (proto3 enums are
+open: any number arrives).
 """
 
 from __future__ import annotations
@@ -11,12 +15,40 @@ import asyncio
 import dataclasses
 from typing import Any
 
+import grpc
+
 from hopline.cache.keys import exact_key, scope_tuple
+from hopline.gateway.errors import RequestError
 from hopline.observability.tracing import current_trace_id
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
+
+# A client's string echoed in an error message is cut to this many characters: a 16 KB model
+# name must not become a 16 KB status message (grpc's metadata limit is 8 KB by default).
+ECHO_CHARS = 64
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """`text` as an error message may echo it: at most `limit` characters, `…` marking a cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+CACHE_MODES = tuple(
+    (number, name)
+    for name, number in common_pb2.CacheMode.items()
+    if number != common_pb2.CACHE_MODE_UNSPECIFIED
+)
+
+
+def check_cache_mode(mode: int, where: str = "PredictRequest.cache_mode") -> None:
+    """INVALID_ARGUMENT for a number outside the CacheMode enum (open in proto3)."""
+    if mode not in common_pb2.CacheMode.values():
+        names = ", ".join(f"{name} ({number})" for number, name in CACHE_MODES)
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{where} {mode} is not a CacheMode: use {names}"
+        )
 
 
 @dataclasses.dataclass

@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from hopline.gateway.call import clip
 from hopline.gateway.client import CACHE_MODES, outcome_name
 from hopline.gateway.errors import RequestError
 from hopline.gateway.service import GatewayService
@@ -162,7 +163,7 @@ def decode_texts(request: pb.ModelInferRequest, model: str) -> list[str]:
     for tensor in request.inputs:
         if tensor.name != TEXT_INPUT:
             raise _invalid(
-                f"unexpected inference input '{tensor.name}' for model '{model}': its only "
+                f"unexpected inference input '{clip(tensor.name)}' for model '{model}': its only "
                 f"input is '{TEXT_INPUT}' (BYTES, shape [batch])"
             )
     if len(request.inputs) != 1:
@@ -173,14 +174,14 @@ def decode_texts(request: pb.ModelInferRequest, model: str) -> list[str]:
     tensor = request.inputs[0]
     if tensor.datatype != "BYTES":
         raise _invalid(
-            f"inference input '{TEXT_INPUT}' data-type is '{tensor.datatype}', but model "
+            f"inference input '{TEXT_INPUT}' data-type is '{clip(tensor.datatype)}', but model "
             f"'{model}' expects 'BYTES' (UTF-8 texts)"
         )
     shape = list(tensor.shape)
     if len(shape) != 1 or shape[0] < 1:
         raise _invalid(
             f"unexpected shape for input '{TEXT_INPUT}' for model '{model}'. Expected [-1], got "
-            f"{shape}: one dimension, the number of texts (at least 1)"
+            f"{clip(str(shape))}: one dimension, the number of texts (at least 1)"
         )
     count = shape[0]
     raw = request.raw_input_contents
@@ -238,7 +239,7 @@ def cache_mode(parameters: Mapping[str, pb.InferParameter]) -> common_pb2.CacheM
     mode = string_parameter(parameters, "cache_mode") or "use"
     if mode not in CACHE_MODES:
         raise _invalid(
-            f"parameter 'cache_mode' must be one of {', '.join(CACHE_MODES)}, got {mode!r}"
+            f"parameter 'cache_mode' must be one of {', '.join(CACHE_MODES)}, got {clip(mode)!r}"
         )
     return CACHE_MODES[mode]
 
@@ -248,7 +249,7 @@ def requested_outputs(request: pb.ModelInferRequest, model: str) -> list[str]:
     for name in names:
         if name not in OUTPUTS:
             raise _invalid(
-                f"unexpected inference output '{name}' for model '{model}': its outputs are "
+                f"unexpected inference output '{clip(name)}' for model '{model}': its outputs are "
                 f"{', '.join(OUTPUTS)}"
             )
     return list(dict.fromkeys(names))  # a name asked twice is returned once

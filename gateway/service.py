@@ -33,7 +33,7 @@ from opentelemetry import trace
 from prometheus_client import Counter
 
 from hopline.cache.keys import scope_tuple
-from hopline.gateway.call import PredictCall
+from hopline.gateway.call import ECHO_CHARS, PredictCall, check_cache_mode, clip
 from hopline.gateway.catalogue import ModelCatalogue
 from hopline.gateway.errors import RequestError
 from hopline.gateway.exact_tier import LocalEntry, LocalExactTier
@@ -203,7 +203,15 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         return self.catalogue.models
 
     async def resolve_model(self, name: str, version: str) -> inference_pb2.ModelInfo:
-        return await self.catalogue.resolve(name, version)
+        try:
+            return await self.catalogue.resolve(name, version)
+        except RequestError as err:
+            if err.code != grpc.StatusCode.NOT_FOUND or max(len(name), len(version)) <= ECHO_CHARS:
+                raise
+            # The catalogue's message echoes the name whole: say it again, clipped.
+            known = ", ".join(sorted(f"{n}/{v}" for n, v in self.models)) or "none"
+            wanted = f"{clip(name)}/{clip(version)}" if version else clip(name)
+            raise RequestError(err.code, f"unknown model {wanted!r} (serving: {known})") from None
 
     def check_text(self, text: str, where: str = "PredictRequest.text") -> None:
         if not text.strip():
@@ -275,6 +283,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         started = time.perf_counter()
         metrics.GATEWAY_REQUESTS.inc()
         self.check_text(request.text)
+        check_cache_mode(request.cache_mode)
         tenant = self.tenants.resolve(request.tenant, metadata)
         info = await self.resolve_model(
             request.model or self.config.default_model, request.model_version

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -31,16 +33,26 @@ from hopline.runtime.errors import StatusError
 if TYPE_CHECKING:
     from hopline.gateway.service import GatewayConfig
 
+log = logging.getLogger("hopline.gateway.upstream")
+
 StubT = TypeVar("StubT")
 StubT_co = TypeVar("StubT_co", covariant=True)
 
 
 class HopError(StatusError):
-    """An upstream call failed; carries the status the gateway should return."""
+    """An upstream call failed; carries the status the gateway should return.
 
-    def __init__(self, hop: str, code: grpc.StatusCode, message: str) -> None:
+    `.message` is for the caller: it names the hop, never the address it dials (that, and
+    the upstream's own details, go to the log and the hop's span: `.target`, `.details`).
+    """
+
+    def __init__(
+        self, hop: str, code: grpc.StatusCode, message: str, target: str = "", details: str = ""
+    ) -> None:
         super().__init__(code, message)
         self.hop = hop
+        self.target = target
+        self.details = details
 
 
 def channel_options(index: int, max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -151,21 +163,44 @@ class GatewayUpstreams:
             await upstream.close()
 
 
+# Addresses grpc core writes into its details ("ipv4:127.0.0.1:8011: Connection refused").
+_ADDRESS = re.compile(
+    r"\b(?:ipv4|ipv6|unix|unix-abstract|dns|vsock):[^\s,;]+"
+    r"|\[[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*\](?::\d+)?"
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?"
+)
+DETAILS_CHARS = 300  # an upstream's details passed on to the caller, at most
+
+
+def caller_details(details: str, target: str) -> str:
+    """An upstream's status details fit for the caller: no address in them, and short."""
+    text = details.replace(target, "<address>") if target else details
+    text = _ADDRESS.sub("<address>", text)
+    return text if len(text) <= DETAILS_CHARS else text[: DETAILS_CHARS - 1] + "\u2026"
+
+
 def _hop_error(hop: str, target: str, err: grpc.aio.AioRpcError) -> HopError:
     code = err.code()
     details = err.details() or ""
     if code == grpc.StatusCode.UNAVAILABLE:
-        return HopError(hop, code, f"{hop} service unavailable at {target}: {details}")
+        # grpc's details here are about the connection (and name the address): logged, not
+        # returned. The caller can only retry.
+        return HopError(hop, code, f"{hop} service unavailable", target, details)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return HopError(hop, code, f"deadline exceeded waiting for the {hop} service")
+        return HopError(
+            hop, code, f"deadline exceeded waiting for the {hop} service", target, details
+        )
+    shown = caller_details(details, target)
     if code in (
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.NOT_FOUND,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.CANCELLED,
     ):
-        return HopError(hop, code, f"{hop}: {details}")
-    return HopError(hop, grpc.StatusCode.INTERNAL, f"{hop} failed with {code.name}: {details}")
+        return HopError(hop, code, f"{hop}: {shown}", target, details)
+    return HopError(
+        hop, grpc.StatusCode.INTERNAL, f"{hop} failed with {code.name}: {shown}", target, details
+    )
 
 
 async def call_hop(
@@ -189,12 +224,26 @@ async def call_hop(
         try:
             if timeout_s <= 0:
                 code = grpc.StatusCode.DEADLINE_EXCEEDED
-                raise HopError(hop, code, f"deadline exceeded before calling the {hop} service")
+                raise HopError(
+                    hop, code, f"deadline exceeded before calling the {hop} service", target
+                )
             return await rpc(request, timeout=timeout_s, metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as err:
             code = err.code()
-            span.set_status(Status(StatusCode.ERROR, code.name))
-            raise _hop_error(hop, target, err) from None
+            failure = _hop_error(hop, target, err)
+            # The span has the address (server.address) and the upstream's own details.
+            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {failure.details}"))
+            if failure.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
+                log.warning(
+                    "hop failed",
+                    extra={
+                        "hop": hop,
+                        "target": target,
+                        "status": code.name,
+                        "details": failure.details,
+                    },
+                )
+            raise failure from None
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise

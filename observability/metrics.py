@@ -46,6 +46,12 @@ RPC_DURATION = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 RPC_IN_FLIGHT = Gauge("hopline_rpc_in_flight", "RPCs being served right now", ("service", "method"))
+UNDECODABLE_REQUESTS = Counter(
+    "hopline_undecodable_requests_total",
+    "Requests refused with INVALID_ARGUMENT because their bytes are not the method's request "
+    "message (corrupt protobuf, a string field that is not UTF-8)",
+    ("service", "method"),
+)
 HOP_DURATION = Histogram(
     "hopline_hop_duration_seconds",
     "The gateway's view of each upstream call (network, queueing and the hop's own work)",

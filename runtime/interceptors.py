@@ -15,14 +15,30 @@ Responses that are a single message (unary and client-streaming RPCs) go through
 response streams (server and bidirectional streaming) through `wrap_stream`, whose
 behaviour is an async generator, so a wrapper sees the stream from its first message to its
 end, cancellation included.
+
+Requests are decoded here too, not by grpc. grpc turns a request its deserializer cannot
+parse (corrupt bytes, a string field that is not UTF-8) into UNKNOWN "Unexpected <class
+DecodeError>" and logs an ERROR with a traceback, for what is the client's mistake. So every
+method, the probes included, is registered with no request deserializer (grpc hands over the
+raw bytes) and `decoding` parses them inside the behaviour, innermost, under the wrappers: a
+message that does not parse ends the RPC with INVALID_ARGUMENT and a short message, counted
+in `hopline_undecodable_requests_total` and logged as one warning without a traceback (at most
+one a second per method; the counter has them all). A request stream is decoded message by
+message, the same way.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from time import monotonic
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
+
+from hopline.observability import metrics
+
+log = logging.getLogger("hopline.runtime.requests")
 
 INFRA_METHOD_PREFIXES = (
     "/grpc.health.",
@@ -43,7 +59,12 @@ else:
 
 
 class RpcWrapper:
-    """Wraps a method's behaviour; returning None leaves it as it is."""
+    """Wraps a method's behaviour; returning None leaves it as it is.
+
+    The behaviour a wrapper gets takes the request as raw bytes (a request stream: an async
+    iterator of them): decoding happens under every wrapper, so that an undecodable request
+    is gated and traced like any other.
+    """
 
     def wrap(self, method: str, inner: Behaviour) -> Behaviour | None:
         return None
@@ -61,13 +82,20 @@ _KINDS: tuple[tuple[str, bool, Any], ...] = (
 
 
 def wrap_handler(method: str, handler: Handler, wrappers: Sequence[RpcWrapper]) -> Handler:
-    """`handler` with `wrappers` applied, the first one outermost."""
+    """`handler` with `wrappers` applied, the first one outermost, decoding its requests itself.
+
+    Infra methods (the KServe probes here; health and reflection never come through) get the
+    decoding only.
+    """
     if method.startswith(INFRA_METHOD_PREFIXES):
-        return handler
+        wrappers = ()
     for kind, streams, build in _KINDS:
         behaviour = getattr(handler, kind)
         if behaviour is None:
             continue
+        deserializer = handler.request_deserializer
+        if deserializer is not None:
+            behaviour = decoding(method, deserializer, behaviour, kind)
         for wrapper in reversed(wrappers):
             wrapped = (
                 wrapper.wrap_stream(method, behaviour)
@@ -77,10 +105,110 @@ def wrap_handler(method: str, handler: Handler, wrappers: Sequence[RpcWrapper]) 
             behaviour = wrapped or behaviour
         return build(  # type: ignore[no-any-return]
             behaviour,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=None,  # raw bytes: `decoding` parses them
             response_serializer=handler.response_serializer,
         )
     return handler
+
+
+# -- request decoding -------------------------------------------------------------------------
+
+Deserializer = Callable[[bytes], Any]
+WARN_EVERY_S = 1.0  # undecodable requests of one method logged at most this often
+REASON_CHARS = 120
+
+
+class _Refusals:
+    """One method's undecodable requests: the counter, and a warning at most once a second."""
+
+    def __init__(self, method: str, expected: str) -> None:
+        self.method = method
+        service, _, rpc = method.lstrip("/").rpartition("/")
+        self.counter = metrics.UNDECODABLE_REQUESTS.labels(service, rpc)
+        self.message = f"the request is not a valid {expected}"
+        self.last_warned = -WARN_EVERY_S
+        self.unlogged = 0
+
+    def count(self, exc: Exception) -> str:
+        """Counts and logs one refusal; returns the message for the client."""
+        self.counter.inc()
+        reason = _reason(exc)
+        now = monotonic()
+        if now - self.last_warned >= WARN_EVERY_S:
+            log.warning(
+                "undecodable request refused",
+                extra={"method": self.method, "reason": reason, "not_logged": self.unlogged},
+            )
+            self.last_warned, self.unlogged = now, 0
+        else:
+            self.unlogged += 1
+        return f"{self.message}: {reason}" if reason else self.message
+
+
+def _reason(exc: Exception) -> str:
+    """What was wrong, short: protobuf's "Error parsing message with type 'X': why" -> why."""
+    text = str(exc).rpartition("': ")[2].strip() or type(exc).__name__
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 1] + "\u2026"
+
+
+def _expected(deserializer: Deserializer, method: str) -> str:
+    """The request message's full name, from `Message.FromString` (else the method's name)."""
+    owner = getattr(deserializer, "__self__", None)
+    descriptor = getattr(owner, "DESCRIPTOR", None)
+    name = getattr(descriptor, "full_name", None)
+    return name if isinstance(name, str) else f"request for {method}"
+
+
+def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str) -> Any:
+    """`behaviour` taking raw request bytes: each request is parsed with `deserializer`, and
+    one that does not parse is refused with INVALID_ARGUMENT (see the module docstring)."""
+    refusals = _Refusals(method, _expected(deserializer, method))
+
+    async def refuse(context: Context, exc: Exception) -> NoReturn:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusals.count(exc))
+        raise AssertionError("abort returned")  # pragma: no cover: abort always raises
+
+    async def each(raw: AsyncIterator[bytes], context: Context) -> AsyncIterator[Any]:
+        async for data in raw:
+            try:
+                request = deserializer(data)
+            except Exception as exc:  # any failure to parse client bytes is the client's
+                await refuse(context, exc)
+            yield request
+
+    if kind == "unary_unary":
+
+        async def unary_unary(data: bytes, context: Context) -> Any:
+            try:
+                request = deserializer(data)
+            except Exception as exc:
+                await refuse(context, exc)
+            return await behaviour(request, context)
+
+        return unary_unary
+    if kind == "unary_stream":
+
+        async def unary_stream(data: bytes, context: Context) -> AsyncIterator[Any]:
+            try:
+                request = deserializer(data)
+            except Exception as exc:
+                await refuse(context, exc)
+            async for reply in behaviour(request, context):
+                yield reply
+
+        return unary_stream
+    if kind == "stream_unary":
+
+        async def stream_unary(raw: AsyncIterator[bytes], context: Context) -> Any:
+            return await behaviour(each(raw, context), context)
+
+        return stream_unary
+
+    async def stream_stream(raw: AsyncIterator[bytes], context: Context) -> AsyncIterator[Any]:
+        async for reply in behaviour(each(raw, context), context):
+            yield reply
+
+    return stream_stream
 
 
 class _WrappedGeneric(_GenericHandler):

@@ -436,9 +436,8 @@ def test_a_broken_cache_fails_open_with_the_reason() -> None:
         unavailable = metrics.count(metrics.CACHE_FAIL_OPEN, reason="unavailable")
         reply = await m.predict("where is my refund")
         assert reply.cache.outcome == FAIL_OPEN
-        assert reply.cache.detail == (
-            "cache_lookup service unavailable at cache.test:1: connection refused"
-        )
+        # The hop is named, its address is not (that goes to the log and the span).
+        assert reply.cache.detail == "cache_lookup service unavailable"
         assert reply.prediction.label == "refund"
         assert metrics.count(metrics.CACHE_FAIL_OPEN, reason="unavailable") == unavailable + 1
 
@@ -452,7 +451,7 @@ def test_a_broken_cache_fails_open_with_the_reason() -> None:
             "inference",
             grpc.StatusCode.UNAVAILABLE,
             grpc.StatusCode.UNAVAILABLE,
-            "inference service unavailable at inference.test:1: socket closed",
+            "inference service unavailable",
         ),
         (
             "inference",
