@@ -25,16 +25,6 @@ from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
 
-# A client's string echoed in an error message is cut to this many characters: a 16 KB model
-# name must not become a 16 KB status message (grpc's metadata limit is 8 KB by default).
-ECHO_CHARS = 64
-
-
-def clip(text: str, limit: int = ECHO_CHARS) -> str:
-    """`text` as an error message may echo it: at most `limit` characters, `…` marking a cut."""
-    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
-
-
 CACHE_MODES = tuple(
     (number, name)
     for name, number in common_pb2.CacheMode.items()

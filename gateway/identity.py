@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from hopline.runtime.errors import StatusError
+from hopline.runtime.errors import StatusError, clip
 
 TENANT_METADATA = "x-hopline-tenant"
 DEFAULT_TENANT = "default"
@@ -72,7 +72,7 @@ class TenantResolver:
             if claimed and claimed != tenant:
                 raise IdentityError(
                     grpc.StatusCode.PERMISSION_DENIED,
-                    f"this API key belongs to tenant {tenant!r}, not {claimed!r}",
+                    f"this API key belongs to tenant {clip(tenant)!r}, not {clip(claimed)!r}",
                 )
             return tenant
         tenant = claimed or DEFAULT_TENANT

@@ -32,7 +32,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from hopline.gateway.call import clip
 from hopline.gateway.client import CACHE_MODES, outcome_name
 from hopline.gateway.errors import RequestError
 from hopline.gateway.service import GatewayService
@@ -44,7 +43,7 @@ from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.protos.hopline.kserve.v2 import grpc_predict_v2_pb2 as pb
 from hopline.protos.hopline.kserve.v2 import grpc_predict_v2_pb2_grpc as pb_grpc
-from hopline.runtime.errors import StatusError
+from hopline.runtime.errors import StatusError, clip
 
 SERVER_NAME = "hopline"
 PLATFORM = "hopline"

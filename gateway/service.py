@@ -33,7 +33,7 @@ from opentelemetry import trace
 from prometheus_client import Counter
 
 from hopline.cache.keys import scope_tuple
-from hopline.gateway.call import ECHO_CHARS, PredictCall, check_cache_mode, clip
+from hopline.gateway.call import PredictCall, check_cache_mode
 from hopline.gateway.catalogue import ModelCatalogue
 from hopline.gateway.errors import RequestError
 from hopline.gateway.exact_tier import LocalEntry, LocalExactTier
@@ -55,7 +55,7 @@ from hopline.runtime.config import (
     metrics_port_field,
     upstream_field,
 )
-from hopline.runtime.errors import StatusError
+from hopline.runtime.errors import ECHO_CHARS, StatusError, clip
 
 log = logging.getLogger("hopline.gateway")
 LOCAL_DETAIL = "answered by the gateway's local exact tier"

@@ -25,3 +25,13 @@ class StatusError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+# A client's string echoed in an error message is cut to this many characters: a 16 KB model
+# name must not become a 16 KB status message (grpc's metadata limit is 8 KB by default).
+ECHO_CHARS = 64
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """`text` as an error message may echo it: at most `limit` characters, `…` marking a cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"

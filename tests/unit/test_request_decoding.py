@@ -20,7 +20,7 @@ from typing import Any, cast
 import grpc
 import pytest
 
-from hopline.gateway.call import ECHO_CHARS, check_cache_mode, clip
+from hopline.gateway.call import check_cache_mode
 from hopline.gateway.errors import RequestError
 from hopline.gateway.service import GatewayConfig, GatewayService
 from hopline.gateway.upstream import GatewayUpstreams, HopError, call_hop, caller_details
@@ -28,6 +28,7 @@ from hopline.observability import metrics
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
+from hopline.runtime.errors import ECHO_CHARS, clip
 from hopline.runtime.interceptors import (
     Behaviour,
     Context,
