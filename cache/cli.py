@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hopline.cache.calibrate import CrossValidation
     from hopline.cache.embedder import Embedder
 
 Examples = list[tuple[str, str]]
@@ -78,11 +78,28 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--min-hits",
         type=int,
         default=None,
-        help="higher thresholds with fewer hits than this are too noisy to veto a lower one "
-        "(default: 2 / target, two false hits' worth of evidence)",
+        help="the evidence rule: the threshold needs this many hits, and higher thresholds "
+        "with fewer are too noisy to veto a lower one (default: 2 / target, two false hits' "
+        "worth of evidence; less is allowed with a warning)",
     )
-    cal.add_argument("--png", type=Path, help="write the precision/recall plot here")
-    cal.add_argument("--json", type=Path, help="write the result and the curve here")
+    cal.add_argument(
+        "--folds",
+        type=int,
+        default=5,
+        help="cross-validation folds: the rule is run on all folds but one and its threshold "
+        "measured on the one it did not see; the threshold is accepted only if that held-out "
+        "false-hit rate meets the target",
+    )
+    cal.add_argument("--seed", type=int, default=0, help="the seed of the folds")
+    cal.add_argument(
+        "--png", type=Path, help="write the plot here (also when no threshold is accepted)"
+    )
+    cal.add_argument(
+        "--json",
+        type=Path,
+        help="write the result, the cross-validation and the curve here (also when no "
+        "threshold is accepted: then accepted is false, with the reason)",
+    )
     cal.add_argument(
         "--reembed",
         action="store_true",
@@ -220,7 +237,7 @@ def _splits(path: Path, names: Sequence[str]) -> Examples:
 
 
 def _pairs(args: argparse.Namespace) -> int:
-    from hopline.cache.calibrate import derive_pairs, write_pairs
+    from hopline.cache.pairs import derive_pairs, write_pairs
     from hopline.model.build import load_examples
 
     if args.clinc:
@@ -275,73 +292,108 @@ def _model_labels(
 def _calibrate(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from hopline.cache.calibrate import (
-        NoThresholdError,
-        calibrate,
-        pair_similarities,
+    from hopline.cache.calibrate import calibrate_checked, default_min_hits, upper_bound
+    from hopline.cache.calibration_report import (
+        config_threshold,
+        digits_of,
+        floor_text,
         plot,
-        read_pairs,
         to_json,
-        upper_bound,
     )
+    from hopline.cache.pairs import pair_similarities, read_pairs
 
+    target = args.target_false_hit_rate
+    if not 0.0 < target < 1.0:
+        raise ValueError(f"the target false-hit rate must be in (0, 1), got {target}")
+    if args.folds < 2:
+        raise ValueError(f"--folds must be at least 2, got {args.folds}")
     pairs = read_pairs(args.pairs)
     if args.reembed or any(p.similarity is None for p in pairs):
         sims = pair_similarities(_embedder(args.work_dir).embed_many, pairs)
     else:
         sims = np.array([p.similarity for p in pairs], dtype=np.float64)
-    try:
-        target = args.target_false_hit_rate
-        min_hits = args.min_hits or (math.ceil(2 / target) if 0 < target < 1 else 1)
-        result = calibrate(sims, [p.same for p in pairs], target, min_hits, args.confidence)
-    except NoThresholdError as exc:
-        sys.stderr.write(f"error: {exc}\n")
+    min_hits = args.min_hits or default_min_hits(target)
+    report = calibrate_checked(
+        sims, [p.same for p in pairs], target, min_hits, args.confidence, args.folds, args.seed
+    )
+    # The files first: a refusal still leaves the curve and the reason on disk.
+    written: list[str] = []
+    if args.png:
+        plot(report, args.png)
+        written.append(f"plot  {args.png}")
+    if args.json:
+        doc = to_json(report)
+        args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        written.append(f"json  {args.json}")
+    for warning in report.warnings:
+        sys.stderr.write(f"warning: {warning}\n")
+    cv = report.cross_validation
+    if not report.accepted:
+        lines = [f"error: {report.reason}"]
+        if cv is not None:
+            lines.append(_held_out_row(cv))
+        sys.stderr.write("\n".join(lines + written) + "\n")
         return 3
+    result = report.candidate
+    assert result is not None
+    assert cv is not None
+    text = config_threshold(result.threshold, result.next_lower)
+    digits = digits_of(text)
     rows = [
         f"target false-hit rate  {result.target:g}",
-        f"threshold              {result.threshold:.4f}",
+        f"threshold              {text}",
         f"false-hit rate         {result.false_hit_rate:.4f}"
         + (
             f"  (upper bound {result.false_hit_bound:.4f} at {result.confidence:.0%} confidence)"
             if result.confidence > 0
             else ""
         ),
+        _held_out_row(cv),
         f"precision              {result.precision:.4f}",
         f"recall                 {result.recall:.4f}",
         f"hit rate               {result.hit_rate:.4f}",
         f"hits / false / pairs   {result.hits} / {result.false_hits} / {result.pairs}"
         f"  ({result.same_pairs} same-answer)",
-        f"min hits to veto       {min_hits}",
+        f"min hits               {min_hits}"
+        + (
+            f"  (below the evidence rule's {default_min_hits(target)})"
+            if min_hits < default_min_hits(target)
+            else ""
+        ),
         "",
-        "  threshold  false-hit  precision  recall  hit rate   hits",
+        f"  {'threshold':>{digits + 2}}  false-hit  precision  recall  hit rate   hits",
     ]
     for offset in (0.10, 0.05, 0.02, 0.0, -0.02, -0.05, -0.10):
         p = result.curve.at(result.threshold + offset)
         if p.hits == 0:
             continue
         mark = "  <- chosen" if offset == 0.0 else ""
+        shown = text if offset == 0.0 else floor_text(p.threshold, digits)
         rows.append(
-            f"  {p.threshold:9.4f}  {p.false_hit_rate:9.4f}  {p.precision:9.4f}  "
+            f"  {shown:>{digits + 2}}  {p.false_hit_rate:9.4f}  {p.precision:9.4f}  "
             f"{p.recall:6.4f}  {p.hit_rate:8.4f}  {p.hits:5d}{mark}"
         )
-    lower = result.curve.thresholds[result.curve.thresholds < result.threshold]
-    if lower.size:
-        # Why not lower: the next observed threshold is the first to miss the target.
-        p = result.curve.at(float(lower[0]))
+    if result.next_lower is not None:
+        # Why not lower: the next observed similarity is the first to miss the rule.
+        p = result.curve.at(result.next_lower)
         bound = ""
         if result.confidence > 0:
             ub = upper_bound(np.array([p.false_hits]), np.array([p.hits]), result.confidence)
             bound = f", upper bound {ub[0]:.4f}"
         rows.append(
-            f"  next lower threshold {p.threshold:.6f} has false-hit rate "
+            f"  next lower similarity {floor_text(p.threshold, digits)} has false-hit rate "
             f"{p.false_hit_rate:.4f} ({p.false_hits}/{p.hits}{bound})"
         )
-    if args.png:
-        plot(result, args.png)
-        rows.append(f"plot  {args.png}")
-    if args.json:
-        doc = to_json(result) | {"min_hits": min_hits}
-        args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-        rows.append(f"json  {args.json}")
-    sys.stdout.write("\n".join(rows) + "\n")
+    sys.stdout.write("\n".join(rows + written) + "\n")
     return 0
+
+
+def _held_out_row(cv: CrossValidation) -> str:
+    per_fold = " ".join(
+        "none" if f.threshold is None else f"{f.false_hit_rate:.4f}" for f in cv.folds
+    )
+    return (
+        f"held-out false-hit rate {cv.false_hit_rate:.4f}  ({cv.false_hits} of {cv.hits} hits "
+        f"wrong on pairs the rule did not see, hit rate {cv.hit_rate:.4f}; {len(cv.folds)} "
+        f"folds, seed {cv.seed}: {per_fold})"
+    )

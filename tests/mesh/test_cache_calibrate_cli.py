@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from conftest import CLINC, check_conservative, false_hit_rate
-from hopline.cache.calibrate import Pair, calibrate, derive_pairs, read_pairs, write_pairs
+from hopline.cache.calibrate import calibrate, calibrate_checked
 from hopline.cache.embedder import Embedder
+from hopline.cache.pairs import Pair, derive_pairs, read_pairs, write_pairs
 from hopline.model.build import DEFAULT_TRAIN_FILE, default_weights_dir, load_examples
 from hopline.services.pipeline import Pipeline
 
@@ -55,14 +56,60 @@ def _hopline(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_fails_clearly_when_no_threshold_meets_the_target(tmp_path: Path) -> None:
-    pairs = tmp_path / "pairs.jsonl"
+    pairs, png, out = tmp_path / "pairs.jsonl", tmp_path / "pr.png", tmp_path / "cal.json"
     write_pairs(
         [Pair("q1", "c1", False, "a", "b", 0.99), Pair("q2", "c2", True, "a", "a", 0.9)], pairs
     )
     run = _hopline("calibrate", "--pairs", str(pairs), "--target-false-hit-rate", "0.01")
     assert run.returncode == 3, run.stderr
     assert "error: no threshold meets a false-hit rate of 0.01" in run.stderr
+    assert "more pairs at these rates would not help" in run.stderr
     assert run.stdout == ""
+    # Too few pairs, all right: the refusal says how many more, and still writes both files.
+    write_pairs([Pair(f"q{i}", f"c{i}", True, "a", "a", 0.99 - i / 100) for i in range(30)], pairs)
+    run = _hopline(
+        "calibrate",
+        "--pairs",
+        str(pairs),
+        "--target-false-hit-rate",
+        "0.05",
+        "--png",
+        str(png),
+        "--json",
+        str(out),
+    )
+    assert run.returncode == 3, run.stderr
+    assert "give about 10 more pairs (40 in all" in run.stderr
+    assert run.stdout == ""
+    doc = json.loads(out.read_text())
+    assert doc["accepted"] is False
+    assert doc["refusal"] == "no_threshold"
+    assert doc["threshold"] is None
+    assert doc["more_pairs_needed"] == 10
+    assert doc["reason"] in run.stderr
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    # --confidence 0 with a low --min-hits: accepted, but never silently.
+    run = _hopline(
+        "calibrate",
+        "--pairs",
+        str(pairs),
+        "--target-false-hit-rate",
+        "0.05",
+        "--confidence",
+        "0",
+        "--min-hits",
+        "5",
+        "--json",
+        str(out),
+    )
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(out.read_text())
+    assert doc["accepted"] is True
+    assert doc["hits"] < 40
+    assert "warning: --confidence 0" in run.stderr
+    assert "warning: the threshold rests on" in run.stderr
+    assert len(doc["warnings"]) == 2
+    assert "(below the evidence rule's 40)" in run.stdout
 
 
 # --- the bundled support intents, end to end through the CLI -------------------------------
@@ -119,12 +166,20 @@ def test_calibrate_support_intents_through_the_cli(
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     t = result["threshold"]
-    assert f"threshold              {t:.4f}" in run.stdout
+    assert result["accepted"] is True
+    # Printed as the shortest decimal that admits exactly the same pairs.
+    text = result["config_threshold"]
+    assert f"threshold              {text}\n" in run.stdout
+    assert result["next_lower_similarity"] < float(text) <= t
+    cv = result["cross_validation"]
+    assert cv["held_out_false_hit_rate"] <= target
+    assert f"held-out false-hit rate {cv['held_out_false_hit_rate']:.4f}" in run.stdout
     sim_list = [float(x) for x in recorded]
     same = [p.same for p in pairs]
     assert result["min_hits"] == math.ceil(2 / target)
     check_conservative(sim_list, same, t, target, result["min_hits"])
     hits, wrong = false_hit_rate(sim_list, same, t)
+    assert false_hit_rate(sim_list, same, float(text)) == (hits, wrong)
     assert (result["hits"], result["false_hits"], result["pairs"]) == (hits, wrong, len(pairs))
     assert result["precision"] == pytest.approx(1 - wrong / hits)
     assert result["recall"] == pytest.approx((hits - wrong) / sum(same))
@@ -213,3 +268,30 @@ def test_calibrate_clinc150(embedder: Embedder, capsys: pytest.CaptureFixture[st
     assert (hits, wrong) == (r.hits, r.false_hits)
     assert wrong / hits <= target
     assert r.hit_rate > 0
+
+    # What `hopline cache calibrate` decides (90% confidence, min hits 2 / target, 5 folds).
+    # At 1% the intent labels' noise keeps the bound over the target: a refusal that says
+    # how many more pairs the rule needs.
+    refused = calibrate_checked(sims, same, 0.01)
+    assert not refused.accepted
+    assert refused.refusal == "no_threshold"
+    assert refused.more_pairs is not None
+    assert "more pairs" in refused.reason
+    for goal in (0.02, 0.05):
+        rep = calibrate_checked(sims, same, goal)
+        assert rep.accepted, rep.reason
+        cand, cv = rep.candidate, rep.cross_validation
+        assert cand is not None
+        assert cv is not None
+        with capsys.disabled():
+            print(
+                f"  target {goal}, 90% confidence: threshold {cand.threshold:.4f}, in-sample "
+                f"false-hit rate {cand.false_hit_rate:.4f} (bound {cand.false_hit_bound:.4f}), "
+                f"held-out {cv.false_hit_rate:.4f} ({cv.false_hits}/{cv.hits}, per fold "
+                f"{' '.join(f'{f.false_hit_rate:.4f}' for f in cv.folds)}), hit rate "
+                f"{cand.hit_rate:.4f}, held-out hit rate {cv.hit_rate:.4f}"
+            )
+        assert cv.false_hit_rate <= goal
+        assert cv.refused == 0
+    with capsys.disabled():
+        print(f"  target 0.01, 90% confidence: refused: {refused.reason}")

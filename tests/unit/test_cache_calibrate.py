@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -15,10 +17,25 @@ import pytest
 from conftest import check_conservative, false_hit_rate
 from hopline.cache.calibrate import (
     NoThresholdError,
+    calibrate,
+    calibrate_checked,
+    fold_ids,
+    pairs_needed,
+)
+from hopline.cache.calibration_report import (
+    config_threshold,
+    digits_of,
+    floor_text,
+    plot,
+    plot_range,
+    to_json,
+)
+from hopline.cache.keys import normalise_text
+from hopline.cache.pairs import (
     Pair,
     PairsFileError,
-    calibrate,
     derive_pairs,
+    pair_similarities,
     read_pairs,
     write_pairs,
 )
@@ -195,3 +212,191 @@ def test_pairs_file_round_trip_and_errors(tmp_path: Path) -> None:
     path.write_text(path.read_text() + '{"query": "q3", "same": "yes"}\n')
     with pytest.raises(PairsFileError, match=r"pairs\.jsonl:3: needs strings"):
         read_pairs(path)
+
+
+# --- the evidence rule, cross-validation and the refusal -----------------------------------
+
+
+def test_a_threshold_never_rests_on_fewer_hits_than_min_hits() -> None:
+    # The issue: --confidence 0 accepted 0.99 on its single (right) hit, below its min-hits.
+    sims, same = [0.99, 0.5, 0.4], [True, False, False]
+    with pytest.raises(NoThresholdError, match="at least 40 hits: there are only 3 pairs") as e:
+        calibrate(sims, same, 0.05, min_hits=40)
+    assert e.value.curve is not None
+    assert e.value.curve.pairs == 3
+    assert calibrate(sims, same, 0.05).threshold == 0.99  # min_hits=1 still allows it
+
+
+@pytest.mark.parametrize(("p", "target", "confidence"), [(0.02, 0.05, 0.9), (0.0, 0.01, 0.9)])
+def test_pairs_needed_is_where_the_wilson_bound_meets_the_target(
+    p: float, target: float, confidence: float
+) -> None:
+    # One usable threshold: half the pairs hit, a share p of the hits wrong; the other half
+    # are all wrong.
+    hits = 200
+    sims = np.r_[np.full(hits, 0.9), np.full(hits, 0.1)]
+    same = np.r_[np.arange(hits) >= round(p * hits), np.zeros(hits, dtype=bool)]
+    r = calibrate(sims, same, 0.9, 1)  # any curve: pairs_needed reads only the counts
+    z = NormalDist().inv_cdf(confidence)
+    needed = pairs_needed(r.curve, target, 1, confidence)
+    assert needed is not None
+    n = needed / 2  # hits at the hit rate 1/2
+
+    def wilson(n: float) -> float:  # the bound at rate p on n hits, n real
+        return float(
+            (p + z * z / (2 * n) + z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)))
+            / (1 + z * z / n)
+        )
+
+    assert wilson(n) <= target + 1e-9
+    assert wilson(n - 1) > target
+    # Over the target, no count helps; the min-hits floor applies.
+    assert pairs_needed(r.curve, p / 2, 1, confidence) is None
+    assert pairs_needed(r.curve, 0.3, 5000, confidence) == 10000
+
+
+def test_confidence_bounds_are_not_vetoes() -> None:
+    # 100 hits with 3 wrong at the top (the 30th, 60th, 90th): at 40 hits the bound is over
+    # 5%, the measured rate 2.5%. Below them 1900 pairs at about 2%: the lower threshold,
+    # holding those hits and more, is the better evidence.
+    rng = np.random.default_rng(3)
+    sims = np.r_[np.linspace(0.99, 0.95, 100), np.linspace(0.94, 0.5, 1900)]
+    same = np.r_[~np.isin(np.arange(100), [29, 59, 89]), rng.uniform(size=1900) > 0.02]
+    r = calibrate(sims, same, 0.05, min_hits=40, confidence=0.9)
+    assert r.threshold < 0.9
+    assert r.false_hit_bound <= 0.05
+
+
+def _flat_pairs(n: int, wrong_rate: float, seed: int) -> tuple[Any, Any]:
+    """Pairs whose false-hit chance is the same at every similarity."""
+    rng = np.random.default_rng(seed)
+    return rng.uniform(0.3, 1.0, n), rng.uniform(size=n) >= wrong_rate
+
+
+def test_an_overfit_threshold_is_refused_on_its_held_out_rate() -> None:
+    # Every region is 8% wrong: no threshold truly meets 5%. With --confidence 0 and a low
+    # --min-hits the top of the curve passes by luck; the folds show it does not hold.
+    sims, same = _flat_pairs(3000, 0.08, seed=11)
+    report = calibrate_checked(sims, same, 0.05, min_hits=20, confidence=0.0)
+    assert report.candidate is not None, "the noise should let an in-sample threshold through"
+    assert report.candidate.false_hit_rate <= 0.05
+    assert not report.accepted
+    assert report.refusal == "held_out"
+    cv = report.cross_validation
+    assert cv is not None
+    assert cv.false_hit_rate > 0.05
+    assert "held-out false-hit rate" in report.reason
+    assert report.threshold is None
+    # Out of sample for real: a fresh sample from the same source misses too.
+    fresh_s, fresh_y = _flat_pairs(20000, 0.08, seed=12)
+    hit = fresh_s >= report.candidate.threshold
+    assert (hit & ~fresh_y).sum() / hit.sum() > 0.05
+    # Both warnings: the measured rate, and a threshold resting on fewer hits than 2/target.
+    assert any("--confidence 0" in w for w in report.warnings)
+    if report.candidate.hits < 40:
+        assert any("fewer than the evidence rule's 40" in w for w in report.warnings)
+
+
+def test_a_sound_threshold_is_accepted_and_holds_on_a_fresh_sample() -> None:
+    # 2% wrong at every similarity, target 5%: the whole range is fine.
+    sims, same = _flat_pairs(3000, 0.02, seed=5)
+    report = calibrate_checked(sims, same, 0.05)
+    assert report.accepted, report.reason
+    assert report.warnings == ()
+    cv = report.cross_validation
+    assert cv is not None
+    assert len(cv.folds) == 5
+    assert cv.pairs == 3000
+    assert cv.false_hit_rate <= 0.05
+    assert report.threshold is not None
+    fresh_s, fresh_y = _flat_pairs(20000, 0.02, seed=6)
+    hit = fresh_s >= report.threshold
+    assert (hit & ~fresh_y).sum() / hit.sum() <= 0.05
+    # The JSON keeps the old keys, adds the decision and the held-out figures.
+    doc = to_json(report)
+    for key in ("threshold", "false_hit_rate", "precision", "recall", "hit_rate", "hits"):
+        assert doc[key] is not None
+    assert doc["accepted"] is True
+    assert doc["cross_validation"]["held_out_false_hit_rate"] == cv.false_hit_rate
+    assert len(doc["cross_validation"]["per_fold"]) == 5
+
+
+def test_too_few_pairs_refuse_with_the_count_the_rule_needs() -> None:
+    sims, same = _flat_pairs(30, 0.0, seed=1)  # all right, but 30 hits < 2 / 0.05
+    report = calibrate_checked(sims, same, 0.05)
+    assert not report.accepted
+    assert report.refusal == "no_threshold"
+    # min_hits 40 at a hit rate of 1, and the 90% bound at rate 0 needs 32: 40 pairs.
+    assert report.pairs_needed == 40
+    assert report.more_pairs == 10
+    assert "give about 10 more pairs (40 in all" in report.reason
+    doc = to_json(report)
+    assert doc["accepted"] is False
+    assert doc["threshold"] is None
+    assert doc["more_pairs_needed"] == 10
+    assert doc["curve"]["hits"][-1] == 30
+
+
+def test_a_low_min_hits_is_allowed_with_a_warning() -> None:
+    sims, same = _flat_pairs(30, 0.0, seed=1)
+    report = calibrate_checked(sims, same, 0.05, min_hits=10, confidence=0.5)
+    assert report.accepted
+    assert report.candidate is not None
+    assert report.candidate.hits < 40
+    assert any("fewer than the evidence rule's 40" in w for w in report.warnings)
+    assert to_json(report)["warnings"] == list(report.warnings)
+
+
+def test_folds_are_seeded_and_stratified() -> None:
+    sims, same = _flat_pairs(1003, 0.1, seed=2)
+    a, b = fold_ids(sims, same, 5, 0), fold_ids(sims, same, 5, 0)
+    assert (a == b).all()
+    assert not (a == fold_ids(sims, same, 5, 1)).all()
+    sizes = np.bincount(a, minlength=5)
+    assert sizes.max() - sizes.min() <= 1
+    wrong = np.bincount(a[~same], minlength=5)
+    assert wrong.max() - wrong.min() <= 1
+
+
+def test_printed_thresholds_differ_and_admit_the_same_pairs() -> None:
+    # The issue's "1.0000" beside "next lower threshold 1.000000".
+    assert config_threshold(1.0, 0.99999994) == "1.0000"
+    assert floor_text(0.99999994, 4) == "0.9999"
+    assert config_threshold(0.91236, 0.91234) == "0.91236"
+    assert config_threshold(0.91236, 0.5) == "0.9123"
+    for t, lower in ((0.91236, 0.912358), (0.8, 0.79), (0.7000001, 0.7)):
+        text = config_threshold(t, lower)
+        assert lower < float(text) <= t
+        assert floor_text(lower, digits_of(text)) != text
+
+
+def test_the_plot_zooms_to_the_decision(tmp_path: Path) -> None:
+    sims, same = _flat_pairs(3000, 0.0, seed=4)
+    # Wrong answers grow below 0.8: the decision at 5% lies above about 0.7.
+    same = same & ~((sims < 0.8) & (np.random.default_rng(0).uniform(size=sims.size) < 0.5))
+    report = calibrate_checked(sims, same, 0.05)
+    lo, hi = plot_range(report)
+    assert report.candidate is not None
+    assert 0.6 < lo < report.candidate.threshold
+    assert hi >= 1.0
+    plot(report, tmp_path / "pr.png")
+    assert (tmp_path / "pr.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pairs_embed_the_text_the_service_embeds() -> None:
+    seen: list[str] = []
+
+    def embed(texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        seen.extend(texts)
+        return _toy_embed(texts)
+
+    store = [("A0  Stored", "x"), ("a90", "y")]
+    queries = [("a10\tQuery ", "x"), ("\uff4180", "y")]  # a full-width a: NFKC folds it
+    pairs = derive_pairs(embed, store, queries)
+    assert seen
+    assert all(t == normalise_text(t) for t in seen)
+    assert [p.query for p in pairs] == ["a10\tQuery ", "\uff4180"]  # the file keeps the text
+    seen.clear()
+    sims = pair_similarities(embed, pairs)
+    assert all(t == normalise_text(t) for t in seen)
+    assert sims.tolist() == pytest.approx([p.similarity for p in pairs], abs=1e-6)
