@@ -12,6 +12,11 @@ reply. The path's time is attributed to:
 - `gap:<hop>`: time inside the gateway's client span for a hop but outside that hop's server
   span — network, serialisation, HTTP/2 flow control and channel-pool wait, which the serving
   systems' own metrics never show.
+
+Beside that, `hop_table` lists every hop span over all the analysed traces, whether or not it
+ever held the critical path: the gateway's client span per hop, the service's server span
+under it and their inner spans, each with its p50/p99 and the share of its own time it spent
+on the critical path (the tokenizer, beside the slower cache lookup, at 0%).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ _KINDS = {
     "SPAN_KIND_PRODUCER": 4,
     "SPAN_KIND_CONSUMER": 5,
 }
+_KIND_NAMES = {SERVER: "server", CLIENT: "client", 4: "producer", 5: "consumer"}
 
 
 def _value(v: dict[str, Any]) -> Any:
@@ -173,11 +179,11 @@ def build_tree(spans: Sequence[Span]) -> Span | None:
     return max(gateway or roots, key=lambda r: r.end - r.start)
 
 
-def critical_path(root: Span) -> dict[str, float]:
-    """Milliseconds of the root's duration charged to each category; the top-level
-    categories sum to the root's duration, inner spans (keys indented by two spaces) are a
-    breakdown of their service's share."""
+def _walk_critical(root: Span) -> tuple[dict[str, float], dict[int, int]]:
+    """The critical path's milliseconds by category (see `critical_path`), and per span
+    (keyed by `id(span)`) the nanoseconds the path spent inside it or the spans under it."""
     charged: dict[str, float] = defaultdict(float)
+    inside: dict[int, int] = {}
 
     def charge(span: Span, ns: int) -> None:
         if ns <= 0:
@@ -191,6 +197,7 @@ def critical_path(root: Span) -> dict[str, float]:
 
     def walk(span: Span, until: int) -> None:
         t = min(span.end, until)
+        inside[id(span)] = inside.get(id(span), 0) + max(0, t - span.start)
         for child in sorted(span.children, key=lambda c: c.end, reverse=True):
             if child.start >= t or child.end > span.end:
                 # Began after the moment being explained, or outlived its parent
@@ -205,7 +212,74 @@ def critical_path(root: Span) -> dict[str, float]:
         charge(span, t - span.start)
 
     walk(root, root.end)
-    return dict(charged)
+    return dict(charged), inside
+
+
+def critical_path(root: Span) -> dict[str, float]:
+    """Milliseconds of the root's duration charged to each category; the top-level
+    categories sum to the root's duration, inner spans (keys indented by two spaces) are a
+    breakdown of their service's share."""
+    return _walk_critical(root)[0]
+
+
+def _hop_key(span: Span, parents: Sequence[Span]) -> tuple[str, ...]:
+    """A span's row in the hop table: labels from its enclosing hop (the nearest client
+    span) down to it, a client span by its name, a server span by its service, others by
+    their name. A span under no hop (e.g. `gateway.stream_message`) starts from the root's
+    children."""
+    chain = [*parents, span]
+    start = max((i for i, s in enumerate(chain) if s.kind == CLIENT), default=0)
+    return tuple(s.service if s.kind == SERVER else s.name for s in chain[start:])
+
+
+def hop_table(roots: Sequence[Span]) -> list[dict[str, Any]]:
+    """Every span under the roots, grouped by hop, whether or not it held the critical path:
+    per row its count, p50/p99 duration, mean time on the critical path per occurrence and
+    that time's share of its own (0 for work beside a slower sibling or outliving the reply).
+    Rows come hop by hop (in order of their mean start in the request), each hop's client
+    span first, then the spans under it; `depth` is the row's nesting under its hop."""
+    own: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    on_path: dict[tuple[str, ...], int] = defaultdict(int)
+    offset: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    kind: dict[tuple[str, ...], int] = {}
+    service: dict[tuple[str, ...], str] = {}
+    for root in roots:
+        inside = _walk_critical(root)[1]
+        stack: list[tuple[Span, tuple[Span, ...]]] = [(c, ()) for c in root.children]
+        while stack:
+            span, parents = stack.pop()
+            stack.extend((c, (*parents, span)) for c in span.children)
+            key = _hop_key(span, parents)
+            own[key].append(span.end - span.start)
+            on_path[key] += inside.get(id(span), 0)
+            offset[key].append(span.start - root.start)
+            kind.setdefault(key, span.kind)
+            service.setdefault(key, span.service)
+
+    def order(key: tuple[str, ...]) -> tuple[tuple[float, str], ...]:
+        # Each level of the path by its mean start, so a hop's rows stay together.
+        return tuple((float(np.mean(offset[key[:i]])), key[i - 1]) for i in range(1, len(key) + 1))
+
+    rows = []
+    for key in sorted(own, key=order):
+        ms = np.array(own[key]) / 1e6
+        total = float(ms.sum())
+        rows.append(
+            {
+                "name": key[-1],
+                "hop": key[0],
+                "path": list(key),
+                "depth": len(key) - 1,
+                "kind": _KIND_NAMES.get(kind[key], "internal"),
+                "service": service[key],
+                "count": len(ms),
+                "p50_ms": float(np.percentile(ms, 50)),
+                "p99_ms": float(np.percentile(ms, 99)),
+                "critical_ms": on_path[key] / 1e6 / len(ms),
+                "critical": on_path[key] / 1e6 / total if total else 0.0,
+            }
+        )
+    return rows
 
 
 @dataclasses.dataclass
@@ -216,6 +290,8 @@ class Report:
     percentile: float
     rows: list[dict[str, Any]]
     bands: dict[str, dict[str, float]]
+    # Every hop span over all `traces`, critical or not (see `hop_table`).
+    hops: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def top(self) -> str:
         """The category that owns most of the slow requests' time (gaps and gateway included)."""
@@ -289,7 +365,7 @@ def analyse(traces: dict[str, list[Span]], above: float, operation: str | None =
                 if not k.startswith("  "):
                     sums[k] += v / len(members)
         bands[label] = dict(sums)
-    return Report(len(roots), len(slow), threshold, above, rows, bands)
+    return Report(len(roots), len(slow), threshold, above, rows, bands, hop_table(roots))
 
 
 def table(report: Report) -> str:
@@ -309,6 +385,25 @@ def table(report: Report) -> str:
         "critical ms: mean time per slow request on the reply's critical path; gap:HOP is "
         "network + serialisation + pool wait around that hop"
     )
+    if report.hops:
+        lines += [
+            "",
+            f"every hop over all {report.traces} traces",
+            "",
+            f"{'hop':<28}{'count':>7}{'p50 ms':>10}{'p99 ms':>10}{'critical ms':>13}"
+            f"{'critical':>10}",
+        ]
+        for hop in report.hops:
+            name = "  " * hop["depth"] + hop["name"]
+            lines.append(
+                f"{name:<28}{hop['count']:>7}{hop['p50_ms']:>10.2f}{hop['p99_ms']:>10.2f}"
+                f"{hop['critical_ms']:>13.2f}{hop['critical']:>10.1%}"
+            )
+        lines.append("")
+        lines.append(
+            "critical ms: mean time per span on its request's critical path; critical: that "
+            "time's share of the span's own (0% ran beside slower work or after the reply)"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -31,7 +31,9 @@ def add_trace_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     tr = sub.add_parser("trace", help="tail-latency attribution from traces")
     tr_sub = tr.add_subparsers(dest="trace_command", required=True)
     rep = tr_sub.add_parser(
-        "report", help="per hop: own time, share of the slow requests' critical path, gaps"
+        "report",
+        help="per hop: own time, share of the slow requests' critical path, gaps; "
+        "then every hop's p50/p99 and how often it was critical",
     )
     source = rep.add_mutually_exclusive_group(required=True)
     source.add_argument("--jaeger", help="Jaeger query base URL, e.g. http://127.0.0.1:16686")

@@ -1,6 +1,6 @@
 """`hopline trace report` as a user runs it, a process reading hand-made OTLP JSON files: the
-hop that owns the tail, and an empty input refused. The analysis itself is unit-tested in
-tests/unit/test_trace_report.py."""
+hop that owns the tail, the table of every hop, and an empty input refused. The analysis
+itself is unit-tested in tests/unit/test_trace_report.py."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_report_names_the_hop_that_owns_the_tail(tmp_path: Path) -> None:
     assert inference["critical_ms"] == pytest.approx(60.0)
     assert inference["p50_ms"] == pytest.approx(60.0)
     # The CLI reads the same from an OTLP JSON file (lines of TracesData) and draws the bands.
-    path, png = tmp_path / "traces.jsonl", tmp_path / "bands.png"
+    path, png, out = tmp_path / "traces.jsonl", tmp_path / "bands.png", tmp_path / "report.json"
     path.write_text("\n".join(json.dumps(d) for d in docs))
     run = subprocess.run(
         [
@@ -53,6 +53,8 @@ def test_report_names_the_hop_that_owns_the_tail(tmp_path: Path) -> None:
             "p90",
             "--png",
             str(png),
+            "--json",
+            str(out),
         ],
         capture_output=True,
         text=True,
@@ -64,6 +66,16 @@ def test_report_names_the_hop_that_owns_the_tail(tmp_path: Path) -> None:
     first_row = run.stdout.splitlines()[3]
     assert first_row.startswith("inference"), run.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Below it, every hop over all the traces: the tokenizer beside the cache lookup too.
+    assert "every hop over all 100 traces" in run.stdout
+    tokenize = next(x for x in run.stdout.splitlines() if x.startswith("tokenize "))
+    assert tokenize.split()[1:] == ["100", "5.00", "5.00", "0.00", "0.0%"], run.stdout
+    written = json.loads(out.read_text())
+    assert written["rows"][0]["name"] == "inference"
+    hops = {tuple(h["path"]): h for h in written["hops"]}
+    assert hops[("tokenize",)]["critical"] == 0.0
+    assert hops[("tokenize", "tokenizer")]["p99_ms"] == pytest.approx(3.0)
+    assert hops[("inference", "inference")]["p99_ms"] == pytest.approx(60.0)
 
 
 def test_report_refuses_an_empty_input(tmp_path: Path) -> None:

@@ -1,12 +1,24 @@
 """`hopline trace report`'s analysis on hand-made OTLP JSON: the critical path and its
-attribution. Its CLI, run as a process, is tests/mesh/test_trace_report_cli.py."""
+attribution, and the table of every hop (critical or not). Its CLI, run as a process, is
+tests/mesh/test_trace_report_cli.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from typing import Any
+
 import pytest
 
-from conftest import otlp_request
-from hopline.observability.report import build_tree, critical_path, parse_otlp
+from conftest import PREDICT, otlp_request, otlp_resource, otlp_span
+from hopline.observability.report import (
+    Report,
+    analyse,
+    build_tree,
+    critical_path,
+    parse_otlp,
+    table,
+)
 
 
 def test_critical_path_charges_only_what_delayed_the_reply() -> None:
@@ -30,3 +42,122 @@ def test_critical_path_charges_only_what_delayed_the_reply() -> None:
     assert path["  cache.search"] == pytest.approx(8.0)
     assert path["  inference.run"] == pytest.approx(7.0)
     assert path["  inference.queue"] == pytest.approx(1.0)
+
+
+def hop(report: Report, *path: str) -> dict[str, Any]:
+    """The hop table's row at `path` (hop, then service, then inner span)."""
+    rows = [r for r in report.hops if r["path"] == list(path)]
+    assert len(rows) == 1, [r["path"] for r in report.hops]
+    return rows[0]
+
+
+def test_hop_table_lists_every_hop_even_those_off_the_critical_path() -> None:
+    docs = [otlp_request(f"{i:032x}") for i in range(1, 91)]
+    docs += [otlp_request(f"{i:032x}", inference_ms=60.0) for i in range(91, 101)]
+    report = analyse(parse_otlp(docs), above=90)
+    # The slow requests' attribution is as before: the tokenizer never delayed a reply...
+    assert report.top() == "inference"
+    assert not [r for r in report.rows if r["name"] in ("tokenizer", "gap:tokenize")]
+    # ...but the hop table, over all 100 traces, still lists it with its own durations.
+    tokenize = hop(report, "tokenize")
+    assert (tokenize["kind"], tokenize["service"], tokenize["depth"]) == ("client", "gateway", 0)
+    assert tokenize["count"] == 100
+    assert tokenize["p50_ms"] == pytest.approx(5.0)
+    assert tokenize["p99_ms"] == pytest.approx(5.0)
+    assert tokenize["critical_ms"] == 0.0
+    assert tokenize["critical"] == 0.0
+    tokenizer = hop(report, "tokenize", "tokenizer")
+    assert (tokenizer["kind"], tokenizer["depth"], tokenizer["count"]) == ("server", 1, 100)
+    assert tokenizer["p50_ms"] == pytest.approx(3.0)
+    assert tokenizer["critical"] == 0.0
+    # The cache lookup beside it held the path all along.
+    lookup = hop(report, "cache_lookup")
+    assert lookup["p50_ms"] == pytest.approx(20.0)
+    assert lookup["critical_ms"] == pytest.approx(20.0)
+    assert lookup["critical"] == pytest.approx(1.0)
+    assert hop(report, "cache_lookup", "cache", "cache.search")["critical"] == pytest.approx(1.0)
+    # Percentiles over every trace, not only the slow ones.
+    inference = hop(report, "inference", "inference")
+    assert inference["count"] == 100
+    assert inference["p50_ms"] == pytest.approx(8.0)
+    assert inference["p99_ms"] == pytest.approx(60.0)
+    assert inference["critical"] == pytest.approx(1.0)
+    assert hop(report, "inference", "inference", "inference.queue")["depth"] == 2
+    # Each hop's rows together, hops in the order they start.
+    assert [r["hop"] for r in report.hops if r["depth"] == 0] == [
+        "cache_lookup",
+        "tokenize",
+        "inference",
+        "postprocess",
+    ]
+    paths = [tuple(r["path"]) for r in report.hops]
+    assert paths.index(("tokenize", "tokenizer")) == paths.index(("tokenize",)) + 1
+    # The text and the JSON carry the table; the existing keys stay.
+    text = table(report)
+    assert "every hop over all 100 traces" in text
+    line = next(x for x in text.splitlines() if x.startswith("tokenize "))
+    assert line.split()[1:] == ["100", "5.00", "5.00", "0.00", "0.0%"]
+    assert next(x for x in text.splitlines() if x.startswith("  tokenizer ")).endswith("0.0%")
+    doc = json.loads(json.dumps(dataclasses.asdict(report)))
+    assert set(doc) == {"traces", "selected", "threshold_ms", "percentile", "rows", "bands", "hops"}
+    assert doc["hops"][1]["path"] == ["cache_lookup", "cache"]
+
+
+def test_hop_table_charges_a_hop_only_while_it_delayed_the_reply() -> None:
+    span, resource = otlp_span, otlp_resource
+
+    def request(trace: str, tokenize_ms: float) -> dict[str, Any]:
+        """Tokenize beside a 20 ms cache lookup, inference once both are done, and a cache
+        store that outlives the reply."""
+        ready = max(tokenize_ms, 20.0)
+        return {
+            "resourceSpans": [
+                resource(
+                    "gateway",
+                    [
+                        span(trace, 1, 0, PREDICT, 2, 0, ready + 10),
+                        span(trace, 2, 1, "tokenize", 3, 0, tokenize_ms),
+                        span(trace, 3, 1, "cache_lookup", 3, 0, 20),
+                        span(trace, 4, 1, "inference", 3, ready, ready + 8),
+                        span(trace, 5, 1, "cache_store", 3, ready + 9, ready + 40),
+                    ],
+                ),
+                resource("cache", [span(trace, 6, 5, "Store", 2, ready + 10, ready + 39)]),
+            ]
+        }
+
+    # Tokenization beside the lookup: off the path at 5 ms, the whole path at 30 ms.
+    report = analyse(parse_otlp([request("a" * 32, 5.0), request("b" * 32, 30.0)]), above=0)
+    tokenize = hop(report, "tokenize")
+    assert tokenize["count"] == 2
+    assert tokenize["critical_ms"] == pytest.approx(15.0)  # (0 + 30) / 2
+    assert tokenize["critical"] == pytest.approx(30.0 / 35.0)
+    lookup = hop(report, "cache_lookup")
+    assert lookup["critical"] == pytest.approx(0.5)  # on the path in one request of two
+    assert hop(report, "inference")["critical"] == pytest.approx(1.0)
+    # The store finishes after the reply: listed, never critical, nor is the work under it.
+    store = hop(report, "cache_store")
+    assert (store["count"], store["p50_ms"], store["critical"]) == (2, pytest.approx(31.0), 0.0)
+    assert hop(report, "cache_store", "cache")["critical"] == 0.0
+    # A span under no hop (the stream's per-message span) is a row of its own.
+    stream = parse_otlp(
+        [
+            {
+                "resourceSpans": [
+                    resource(
+                        "gateway",
+                        [
+                            span("c" * 32, 1, 0, "Stream", 2, 0, 30),
+                            span("c" * 32, 2, 1, "gateway.stream_message", 1, 1, 12),
+                            span("c" * 32, 3, 2, "inference", 3, 2, 10),
+                        ],
+                    )
+                ]
+            }
+        ]
+    )
+    rows = analyse(stream, above=0).hops
+    assert [(r["path"], r["kind"]) for r in rows] == [
+        (["gateway.stream_message"], "internal"),
+        (["inference"], "client"),
+    ]
