@@ -1,10 +1,13 @@
 """hopline.cache.v1.CacheService on grpc.aio: exact tier, then semantic tier, on Milvus.
 
-Lookup: the exact key (SHA-256 over scope and normalised text) first, with no embedding;
-then, when the model's policy is semantic, the MiniLM embedding searched in the scope's
-live entries, accepted at the model's threshold. Store: the entry is visible to the exact
-tier at once (a pending buffer) and written to Milvus in batches by one writer task, which
-also enforces each (tenant, model)'s entry bound, oldest first.
+Lookup: the exact key (SHA-256 over scope and normalised text) first, with no embedding,
+answered from memory (the pending buffer, then the exact index; Milvus only on an index miss
+where HOPLINE_CACHE_EXACT_FALLBACK says so); then, when the model's policy is semantic, the
+MiniLM embedding searched in the scope's live entries, accepted at the model's threshold.
+Store: the entry is visible to the exact tier at once (a pending buffer) and written to
+Milvus in batches by one writer task, which also enforces each (tenant, model)'s entry
+bound, oldest first, and puts written entries into the exact index. Start-up rebuilds the
+index from Milvus before the service reports SERVING.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
 from hopline.cache.embedder import Embedder, Vector
+from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
 from hopline.cache.store import CacheStore, CacheStoreError, Entry, MilvusStore, ScopeFilter
 from hopline.model.tokenizer import unseen
@@ -42,6 +46,7 @@ log = logging.getLogger("hopline.cache")
 SEMANTIC_CANDIDATES = 4  # nearest entries checked for verification and agreement
 RECENT_VECTORS = 4096  # 1.5 KiB each
 WATCH_QUEUE = 1024  # invalidation events a watcher may fall behind before its stream ends
+EXACT_FALLBACKS = ("off", "semantic", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +91,25 @@ class CacheConfig(ServerConfig):
         "a semantic hit is refused when an entry within this much below the threshold "
         "carries another answer",
     )
+    exact_index: bool = env_field(
+        "HOPLINE_CACHE_EXACT_INDEX",
+        True,
+        "answer exact lookups from an in-memory index rebuilt from Milvus at start-up "
+        "(false: read Milvus by key on every exact lookup, for several cache replicas over one "
+        "Milvus server that must see each other's invalidations)",
+    )
+    exact_index_max_entries: int = env_field(
+        "HOPLINE_CACHE_EXACT_INDEX_MAX_ENTRIES",
+        2_000_000,
+        "bound on the exact index as a whole (about 1 KiB an entry); past it the entries put "
+        "longest ago leave the index, not Milvus",
+    )
+    exact_fallback: str = env_field(
+        "HOPLINE_CACHE_EXACT_FALLBACK",
+        "semantic",
+        "on an exact-index miss, also read Milvus by key: 'semantic' (semantic-policy lookups, "
+        "at the same time as their embedding), 'all' (exact-only ones too) or 'off'",
+    )
     embed_threads: int = env_field(
         "HOPLINE_CACHE_EMBED_THREADS", 0, "ONNX Runtime threads for the embedder (0: all cores)"
     )
@@ -101,7 +125,16 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     service_names = (cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name,)
 
     def __init__(self, config: CacheConfig) -> None:
+        if config.exact_fallback not in EXACT_FALLBACKS:
+            raise ValueError(
+                f"HOPLINE_CACHE_EXACT_FALLBACK must be one of {', '.join(EXACT_FALLBACKS)}, "
+                f"got {config.exact_fallback!r}"
+            )
         self.config = config
+        # Exact key -> entry, mirroring what is in Milvus; None reads Milvus by key instead.
+        self.index: ExactIndex | None = (
+            ExactIndex(config.exact_index_max_entries) if config.exact_index else None
+        )
         self.store: CacheStore | None = None
         self.embedder: Embedder | None = None
         self.counters = dict.fromkeys(
@@ -117,6 +150,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 "store_embeddings",
                 "ambiguous",
                 "unseen_mismatches",
+                "index_hits",  # exact hits answered by the in-memory index
+                "exact_reads",  # exact lookups that read Milvus by key (fallback, or no index)
+                "index_rebuilt",  # entries the start-up rebuild put into the index
             ),
             0,
         )
@@ -163,10 +199,27 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             "cache store open",
             extra={"uri": self.config.uri, "collection": model.collection, "entries": entries},
         )
+        if self.index is not None:
+            await self._rebuild_index(self.index, self.store)
         self._tasks = [
             asyncio.create_task(self._sweep(), name="sweep"),
             asyncio.create_task(self._writer(), name="writer"),
         ]
+
+    async def _rebuild_index(self, index: ExactIndex, store: CacheStore) -> None:
+        """Every live entry's scalar fields, read in pages, before the service is SERVING."""
+        started = time.perf_counter()
+        now = time.time()
+        live = await self._io_call(store.live, now)
+        self.counters["index_rebuilt"] = index.load(live, now)
+        log.info(
+            "exact index rebuilt",
+            extra={
+                "entries": len(index),
+                "read": len(live),
+                "seconds": round(time.perf_counter() - started, 3),
+            },
+        )
 
     async def drain(self) -> None:
         """End the watch streams, so held-open streams do not take the drain's whole grace."""
@@ -203,6 +256,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
+            if self.index is not None:
+                self.index.expire(time.time())  # lookups already skip them; this frees memory
             try:
                 self.counters["expirations"] += await self._io_call(
                     self._require_store().expire, time.time()
@@ -239,9 +294,21 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                         del self._pending[key]
                 self._writing = 0
                 continue
+            invalidated = []
             for key, item in batch.items():
                 if self._pending.get(key) is item:  # a newer store of the same key stays queued
                     del self._pending[key]
+                    if self.index is not None:
+                        self.index.put(item[0])
+                elif key not in self._pending:
+                    invalidated.append(key)
+            if invalidated:
+                # Invalidated while this write was in flight: its delete may have reached
+                # Milvus before the write did, so delete again rather than resurrect them.
+                try:
+                    await self._io_call(self._require_store().delete, invalidated)
+                except CacheStoreError as exc:
+                    log.warning("re-deleting invalidated entries failed", extra={"error": str(exc)})
             await self._evict({(e.scope[0], e.scope[1]): limit for e, _, limit in batch.values()})
             self._writing = 0
             if self._pending:
@@ -257,6 +324,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                     continue
                 doomed = await self._io_call(store.oldest, tenant, model, count - limit)
                 self.counters["evictions"] += await self._io_call(store.delete, doomed)
+                if self.index is not None:
+                    self.index.remove(doomed)
                 self._publish(cache_pb2.WatchInvalidationsResponse(entry_ids=doomed))
             except CacheStoreError as exc:
                 log.warning("eviction failed", extra={"error": str(exc)})
@@ -301,22 +370,27 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         now = time.time()
         t0 = time.perf_counter()
         key = exact_key(scope, text)
-        pending = self._pending.get(key)
         normalised = normalise_text(text)
         embedding: asyncio.Task[tuple[Vector, float]] | None = None
-        if semantic and pending is None:
-            # The embedding does not depend on the exact read: run both at once, so a miss
-            # pays max(read, embed) rather than their sum (the key query costs about 3 ms).
-            embedding = asyncio.create_task(self._embed_timed(normalised))
-        try:
-            with tracer().start_as_current_span(schema.SPAN_CACHE_EXACT):
-                entry = (
-                    pending[0] if pending is not None else await self._io_call(store.get, key, now)
-                )
-        except BaseException:
-            if embedding is not None:
-                _detach(embedding)
-            raise
+        with tracer().start_as_current_span(schema.SPAN_CACHE_EXACT):
+            pending = self._pending.get(key)
+            entry = pending[0] if pending is not None else None
+            if entry is None and self.index is not None:
+                entry = self.index.get(key, now)
+                if entry is not None:
+                    self.counters["index_hits"] += 1
+            if entry is None and self._reads_milvus(semantic):
+                if semantic:
+                    # The embedding does not depend on the exact read: run both at once, so a
+                    # miss pays max(read, embed) rather than their sum (a key query is ~2 ms).
+                    embedding = asyncio.create_task(self._embed_timed(normalised))
+                self.counters["exact_reads"] += 1
+                try:
+                    entry = await self._io_call(store.get, key, now)
+                except BaseException:
+                    if embedding is not None:
+                        _detach(embedding)
+                    raise
         response = cache_pb2.LookupResponse(exact_ms=(time.perf_counter() - t0) * 1e3)
         if entry is not None and entry.scope == scope and entry.expires_at > now:
             if embedding is not None:
@@ -342,6 +416,13 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         metrics.CACHE_LOOKUPS.labels("miss").inc()
         response.outcome = common_pb2.CACHE_OUTCOME_MISS
         return response
+
+    def _reads_milvus(self, semantic: bool) -> bool:
+        """Whether an exact lookup the memory could not answer reads Milvus by key."""
+        if self.index is None:
+            return True
+        fallback = self.config.exact_fallback
+        return fallback == "all" or (fallback == "semantic" and semantic)
 
     async def _embed_timed(self, text: str) -> tuple[Vector, float]:
         """The text's vector (remembered for the store a miss sends) and the ms it took."""
@@ -504,6 +585,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             if key in ids or (scope is not None and _matches(scope, entry.scope)):
                 del self._pending[key]
                 self._store_spans.pop(key, None)
+        self._unindex(ids, scope)  # no lookup is answered from memory after this point
         store = self._require_store()
         try:
             removed = await self._io_call(store.delete, ids)
@@ -511,6 +593,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 removed += await self._io_call(store.delete_scope, scope)
         except CacheStoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        # Again after the delete: a store written while it ran is gone from Milvus too, and
+        # the index keeps mirroring Milvus.
+        self._unindex(ids, scope)
         # After the delete: a watcher's lookup that starts after this event cannot read the
         # entry any more, and one in flight across it is not copied (see the gateway's tier).
         self._publish(
@@ -519,6 +604,13 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             )
         )
         return cache_pb2.InvalidateResponse(removed=removed)
+
+    def _unindex(self, ids: list[str], scope: ScopeFilter | None) -> None:
+        if self.index is None:
+            return
+        self.index.remove(ids)
+        if scope is not None:
+            self.index.remove_scope(scope)
 
     async def WatchInvalidations(
         self,

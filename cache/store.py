@@ -36,6 +36,7 @@ _MAX_TEXT = 65_535  # Milvus VARCHAR limit, in bytes
 # Reads see every acknowledged write: an exact repeat right after a store must hit, an
 # invalidated entry must never be served, and eviction must count what is really there.
 CONSISTENCY = "Strong"
+LIVE_PAGE = 2000  # rows per page when the exact index is rebuilt (Milvus caps one at 16384)
 _SQLITE_HEADER = b"SQLite format 3\x00"  # milvus-lite keeps its data in SQLite
 _SCALARS = (
     "scope_key",
@@ -57,7 +58,7 @@ class CacheStoreError(RuntimeError):
     """The store cannot be opened or used; the message says what to fix."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Entry:
     key: str
     scope: Scope
@@ -95,6 +96,9 @@ class CacheStore(Protocol):
     """What the cache servicer needs from a backend. Calls may block."""
 
     def get(self, key: str, now: float) -> Entry | None: ...
+
+    def live(self, now: float, page: int = LIVE_PAGE) -> list[Entry]:
+        """Every entry not expired at `now`, read in pages of `page` rows."""
 
     def search(
         self, vector: Vector, scope: Scope, now: float, limit: int
@@ -252,6 +256,29 @@ class MilvusStore:
             consistency_level=CONSISTENCY,
         )
         return _entry(rows[0]) if rows else None
+
+    def live(self, now: float, page: int = LIVE_PAGE) -> list[Entry]:
+        """Every live entry's scalar fields (no vectors), in pages: the exact index's rebuild."""
+        if self._client is None:
+            raise CacheStoreError("the cache store is closed")
+        found: list[Entry] = []
+        try:
+            pages = self._client.query_iterator(
+                self.collection,
+                batch_size=page,
+                filter=f"expires_at > {now!r}",
+                output_fields=["id", *_SCALARS],
+                consistency_level=CONSISTENCY,
+                timeout=self.timeout_s,
+            )
+            try:
+                while rows := pages.next():
+                    found.extend(_entry(row) for row in rows)
+            finally:
+                pages.close()
+        except (self._exc, grpc.RpcError) as exc:
+            raise CacheStoreError(f"Milvus at {self.uri}: {_reason(exc)}") from exc
+        return found
 
     def search(
         self, vector: Vector, scope: Scope, now: float, limit: int

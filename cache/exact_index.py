@@ -1,0 +1,123 @@
+"""The exact tier's in-memory index: exact key -> the entry fields a hit needs.
+
+Milvus stays the durable store; this index mirrors the entries this cache service has
+written (and, after a restart, every live entry it rebuilt from Milvus), so an exact lookup
+is a dict read instead of a Milvus query. It never decides anything Milvus would not:
+
+- an entry whose `expires_at` has passed is never returned (and is dropped when seen);
+- the caller re-checks the entry's scope before serving it, as for a Milvus read;
+- invalidation (by key or by scope), eviction and expiry remove entries here as well.
+
+Memory is bounded twice: by each (tenant, model)'s `max_entries` (eviction deletes from
+Milvus and from here) and by `max_entries` of the whole index, past which the entries put
+longest ago leave the index only (Milvus keeps them; see docs/cache.md).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from hopline.cache.store import Entry, ScopeFilter
+
+Group = tuple[str, str]  # tenant, model
+
+
+class ExactIndex:
+    def __init__(self, max_entries: int) -> None:
+        if max_entries < 1:
+            raise ValueError(f"the exact index needs room for one entry, got {max_entries}")
+        self.max_entries = max_entries
+        # Put order, oldest first: the order in which the whole-index bound drops entries.
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self._groups: dict[Group, set[str]] = {}
+        # (expires_at, key), lazily cleaned: a replaced or removed entry leaves a stale item
+        # that `expire` skips; compacted when stale items outnumber live ones.
+        self._expiry: list[tuple[float, str]] = []
+        self.dropped_for_room = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def get(self, key: str, now: float) -> Entry | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry.expires_at <= now:
+            self._drop(key)
+            return None
+        return entry
+
+    def put(self, entry: Entry) -> list[str]:
+        """Insert or replace; returns the keys dropped to stay within `max_entries`."""
+        key = entry.key
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        self._groups.setdefault(_group(entry), set()).add(key)
+        heapq.heappush(self._expiry, (entry.expires_at, key))
+        dropped: list[str] = []
+        while len(self._entries) > self.max_entries:
+            oldest = next(iter(self._entries))
+            self._drop(oldest)
+            dropped.append(oldest)
+        self.dropped_for_room += len(dropped)
+        if len(self._expiry) > 2 * len(self._entries) + 1024:
+            self._expiry = [(e.expires_at, k) for k, e in self._entries.items()]
+            heapq.heapify(self._expiry)
+        return dropped
+
+    def load(self, entries: Iterable[Entry], now: float) -> int:
+        """Add live entries oldest first (so the whole-index bound keeps the newest)."""
+        live = sorted((e for e in entries if e.expires_at > now), key=lambda e: e.created_at)
+        for entry in live:
+            self.put(entry)
+        return len(self._entries)
+
+    def remove(self, keys: Iterable[str]) -> int:
+        removed = 0
+        for key in keys:
+            if key in self._entries:
+                self._drop(key)
+                removed += 1
+        return removed
+
+    def remove_scope(self, scope: ScopeFilter) -> int:
+        doomed = [
+            key
+            for (tenant, model), keys in self._groups.items()
+            if (not scope.tenant or scope.tenant == tenant)
+            and (not scope.model or scope.model == model)
+            for key in keys
+            if not scope.model_version or self._entries[key].scope[2] == scope.model_version
+        ]
+        return self.remove(doomed)
+
+    def expire(self, now: float) -> int:
+        expired = 0
+        while self._expiry and self._expiry[0][0] <= now:
+            expires_at, key = heapq.heappop(self._expiry)
+            entry = self._entries.get(key)
+            if entry is not None and entry.expires_at == expires_at:
+                self._drop(key)
+                expired += 1
+        return expired
+
+    def count(self, tenant: str, model: str) -> int:
+        return len(self._groups.get((tenant, model), ()))
+
+    def _drop(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        group = _group(entry)
+        keys = self._groups.get(group)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._groups[group]
+
+
+def _group(entry: Entry) -> Group:
+    return entry.scope[0], entry.scope[1]

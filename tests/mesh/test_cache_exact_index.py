@@ -1,0 +1,202 @@
+"""The cache's exact tier answers from memory: the real CacheService (real milvus-lite file,
+real gRPC server, in this process so its counters and store can be looked at) serves exact
+hits without reading Milvus, rebuilds the index on restart, and drops expired, invalidated
+and evicted entries from it.
+
+One stand-in: to prove a lookup never reads Milvus, `milvus_reads_fail` replaces the store's
+read by key with one that raises (an outage injected in this process; a real milvus-lite
+cannot be made to fail reads alone while it keeps serving the rebuild and writes)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from hopline.cache.service import CacheConfig, CacheService
+from hopline.cache.store import CacheStoreError, MilvusStore
+from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.common.v1 import common_pb2
+
+EXACT = common_pb2.CACHE_OUTCOME_EXACT
+MISS = common_pb2.CACHE_OUTCOME_MISS
+
+
+def scope(tenant: str = "idx", model: str = "m") -> common_pb2.Scope:
+    return common_pb2.Scope(
+        tenant=tenant, model=model, model_version="1", parameters={"top_k": "1"}
+    )
+
+
+@asynccontextmanager
+async def cache(db: Path, **config: Any) -> AsyncIterator[tuple[CacheService, Any]]:
+    service = CacheService(CacheConfig(uri=str(db), flush_interval_ms=1.0, **config))
+    server = grpc.aio.server()
+    service.register(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await service.start()
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield service, cache_pb2_grpc.CacheServiceStub(channel)
+    finally:
+        await server.stop(None)
+        await service.stop()
+
+
+async def store(stub: Any, text: str, label: str = "order_status", **kw: Any) -> str:
+    reply = await stub.Store(
+        cache_pb2.StoreRequest(
+            scope=kw.pop("scope", scope()),
+            text=text,
+            prediction=common_pb2.Prediction(label=label, score=0.9),
+            mode=kw.pop("mode", "exact"),
+            **kw,
+        ),
+        timeout=10,
+    )
+    return str(reply.entry_id)
+
+
+async def written(stub: Any) -> None:
+    """Wait until every acknowledged store is in Milvus (and so in the index)."""
+    deadline = time.monotonic() + 20
+    while (await stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)).pending_writes:
+        assert time.monotonic() < deadline, "stores never reached Milvus"
+        await asyncio.sleep(0.01)
+
+
+async def lookup(stub: Any, text: str, **kw: Any) -> cache_pb2.LookupResponse:
+    reply: cache_pb2.LookupResponse = await stub.Lookup(
+        cache_pb2.LookupRequest(scope=kw.pop("scope", scope()), text=text, **kw), timeout=10
+    )
+    return reply
+
+
+def milvus_reads_fail(service: CacheService) -> list[str]:
+    """Every Milvus read by key now fails, as with Milvus down; returns the keys asked for."""
+    asked: list[str] = []
+
+    def get(key: str, now: float) -> None:
+        asked.append(key)
+        raise CacheStoreError("Milvus is down (test)")
+
+    assert isinstance(service.store, MilvusStore)
+    service.store.get = get  # type: ignore[method-assign]
+    return asked
+
+
+def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(test())
+
+
+def test_exact_hits_are_answered_from_memory_without_milvus(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cache(tmp_path / "cache.db") as (service, stub):
+            await store(stub, "where is my parcel")
+            # Visible at once, from the pending buffer, before Milvus has it.
+            assert (await lookup(stub, "WHERE is my   parcel")).outcome == EXACT
+            await written(stub)
+            asked = milvus_reads_fail(service)
+            before = dict(service.counters)
+            hit = await lookup(stub, "where is my parcel")
+            assert hit.outcome == EXACT
+            assert hit.prediction.label == "order_status"
+            # An exact-only miss does not wait on Milvus either (default fallback: semantic).
+            assert (await lookup(stub, "a question never stored")).outcome == MISS
+            # Another tenant's identical text is another key: a miss, never this answer.
+            other = await lookup(stub, "where is my parcel", scope=scope(tenant="idx-other"))
+            assert other.outcome == MISS
+            assert asked == []
+            assert service.counters["index_hits"] == before["index_hits"] + 1
+            assert service.counters["exact_reads"] == before["exact_reads"]
+            # A semantic-policy miss still reads Milvus by key (the multi-replica fallback):
+            # with Milvus down it fails, where the exact-only lookups above did not.
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await lookup(stub, "not stored either", mode="semantic", threshold=0.9)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert len(asked) == 1
+
+    run(body)
+
+
+def test_fallback_all_reads_milvus_on_an_index_miss(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cache(tmp_path / "cache.db", exact_fallback="all") as (service, stub):
+            key = await store(stub, "cancel my order")
+            await written(stub)
+            assert service.index is not None
+            service.index.remove([key])  # as if another replica had written it
+            before = service.counters["exact_reads"]
+            assert (await lookup(stub, "cancel my order")).outcome == EXACT
+            assert service.counters["exact_reads"] == before + 1
+
+    run(body)
+
+
+def test_a_restart_rebuilds_the_index(tmp_path: Path) -> None:
+    texts = [f"how do I change my address, case {i}" for i in range(25)]
+
+    async def body() -> None:
+        async with cache(tmp_path / "cache.db") as (_, stub):
+            for text in texts:
+                await store(stub, text)
+            await store(stub, "short lived", ttl_s=0.5)
+            await written(stub)
+        await asyncio.sleep(0.6)  # the short-lived entry expires while the cache is down
+        async with cache(tmp_path / "cache.db") as (service, stub):
+            assert service.counters["index_rebuilt"] == len(texts)
+            asked = milvus_reads_fail(service)
+            for text in texts:
+                assert (await lookup(stub, text)).outcome == EXACT, text
+            assert (await lookup(stub, "short lived")).outcome == MISS
+            assert asked == []
+            assert service.counters["index_hits"] == len(texts)
+
+    run(body)
+
+
+def test_expiry_invalidation_and_eviction_leave_the_index(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cache(tmp_path / "cache.db", sweep_interval_s=0.2) as (service, stub):
+            index = service.index
+            assert index is not None
+            expiring = await store(stub, "expires soon", ttl_s=0.5)
+            by_id = await store(stub, "dropped by id")
+            kept = await store(stub, "kept", scope=scope(tenant="idx-b"))
+            by_scope = await store(stub, "dropped by scope", scope=scope(tenant="idx-c"))
+            await written(stub)
+            assert all(k in index for k in (expiring, by_id, kept, by_scope))
+
+            await asyncio.sleep(0.8)  # past the TTL and at least one sweep
+            assert expiring not in index
+            assert (await lookup(stub, "expires soon")).outcome == MISS
+
+            await stub.Invalidate(cache_pb2.InvalidateRequest(entry_ids=[by_id]), timeout=10)
+            await stub.Invalidate(
+                cache_pb2.InvalidateRequest(scope=common_pb2.Scope(tenant="idx-c")), timeout=10
+            )
+            assert by_id not in index
+            assert by_scope not in index
+            assert (await lookup(stub, "dropped by id")).outcome == MISS
+            scoped = await lookup(stub, "dropped by scope", scope=scope(tenant="idx-c"))
+            assert scoped.outcome == MISS
+            assert (await lookup(stub, "kept", scope=scope(tenant="idx-b"))).outcome == EXACT
+
+            small = scope(tenant="idx-evict")
+            keys = []
+            for i in range(4):
+                keys.append(await store(stub, f"bounded {i}", scope=small, max_entries=2))
+                await written(stub)
+            assert [k in index for k in keys] == [False, False, True, True]
+            outcomes = [(await lookup(stub, f"bounded {i}", scope=small)).outcome for i in range(4)]
+            assert outcomes == [MISS, MISS, EXACT, EXACT]
+            assert index.count("idx-evict", "m") == 2
+
+    run(body)
