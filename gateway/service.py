@@ -113,6 +113,32 @@ class GatewayConfig(ServerConfig):
     model_refresh_s: float = env_field(
         "HOPLINE_MODEL_REFRESH_S", 10.0, "how often the model list is re-read from inference"
     )
+    upstream_retry_attempts: int = env_field(
+        "HOPLINE_UPSTREAM_RETRY_ATTEMPTS",
+        3,
+        "attempts per upstream call, the first included, when an attempt is UNAVAILABLE "
+        "(0 or 1: no retries; at most 5); each retry takes the next replica, within the "
+        "call's deadline",
+    )
+    upstream_retry_backoff_ms: float = env_field(
+        "HOPLINE_UPSTREAM_RETRY_BACKOFF_MS",
+        10.0,
+        "base of the randomised wait before the first retry; doubles per retry",
+    )
+    upstream_retry_max_backoff_ms: float = env_field(
+        "HOPLINE_UPSTREAM_RETRY_MAX_BACKOFF_MS", 100.0, "cap on the wait between retries"
+    )
+    upstream_retry_tokens: int = env_field(
+        "HOPLINE_UPSTREAM_RETRY_TOKENS",
+        20,
+        "retry budget per upstream: a failed attempt spends a token, retries stop while "
+        "fewer than half are left",
+    )
+    upstream_retry_token_ratio: float = env_field(
+        "HOPLINE_UPSTREAM_RETRY_TOKEN_RATIO",
+        0.1,
+        "tokens a successful call gives back to the retry budget",
+    )
 
 
 # GetStats counter -> the Prometheus counter it reads and the labels it is summed over.

@@ -6,6 +6,11 @@ N connections, and concurrent calls are not serialised behind one HTTP/2 connect
 
 GatewayUpstreams holds the four pools the gateway calls. GatewayService builds them from its
 config unless it is given them, which is how tests/unit runs the orchestration in-process.
+
+Retries across replicas are gRPC's own (`retry_service_config`): a failed attempt is tried
+again on the channel's next round-robin pick, within the call's one deadline, and a retry
+budget (`retryThrottling`) stops retries when many attempts fail, so they cannot multiply an
+overload. See `retry_service_config` for which methods and which statuses, and why.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import logging
 import re
 import time
@@ -55,8 +61,104 @@ class HopError(StatusError):
         self.details = details
 
 
-def channel_options(index: int, max_message_bytes: int) -> list[tuple[str, Any]]:
+# The gateway's upstream methods that gRPC may try again, by service. Every one is safe to
+# repeat, because none changes anything a second run would change again:
+# - Tokenize, Infer, Postprocess: pure functions of the request and the model version named
+#   in it (immutable folders), so a second run answers the same and leaves nothing behind.
+# - Lookup, GetStats, ListModels: reads.
+# - Store: writes the entry under its exact key; a repeat writes the same entry over itself.
+# - Invalidate: deleting what is already deleted deletes nothing more.
+# WatchInvalidations is left out: a long-lived stream the local exact tier re-opens itself
+# (gateway/exact_tier.py), and gRPC could not retry it after its first message anyway.
+RETRY_METHODS: dict[str, tuple[str, ...]] = {
+    "hopline.tokenizer.v1.TokenizerService": ("Tokenize",),
+    "hopline.cache.v1.CacheService": ("Lookup", "Store", "Invalidate", "GetStats"),
+    "hopline.inference.v1.InferenceService": ("Infer", "ListModels"),
+    "hopline.postprocess.v1.PostprocessService": ("Postprocess",),
+}
+# Only UNAVAILABLE: the attempt never reached a servicer that could answer (connection refused
+# or reset by a killed replica, a replica still starting or draining). Not DEADLINE_EXCEEDED:
+# the deadline is the call's, shared by every attempt, so once it has passed there is no time
+# left to retry in, and the cache lookup's short budget must stay the bound it is. Not
+# RESOURCE_EXHAUSTED: that is an upstream shedding load (a full batch queue) or a message too
+# large, and a retry would add load to an overload or fail again the same way.
+RETRYABLE_CODES = ("UNAVAILABLE",)
+MAX_ATTEMPTS_CAP = 5  # gRPC's own limit on maxAttempts: it clamps higher values to 5
+
+
+def _seconds(ms: float) -> str:
+    """A protobuf Duration in JSON form, as the service config wants it."""
+    return f"{max(ms, 1.0) / 1000:.3f}s"
+
+
+def retry_service_config(
+    attempts: int,
+    initial_backoff_ms: float,
+    max_backoff_ms: float,
+    budget_tokens: int,
+    token_ratio: float,
+) -> dict[str, Any] | None:
+    """The gRPC service config for one upstream's channels; None when retries are off.
+
+    `attempts` counts the first try (0 or 1: no retries). gRPC spreads the attempts over the
+    channel's round-robin picks, so a retry lands on another replica while one fails; all of
+    them share the call's own deadline. `retryThrottling` is the retry budget: each failed
+    attempt takes a token from `budget_tokens`, each success gives back `token_ratio`, and
+    retries stop while fewer than half remain, so at most about one retry per 1/token_ratio
+    successes survives a lasting failure of every replica.
+    """
+    if attempts <= 1:
+        return None
+    names = [
+        {"service": service, "method": method}
+        for service, methods in RETRY_METHODS.items()
+        for method in methods
+    ]
+    return {
+        "methodConfig": [
+            {
+                "name": names,
+                "retryPolicy": {
+                    "maxAttempts": min(attempts, MAX_ATTEMPTS_CAP),
+                    "initialBackoff": _seconds(initial_backoff_ms),
+                    "maxBackoff": _seconds(max(max_backoff_ms, initial_backoff_ms)),
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": list(RETRYABLE_CODES),
+                },
+            }
+        ],
+        # gRPC accepts an integer maxTokens in (0, 1000] (a float fails the channel) and a
+        # tokenRatio above 0 (3 decimals).
+        "retryThrottling": {
+            "maxTokens": min(max(int(budget_tokens), 1), 1000),
+            "tokenRatio": max(round(token_ratio, 3), 0.001),
+        },
+    }
+
+
+def config_retry_policy(config: GatewayConfig) -> dict[str, Any] | None:
+    """`retry_service_config` with the gateway config's HOPLINE_UPSTREAM_RETRY_* values."""
+    return retry_service_config(
+        config.upstream_retry_attempts,
+        config.upstream_retry_backoff_ms,
+        config.upstream_retry_max_backoff_ms,
+        config.upstream_retry_tokens,
+        config.upstream_retry_token_ratio,
+    )
+
+
+def channel_options(
+    index: int, max_message_bytes: int, service_config: dict[str, Any] | None = None
+) -> list[tuple[str, Any]]:
+    # Without a service config the channel keeps gRPC's defaults: transparent retries only
+    # (an attempt that never left this process), as before retries were configurable.
+    retries: list[tuple[str, Any]] = (
+        [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(service_config))]
+        if service_config
+        else []
+    )
     return [
+        *retries,
         ("grpc.lb_policy_name", "round_robin"),
         ("grpc.use_local_subchannel_pool", 1),
         ("hopline.channel_index", index),
@@ -80,11 +182,14 @@ class Upstream(Generic[StubT]):
         stub: Callable[[grpc.aio.Channel], StubT],
         size: int,
         max_message_bytes: int,
+        service_config: dict[str, Any] | None = None,
     ) -> None:
         self.hop = hop
         self.target = target
         self.channels = [
-            grpc.aio.insecure_channel(target, options=channel_options(i, max_message_bytes))
+            grpc.aio.insecure_channel(
+                target, options=channel_options(i, max_message_bytes, service_config)
+            )
             for i in range(max(1, size))
         ]
         self._stubs = [stub(c) for c in self.channels]
@@ -127,6 +232,7 @@ class GatewayUpstreams:
     @classmethod
     def connect(cls, config: GatewayConfig) -> GatewayUpstreams:
         n, size = config.channels_per_upstream, config.max_message_bytes
+        retries = config_retry_policy(config)
         return cls(
             tokenizer=Upstream(
                 schema.SPAN_TOKENIZE,
@@ -134,6 +240,7 @@ class GatewayUpstreams:
                 tokenizer_pb2_grpc.TokenizerServiceStub,
                 n,
                 size,
+                retries,
             ),
             cache=Upstream(
                 schema.SPAN_CACHE_LOOKUP,
@@ -141,6 +248,7 @@ class GatewayUpstreams:
                 cache_pb2_grpc.CacheServiceStub,
                 n,
                 size,
+                retries,
             ),
             inference=Upstream(
                 schema.SPAN_INFERENCE,
@@ -148,6 +256,7 @@ class GatewayUpstreams:
                 inference_pb2_grpc.InferenceServiceStub,
                 n,
                 size,
+                retries,
             ),
             postprocess=Upstream(
                 schema.SPAN_POSTPROCESS,
@@ -155,6 +264,7 @@ class GatewayUpstreams:
                 postprocess_pb2_grpc.PostprocessServiceStub,
                 n,
                 size,
+                retries,
             ),
         )
 

@@ -1,0 +1,203 @@
+"""Two replicas of a stateless service behind one gateway address: SIGKILL one under steady
+traffic and no request fails, because the gateway's channels retry an UNAVAILABLE attempt on
+the other replica (gateway/upstream.py:retry_service_config).
+
+The gateway dials `ipv4:127.0.0.1:A,127.0.0.1:B`: gRPC's round_robin over both, no code of
+ours choosing. Traffic is open-loop (a request every 1/RPS s whatever the replies do), so a
+stall shows up as failures rather than as fewer requests sent.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from conftest import DEFAULT_MODEL
+from harness import SERVING, Mesh, free_port, health
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.service_table import spec
+
+RPS = 60
+REQUESTS = 420  # 7 s at RPS
+KILL_AT = 180  # SIGKILL one replica after this many requests were sent (3 s in)
+TIMEOUT_S = 5.0
+METHODS = {"inference": "Infer", "tokenizer": "Tokenize"}
+# Both replicas share the machine's cores; one ONNX Runtime thread each keeps them from
+# fighting over them.
+LEAN = {"HOPLINE_INFERENCE_THREADS": "1"}
+
+
+@dataclass
+class Run:
+    """What one traffic run saw."""
+
+    sent: int = 0
+    failures: dict[int, str] = field(default_factory=dict)  # request index -> status
+    killed_after: int = -1  # requests sent when the replica was killed
+    survivor_calls_after_kill: float = 0.0
+
+
+@pytest.fixture
+def repo(default_repo: Path, tmp_path: Path) -> Path:
+    models = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, models / DEFAULT_MODEL)
+    return models
+
+
+def served_ok(metrics_port: int, method: str) -> float:
+    """RPCs of `method` a service answered OK, from its /metrics."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if (
+            line.startswith("hopline_rpc_duration_seconds_count{")
+            and f'method="{method}"' in line
+            and 'code="OK"' in line
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture
+def second_replica(repo: Path, tmp_path: Path) -> Iterator[dict[str, object]]:
+    """A factory's state: the extra replica the test starts beside the mesh's own."""
+    state: dict[str, object] = {}
+    yield state
+    proc = state.get("proc")
+    if isinstance(proc, subprocess.Popen) and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def traffic(mesh: Mesh, service: str, run: Run, survivor_metrics: int) -> None:
+    """RPS Predicts for REQUESTS/RPS s; the mesh's own replica of `service` is SIGKILLed
+    after KILL_AT of them were sent. Fills in `run`."""
+    reached_kill = threading.Event()
+    futures: list[Any] = []  # grpc's call futures
+    with grpc.insecure_channel(mesh.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        # Warm the gateway's channels to both replicas before the clock starts.
+        for _ in range(10):
+            stub.Predict(gateway_pb2.PredictRequest(text="track my order"), timeout=TIMEOUT_S)
+
+        def send() -> None:
+            start = time.monotonic()
+            for i in range(REQUESTS):
+                delay = start + i / RPS - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                request = gateway_pb2.PredictRequest(
+                    # BYPASS: every request takes the tokenizer and inference hops.
+                    text=f"where is my order {uuid.uuid4()}",
+                    cache_mode=common_pb2.CACHE_MODE_BYPASS,
+                )
+                futures.append(stub.Predict.future(request, timeout=TIMEOUT_S))
+                if i + 1 == KILL_AT:
+                    reached_kill.set()
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        assert reached_kill.wait(timeout=60)
+        before = served_ok(survivor_metrics, METHODS[service])
+        run.killed_after = len(futures)
+        mesh.kill(service)  # SIGKILL: no drain, connections reset mid-call
+        sender.join(timeout=60)
+        assert not sender.is_alive()
+        for i, future in enumerate(futures):
+            try:
+                reply = future.result()
+                assert reply.prediction.label
+            except grpc.RpcError as err:
+                run.failures[i] = f"{err.code().name}: {err.details()}"
+        run.sent = len(futures)
+        run.survivor_calls_after_kill = served_ok(survivor_metrics, METHODS[service]) - before
+
+
+def run_with_replicas(
+    repo: Path, tmp_path: Path, state: dict[str, object], service: str, attempts: int
+) -> Run:
+    """A mesh whose `service` runs twice, traffic through it, one replica SIGKILLed."""
+    ports = (free_port(), free_port())
+    survivor_metrics = free_port()
+    mesh = Mesh(
+        repo,
+        tmp_path,
+        addrs={service: f"127.0.0.1:{ports[0]}"},
+        service_env={
+            "gateway": {
+                spec(service).addr_env: f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
+                "HOPLINE_UPSTREAM_RETRY_ATTEMPTS": str(attempts),
+            }
+        },
+        **LEAN,
+    )
+    env = {
+        **mesh.env,
+        spec(service).addr_env: f"127.0.0.1:{ports[1]}",
+        "HOPLINE_METRICS_PORT": str(survivor_metrics),
+    }
+    with (tmp_path / f"{service}-2.log").open("ab") as log:
+        state["proc"] = proc = subprocess.Popen(
+            [sys.executable, "-m", "hopline", "serve", service],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while health(f"127.0.0.1:{ports[1]}") != SERVING:
+            assert proc.poll() is None, (tmp_path / f"{service}-2.log").read_text()
+            assert time.monotonic() < deadline, f"second {service} replica not SERVING"
+            time.sleep(0.1)
+        # No cache: BYPASS requests never call it, and the test is about the other hops.
+        mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
+        run = Run()
+        traffic(mesh, service, run, survivor_metrics)
+        return run
+    finally:
+        mesh.stop()
+
+
+@pytest.mark.parametrize("service", ["inference", "tokenizer"])
+def test_sigkill_of_one_of_two_replicas_fails_no_request(
+    repo: Path, tmp_path: Path, second_replica: dict[str, object], service: str
+) -> None:
+    run = run_with_replicas(repo, tmp_path, second_replica, service, attempts=3)
+    assert run.sent == REQUESTS
+    assert 0 < run.killed_after < REQUESTS
+    assert run.failures == {}, f"{len(run.failures)} of {run.sent} failed: {run.failures}"
+    # Every request after the kill was answered by the one replica left.
+    assert run.survivor_calls_after_kill >= REQUESTS - run.killed_after
+
+
+def test_without_retries_for_comparison(
+    repo: Path,
+    tmp_path: Path,
+    second_replica: dict[str, object],
+    record_property: Callable[[str, object], None],
+) -> None:
+    """The same kill with retries off (HOPLINE_UPSTREAM_RETRY_ATTEMPTS=1): a measurement of
+    what retries buy, not a requirement, so nothing about the failures is asserted."""
+    run = run_with_replicas(repo, tmp_path, second_replica, "inference", attempts=1)
+    record_property("failed_without_retries", len(run.failures))
+    print(
+        f"\nwithout retries: {len(run.failures)} of {run.sent} Predicts failed "
+        f"(kill after {run.killed_after}): {sorted(set(run.failures.values()))}"
+    )
+    assert run.sent == REQUESTS
