@@ -186,14 +186,16 @@ def test_sigkill_of_one_of_two_replicas_fails_no_request(
     assert run.survivor_calls_after_kill >= REQUESTS - run.killed_after
 
 
-def test_without_retries_for_comparison(
+def test_without_retries_a_lost_replica_costs_only_clear_unavailables(
     repo: Path,
     tmp_path: Path,
     second_replica: dict[str, object],
     record_property: Callable[[str, object], None],
 ) -> None:
-    """The same kill with retries off (HOPLINE_UPSTREAM_RETRY_ATTEMPTS=1): a measurement of
-    what retries buy, not a requirement, so nothing about the failures is asserted."""
+    """The same kill with retries off (HOPLINE_UPSTREAM_RETRY_ATTEMPTS=1). How many fail is a
+    measurement of what retries buy (recorded, printed with -s; 0-1 of 420 in 5 runs here):
+    what is asserted is that any failure is a clear UNAVAILABLE naming the hop, and that
+    round_robin moves every later request to the replica left."""
     run = run_with_replicas(repo, tmp_path, second_replica, "inference", attempts=1)
     record_property("failed_without_retries", len(run.failures))
     print(
@@ -201,3 +203,5 @@ def test_without_retries_for_comparison(
         f"(kill after {run.killed_after}): {sorted(set(run.failures.values()))}"
     )
     assert run.sent == REQUESTS
+    assert set(run.failures.values()) <= {"UNAVAILABLE: inference service unavailable"}
+    assert run.survivor_calls_after_kill >= REQUESTS - run.killed_after - len(run.failures)
