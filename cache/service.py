@@ -407,7 +407,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 found = await self._io_call(store.search, vector, scope, now, SEMANTIC_CANDIDATES)
                 span.set_attribute(schema.CACHE_CANDIDATES, len(found))
             response.search_ms = (time.perf_counter() - t2) * 1e3
-            hit = self._accept(found, scope, now, threshold, self._unseen(normalised))
+            # The query's unseen parts only matter against a candidate: no search result, no
+            # tokenizer run.
+            query_unseen = self._unseen(normalised) if found else ()
+            hit = self._accept(found, scope, now, threshold, query_unseen)
             if hit is not None:
                 self.counters["semantic_hits"] += 1
                 metrics.CACHE_LOOKUPS.labels("semantic").inc()

@@ -4,10 +4,11 @@ module and harness.py importable from either folder as `conftest` and `harness`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +165,13 @@ def otlp_request(trace: str, inference_ms: float = 8.0) -> dict[str, Any]:
             ),
         ]
     }
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Let the event loop run until `condition` holds: for in-process stand-ins that do no
+    I/O, so a thousand turns of the loop is far more than any of them needs."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")

@@ -20,6 +20,7 @@ from typing import Any, cast
 import grpc
 import pytest
 
+from conftest import until
 from hopline.gateway.service import GatewayConfig, GatewayService
 from hopline.gateway.upstream import GatewayUpstreams, HopError
 from hopline.observability import metrics
@@ -227,15 +228,6 @@ class Mesh:
                 return
             await asyncio.sleep(0)
         raise AssertionError("stores still in flight")
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Let the loop run until `condition` holds (the stand-ins do no I/O)."""
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never held")
 
 
 def changed(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
+from conftest import until
 from hopline.gateway.identity import (
     DEFAULT_TENANT,
     TENANT_METADATA,
@@ -161,15 +162,6 @@ def run_async(scenario: Callable[[], Awaitable[None]]) -> None:
         await asyncio.wait_for(scenario(), timeout=10)
 
     asyncio.run(bounded())
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Let the loop run until `condition` holds (everything here is in-process, no I/O)."""
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never held")
 
 
 class Work:
