@@ -21,7 +21,7 @@ from typing import Any
 
 from hopline.bench.load import Run, closed_loop, cpu_count, open_loop
 from hopline.bench.mixes import Mix, make_mix
-from hopline.bench.report import ratios, summarise, table, write_png
+from hopline.bench.report import model_ratios, ratios, summarise, table, write_png
 from hopline.bench.targets import (
     EchoTarget,
     InProcessTarget,
@@ -30,6 +30,7 @@ from hopline.bench.targets import (
     inprocess_threads,
 )
 from hopline.gateway.client import CACHE_MODES, gateway_address
+from hopline.runtime.tls import operator_tls
 
 BASELINES = ("echo", "inprocess", "inprocess_batched")
 DESCRIPTION = """\
@@ -80,6 +81,28 @@ def add_bench_command(sub: Any) -> None:
         help="a peer speaking hopline.gateway.v1 Predict, reported as peer_NAME (repeatable)",
     )
     p.add_argument("--model", default="", help="model to request (default: the gateway's)")
+    p.add_argument(
+        "--models",
+        default="",
+        metavar="NAME[:VERSION],...",
+        help="measure the in-process, mesh and peer targets once per model version, named "
+        "TARGET@NAME:VERSION (e.g. support-intents:1,support-intents:2 for FP32 vs INT8), "
+        "and each model's compute alone at --compute-batches; ratios are over the first",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure the whole list of targets this many times in turn, pooling each "
+        "target's windows (alternates A/B on a shared machine)",
+    )
+    p.add_argument("--compute-batches", default="1,32", help="batch sizes for --models compute")
+    p.add_argument(
+        "--compute-iterations",
+        type=int,
+        default=200,
+        help="alternated runs per model and batch size for --models compute (0: skip)",
+    )
     p.add_argument("--model-repo", default=os.environ.get("HOPLINE_MODEL_REPO", "models"))
     p.add_argument("--tenant", default="", help="tenant for the mesh's requests")
     p.add_argument("--cache", default="use", choices=("use", "bypass"), help="mesh cache mode")
@@ -145,19 +168,67 @@ async def measure(target: Target, mix: Mix, args: argparse.Namespace) -> Run:
     )
 
 
-def _inprocess(name: str, args: argparse.Namespace) -> InProcessTarget:
+def _model_spec(spec: str) -> tuple[str, str]:
+    name, _, version = spec.partition(":")
+    return name, version
+
+
+def _inprocess(name: str, args: argparse.Namespace, spec: str = "") -> InProcessTarget:
     from hopline.model.repository import ModelRepository
     from hopline.runtime import config as cfg
     from hopline.services.inference.service import InferenceConfig
 
-    model = args.model or os.environ.get("HOPLINE_DEFAULT_MODEL", "support-intents")
-    config = ModelRepository(Path(args.model_repo)).resolve(model)
+    model, version = _model_spec(spec) if spec else (args.model, "")
+    model = model or os.environ.get("HOPLINE_DEFAULT_MODEL", "support-intents")
+    config = ModelRepository(Path(args.model_repo)).resolve(model, version)
+    suffix = f"@{spec}" if spec else ""
     if name == "inprocess":
         workers, threads = inprocess_threads(args.concurrency or (cpu_count() if args.rps else 1))
-        return InProcessTarget(config, batched=False, workers=workers, threads=threads)
+        return InProcessTarget(
+            config, batched=False, workers=workers, threads=threads, suffix=suffix
+        )
     service = cfg.load(InferenceConfig, [])  # the inference service's settings, from env
     return InProcessTarget(
-        config, batched=True, workers=max(1, service.workers), threads=service.threads
+        config,
+        batched=True,
+        workers=max(1, service.workers),
+        threads=service.threads,
+        suffix=suffix,
+    )
+
+
+def _compute(args: argparse.Namespace, specs: list[str]) -> dict[str, Any]:
+    from hopline.bench.compute import compare_compute, compute_table
+    from hopline.model.repository import ModelRepository
+    from hopline.runtime import config as cfg
+    from hopline.services.inference.service import InferenceConfig
+
+    repo = ModelRepository(Path(args.model_repo))
+    configs = [repo.resolve(*_model_spec(spec)) for spec in specs]
+    mix = make_mix("miss", args.clinc)
+    sys.stderr.write(f"measuring model compute ({', '.join(specs)}) ...\n")
+    result = compare_compute(
+        configs,
+        [mix.text(i) for i in range(512)],
+        batches=[int(b) for b in args.compute_batches.split(",")],
+        iterations=args.compute_iterations,
+        threads=cfg.load(InferenceConfig, []).threads,  # as the inference service runs it
+    )
+    sys.stdout.write(compute_table(result) + "\n")
+    return result
+
+
+def _pool(a: Run, b: Run) -> Run:
+    """Two windows of one target as one: latencies pooled, durations and CPU added."""
+    total = a.duration_s + b.duration_s
+    return Run(
+        a.latencies_ns + b.latencies_ns,
+        a.statuses + b.statuses,
+        a.responses + b.responses,
+        total,
+        a.loadgen_cpu_s + b.loadgen_cpu_s,
+        (a.machine_busy * a.duration_s + b.machine_busy * b.duration_s) / total if total else 0,
+        a.offered_rps,
     )
 
 
@@ -167,44 +238,58 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
     if unknown:
         raise SystemExit(f"unknown baseline(s) {sorted(unknown)}: {', '.join(BASELINES)}")
     runs: dict[str, Run] = {}
-    records: dict[str, Any] = {}
+    describe: dict[str, Any] = {}
     settings: dict[str, Any] = {}
     cache_mode = CACHE_MODES[args.cache]
-    queue: list[str] = [*baselines]
+    specs = [m for m in args.models.split(",") if m]
+    # Each model-bearing target once per model (TARGET@SPEC), each model after the other.
+    per_model = [f"@{spec}" for spec in specs] or [""]
+    queue: list[str] = [b if b == "echo" else b + m for b in baselines for m in per_model]
     if args.target != "none":
-        queue.append("mesh")
-    queue += [f"peer_{p.split('=', 1)[0]}" for p in args.peer]
+        queue += [f"mesh{m}" for m in per_model]
+    queue += [f"peer_{p.split('=', 1)[0]}{m}" for p in args.peer for m in per_model]
     peers = dict(p.split("=", 1) for p in args.peer)
-    for name in queue:
-        mix = make_mix(args.mix, args.clinc)
-        echo_proc = None
-        target: Target
-        if name == "echo":
-            echo_proc, address = _start_echo()
-            target = EchoTarget(address)
-        elif name.startswith("inprocess"):
-            target = _inprocess(name, args)
-            settings[name] = target.settings
-        else:
-            address = gateway_address(args.target) if name == "mesh" else peers[name[5:]]
-            target = PredictTarget(
-                name,
-                address,
-                model=args.model,
-                tenant=args.tenant,
-                cache_mode=cache_mode,
-                timeout_s=args.timeout,
-            )
-        try:
-            sys.stderr.write(f"measuring {name} ({args.mix}) ...\n")
-            runs[name] = await measure(target, mix, args)
-            records[name] = summarise(runs[name], target.describe)
-        finally:
-            await target.close()
-            if echo_proc is not None:
-                echo_proc.terminate()
-                echo_proc.wait(timeout=10)
-    return runs, {"targets": records, "settings": settings}
+    for _ in range(max(1, args.rounds)):
+        for name in queue:
+            base, _, spec = name.partition("@")
+            mix = make_mix(args.mix, args.clinc)
+            echo_proc = None
+            target: Target
+            if base == "echo":
+                echo_proc, address = _start_echo()
+                target = EchoTarget(address)
+            elif base.startswith("inprocess"):
+                target = _inprocess(base, args, spec)
+                settings[name] = target.settings
+            else:
+                address = gateway_address(args.target) if base == "mesh" else peers[base[5:]]
+                model, version = _model_spec(spec) if spec else (args.model, "")
+                target = PredictTarget(
+                    name,
+                    address,
+                    model=model,
+                    model_version=version,
+                    tenant=args.tenant,
+                    cache_mode=cache_mode,
+                    timeout_s=args.timeout,
+                    # The mesh over TLS when HOPLINE_TLS_CA is set, as `hopline predict` does.
+                    tls=operator_tls("gateway") if base == "mesh" else None,
+                )
+            try:
+                sys.stderr.write(f"measuring {name} ({args.mix}) ...\n")
+                run = await measure(target, mix, args)
+                runs[name] = _pool(runs[name], run) if name in runs else run
+                describe[name] = target.describe
+            finally:
+                await target.close()
+                if echo_proc is not None:
+                    echo_proc.terminate()
+                    echo_proc.wait(timeout=10)
+    records = {name: summarise(run, describe[name]) for name, run in runs.items()}
+    result: dict[str, Any] = {"targets": records, "settings": settings}
+    if len(specs) > 1 and args.compute_iterations > 0:
+        result["compute"] = _compute(args, specs)
+    return runs, result
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -231,10 +316,15 @@ def run_bench(args: argparse.Namespace) -> int:
             "warmup_s": args.warmup,
             "cache": args.cache,
             "model": args.model,
+            "models": args.models,
+            "rounds": args.rounds,
             "loop": args.loop,
         },
         **result,
-        "ratios": ratios(result["targets"]),
+        "ratios": {
+            **ratios(result["targets"]),
+            **model_ratios(result["targets"], result.get("compute")),
+        },
     }
     sys.stdout.write(f"\nhopline bench: mix {args.mix}, {load}, {args.duration:g} s each\n")
     sys.stdout.write(table(result["targets"]) + "\n")

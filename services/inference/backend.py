@@ -2,6 +2,8 @@
 
 A backend owns one loaded model version. `run` is blocking and is called from a worker
 thread: ONNX Runtime releases the GIL while it computes, so the event loop keeps serving.
+The version's config chooses the execution providers (TensorRT, CUDA, CPU: see
+hopline.model.providers); `providers` is what the session actually runs on.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from hopline.model.providers import session_providers
 from hopline.model.repository import ModelConfig
 from hopline.model.session import make_session
 
@@ -20,6 +23,7 @@ Array = npt.NDArray[np.generic]
 
 class Backend(Protocol):
     config: ModelConfig
+    providers: tuple[str, ...]  # what runs, best first
 
     def run(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]: ...
 
@@ -31,6 +35,7 @@ class OnnxRuntimeBackend:
             config.file("model"), threads=threads, providers=config.providers, spin=spin
         )
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.providers = tuple(self.session.get_providers())
 
     def run(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
         names = list(outputs) or self.output_names
@@ -50,3 +55,13 @@ def warm_up(backend: Backend) -> None:
         ids = np.full((batch, seq), 1000, dtype=np.int64)
         ids[:, 0], ids[:, -1] = 101, 102
         backend.run({"input_ids": ids, "attention_mask": np.ones_like(ids)}, [])
+
+
+def expected_providers(config: ModelConfig) -> tuple[str, ...]:
+    """The providers a session for `config` would get here, without creating one."""
+    import onnxruntime as ort
+
+    chosen = session_providers(
+        config.providers, ort.get_available_providers(), config.file("model").parent
+    )
+    return tuple(name for name, _ in chosen)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,7 +26,12 @@ from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grp
 from hopline.runtime.batching import QueueFullError
 from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
 from hopline.runtime.tensors import TensorError, dtype_name, from_tensor, to_tensor
-from hopline.services.inference.backend import Array, create_backend, warm_up
+from hopline.services.inference.backend import (
+    Array,
+    create_backend,
+    expected_providers,
+    warm_up,
+)
 from hopline.services.inference.batched_model import BatchedModel, ModelRequest
 
 log = logging.getLogger("hopline.inference")
@@ -84,7 +90,7 @@ def _validate(cfg: ModelConfig, request: inference_pb2.InferRequest) -> dict[str
     return arrays
 
 
-def _model_info(cfg: ModelConfig) -> inference_pb2.ModelInfo:
+def _model_info(cfg: ModelConfig, providers: Sequence[str]) -> inference_pb2.ModelInfo:
     def specs(items: tuple[TensorSpec, ...]) -> list[inference_pb2.TensorSpec]:
         return [
             inference_pb2.TensorSpec(
@@ -111,8 +117,12 @@ def _model_info(cfg: ModelConfig) -> inference_pb2.ModelInfo:
             max_entries=cfg.cache.max_entries,
             store_out_of_scope=cfg.cache.store_out_of_scope,
             min_score=cfg.cache.min_score,
+            verify_target=cfg.cache.verify_target,
+            verify_confidence=cfg.cache.verify_confidence,
         ),
         ready=True,
+        precision=cfg.precision.value,
+        providers=list(providers),
     )
 
 
@@ -205,6 +215,11 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             inference_pb2.ListModelsRequest, inference_pb2.ListModelsResponse
         ],
     ) -> inference_pb2.ListModelsResponse:
+        running = {cfg.key: model.backend.providers for cfg, model in self.models.loaded()}
         return inference_pb2.ListModelsResponse(
-            models=[_model_info(m) for m in self.models.models()]
+            models=[
+                # A version not loaded yet: what its config would get on this machine now.
+                _model_info(m, running.get(m.key) or expected_providers(m))
+                for m in self.models.models()
+            ]
         )

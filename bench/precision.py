@@ -1,0 +1,65 @@
+"""FP32 against INT8 in one run (`make bench`'s `precision_ab`, bench/scripts/precision_ab.py).
+
+The default model's FP32 version 1 is copied into a scratch repository and its INT8 version
+built beside it (`hopline model build --default --precision int8 --version 2`: checked against
+FP32 before it is published); a mesh of its own on free ports serves both. Then `hopline bench
+--models support-intents:1,support-intents:2` with rounds: model compute alone at batch 1 and
+32, in-process and through the mesh on the miss path (cache USE, every text new), the two
+versions' windows alternating so a busy neighbour slows both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from hopline.bench.cli import add_bench_command, run_targets
+from hopline.bench.report import model_ratios
+from hopline.runtime.launcher import Mesh
+
+MODEL = "support-intents"
+
+
+def scratch_repo(source: Path, work: Path) -> Path:
+    """`source`'s FP32 version 1 and an INT8 version 2 built from the same texts."""
+    repo = work / "models"
+    if not (repo / MODEL / "2").is_dir():
+        shutil.rmtree(repo, ignore_errors=True)
+        shutil.copytree(source / MODEL / "1", repo / MODEL / "1")
+        subprocess.run(
+            [sys.executable, "-m", "hopline", "model", "build", "--default", "--precision",
+             "int8", "--repo", str(repo), "--version", "2"],
+            check=True,
+        )  # fmt: skip
+    return repo
+
+
+def precision_scenario(
+    source: Path, work: Path, *, rounds: int = 3, duration_s: float = 8.0, iterations: int = 200
+) -> dict[str, Any]:
+    repo = scratch_repo(source, work)
+    (work / "mesh").mkdir(parents=True, exist_ok=True)
+    mesh = Mesh.on_free_ports(repo, work / "mesh")
+    mesh.start(timeout_s=180.0)
+    argv = [
+        "bench", "--target", mesh.addrs["gateway"], "--model-repo", str(repo),
+        "--models", f"{MODEL}:1,{MODEL}:2", "--baseline", "inprocess", "--mix", "miss",
+        "--concurrency", "1", "--rounds", str(rounds), "--duration", str(duration_s),
+        "--compute-iterations", str(iterations),
+    ]  # fmt: skip
+    parser = argparse.ArgumentParser()
+    add_bench_command(parser.add_subparsers())
+    try:
+        _, result = asyncio.run(run_targets(parser.parse_args(argv)))
+    finally:
+        mesh.stop()
+    return {
+        "argv": argv[1:],
+        **result,
+        "ratios": model_ratios(result["targets"], result.get("compute")),
+    }

@@ -1,0 +1,216 @@
+"""Model precisions: the FP32 graph converted to INT8 or FP16, and the check every converted
+build must pass against FP32 before it is published.
+
+INT8 is ONNX Runtime's dynamic quantization: weights of every MatMul/Gemm with a constant
+weight quantized per output channel ahead of time, activations per tensor at run time.
+Measured against static QDQ calibrated on the training texts (support-intents, the 38
+reference sentences, 2 shared cores at load ~2; bench/scripts/int8_methods.py repeats it):
+
+    method                               cosine to FP32 mean / min    speed-up b1 / b32
+    dynamic, per channel (shipped)       0.9917 / 0.9685              2.2x / 2.0x
+    dynamic, per tensor                  0.9540 / 0.8656              2.2x / 2.2x
+    static QDQ u8/s8, per tensor         0.9038 / 0.7600              1.9x / 2.2x
+    static QDQ u8/s8, per channel        0.9301 / 0.8048 (MinMax), 0.9371 / 0.8011 (Percentile)
+    static QDQ s8/s8, per channel        0.8355 / 0.6895              0.4x / 0.8x
+
+Static scales are fixed from calibration, and MiniLM's activations have a few outlier
+channels that a fixed per-tensor scale cannot cover; dynamic scales follow each batch.
+
+FP16 (onnxruntime.transformers.float16, inputs and outputs kept FP32) is for accelerators:
+on the CPU provider ONNX Runtime inserts casts to FP32 around the kernels it lacks in FP16,
+so the check runs here but its speed means nothing here.
+
+Imported by every service through the repository (for `Precision`): ONNX and ONNX Runtime
+are imported inside the functions that convert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import onnx
+
+log = logging.getLogger("hopline.model.quantize")
+
+F32 = npt.NDArray[np.float32]
+
+
+class Precision(enum.StrEnum):
+    FP32 = "fp32"
+    INT8 = "int8"
+    FP16 = "fp16"
+
+
+class PrecisionCheckError(RuntimeError):
+    """A converted build that strays too far from FP32: refused, never published."""
+
+
+def quantize_int8(model: onnx.ModelProto, out_path: Path) -> None:
+    """Dynamic INT8: constant-weight MatMul/Gemm quantized per channel (see the module doc)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    weights = {init.name for init in model.graph.initializer}
+    # Activation x activation products (attention scores, context) stay FP32: both sides change
+    # per request, so there is no weight to quantize ahead of time.
+    activation_only = [
+        n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] not in weights
+    ]
+    # The quantizer logs a line per tensor it leaves alone on the root logger, and warns that
+    # it was not given its pre-processing (symbolic shape inference, which needs sympy).
+    logging.disable(logging.WARNING)
+    try:
+        quantize_dynamic(
+            model,
+            out_path,
+            weight_type=QuantType.QInt8,
+            op_types_to_quantize=["MatMul", "Gemm"],
+            nodes_to_exclude=activation_only,
+            per_channel=True,
+        )
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def convert_fp16(model: onnx.ModelProto, out_path: Path) -> None:
+    """FP16 weights and compute; the graph's inputs and outputs keep their FP32/INT64 types so
+    callers and the cache see the same tensors at every precision."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    onnx.save(convert_float_to_float16(model, keep_io_types=True), str(out_path))
+
+
+def convert(model: onnx.ModelProto, precision: Precision, out_path: Path) -> None:
+    if precision is Precision.INT8:
+        quantize_int8(model, out_path)
+    elif precision is Precision.FP16:
+        convert_fp16(model, out_path)
+    else:
+        raise ValueError(f"{precision} is the reference, not a conversion")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckLimits:
+    """What a converted build must keep of FP32's answers to be published.
+
+    Held-out texts (each judged by a cross-validation head that did not train on it) are the
+    ones near a decision boundary, where a small change of embedding flips a label: on
+    support-intents INT8 flips 9 of 624 (1.4%) while held-out accuracy moves 94.55 -> 94.39%.
+    So flips are capped at 2% there, and the accuracy they cost at 0.5 points."""
+
+    min_label_agreement: float = 0.98  # held-out texts; the shipped head on training texts: 0.99
+    max_accuracy_drop: float = 0.005  # held-out accuracy, FP32 minus candidate
+    min_cosine_mean: float = 0.99  # sentence embeddings, candidate vs FP32
+    min_cosine: float = 0.95  # the worst single sentence
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionCheck:
+    precision: Precision
+    heldout_label_agreement: float  # cross-validated heads, FP32 vs candidate embeddings
+    heldout_labels_changed: int
+    heldout_accuracy_fp32: float  # against the true labels
+    heldout_accuracy: float
+    train_label_agreement: float  # the shipped head, FP32 graph vs candidate graph
+    train_labels_changed: int
+    texts: int
+    cosine_mean: float  # the check sentences
+    cosine_min: float
+    cosine_worst_text: str
+    sentences: int
+    sentences_source: str
+    train_cosine_mean: float
+    train_cosine_min: float
+
+    def failures(self, limits: CheckLimits) -> list[str]:
+        out = []
+        for what, got, limit in (
+            ("held-out label agreement", self.heldout_label_agreement, limits.min_label_agreement),
+            # The shipped head on the texts it was trained on: far from its boundaries.
+            ("training-text label agreement", self.train_label_agreement, 0.99),
+        ):
+            if got < limit:
+                out.append(f"{what} {got:.4f} < {limit}")
+        drop = self.heldout_accuracy_fp32 - self.heldout_accuracy
+        if drop > limits.max_accuracy_drop:
+            out.append(
+                f"held-out accuracy {self.heldout_accuracy:.4f} is {drop:.4f} below FP32's "
+                f"{self.heldout_accuracy_fp32:.4f} (limit {limits.max_accuracy_drop})"
+            )
+        if self.cosine_mean < limits.min_cosine_mean:
+            out.append(f"mean embedding cosine {self.cosine_mean:.4f} < {limits.min_cosine_mean}")
+        if self.cosine_min < limits.min_cosine:
+            out.append(
+                f"embedding cosine {self.cosine_min:.4f} < {limits.min_cosine} for "
+                f"{self.cosine_worst_text[:60]!r}"
+            )
+        return out
+
+    def to_json(self, limits: CheckLimits) -> dict[str, Any]:
+        doc = dataclasses.asdict(self)
+        doc["precision"] = self.precision.value
+        for key, value in doc.items():
+            if isinstance(value, float):
+                doc[key] = round(value, 5)
+        doc["limits"] = dataclasses.asdict(limits)
+        return doc
+
+
+def cosines(a: F32, b: F32) -> F32:
+    num = (a * b).sum(axis=1)
+    den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    out: F32 = (num / np.maximum(den, 1e-12)).astype(np.float32)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+    """One graph's answers on the check's texts."""
+
+    train_embeddings: F32
+    train_labels: npt.NDArray[np.int64]
+    sentence_embeddings: F32
+
+
+def compare(
+    precision: Precision,
+    reference: Outputs,
+    candidate: Outputs,
+    heldout: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]],
+    truth: npt.NDArray[np.int64],
+    sentences: Sequence[str],
+    sentences_source: str,
+) -> PrecisionCheck:
+    """The candidate's answers against FP32's; `heldout` is (FP32, candidate) held-out labels."""
+    sent_cos = cosines(candidate.sentence_embeddings, reference.sentence_embeddings)
+    train_cos = cosines(candidate.train_embeddings, reference.train_embeddings)
+    worst = int(sent_cos.argmin())
+    held_changed = int((heldout[0] != heldout[1]).sum())
+    train_changed = int((candidate.train_labels != reference.train_labels).sum())
+    n = len(reference.train_labels)
+    return PrecisionCheck(
+        precision=precision,
+        heldout_label_agreement=1.0 - held_changed / n,
+        heldout_labels_changed=held_changed,
+        heldout_accuracy_fp32=float((heldout[0] == truth).mean()),
+        heldout_accuracy=float((heldout[1] == truth).mean()),
+        train_label_agreement=1.0 - train_changed / n,
+        train_labels_changed=train_changed,
+        texts=n,
+        cosine_mean=float(sent_cos.mean()),
+        cosine_min=float(sent_cos[worst]),
+        cosine_worst_text=sentences[worst][:80],
+        sentences=len(sentences),
+        sentences_source=sentences_source,
+        train_cosine_mean=float(train_cos.mean()),
+        train_cosine_min=float(train_cos.min()),
+    )
