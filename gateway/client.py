@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import grpc
-
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime.service_table import spec
+from hopline.runtime.tls import channel, operator_tls
 
 CACHE_MODES = {
     "use": common_pb2.CACHE_MODE_USE,
@@ -55,8 +54,9 @@ def predict(
     cache_mode: str = "use",
     timeout_s: float = 10.0,
 ) -> gateway_pb2.PredictResponse:
-    with grpc.insecure_channel(gateway_address(gateway)) as channel:
-        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+    # Over TLS when HOPLINE_TLS_CA is set (with the operator's certificate, if there is one).
+    with channel(gateway_address(gateway), operator_tls("gateway")) as chan:
+        stub = gateway_pb2_grpc.GatewayServiceStub(chan)
         request = gateway_pb2.PredictRequest(
             text=text,
             tenant=tenant,

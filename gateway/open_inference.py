@@ -35,7 +35,6 @@ import numpy as np
 from hopline.gateway.client import CACHE_MODES, outcome_name
 from hopline.gateway.errors import RequestError
 from hopline.gateway.service import GatewayService
-from hopline.gateway.upstream import HopError
 from hopline.observability import metrics
 from hopline.observability.tracing import current_trace_id
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -254,9 +253,9 @@ def requested_outputs(request: pb.ModelInferRequest, model: str) -> list[str]:
     return list(dict.fromkeys(names))  # a name asked twice is returned once
 
 
-def _first_leaf(group: BaseExceptionGroup[HopError]) -> HopError:
+def _first_leaf(group: BaseExceptionGroup[StatusError]) -> StatusError:
     first = group.exceptions[0]
-    return first if isinstance(first, HopError) else _first_leaf(first)
+    return first if isinstance(first, StatusError) else _first_leaf(first)
 
 
 def _server_version() -> str:
@@ -376,7 +375,7 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         timeout_s: float,
         started: float,
     ) -> list[gateway_pb2.PredictResponse]:
-        failure: HopError | None = None
+        failure: StatusError | None = None
         try:
             # A TaskGroup cancels the other texts as soon as one fails: the request fails anyway.
             async with asyncio.TaskGroup() as group:
@@ -388,7 +387,8 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     )
                     for text in texts
                 ]
-        except* HopError as failed:
+        # A failed hop, or the gateway's admission refusing a text (gateway/admission.py).
+        except* StatusError as failed:
             # Not raised here: an exception raised inside except* is wrapped in a group again.
             failure = _first_leaf(failed)
         if failure is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 from collections.abc import Sequence
 from typing import Any, TypeVar, get_type_hints
@@ -31,9 +32,23 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError(f"not a boolean: {raw!r} (use true/false)")
 
 
+def _enum_parser(kind: type[enum.Enum]) -> Any:
+    def parse(raw: str) -> enum.Enum:
+        try:
+            return kind(raw.strip().lower())
+        except ValueError:
+            names = ", ".join(str(m.value) for m in kind)
+            raise ValueError(f"{raw!r} is not one of: {names}") from None
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error
+    return parse
+
+
 def _converter(kind: Any) -> Any:
     if kind is bool:
         return _parse_bool
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return _enum_parser(kind)
     if kind in (int, float, str):
         return kind
     raise TypeError(f"unsupported config field type {kind!r}")
@@ -130,7 +145,31 @@ class ServerConfig:
         "address the /metrics endpoint binds (0.0.0.0 in a pod)",
     )
     metrics_port: int = env_field("HOPLINE_METRICS_PORT", 0, "port of /metrics (0: none)")
+    reflection: bool = env_field(
+        "HOPLINE_REFLECTION", True, "serve gRPC server reflection on the service's port"
+    )
+    # TLS (hopline.runtime.tls): `{name}` in a path is the service's name, so one environment
+    # serves every process of a mesh.
+    tls_cert: str = env_field(
+        "HOPLINE_TLS_CERT", "", "PEM certificate this process presents (unset: plaintext)"
+    )
+    tls_key: str = env_field("HOPLINE_TLS_KEY", "", "PEM private key of HOPLINE_TLS_CERT")
+    tls_ca: str = env_field(
+        "HOPLINE_TLS_CA", "", "PEM CA that verifies the services called and client certificates"
+    )
+    tls_peers: str = env_field(
+        "HOPLINE_TLS_PEERS",
+        "gateway,operator",
+        "client certificate names (DNS SAN or CN) this service serves ('*': any the CA "
+        "signed; empty: no client certificate asked)",
+    )
     # Tests make one hop the slow one to check that traces and reports blame the right hop.
     test_delay_ms: float = env_field(
         "HOPLINE_TEST_DELAY_MS", 0.0, "TEST ONLY: added to every RPC this service serves"
+    )
+    # Tests make one replica the broken one to check that the gateway ejects it.
+    test_fault: str = env_field(
+        "HOPLINE_TEST_FAULT",
+        "",
+        "TEST ONLY: a status code name (e.g. INTERNAL) every service RPC fails with",
     )

@@ -23,6 +23,8 @@ from hopline.runtime.interceptors import (
     StreamBehaviour,
     WrappingRegistrar,
 )
+from hopline.runtime.service_table import SERVICES
+from hopline.runtime.tls import TlsConfigError, TlsFiles, peer_check, server_credentials
 
 log = logging.getLogger("hopline.runtime.server")
 
@@ -77,6 +79,36 @@ class ReadinessGate(RpcWrapper):
         return gated
 
 
+class FaultInjection(RpcWrapper):
+    """TEST ONLY (HOPLINE_TEST_FAULT): every service RPC fails with one status, so a test can
+    run a broken replica beside a healthy one. Health still answers SERVING: a replica that
+    looks alive and answers errors is the case ejection is for."""
+
+    def __init__(self, code_name: str) -> None:
+        try:
+            self.code = grpc.StatusCode[code_name.strip().upper()]
+        except KeyError:
+            known = ", ".join(c.name for c in grpc.StatusCode if c != grpc.StatusCode.OK)
+            raise ValueError(
+                f"HOPLINE_TEST_FAULT={code_name!r} is no status code ({known})"
+            ) from None
+
+    def wrap(self, method: str, inner: Behaviour) -> Behaviour:
+        async def failing(request: Any, context: Context) -> Any:
+            await context.abort(self.code, "injected fault (HOPLINE_TEST_FAULT)")
+
+        return failing
+
+    def wrap_stream(self, method: str, inner: StreamBehaviour) -> StreamBehaviour:
+        async def failing(request: Any, context: Context) -> AsyncIterator[Any]:
+            replies: tuple[Any, ...] = ()  # an async generator, like what it replaces
+            for reply in replies:
+                yield reply
+            await context.abort(self.code, "injected fault (HOPLINE_TEST_FAULT)")
+
+        return failing
+
+
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -91,33 +123,64 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def role_of(service: object) -> str:
+    """The service table's name for `service` (what `{name}` in a TLS path becomes)."""
+    module = type(service).__module__
+    return next((str(s.name) for s in SERVICES if s.module == module), "service")
+
+
+def _bind(server: grpc.aio.Server, config: ServerConfig, tls: TlsFiles) -> int | None:
+    """Bind the port, over TLS when the config has a certificate; None when it cannot."""
+    try:
+        credentials = server_credentials(tls, config.tls_peers)
+        if credentials is None:
+            return server.add_insecure_port(config.listen)
+        return server.add_secure_port(config.listen, credentials)
+    except (RuntimeError, TlsConfigError) as exc:
+        log.error("cannot bind", extra={"listen": config.listen, "error": str(exc)})
+        return None
+
+
 async def serve(service: Service, config: ServerConfig) -> int:
     """Run `service` until SIGTERM/SIGINT, then drain. Returns the process exit code."""
     gate = ReadinessGate()
+    tls = TlsFiles.of(config, role_of(service))
     server = grpc.aio.server(options=server_options(config.max_message_bytes))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     # Each method's handler is wrapped once here, not per call (see hopline.runtime.interceptors).
-    registrar = WrappingRegistrar(server, [gate, ServerTracing(config.test_delay_ms)])
+    # The peer check comes first: a caller the service does not serve learns nothing more.
+    peers = peer_check(tls, config.tls_peers)
+    wrappers: list[RpcWrapper] = [gate, ServerTracing(config.test_delay_ms)]
+    if config.test_fault:
+        wrappers.append(FaultInjection(config.test_fault))
+    registrar = WrappingRegistrar(server, [peers, *wrappers] if peers else wrappers)
     service.register(cast(grpc.aio.Server, registrar))
-    reflection.enable_server_reflection(
-        [
-            *service.service_names,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ],
-        server,
-    )
+    if config.reflection:
+        reflection.enable_server_reflection(
+            [
+                *service.service_names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            server,
+        )
     for name in ("", *service.service_names):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    try:
-        port = server.add_insecure_port(config.listen)
-    except RuntimeError as exc:
-        log.error("cannot bind", extra={"listen": config.listen, "error": str(exc)})
+    port = _bind(server, config, tls)
+    if port is None:
         return 2
     await server.start()
-    log.info("listening", extra={"listen": config.listen, "port": port})
+    log.info(
+        "listening",
+        extra={
+            "listen": config.listen,
+            "port": port,
+            "tls": bool(tls.cert),
+            "peers": sorted(peers.allowed) if peers else [],
+        },
+    )
     start_metrics_server(config.metrics_host, config.metrics_port)
 
     stop = asyncio.Event()

@@ -1,0 +1,175 @@
+"""`make soak`: a long open-loop run against a fresh mesh, reported minute by minute.
+
+    python -m hopline.bench.soak [--duration 1800] [--rps R] [--json out.json]
+
+Starts the five services on free ports (the same launcher as `make run`), measures what the
+mesh can take (a short closed loop: `--probe-s` seconds at `--probe-concurrency` callers)
+and then sends Poisson arrivals at 70% of that (or `--rps`) for `--duration` seconds. Every
+minute (`--interval`) it prints and records: requests, errors by status, p50 and p99, and the
+resident memory of each service's process. At the end: the totals, the worst minute's p99,
+and RSS growth per service from the end of the first minute (warm-up) to the end, against
+the targets (0 errors; growth under 10%). Exit code 1 when a target is missed.
+
+Not in `make test` (30 minutes); `make soak SOAK_DURATION=180` runs a short one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hopline.bench.load import closed_loop, open_loop, percentiles_ms
+from hopline.bench.mixes import make_mix
+from hopline.bench.targets import PredictTarget
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.runtime.launcher import Mesh
+from hopline.runtime.tls import operator_tls
+
+LOAD_SHARE = 0.7  # of the measured capacity
+RSS_GROWTH_TARGET = 0.10
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process in MB (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hopline.bench.soak", description=__doc__)
+    p.add_argument("--duration", type=float, default=1800.0, help="seconds of load")
+    p.add_argument("--interval", type=float, default=60.0, help="seconds per reported row")
+    p.add_argument("--rps", type=float, help=f"arrival rate (default: {LOAD_SHARE:.0%} of probe)")
+    p.add_argument("--probe-s", type=float, default=15.0, help="capacity probe length")
+    p.add_argument("--probe-concurrency", type=int, default=8)
+    p.add_argument("--mix", default="miss", choices=("miss", "exact", "semantic", "clinc"))
+    p.add_argument("--cache", default="use", choices=("use", "bypass"))
+    p.add_argument("--timeout", type=float, default=10.0, help="per-request deadline, seconds")
+    p.add_argument(
+        "--model-repo", type=Path, default=Path(os.environ.get("HOPLINE_MODEL_REPO", "models"))
+    )
+    p.add_argument("--json", type=Path, help="write every row and the summary here")
+    return p.parse_args(argv)
+
+
+async def soak(mesh: Mesh, args: argparse.Namespace) -> dict[str, Any]:
+    target = PredictTarget(
+        "mesh",
+        mesh.gateway,
+        cache_mode=common_pb2.CACHE_MODE_USE
+        if args.cache == "use"
+        else common_pb2.CACHE_MODE_BYPASS,
+        timeout_s=args.timeout,
+        tls=operator_tls("gateway", mesh.env),
+    )
+    mix = make_mix(args.mix)
+    try:
+        for text in mix.prime:
+            await target.call(target.payload(text))
+        rps = args.rps
+        if rps is None:
+            probe = await closed_loop(
+                target.call,
+                lambda i: target.payload(mix.text(i)),
+                concurrency=args.probe_concurrency,
+                duration_s=args.probe_s,
+                warmup_s=3.0,
+            )
+            capacity = probe.completed / probe.duration_s
+            rps = LOAD_SHARE * capacity
+            sys.stdout.write(f"capacity {capacity:.1f} rps; soaking at {rps:.1f} rps\n")
+        rows: list[dict[str, Any]] = []
+        offset = 1 << 30  # texts after the probe's: a miss mix stays all misses
+        windows = max(1, round(args.duration / args.interval))
+        for minute in range(windows):
+            base = offset
+
+            def payload(i: int, base: int = base) -> bytes:
+                return target.payload(mix.text(base + i))
+
+            run = await open_loop(
+                target.call,
+                payload,
+                rps=rps,
+                duration_s=args.interval,
+                seed=minute,
+            )
+            offset += run.completed + 1
+            rss = {n: round(rss_mb(p.pid), 1) for n, p in mesh.procs.items()}
+            row: dict[str, Any] = {
+                "minute": minute + 1,
+                "requests": run.completed,
+                "errors": run.errors,
+                **{k: round(v, 2) for k, v in percentiles_ms(run.latencies_ns).items()},
+                "rss_mb": rss,
+            }
+            rows.append(row)
+            failed = sum(run.errors.values())
+            sys.stdout.write(
+                f"min {minute + 1:>3}  n {run.completed:>6}  errors {failed:>3}"
+                f"  p50 {row['p50_ms']:7.2f}  p99 {row['p99_ms']:7.2f} ms  RSS MB: "
+                + " ".join(f"{n} {mb:.0f}" for n, mb in rss.items())
+                + "\n"
+            )
+            sys.stdout.flush()
+    finally:
+        await target.close()
+    return summarise(rows, rps)
+
+
+def summarise(rows: list[dict[str, Any]], rps: float) -> dict[str, Any]:
+    errors: dict[str, int] = {}
+    for row in rows:
+        for status, n in row["errors"].items():
+            errors[status] = errors.get(status, 0) + n
+    warm = rows[0]["rss_mb"]
+    last = rows[-1]["rss_mb"]
+    growth = {n: (last[n] - warm[n]) / warm[n] if warm[n] else 0.0 for n in warm}
+    return {
+        "rps": round(rps, 2),
+        "minutes": len(rows),
+        "requests": sum(r["requests"] for r in rows),
+        "errors": errors,
+        "worst_minute_p99_ms": max(r["p99_ms"] for r in rows),
+        "rss_growth_after_first_minute": {n: round(g, 4) for n, g in growth.items()},
+        "met": not errors and all(g < RSS_GROWTH_TARGET for g in growth.values()),
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="hopline-soak-"))
+    mesh = Mesh.on_free_ports(args.model_repo, work, env={"HOPLINE_LOG_LEVEL": "warning"})
+    try:
+        mesh.start(timeout_s=180.0)
+        result = asyncio.run(soak(mesh, args))
+    finally:
+        mesh.stop()
+    growth = ", ".join(f"{n} {g:+.1%}" for n, g in result["rss_growth_after_first_minute"].items())
+    sys.stdout.write(
+        f"\nsoak: {result['requests']} requests at {result['rps']} rps over "
+        f"{result['minutes']} min; errors {result['errors'] or 0}; worst minute p99 "
+        f"{result['worst_minute_p99_ms']} ms; RSS growth after minute 1: {growth}; "
+        f"targets {'met' if result['met'] else 'MISSED'} (logs: {work})\n"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if result["met"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""Admission control: the gateway refuses at once what it cannot serve, instead of queueing.
+
+- **In flight**: past `max_in_flight` requests being worked on, a new one gets
+  RESOURCE_EXHAUSTED at once; queued behind the others it would only time out, and add to
+  the backlog that makes the others time out too. Repeats answered by the local exact tier
+  cost no hop and are never refused.
+- **Deadline**: when the deadline left is shorter than the fastest recent inference path
+  (tokenize, inference, postprocess: the 10th percentile of the last `WINDOW` misses), the
+  request gets DEADLINE_EXCEEDED at once rather than running a model whose answer could not
+  arrive in time.
+- **The cache lookup**: its budget is HOPLINE_CACHE_BUDGET_MS cut to what the deadline
+  leaves after a typical (median) inference path, so a lookup never eats the time a miss
+  needs; a lookup left with less than `MIN_LOOKUP_MS` is skipped (reason `deadline`). When
+  more than half of the last `WINDOW` lookups overran their budget, the cache cannot keep
+  up: only the share of lookups that made it in time go to it (at least one in
+  `MIN_PROBE_EVERY`, so it is still probed and its recovery seen), and the others skip it
+  (reason `overloaded`) instead of each waiting out the budget for nothing.
+
+A skipped lookup is a SKIPPED outcome whose detail says why, with the reason in the
+`hopline.cache.skip_reason` span attribute and `hopline_cache_lookups_skipped_total{reason}`;
+refusals are counted in `hopline_gateway_refused_total{reason}` and named in
+`hopline.admission.refused` on the request's span.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import random
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+from opentelemetry import trace
+
+from hopline.gateway.errors import RequestError
+from hopline.observability import metrics, schema
+from hopline.protos.hopline.common.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from hopline.gateway.call import PredictCall
+
+WINDOW = 64  # recent inference paths and lookups the estimates are taken over
+MIN_SAMPLES = 8  # no estimate (so no refusal, no cut) before this many
+MIN_LOOKUP_MS = 2.0  # a lookup with less time than this cannot answer: skip it
+OVERLOADED_SHARE = 0.5  # share of recent lookups over budget that marks the cache overloaded
+MIN_PROBE_EVERY = 10  # while overloaded, at least one lookup in this many still goes
+INFERENCE_HOPS = ("tokenize", "inference", "postprocess")  # schema.SPAN_* of the miss path
+
+
+class Refusal(enum.StrEnum):
+    IN_FLIGHT = "in_flight"
+    DEADLINE = "deadline"
+
+
+class SkipReason(enum.StrEnum):
+    DEADLINE = "deadline"
+    OVERLOADED = "overloaded"
+
+
+def _quantile(samples: collections.deque[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Admission:
+    """The gateway's admission decisions; one per gateway, on its event loop (no locks)."""
+
+    def __init__(
+        self,
+        max_in_flight: int,
+        cache_budget_ms: float,
+        adaptive_cache: bool = True,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.max_in_flight = max_in_flight  # 0: no limit
+        self.cache_budget_s = cache_budget_ms / 1e3
+        self.adaptive_cache = adaptive_cache
+        self.in_flight = 0
+        self._paths_s: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._overruns: collections.deque[bool] = collections.deque(maxlen=WINDOW)
+        self._rng = rng or random.Random()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def path_estimate_s(self, q: float) -> float | None:
+        """The q-quantile of recent inference paths, or None before there are enough."""
+        return _quantile(self._paths_s, q) if len(self._paths_s) >= MIN_SAMPLES else None
+
+    def _refuse(self, reason: Refusal, code: grpc.StatusCode, message: str) -> RequestError:
+        metrics.GATEWAY_REFUSED.labels(reason.value).inc()
+        trace.get_current_span().set_attribute(schema.ADMISSION_REFUSED, reason.value)
+        return RequestError(code, message)
+
+    @contextlib.contextmanager
+    def admit(self, call: PredictCall, free: bool = False) -> Iterator[None]:
+        """Holds a place in flight while `call` runs; raises RequestError when it cannot.
+
+        `free`: the answer is already here (a local-tier repeat), so nothing is refused.
+        """
+        if free:
+            yield
+            return
+        if self.max_in_flight and self.in_flight >= self.max_in_flight:
+            raise self._refuse(
+                Refusal.IN_FLIGHT,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the gateway is at its limit of {self.max_in_flight} requests in flight "
+                "(HOPLINE_GATEWAY_MAX_IN_FLIGHT): retry after a backoff",
+            )
+        fastest = self.path_estimate_s(0.1)
+        if fastest is not None and call.timeout_s < fastest:
+            raise self._refuse(
+                Refusal.DEADLINE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the deadline leaves {call.timeout_s * 1e3:.0f} ms; a model answer takes at "
+                f"least {fastest * 1e3:.0f} ms now: give the request a longer deadline",
+            )
+        self.in_flight += 1
+        metrics.GATEWAY_IN_FLIGHT.set(self.in_flight)
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            metrics.GATEWAY_IN_FLIGHT.set(self.in_flight)
+        # Only a completed inference path is a sample (a coalesced wait is not one).
+        if all(hop in call.timings for hop in INFERENCE_HOPS) and not call.cache.coalesced:
+            self._paths_s.append(sum(call.timings[h] for h in INFERENCE_HOPS) / 1e3)
+
+    # -- the cache lookup -------------------------------------------------------------------
+
+    def lookup_budget_s(self, call: PredictCall) -> float:
+        """HOPLINE_CACHE_BUDGET_MS, cut to what the deadline leaves after a typical miss."""
+        typical = self.path_estimate_s(0.5) if self.adaptive_cache else None
+        if typical is None:
+            return self.cache_budget_s
+        return max(0.0, min(self.cache_budget_s, call.timeout_s - typical))
+
+    def overloaded(self) -> bool:
+        if len(self._overruns) < MIN_SAMPLES:
+            return False
+        return sum(self._overruns) / len(self._overruns) > OVERLOADED_SHARE
+
+    def skip_lookup(self, call: PredictCall) -> bool:
+        """Whether to skip the cache for `call`; if so, its reply and span say why."""
+        if not self.adaptive_cache:
+            return False
+        budget_ms = self.lookup_budget_s(call) * 1e3
+        if budget_ms < MIN_LOOKUP_MS:
+            return self._skip(
+                call,
+                SkipReason.DEADLINE,
+                f"cache lookup skipped: the deadline leaves {budget_ms:.1f} ms for it "
+                "after a typical model answer",
+            )
+        if self.overloaded():
+            made_it = 1.0 - sum(self._overruns) / len(self._overruns)
+            if self._rng.random() >= max(made_it, 1.0 / MIN_PROBE_EVERY):
+                return self._skip(
+                    call,
+                    SkipReason.OVERLOADED,
+                    f"cache lookup skipped: {1 - made_it:.0%} of recent lookups overran "
+                    f"the {self.cache_budget_s * 1e3:.0f} ms budget (HOPLINE_CACHE_BUDGET_MS)",
+                )
+        return False
+
+    def _skip(self, call: PredictCall, reason: SkipReason, detail: str) -> bool:
+        call.cache.outcome = common_pb2.CACHE_OUTCOME_SKIPPED
+        call.cache.detail = detail
+        metrics.CACHE_LOOKUPS_SKIPPED.labels(reason.value).inc()
+        trace.get_current_span().set_attribute(schema.CACHE_SKIP_REASON, reason.value)
+        return True
+
+    def lookup_finished(self, overran: bool) -> None:
+        """A lookup's result: `overran` when it ran out of its budget."""
+        self._overruns.append(overran)

@@ -1,0 +1,142 @@
+"""A replica that keeps failing is ejected: traffic moves to the other one.
+
+Two inference replicas behind one gateway address (`ipv4:127.0.0.1:A,127.0.0.1:B`); the second
+is started with HOPLINE_TEST_FAULT=INTERNAL (test-only: every service RPC fails, health still
+says SERVING, as a replica with a broken model would). INTERNAL is not retried (only
+UNAVAILABLE is), so without ejection about half of all requests fail for as long as the
+broken replica runs; with gRPC's outlier detection (gateway/resilience.py) the failures stop
+once the replica has been judged, and it gets no more calls.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from conftest import DEFAULT_MODEL
+from harness import SERVING, Mesh, free_port, health
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+REQUESTS = 160
+TAIL = 60  # the last requests, sent well after the broken replica could have been judged
+# Judged every second on at least 2 calls (one gateway channel, so a replica sees half of the
+# requests even on a slow machine); ejected for longer than the test runs.
+EJECTION = {
+    "HOPLINE_UPSTREAM_EJECT_INTERVAL_S": "1",
+    "HOPLINE_UPSTREAM_EJECT_MIN_REQUESTS": "2",
+    "HOPLINE_UPSTREAM_EJECT_BASE_S": "120",
+}
+
+
+def infer_calls(metrics_port: int) -> float:
+    """Infer RPCs a replica has answered, whatever their status."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("hopline_rpc_duration_seconds_count{") and 'method="Infer"' in line
+    )
+
+
+@pytest.fixture
+def broken_replica(tmp_path: Path) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("ejection", [True, False], ids=["ejection", "no_ejection"])
+def test_a_replica_answering_errors_is_ejected_and_traffic_moves_to_the_other(
+    default_repo: Path,
+    tmp_path: Path,
+    broken_replica: dict[str, subprocess.Popen[bytes]],
+    ejection: bool,
+) -> None:
+    repo = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    good, bad, bad_metrics = free_port(), free_port(), free_port()
+    gateway_env = EJECTION if ejection else {"HOPLINE_UPSTREAM_EJECT_FAILURE_PERCENT": "0"}
+    mesh = Mesh(
+        repo,
+        tmp_path,
+        addrs={"inference": f"127.0.0.1:{good}"},
+        service_env={
+            "gateway": {
+                "HOPLINE_INFERENCE_ADDR": f"ipv4:127.0.0.1:{good},127.0.0.1:{bad}",
+                "HOPLINE_CHANNELS_PER_UPSTREAM": "1",
+                **gateway_env,
+            }
+        },
+        HOPLINE_INFERENCE_THREADS="1",  # two replicas share the cores
+    )
+    env = {
+        **mesh.env,
+        "HOPLINE_INFERENCE_ADDR": f"127.0.0.1:{bad}",
+        "HOPLINE_METRICS_PORT": str(bad_metrics),
+        "HOPLINE_TEST_FAULT": "INTERNAL",
+    }
+    with (tmp_path / "inference-broken.log").open("ab") as log:
+        broken_replica["inference"] = proc = subprocess.Popen(
+            [sys.executable, "-m", "hopline", "serve", "inference"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while health(f"127.0.0.1:{bad}") != SERVING:
+            assert proc.poll() is None, (tmp_path / "inference-broken.log").read_text()
+            assert time.monotonic() < deadline, "the broken replica never said SERVING"
+            time.sleep(0.1)
+        mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
+        failed: list[int] = []
+        codes: set[str] = set()
+        bad_calls_before_tail = 0.0
+        with grpc.insecure_channel(mesh.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            for i in range(REQUESTS):
+                if i == REQUESTS - TAIL:
+                    bad_calls_before_tail = infer_calls(bad_metrics)
+                request = gateway_pb2.PredictRequest(
+                    text=f"where is my order {uuid.uuid4()}",
+                    cache_mode=common_pb2.CACHE_MODE_BYPASS,  # every request needs inference
+                )
+                try:
+                    stub.Predict(request, timeout=10)
+                except grpc.RpcError as err:
+                    failed.append(i)
+                    codes.add(f"{err.code().name}: {err.details()}")
+        tail_failures = [i for i in failed if i >= REQUESTS - TAIL]
+        bad_calls_in_tail = infer_calls(bad_metrics) - bad_calls_before_tail
+    finally:
+        mesh.stop()
+
+    print(
+        f"\nejection={ejection}: {len(failed)} of {REQUESTS} failed, "
+        f"{len(tail_failures)} in the last {TAIL}: {codes}"
+    )
+    assert failed, "the broken replica was never called: the test shows nothing"
+    assert codes == {
+        "INTERNAL: inference failed with INTERNAL: injected fault (HOPLINE_TEST_FAULT)"
+    }
+    if ejection:
+        assert tail_failures == [], f"still failing after ejection: {failed}"
+        assert bad_calls_in_tail == 0
+    else:
+        assert len(tail_failures) >= TAIL // 4, "without ejection the broken replica keeps failing"
+        assert bad_calls_in_tail > 0

@@ -1,0 +1,189 @@
+"""The mesh over TLS: mTLS between services, TLS at the front door, and a cache no one but the
+gateway (or an operator) can read or write.
+
+Real processes, real certificates (`make certs`'s code: a local CA from the `openssl`
+command), real gRPC on loopback ports. The cache is attacked directly the way an intruder
+on the network would: plaintext, TLS without a client certificate, a certificate the mesh's
+CA signed for another role, and a certificate for the gateway's name from another CA.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from conftest import DEFAULT_MODEL
+from harness import Mesh
+from hopline.cli.certs import ROLES, env_for, make_certs
+from hopline.gateway.client import predict as cli_predict
+from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.tls import ClientTls, TlsFiles, channel, client_tls
+
+EXACT = common_pb2.CACHE_OUTCOME_EXACT
+MISS = common_pb2.CACHE_OUTCOME_MISS
+ACME_KEY = "acme-tls-test-key-7f1d2c"
+TEXT = "I forgot my password and cannot log in"
+POISON = common_pb2.Prediction(label="poisoned", score=1.0)
+DENIED, UNAVAILABLE = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAVAILABLE
+
+
+class TlsMesh(Mesh):
+    tls: Path  # the mesh's CA and certificates
+    rogue: Path  # another CA, with a certificate that names the gateway
+
+
+@pytest.fixture(scope="module")
+def tmesh(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsMesh]:
+    work = tmp_path_factory.mktemp("tlsmesh")
+    repo = work / "models"
+    repo.mkdir()
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    certs = make_certs(work / "tls", (*ROLES, "intruder"))
+    tls = env_for(certs)
+    keys = work / "api-keys.json"
+    keys.write_text(json.dumps({ACME_KEY: "acme"}), encoding="utf-8")
+    m = TlsMesh(
+        repo,
+        work,
+        HOPLINE_API_KEYS=str(keys),
+        HOPLINE_CACHE_FLUSH_MS="2",
+        HOPLINE_CACHE_BUDGET_MS="2000",  # a slow CI machine must not turn hits into fail-opens
+        HOPLINE_TLS_CA=tls["HOPLINE_TLS_CA"],
+        HOPLINE_TLS_CERT=tls["HOPLINE_TLS_CERT"],  # `{name}`: each process its own
+        HOPLINE_TLS_KEY=tls["HOPLINE_TLS_KEY"],
+    )
+    m.tls, m.rogue = certs, make_certs(work / "rogue", ("gateway",))
+    try:
+        yield m.start()  # the launcher's probes already dial every service over mTLS
+    finally:
+        m.stop()
+
+
+def as_role(folder: Path, role: str | None, server: str) -> ClientTls:
+    """Dial `server` trusting `folder`'s CA, presenting `role`'s certificate (None: none)."""
+    cert = str(folder / f"{role}.crt") if role else ""
+    key = str(folder / f"{role}.key") if role else ""
+    tls = client_tls(TlsFiles(cert, key, str(folder / "ca.crt")), server)
+    assert tls is not None
+    return tls
+
+
+def predict(
+    mesh: TlsMesh, tls: ClientTls | None, key: str = ACME_KEY
+) -> gateway_pb2.PredictResponse:
+    with channel(mesh.gateway, tls) as chan:
+        reply: gateway_pb2.PredictResponse = gateway_pb2_grpc.GatewayServiceStub(chan).Predict(
+            gateway_pb2.PredictRequest(text=TEXT),
+            metadata=(("authorization", f"Bearer {key}"),),
+            timeout=30,
+        )
+        return reply
+
+
+def acme_scope() -> common_pb2.Scope:
+    """The scope the gateway files acme's answers under (gateway/call.py:PredictCall.new)."""
+    return common_pb2.Scope(
+        tenant="acme", model=DEFAULT_MODEL, model_version="1", parameters={"top_k": "1"}
+    )
+
+
+def lookup(mesh: TlsMesh, tls: ClientTls | None) -> cache_pb2.LookupResponse:
+    with channel(mesh.addrs["cache"], tls) as chan:
+        reply: cache_pb2.LookupResponse = cache_pb2_grpc.CacheServiceStub(chan).Lookup(
+            cache_pb2.LookupRequest(scope=acme_scope(), text=TEXT, mode="exact"), timeout=10
+        )
+        return reply
+
+
+def store(mesh: TlsMesh, tls: ClientTls | None) -> None:
+    with channel(mesh.addrs["cache"], tls) as chan:
+        cache_pb2_grpc.CacheServiceStub(chan).Store(
+            cache_pb2.StoreRequest(scope=acme_scope(), text=TEXT, prediction=POISON, mode="exact"),
+            timeout=10,
+        )
+
+
+def watch(mesh: TlsMesh, tls: ClientTls | None) -> None:
+    with channel(mesh.addrs["cache"], tls) as chan:
+        stream = cache_pb2_grpc.CacheServiceStub(chan).WatchInvalidations(
+            cache_pb2.WatchInvalidationsRequest(), timeout=10
+        )
+        next(iter(stream))
+
+
+def refused(call: object, *args: object) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as caught:
+        call(*args)  # type: ignore[operator]
+    code: grpc.StatusCode = caught.value.code()
+    return code
+
+
+def test_a_predict_goes_through_the_tls_gateway_with_tenants_from_api_keys(
+    tmesh: TlsMesh,
+) -> None:
+    # A client with only the CA (no certificate of its own) gets answers at the front door.
+    front_door = as_role(tmesh.tls, None, "gateway")
+    first = predict(tmesh, front_door)
+    assert first.prediction.label == "password_reset"
+    assert first.tenant == "acme"
+    assert first.cache.outcome == MISS
+    assert "tokenize" in {t.hop for t in first.timings}  # the hops ran, over mTLS
+    # Tenants still come from API keys: TLS identifies no tenant.
+    assert refused(predict, tmesh, front_door, "not-a-key") == grpc.StatusCode.UNAUTHENTICATED
+    # Plaintext to a TLS port fails the handshake.
+    assert refused(predict, tmesh, None) == UNAVAILABLE
+    # The client checks the server is the gateway: another CA's "gateway" is not trusted.
+    assert refused(predict, tmesh, as_role(tmesh.rogue, None, "gateway")) == UNAVAILABLE
+
+
+def test_no_one_but_the_gateway_or_an_operator_can_read_or_write_the_cache(
+    tmesh: TlsMesh,
+) -> None:
+    genuine = predict(tmesh, as_role(tmesh.tls, None, "gateway")).prediction
+    operator = as_role(tmesh.tls, "operator", "cache")
+    deadline = time.monotonic() + 20
+    while lookup(tmesh, operator).outcome != EXACT:  # the gateway's store lands off-path
+        assert time.monotonic() < deadline, "acme's answer was never stored"
+        time.sleep(0.05)
+
+    attackers = {
+        "plaintext": (None, UNAVAILABLE),
+        "TLS without a client certificate": (as_role(tmesh.tls, None, "cache"), UNAVAILABLE),
+        "another CA's gateway certificate": (as_role(tmesh.rogue, "gateway", "cache"), UNAVAILABLE),
+        "the CA's certificate for another role": (as_role(tmesh.tls, "intruder", "cache"), DENIED),
+        "the tokenizer's own certificate": (as_role(tmesh.tls, "tokenizer", "cache"), DENIED),
+    }
+    for name, (tls, expected) in attackers.items():
+        assert refused(lookup, tmesh, tls) == expected, f"Lookup with {name}"
+        assert refused(store, tmesh, tls) == expected, f"Store with {name}"
+        assert refused(watch, tmesh, tls) == expected, f"WatchInvalidations with {name}"
+
+    # Nothing was written: the entry is the gateway's, and acme still gets the real answer.
+    assert lookup(tmesh, operator).prediction.label == genuine.label
+    again = predict(tmesh, as_role(tmesh.tls, None, "gateway"))
+    assert again.cache.outcome == EXACT
+    assert again.prediction.label == genuine.label != POISON.label
+
+
+def test_hopline_predict_dials_tls_from_the_environment(
+    tmesh: TlsMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hopline predict` (gateway/client.py) with HOPLINE_TLS_* set: the handshake works (the
+    gateway answers, UNAUTHENTICATED since the client sends no API key); unset, plaintext
+    cannot reach it."""
+
+    def ask() -> None:
+        cli_predict(TEXT, gateway=tmesh.gateway)
+
+    assert refused(ask) == UNAVAILABLE
+    for key, value in env_for(tmesh.tls).items():
+        monkeypatch.setenv(key, value)
+    assert refused(ask) == grpc.StatusCode.UNAUTHENTICATED

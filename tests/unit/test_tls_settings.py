@@ -1,0 +1,63 @@
+"""HOPLINE_TLS_* read into credentials (runtime/tls.py): which settings mean plaintext, which
+combinations are refused with a message that says what to set, and `{name}` per role. The
+handshakes themselves are proven with real certificates in tests/mesh/test_tls_mesh.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from hopline.runtime.tls import (
+    ANY_PEER,
+    TlsConfigError,
+    TlsFiles,
+    client_tls,
+    parse_peers,
+    server_credentials,
+)
+
+
+def test_no_certificate_and_no_ca_is_plaintext() -> None:
+    plain = TlsFiles()
+    assert not plain.enabled
+    assert server_credentials(plain, "gateway,operator") is None
+    assert client_tls(plain, "cache") is None
+
+
+def test_name_in_a_path_becomes_the_role() -> None:
+    files = TlsFiles("tls/{name}.crt", "tls/{name}.key", "tls/ca.crt").for_role("cache")
+    assert files == TlsFiles("tls/cache.crt", "tls/cache.key", "tls/ca.crt")
+    environ = {"HOPLINE_TLS_CERT": "t/{name}.crt", "HOPLINE_TLS_KEY": "t/{name}.key"}
+    assert TlsFiles.from_env(environ=environ).cert == "t/operator.crt"
+
+
+@pytest.mark.parametrize(
+    ("files", "peers", "says"),
+    [
+        (TlsFiles(cert="a.crt"), "", "HOPLINE_TLS_KEY"),
+        (TlsFiles(key="a.key"), "", "HOPLINE_TLS_CERT"),
+        (TlsFiles("a.crt", "a.key"), "gateway", "HOPLINE_TLS_CA"),
+    ],
+)
+def test_a_server_with_settings_that_cannot_work_is_refused(
+    files: TlsFiles, peers: str, says: str
+) -> None:
+    with pytest.raises(TlsConfigError, match=says):
+        server_credentials(files, peers)
+
+
+def test_a_client_needs_the_ca_and_both_halves_of_its_certificate() -> None:
+    with pytest.raises(TlsConfigError, match="HOPLINE_TLS_CA"):
+        client_tls(TlsFiles("a.crt", "a.key"), "cache")
+    with pytest.raises(TlsConfigError, match="go together"):
+        client_tls(TlsFiles(cert="a.crt", ca="ca.crt"), "cache")
+
+
+def test_an_unreadable_file_is_named() -> None:
+    with pytest.raises(TlsConfigError, match=r"/nonexistent/ca\.crt"):
+        client_tls(TlsFiles(ca="/nonexistent/ca.crt"), "cache")
+
+
+def test_peers_are_a_comma_list() -> None:
+    assert parse_peers(" gateway, operator ,,") == {"gateway", "operator"}
+    assert parse_peers("") == frozenset()
+    assert ANY_PEER in parse_peers("*")
