@@ -92,6 +92,12 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     cal.add_argument("--seed", type=int, default=0, help="the seed of the folds")
     cal.add_argument(
+        "--check-pairs",
+        type=Path,
+        help="pairs the calibration never sees (another half of the data): the false-hit "
+        "rate the chosen threshold gets on them is printed and written to --json",
+    )
+    cal.add_argument(
         "--png", type=Path, help="write the plot here (also when no threshold is accepted)"
     )
     cal.add_argument(
@@ -135,6 +141,16 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="afterwards, resend this many stored misses to time exact hits (not counted in "
         "the hit rate)",
     )
+    ev.add_argument(
+        "--verified-model",
+        default="",
+        help="also run the verified mode in the same run: this model (the same weights as "
+        "--model, its cache policy with a verify_target) gets the same warm-up and queries "
+        "under its own tenant",
+    )
+    ev.add_argument(
+        "--seed", type=int, default=0, help="the shuffle of the warm-up and the queries"
+    )
     ev.add_argument("--out", type=Path, help="directory for cache-eval.json and cache-eval.md")
     ev.set_defaults(cache_handler=_eval)
 
@@ -162,6 +178,14 @@ def _eval(args: argparse.Namespace) -> int:
         sys.stderr.write(
             f"note: {args.model}'s cache mode is {policy.mode!r}: only the exact tier answers\n"
         )
+    verified = None
+    if args.verified_model:
+        verified = ModelRepository(args.model_repo).resolve(args.verified_model, "").cache
+        if verified.verify_target <= 0:
+            raise ValueError(
+                f"{args.verified_model}'s cache policy has no verify_target: set one in its "
+                "config.json (docs/cache.md, Verified hits)"
+            )
     report = run(
         args.clinc,
         gateway=gateway_address(args.gateway),
@@ -172,6 +196,9 @@ def _eval(args: argparse.Namespace) -> int:
         max_intents=args.max_intents,
         concurrency=args.concurrency,
         exact_repeats=args.exact_repeats,
+        verified_model=args.verified_model,
+        verified_policy=verified,
+        seed=args.seed,
         out_dir=args.out,
     )
     sys.stdout.write(markdown(report))
@@ -316,6 +343,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     report = calibrate_checked(
         sims, [p.same for p in pairs], target, min_hits, args.confidence, args.folds, args.seed
     )
+    check = _check(args, report.candidate.threshold) if report.candidate is not None else None
     # The files first: a refusal still leaves the curve and the reason on disk.
     written: list[str] = []
     if args.png:
@@ -323,6 +351,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         written.append(f"plot  {args.png}")
     if args.json:
         doc = to_json(report)
+        if check is not None:
+            doc["check"] = check
         args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
         written.append(f"json  {args.json}")
     for warning in report.warnings:
@@ -332,6 +362,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         lines = [f"error: {report.reason}"]
         if cv is not None:
             lines.append(_held_out_row(cv))
+        if check is not None:
+            lines.append(_check_row(check))
         sys.stderr.write("\n".join(lines + written) + "\n")
         return 3
     result = report.candidate
@@ -349,6 +381,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             else ""
         ),
         _held_out_row(cv),
+        *([_check_row(check)] if check is not None else []),
         f"precision              {result.precision:.4f}",
         f"recall                 {result.recall:.4f}",
         f"hit rate               {result.hit_rate:.4f}",
@@ -386,6 +419,41 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     sys.stdout.write("\n".join(rows + written) + "\n")
     return 0
+
+
+def _check(args: argparse.Namespace, threshold: float) -> dict[str, Any] | None:
+    """The threshold measured on --check-pairs, embedded as the calibration pairs were."""
+    import numpy as np
+
+    from hopline.cache.pairs import pair_similarities, read_pairs
+
+    if args.check_pairs is None:
+        return None
+    pairs = read_pairs(args.check_pairs)
+    if args.reembed or any(p.similarity is None for p in pairs):
+        sims = pair_similarities(_embedder(args.work_dir).embed_many, pairs)
+    else:
+        sims = np.array([p.similarity for p in pairs], dtype=np.float64)
+    hit = sims >= threshold
+    wrong = hit & ~np.array([p.same for p in pairs], dtype=bool)
+    hits = int(hit.sum())
+    return {
+        "pairs_file": str(args.check_pairs),
+        "threshold": threshold,
+        "pairs": len(pairs),
+        "hits": hits,
+        "false_hits": int(wrong.sum()),
+        "false_hit_rate": round(int(wrong.sum()) / hits, 4) if hits else 0.0,
+        "hit_rate": round(hits / len(pairs), 4),
+    }
+
+
+def _check_row(check: dict[str, Any]) -> str:
+    return (
+        f"check pairs false-hit  {check['false_hit_rate']:.4f}  ({check['false_hits']} of "
+        f"{check['hits']} hits wrong on {check['pairs']} pairs never used to calibrate, hit "
+        f"rate {check['hit_rate']:.4f})"
+    )
 
 
 def _held_out_row(cv: CrossValidation) -> str:

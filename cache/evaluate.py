@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 
 from hopline.cache.keys import exact_key, scope_tuple
@@ -27,6 +27,7 @@ from hopline.model.repository import CachePolicy
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.tls import aio_channel, operator_tls
 
 Examples = list[tuple[str, str]]
 OUTCOMES = {
@@ -114,7 +115,7 @@ class Evaluation:
 
     async def warm(self, texts: Sequence[str], concurrency: int) -> dict[str, int]:
         outcomes: dict[str, int] = {}
-        async with grpc.aio.insecure_channel(self.gateway) as channel:
+        async with aio_channel(self.gateway, operator_tls("gateway")) as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             queue = list(texts)
 
@@ -133,8 +134,8 @@ class Evaluation:
         """Until every store the warm-up caused is written: hits must not depend on timing."""
         deadline = time.monotonic() + timeout_s
         async with (
-            grpc.aio.insecure_channel(self.gateway) as gw,
-            grpc.aio.insecure_channel(self.cache) as cc,
+            aio_channel(self.gateway, operator_tls("gateway")) as gw,
+            aio_channel(self.cache, operator_tls("cache")) as cc,
         ):
             gstub, cstub = (
                 gateway_pb2_grpc.GatewayServiceStub(gw),
@@ -148,8 +149,12 @@ class Evaluation:
                 await asyncio.sleep(0.1)
         raise TimeoutError(f"cache writes still pending after {timeout_s:.0f}s")
 
-    async def query(self, queries: list[Query], store_keys: set[str]) -> None:
-        async with grpc.aio.insecure_channel(self.gateway) as channel:
+    async def query(
+        self, queries: list[Query], store_keys: set[str], *, bypass: bool = True
+    ) -> None:
+        """Each query with the cache, then (with `bypass`) without it for the model's own
+        answer; without `bypass` the queries carry the model's answer already."""
+        async with aio_channel(self.gateway, operator_tls("gateway")) as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             for q in queries:
                 reply, q.total_ms = await self._predict(stub, q.text, common_pb2.CACHE_MODE_USE)
@@ -158,6 +163,8 @@ class Evaluation:
                 q.similarity = reply.cache.similarity
                 q.from_store_split = reply.cache.entry_id in store_keys
                 q.lookup_ms = _timing(reply, "cache_lookup")
+                if not bypass:
+                    continue
                 own, q.model_total_ms = await self._predict(
                     stub, q.text, common_pb2.CACHE_MODE_BYPASS
                 )
@@ -165,11 +172,19 @@ class Evaluation:
                 q.model_score = own.prediction.score
                 q.inference_ms = _timing(own, "inference")
 
+    async def cache_stats(self) -> cache_pb2.GetStatsResponse:
+        async with aio_channel(self.cache, operator_tls("cache")) as channel:
+            stub = cache_pb2_grpc.CacheServiceStub(channel)
+            reply: cache_pb2.GetStatsResponse = await stub.GetStats(
+                cache_pb2.GetStatsRequest(), timeout=10
+            )
+            return reply
+
     async def repeat(self, texts: Sequence[str]) -> list[tuple[str, float, float]]:
         """Send texts again once their stores have landed: (outcome, lookup ms, total ms)."""
         await self.settle()
         out: list[tuple[str, float, float]] = []
-        async with grpc.aio.insecure_channel(self.gateway) as channel:
+        async with aio_channel(self.gateway, operator_tls("gateway")) as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             for text in texts:
                 reply, total = await self._predict(stub, text, common_pb2.CACHE_MODE_USE)
@@ -286,7 +301,117 @@ def markdown(report: dict[str, Any]) -> str:
     for name, p in rows:
         if p["n"]:
             lines.append(f"| {name} | {p['n']} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} |")
+    if "verified" in report:
+        lines += ["", *_modes_table(report, report["verified"])]
     return "\n".join(lines) + "\n"
+
+
+def _modes_table(static: dict[str, Any], verified: dict[str, Any]) -> list[str]:
+    """Static threshold against verified hits, on the same texts in the same order."""
+    v = verified["verification"]
+    rule = v["rule"] or {}
+
+    def row(name: str, r: dict[str, Any], cost: str) -> str:
+        lat = r["latency"]["cache_lookup_hop"]
+        hop = " / ".join(
+            f"{lat[k]['p50_ms']:.1f}/{lat[k]['p99_ms']:.1f}" if lat[k]["n"] else "-"
+            for k in ("semantic", "miss")
+        )
+        return (
+            f"| {name} | {r['hit_rate']:.2%} | {r['cache_induced_error_rate']:.2%} "
+            f"({r['cache_induced_errors']} of {r['hits']}) | {r['oos_false_hit_rate']:.2%} "
+            f"| {cost} | {hop} |"
+        )
+
+    q, w = v["queries"], v["warm_up"]
+    return [
+        f"## Static threshold against verified hits (target {v['target']:g} of hits, "
+        f"{v['confidence']:.0%} confidence)",
+        "",
+        "| mode | hit rate | cache-induced error | oos from cache | extra inferences "
+        "(verification) | cache hop p50/p99 ms, semantic / miss |",
+        "|---|---|---|---|---|---|",
+        row(f"static {static['threshold']}", static, "0"),
+        row(
+            f"verified ({verified['model']})",
+            verified,
+            f"{q['verified_after_reply']} ({q['verified_after_reply'] / verified['queries']:.1%}"
+            " of queries)",
+        ),
+        "",
+        f"Verification: {q['candidates']} candidates decided during the queries, "
+        f"{q['verified']} compared with the model ({q['disagreements']} disagreed), "
+        f"{q['verified_after_reply']} of them served hits checked after the reply; during the "
+        f"warm-up {w['candidates']} candidates, {w['verified']} compared "
+        f"({w['disagreements']} disagreed), {w['verified_after_reply']} after the reply. "
+        f"Rule at the end: threshold {rule.get('threshold', '-')} "
+        f"({'learned' if rule.get('learned') else 'static prior'}), "
+        f"{rule.get('held_back', 0)} answers held back, "
+        f"{rule.get('observations', 0)} observations in the window.",
+    ]
+
+
+def _verification(
+    before: cache_pb2.GetStatsResponse,
+    warmed: cache_pb2.GetStatsResponse,
+    after: cache_pb2.GetStatsResponse,
+    tenant: str,
+    policy: CachePolicy,
+) -> dict[str, Any]:
+    """What verification did and cost, warm-up and queries apart (the cache's counters; only
+    the verified pass's model has a verify_target, so the deltas are that pass's)."""
+
+    def delta(a: cache_pb2.GetStatsResponse, b: cache_pb2.GetStatsResponse) -> dict[str, int]:
+        return {
+            "candidates": b.verify_candidates - a.verify_candidates,
+            "verified": b.verified - a.verified,
+            "disagreements": b.disagreements - a.disagreements,
+            "verified_after_reply": b.verified_after_reply - a.verified_after_reply,
+        }
+
+    rule = next((r for r in after.verify_rules if r.scope.tenant == tenant), None)
+    return {
+        "target": policy.verify_target,
+        "confidence": policy.verify_confidence,
+        "warm_up": delta(before, warmed),
+        "queries": delta(warmed, after),
+        "rule": None
+        if rule is None
+        else {
+            "threshold": round(rule.threshold, 4),
+            "learned": rule.learned,
+            "observations": rule.observations,
+            "disagreements": rule.disagreements,
+            "held_back": rule.held_back,
+        },
+    }
+
+
+def _pass(
+    ev: Evaluation,
+    store: list[str],
+    queries: list[Query],
+    concurrency: int,
+    *,
+    bypass: bool,
+) -> tuple[dict[str, int], float, float, set[str]]:
+    """Warm with `store`, then send `queries`: (warm outcomes, warm s, query s, warm keys)."""
+    started = time.perf_counter()
+    warm = asyncio.run(ev.warm(store, concurrency))
+    warm_s = time.perf_counter() - started
+    store_keys = _keys(ev, store)
+    asyncio.run(ev.query(queries, store_keys, bypass=bypass))
+    return warm, warm_s, time.perf_counter() - started - warm_s, store_keys
+
+
+def _keys(ev: Evaluation, store: list[str]) -> set[str]:
+    """Entry ids are exact keys over the gateway's scope: which hits the warm-up wrote."""
+    scope = scope_tuple(
+        common_pb2.Scope(
+            tenant=ev.tenant, model=ev.model, model_version=ev.version, parameters={"top_k": "1"}
+        )
+    )
+    return {exact_key(scope, t) for t in store}
 
 
 def run(
@@ -297,28 +422,29 @@ def run(
     model: str,
     policy: CachePolicy,
     model_version: str = "",
+    verified_model: str = "",
+    verified_policy: CachePolicy | None = None,
     max_intents: int = 0,
     concurrency: int = 2,
     exact_repeats: int = 500,
+    seed: int = 0,
     out_dir: Path | None = None,
 ) -> dict[str, Any]:
+    """The static pass (`model`), then, with `verified_model` (the same model with a
+    verify_target), the verified pass on the same texts in the same order."""
     splits = load_clinc(clinc, max_intents)
-    tenant = f"eval-{int(time.time() * 1000)}"
-    ev = Evaluation(gateway, cache, model, model_version, tenant)
+    # Shuffled (seeded): the splits are grouped by intent, which would flatter a rule that
+    # learns online (each intent's evidence would arrive in one burst).
+    rng = random.Random(seed)
     store = [t for t, _ in splits["train"]]
-    started = time.perf_counter()
-    warm = asyncio.run(ev.warm(store, concurrency))
-    warm_s = time.perf_counter() - started
-    # Entry ids are exact keys over the gateway's scope: which hits the warm-up wrote.
-    scope = scope_tuple(
-        common_pb2.Scope(
-            tenant=tenant, model=model, model_version=ev.version, parameters={"top_k": "1"}
-        )
-    )
-    store_keys = {exact_key(scope, t) for t in store}
-    queries = [Query(t, lab, False) for t, lab in splits["test"]]
-    queries += [Query(t, lab, True) for t, lab in splits["oos_test"]]
-    asyncio.run(ev.query(queries, store_keys))
+    rng.shuffle(store)
+    rows = [(t, lab, False) for t, lab in splits["test"]]
+    rows += [(t, lab, True) for t, lab in splits["oos_test"]]
+    rng.shuffle(rows)
+    stamp = int(time.time() * 1000)
+    ev = Evaluation(gateway, cache, model, model_version, f"eval-{stamp}")
+    queries = [Query(*row) for row in rows]
+    warm, warm_s, query_s, _ = _pass(ev, store, queries, concurrency, bypass=True)
     # The queries hardly repeat each other, so exact hits are measured apart: resend texts
     # whose misses were stored. They are not counted in the hit rate.
     stored_misses = [
@@ -329,24 +455,79 @@ def run(
         and (policy.store_out_of_scope or q.model_label != "out_of_scope")
     ]
     repeats = asyncio.run(ev.repeat(stored_misses[:exact_repeats])) if exact_repeats else []
+    meta = {
+        "model": model,
+        "model_version": ev.version,
+        "threshold": policy.threshold,
+        "min_score": policy.min_score,
+        "seed": seed,
+        "warmed": len(store),
+        "max_intents": max_intents,
+    }
     report = summarise(
         queries,
         {
-            "model": model,
-            "model_version": ev.version,
-            "threshold": policy.threshold,
-            "min_score": policy.min_score,
-            "tenant": tenant,
-            "warmed": len(store),
+            **meta,
+            "mode": "static",
+            "tenant": ev.tenant,
             "warm_outcomes": warm,
             "warm_seconds": round(warm_s, 1),
-            "query_seconds": round(time.perf_counter() - started - warm_s, 1),
-            "max_intents": max_intents,
+            "query_seconds": round(query_s, 1),
             "repeats": repeats,
         },
     )
+    if verified_model:
+        assert verified_policy is not None
+        report["verified"] = _verified_pass(
+            gateway, cache, verified_model, verified_policy, store, queries, concurrency, meta
+        )
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "cache-eval.json").write_text(json.dumps(report, indent=1) + "\n")
         (out_dir / "cache-eval.md").write_text(markdown(report))
+    return report
+
+
+def _verified_pass(
+    gateway: str,
+    cache: str,
+    model: str,
+    policy: CachePolicy,
+    store: list[str],
+    static: list[Query],
+    concurrency: int,
+    meta: dict[str, Any],
+) -> dict[str, Any]:
+    """The same warm-up and queries through the verified model, one request per query: the
+    model's own answer is the static pass's (the same weights answer the same text alike)."""
+    tenant = f"eval-{int(time.time() * 1000)}-verified"
+    ev = Evaluation(gateway, cache, model, "", tenant)
+    queries = [
+        Query(q.text, q.label, q.oos, model_label=q.model_label, model_score=q.model_score)
+        for q in static
+    ]
+    for q, s in zip(queries, static, strict=True):
+        q.model_total_ms, q.inference_ms = s.model_total_ms, s.inference_ms
+    before = asyncio.run(ev.cache_stats())
+    started = time.perf_counter()
+    warm = asyncio.run(ev.warm(store, concurrency))
+    warm_s = time.perf_counter() - started
+    warmed = asyncio.run(ev.cache_stats())
+    asyncio.run(ev.query(queries, _keys(ev, store), bypass=False))
+    query_s = time.perf_counter() - started - warm_s
+    asyncio.run(ev.settle())  # the last reports land before the counters are read
+    after = asyncio.run(ev.cache_stats())
+    report = summarise(
+        queries,
+        {
+            **meta,
+            "mode": "verified",
+            "model": model,
+            "tenant": tenant,
+            "warm_outcomes": warm,
+            "warm_seconds": round(warm_s, 1),
+            "query_seconds": round(query_s, 1),
+        },
+    )
+    report["verification"] = _verification(before, warmed, after, tenant, policy)
     return report

@@ -32,7 +32,17 @@ from opentelemetry.trace import Link, SpanContext
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
-from hopline.cache.store import CacheStore, CacheStoreError, Entry, MilvusStore, ScopeFilter
+from hopline.cache.shared_invalidations import SharedInvalidations, follow
+from hopline.cache.store import (
+    CacheStore,
+    CacheStoreError,
+    Entry,
+    MilvusStore,
+    ScopeFilter,
+    is_local,
+)
+from hopline.cache.verifier import Verifier, policy_of
+from hopline.cache.verify import VerifyPolicy
 from hopline.model.tokenizer import unseen
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import tracer
@@ -40,6 +50,7 @@ from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.runtime.batching import QueueFullError
 from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
+from hopline.runtime.errors import clip
 
 log = logging.getLogger("hopline.cache")
 
@@ -113,6 +124,27 @@ class CacheConfig(ServerConfig):
     embed_threads: int = env_field(
         "HOPLINE_CACHE_EMBED_THREADS", 0, "ONNX Runtime threads for the embedder (0: all cores)"
     )
+    verify_state: str = env_field(
+        "HOPLINE_CACHE_VERIFY_STATE",
+        "",
+        "SQLite file of verified-hit evidence (default: beside a milvus-lite file, else "
+        "cache-verify.sqlite in HOPLINE_CACHE_DIR)",
+    )
+
+    def verify_state_path(self) -> Path:
+        if self.verify_state:
+            return Path(self.verify_state)
+        if is_local(self.uri):
+            return Path(self.uri).with_suffix(".verify.sqlite")
+        return Path(self.work_dir) / "cache-verify.sqlite"
+
+    peer_poll_ms: float = env_field(
+        "HOPLINE_CACHE_PEER_POLL_MS",
+        100.0,
+        "with a Milvus server, how often this replica applies the other replicas' "
+        "invalidations (cache/shared_invalidations.py: the bound on how stale they can be); "
+        "while on, every exact-index miss reads Milvus (another replica's stores); 0: off",
+    )
 
 
 def _weights_dir() -> Path:
@@ -136,7 +168,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             ExactIndex(config.exact_index_max_entries) if config.exact_index else None
         )
         self.store: CacheStore | None = None
+        self.peers: SharedInvalidations | None = None  # other replicas on one Milvus server
         self.embedder: Embedder | None = None
+        self.verifier = Verifier(config.verify_state_path())
         self.counters = dict.fromkeys(
             (
                 "lookups",
@@ -199,12 +233,22 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             "cache store open",
             extra={"uri": self.config.uri, "collection": model.collection, "entries": entries},
         )
+        if not is_local(self.config.uri) and self.config.peer_poll_ms > 0:
+            # Before the rebuild: its first read reaches back past it (SKEW_S).
+            self.peers = await self._io_call(
+                SharedInvalidations, self.config.uri, model.collection, self.config.milvus_timeout_s
+            )
         if self.index is not None:
             await self._rebuild_index(self.index, self.store)
+        await self.verifier.start()
         self._tasks = [
             asyncio.create_task(self._sweep(), name="sweep"),
             asyncio.create_task(self._writer(), name="writer"),
         ]
+        if self.peers is not None:
+            poll_s = self.config.peer_poll_ms / 1e3
+            follower = follow(self.peers, self._io_call, self._apply_peer, poll_s)
+            self._tasks.append(asyncio.create_task(follower, name="peers"))
 
     async def _rebuild_index(self, index: ExactIndex, store: CacheStore) -> None:
         """Every live entry's scalar fields, read in pages, before the service is SERVING."""
@@ -236,11 +280,14 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.verifier.stop()
         if self.embedder is not None:
             await self.embedder.close()
         if self.store is not None:
             store, self.store = self.store, None
             await asyncio.get_running_loop().run_in_executor(self._io, store.close)
+        if self.peers is not None:
+            await asyncio.get_running_loop().run_in_executor(self._io, self.peers.close)
         self._io.shutdown(wait=True)
 
     async def _io_call(self, fn: Any, *args: Any) -> Any:
@@ -326,7 +373,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 self.counters["evictions"] += await self._io_call(store.delete, doomed)
                 if self.index is not None:
                     self.index.remove(doomed)
-                self._publish(cache_pb2.WatchInvalidationsResponse(entry_ids=doomed))
+                evicted = cache_pb2.WatchInvalidationsResponse(entry_ids=doomed)
+                self._publish(evicted)
+                await self._share(evicted)
             except CacheStoreError as exc:
                 log.warning("eviction failed", extra={"error": str(exc)})
 
@@ -354,7 +403,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 f"a semantic lookup needs 0 < threshold <= 1, got {request.threshold}",
             )
         try:
-            response = await self._lookup(scope, request.text, semantic, request.threshold)
+            verify = policy_of(request) if semantic else None
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            response = await self._lookup(scope, request.text, semantic, request.threshold, verify)
         except CacheStoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except QueueFullError as exc:
@@ -364,7 +417,12 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         return response
 
     async def _lookup(
-        self, scope: tuple[str, str, str, str], text: str, semantic: bool, threshold: float
+        self,
+        scope: tuple[str, str, str, str],
+        text: str,
+        semantic: bool,
+        threshold: float,
+        verify: VerifyPolicy | None = None,
     ) -> cache_pb2.LookupResponse:
         store = self._require_store()
         now = time.time()
@@ -410,7 +468,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             # The query's unseen parts only matter against a candidate: no search result, no
             # tokenizer run.
             query_unseen = self._unseen(normalised) if found else ()
-            hit = self._accept(found, scope, now, threshold, query_unseen)
+            if verify is None:
+                hit = self._accept(found, scope, now, threshold, query_unseen)
+            else:
+                eligible = self._eligible(found, scope, now, query_unseen)
+                hit, response.verify_id = self.verifier.serve(scope, eligible, verify)
             if hit is not None:
                 self.counters["semantic_hits"] += 1
                 metrics.CACHE_LOOKUPS.labels("semantic").inc()
@@ -420,9 +482,31 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         response.outcome = common_pb2.CACHE_OUTCOME_MISS
         return response
 
+    def _eligible(
+        self,
+        found: list[tuple[Entry, float]],
+        scope: tuple[str, str, str, str],
+        now: float,
+        query_unseen: tuple[str, ...],
+    ) -> list[tuple[Entry, float, str]]:
+        """The candidates `_accept` would consider (same scope, live, equal unseen parts),
+        nearest first, with their answers: a verified-hit rule weighs them all."""
+        out = []
+        for candidate, similarity in found:
+            if candidate.scope != scope or candidate.expires_at <= now:
+                continue
+            if self._unseen(candidate.text) != query_unseen:
+                self.counters["unseen_mismatches"] += 1
+                continue
+            label = common_pb2.Prediction.FromString(candidate.response).label
+            out.append((candidate, similarity, label))
+        return out
+
     def _reads_milvus(self, semantic: bool) -> bool:
         """Whether an exact lookup the memory could not answer reads Milvus by key."""
-        if self.index is None:
+        if self.index is None or self.peers is not None:
+            # Over a shared server, another replica's stores are in Milvus, never in this
+            # index: every index miss reads Milvus, whatever HOPLINE_CACHE_EXACT_FALLBACK says.
             return True
         fallback = self.config.exact_fallback
         return fallback == "all" or (fallback == "semantic" and semantic)
@@ -601,12 +685,34 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self._unindex(ids, scope)
         # After the delete: a watcher's lookup that starts after this event cannot read the
         # entry any more, and one in flight across it is not copied (see the gateway's tier).
-        self._publish(
-            cache_pb2.WatchInvalidationsResponse(
-                scope=request.scope if scope is not None else None, entry_ids=ids
-            )
+        event = cache_pb2.WatchInvalidationsResponse(
+            scope=request.scope if scope is not None else None, entry_ids=ids
         )
+        self._publish(event)
+        try:
+            await self._share(event)
+        except CacheStoreError as exc:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"deleted, but the other cache replicas were not told ({exc}); retry",
+            )
         return cache_pb2.InvalidateResponse(removed=removed)
+
+    async def _share(self, event: cache_pb2.WatchInvalidationsResponse) -> None:
+        if self.peers is not None:
+            await self._io_call(self.peers.append, event)
+
+    def _apply_peer(self, event: cache_pb2.WatchInvalidationsResponse) -> None:
+        """Another replica's invalidation or eviction, applied as if it had come here."""
+        ids = list(event.entry_ids)
+        s = event.scope
+        scope = ScopeFilter(s.tenant, s.model, s.model_version) if event.HasField("scope") else None
+        for key, (entry, _, _) in list(self._pending.items()):
+            if key in ids or (scope is not None and _matches(scope, entry.scope)):
+                del self._pending[key]
+                self._store_spans.pop(key, None)
+        self._unindex(ids, scope)
+        self._publish(event)
 
     def _unindex(self, ids: list[str], scope: ScopeFilter | None) -> None:
         if self.index is None:
@@ -648,6 +754,28 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             queue.get_nowait()
         queue.put_nowait(None)
 
+    async def ReportVerification(
+        self,
+        request: cache_pb2.ReportVerificationRequest,
+        context: grpc.aio.ServicerContext[
+            cache_pb2.ReportVerificationRequest, cache_pb2.ReportVerificationResponse
+        ],
+    ) -> cache_pb2.ReportVerificationResponse:
+        if not request.prediction.label:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "report the model's prediction, with its label"
+            )
+        try:
+            agreed = await self.verifier.report(request.verify_id, request.prediction)
+        except KeyError:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no verification pending for id {clip(request.verify_id)!r}: it was reported "
+                "already or expired; send the verify_id of a recent lookup",
+            )
+        trace.get_current_span().set_attribute(schema.CACHE_VERIFY_AGREED, agreed)
+        return cache_pb2.ReportVerificationResponse(agreed=agreed)
+
     async def GetStats(
         self,
         request: cache_pb2.GetStatsRequest,
@@ -676,6 +804,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             pending_writes=len(self._pending) + self._writing,
             uri=self.config.uri,
             collection=self.embedder.model.collection if self.embedder else "",
+            verify_candidates=self.verifier.counts["candidates"],
+            verified=self.verifier.counts["verified"],
+            disagreements=self.verifier.counts["disagreements"],
+            verified_after_reply=self.verifier.counts["after_reply"],
+            verify_rules=self.verifier.rules_for_stats(),
         )
 
 

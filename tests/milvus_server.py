@@ -1,0 +1,164 @@
+"""A Milvus server on a loopback port for tests, so the cache is exercised by URI
+(`http://127.0.0.1:PORT`) as a deployment runs it, not only by file.
+
+Two kinds:
+- LITE: the server binary milvus-lite ships (the engine pymilvus runs for a file URI),
+  started on a TCP address. Always installed (milvus-lite is a hopline dependency).
+- STANDALONE: a real Milvus standalone, the PyPI package `milvus` (`milvus-server`), which
+  `make milvus-standalone` installs into .tools/milvus-standalone (not a hopline dependency:
+  it is a 2.3 server with its own embedded etcd and object store, for the server lane only).
+
+HOPLINE_TEST_MILVUS picks what every test mesh's cache uses: `file` (default, milvus-lite by
+file), `lite-server` or `standalone` (one server per mesh, so meshes stay isolated: neither
+milvus-lite's server nor hopline's collection naming gives a mesh a database of its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib.util
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from hopline.cache.store import _quiet_imports
+from hopline.runtime.launcher import free_ports
+
+ROOT = Path(__file__).resolve().parent.parent
+STANDALONE_VENV = ROOT / ".tools" / "milvus-standalone"
+STANDALONE_COMPONENTS = (
+    "rootCoord",
+    "proxy",
+    "queryCoord",
+    "queryNode",
+    "indexNode",
+    "dataCoord",
+    "dataNode",
+)
+
+
+class MilvusKind(enum.Enum):
+    FILE = "file"
+    LITE_SERVER = "lite-server"
+    STANDALONE = "standalone"
+
+
+def chosen_kind() -> MilvusKind:
+    value = os.environ.get("HOPLINE_TEST_MILVUS", MilvusKind.FILE.value)
+    try:
+        return MilvusKind(value)
+    except ValueError:
+        allowed = ", ".join(k.value for k in MilvusKind)
+        raise ValueError(f"HOPLINE_TEST_MILVUS must be one of {allowed}, got {value!r}") from None
+
+
+def lane_env(kind: MilvusKind) -> dict[str, str]:
+    """Settings a mesh needs on a Milvus server, for the tests to check behaviour.
+
+    With a server URI every exact-index miss reads Milvus (another replica's stores may be
+    there), and a read through a server is a hop to another process: on this shared 2-core
+    machine milvus-lite's server took up to 100 ms for a key query, the standalone 368 ms
+    median (a Strong read waits for the server's next time tick, 200 ms by default), past
+    the gateway's 40 ms cache budget, so lookups would fail open. The server lanes give a
+    lookup 2 s: they prove the cache is correct over a server; its latency is a measured
+    figure (deploy/README.md), not asserted.
+    """
+    return {} if kind is MilvusKind.FILE else {"HOPLINE_CACHE_BUDGET_MS": "2000"}
+
+
+def _lite_command(data: Path, port: int) -> tuple[list[str], dict[str, str]]:
+    # Found, not imported: importing milvus_lite warns (pkg_resources), an error under pytest.
+    spec = importlib.util.find_spec("milvus_lite")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("milvus-lite is not installed (a hopline dependency)")
+    lib = Path(spec.origin).parent / "lib"
+    env = dict(os.environ, LD_LIBRARY_PATH=str(lib))
+    return [str(lib / "milvus"), str(data / "milvus.db"), f"127.0.0.1:{port}", "ERROR"], env
+
+
+def _standalone_command(data: Path, port: int) -> tuple[list[str], dict[str, str]]:
+    server = STANDALONE_VENV / "bin" / "milvus-server"
+    if not server.is_file():
+        raise FileNotFoundError(f"{server} is missing: run `make milvus-standalone`")
+    # Its other components find free ports of their own; each advertises 127.0.0.1, or the
+    # proxy hands clients the machine's first non-loopback address.
+    command = [str(server), "--data", str(data), "--proxy-port", str(port)]
+    for component in STANDALONE_COMPONENTS:
+        command += ["--extra-config", f"{component}.ip=127.0.0.1"]
+    # A Strong read waits for the next time tick (200 ms by default); the cache's batched
+    # writer pays two per batch, so at the default a few hundred stores take over a minute.
+    command += ["--extra-config", "proxy.timeTickInterval=20"]
+    return command, dict(os.environ)
+
+
+class MilvusServer:
+    """One server process over `data`; `uri` is what HOPLINE_CACHE_URI takes."""
+
+    def __init__(self, data: Path, kind: MilvusKind = MilvusKind.LITE_SERVER) -> None:
+        if kind is MilvusKind.FILE:
+            raise ValueError("a file URI needs no server")
+        self.kind = kind
+        self.data = data
+        self.port = free_ports(1)[0]
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 180.0) -> MilvusServer:
+        self.data.mkdir(parents=True, exist_ok=True)
+        build = _lite_command if self.kind is MilvusKind.LITE_SERVER else _standalone_command
+        command, env = build(self.data, self.port)
+        with (self.data / "server.log").open("ab") as log:
+            self.process = subprocess.Popen(
+                command,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.data,
+                start_new_session=True,  # its own group: the standalone's wrapper forks
+            )
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        """Ready when pymilvus can list collections: the port alone opens before that."""
+        MilvusClient = _quiet_imports().MilvusClient
+
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"Milvus {self.kind.value} exited: {self.log_tail()}")
+            try:
+                client = MilvusClient(self.uri, timeout=2)
+                client.list_collections(timeout=2)
+                client.close()
+                return
+            except Exception as exc:  # not up yet: pymilvus raises many kinds
+                last = str(exc)[:200]
+                time.sleep(0.2)
+        raise RuntimeError(f"Milvus {self.kind.value} not ready in {timeout_s} s: {last}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        path = self.data / "server.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        # The standalone may ignore SIGTERM while its components shut down: SIGKILL after.
+        process, self.process = self.process, None
+        if process is None:
+            return
+        # Signals go to the group: the wrapper's child must not outlive the test.
+        os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
