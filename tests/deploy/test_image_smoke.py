@@ -1,0 +1,122 @@
+"""The image `make image` builds, run as containers: every service reaches gRPC health
+SERVING, the five together answer a Predict (a miss, then an exact hit from the cache), each
+runs as the image's non-root user, and each drains to exit code 0 on SIGTERM.
+
+Run by `make image-smoke` only (tests/deploy is outside the default lanes): it needs podman,
+runc and the built image, which `make image` provides. Containers share the host's network
+namespace on free loopback ports, so no container network has to be set up.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from harness import SERVING, free_port, health
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.service_table import SERVICES, ServiceName
+
+IMAGE = os.environ.get("HOPLINE_IMAGE", "localhost/hopline:0.1.0")
+# crun refuses this host's hybrid cgroups; podman's default file and process limits are
+# above what this host lets a process have, so the container gets this process's own.
+NOFILE = resource.getrlimit(resource.RLIMIT_NOFILE)
+# runc here refuses this process's own process limit (96k) but takes 32k.
+NPROC = min(resource.getrlimit(resource.RLIMIT_NPROC)[1], 32768)
+RUN = [
+    "podman", "run", "-d", "--runtime", "runc", "--network", "host",
+    "--ulimit", f"nofile={NOFILE[0]}:{NOFILE[1]}", "--ulimit", f"nproc={NPROC}:{NPROC}",
+]  # fmt: skip
+UPSTREAMS = [s.name for s in SERVICES if s.name != ServiceName.GATEWAY]
+
+
+def podman(*args: str, timeout: float = 120) -> str:
+    out = subprocess.run(
+        ["podman", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if out.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args)}: {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def containers() -> Iterator[dict[str, str]]:
+    """name -> address of the five services, each in a container of its own."""
+    if shutil.which("podman") is None:
+        pytest.fail("podman is missing: `make image-smoke` installs it (Debian)")
+    if subprocess.run(["podman", "image", "exists", IMAGE], check=False).returncode != 0:
+        pytest.fail(f"{IMAGE} is missing: run `make image`")
+    addrs = {str(s.name): f"127.0.0.1:{free_port()}" for s in SERVICES}
+    dial = [f"HOPLINE_{name.upper()}_ADDR={addrs[name]}" for name in UPSTREAMS]
+    tag = uuid.uuid4().hex[:8]
+    names = {s.name: f"hopline-smoke-{s.name}-{tag}" for s in SERVICES}
+    try:
+        for service in SERVICES:
+            env = [f"HOPLINE_{service.name.upper()}_ADDR={addrs[service.name]}"]
+            env += ["HOPLINE_METRICS_PORT=0", "HOPLINE_DRAIN_DELAY_S=0.2"]
+            if service.name == ServiceName.GATEWAY:
+                env += dial
+            flags = [arg for e in env for arg in ("-e", e)]
+            podman(*RUN[1:], "--name", names[service.name], *flags, IMAGE, service.name)
+            if service.name != ServiceName.GATEWAY:
+                wait_serving(addrs[service.name], names[service.name])
+        wait_serving(addrs[ServiceName.GATEWAY], names[ServiceName.GATEWAY])
+        yield {**addrs, **{f"{name}:container": names[name] for name in names}}
+    finally:
+        for name in names.values():
+            subprocess.run(
+                ["podman", "rm", "-f", "-t", "30", name], capture_output=True, check=False
+            )
+
+
+def wait_serving(addr: str, container: str, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while health(addr) != SERVING:
+        state = podman("inspect", "-f", "{{.State.Status}}", container)
+        if state != "running":
+            logs = podman("logs", "--tail", "30", container)
+            raise AssertionError(f"{container} is {state} before SERVING:\n{logs}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{container} not SERVING within {timeout_s} s")
+        time.sleep(0.5)
+
+
+def test_every_service_is_serving_as_the_image_user(containers: dict[str, str]) -> None:
+    for service in SERVICES:
+        assert health(containers[service.name]) == SERVING, service.name
+        container = containers[f"{service.name}:container"]
+        assert podman("exec", container, "id", "-u") == "10001", service.name
+
+
+def test_a_mesh_of_containers_answers_a_predict(containers: dict[str, str]) -> None:
+    with grpc.insecure_channel(containers[ServiceName.GATEWAY]) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        request = gateway_pb2.PredictRequest(text="I was charged twice for one order")
+        first = stub.Predict(request, timeout=60)
+        assert first.prediction.label
+        assert first.cache.outcome == common_pb2.CACHE_OUTCOME_MISS
+        deadline = time.monotonic() + 30
+        again = stub.Predict(request, timeout=60)
+        while again.cache.outcome != common_pb2.CACHE_OUTCOME_EXACT:
+            assert time.monotonic() < deadline, "the store never reached the cache container"
+            time.sleep(0.1)
+            again = stub.Predict(request, timeout=60)
+        assert again.prediction.label == first.prediction.label
+
+
+def test_each_container_drains_to_exit_code_zero(containers: dict[str, str]) -> None:
+    for service in reversed(SERVICES):  # the gateway first, as a rollout would
+        container = containers[f"{service.name}:container"]
+        podman("stop", "-t", "30", container)
+        code = podman("inspect", "-f", "{{.State.ExitCode}}", container)
+        assert code == "0", (
+            f"{service.name} exited {code}: {podman('logs', '--tail', '20', container)}"
+        )
