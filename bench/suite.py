@@ -1,17 +1,22 @@
 """`make bench`: the standard suite, one run, written to bench/results/<date>-<host>.{json,md}.
 
-It starts its own mesh (fresh cache database, free ports, so a `make run` beside it is left
-alone) and measures, one scenario after the other:
+It starts its own meshes in both topologies (fresh cache databases, free ports, so a `make
+run` beside them is left alone): `mesh` is five processes, `peer_colocated` the gateway with
+the tokenizer, inference and postprocess inside it (runtime/service_table.py:Topology). It
+measures, one scenario after the other:
 
-1. miss, concurrency 1: echo, in-process, mesh (cache USE, every text new).
-2. exact, concurrency 1: echo, mesh (every text already cached).
-3. saturation, concurrency 32, miss: in-process plain and batched, mesh.
-4. open loop at 70% of the mesh's saturation throughput: mesh.
-5. ghz against the gateway's Predict beside `hopline bench` on the same texts (c=1).
-6. the Ray Serve peer (bench extra), once the mesh is idle: concurrency 32 and open loop at
-   the mesh's rps, compared with the mesh at cache BYPASS (the peer has no cache).
+1. miss, concurrency 1: echo, in-process, both meshes (cache USE, every text new).
+2. exact, concurrency 1: echo, both meshes (every text already cached).
+3. saturation, concurrency 32, miss: in-process plain and batched, both meshes.
+4. open loop at 70% of each mesh's own saturation throughput.
+5. ghz against the five-process gateway's Predict beside `hopline bench` (c=1).
+6. the Ray Serve peer (bench extra), once the meshes are idle: concurrency 32 and open loop
+   at the mesh's rps, compared with both meshes at cache BYPASS (the peer has no cache).
+7. FP32 against INT8 (bench/precision.py): an INT8 version built beside the default model,
+   model compute alone at batch 1 and 32, in-process and mesh miss path, alternated rounds.
 
-Each target is measured alone; targets share the 2 cores, so nothing runs beside them.
+Each target is measured alone; targets share the 2 cores, so nothing runs beside them (the
+idle mesh waits with no traffic).
 """
 
 from __future__ import annotations
@@ -33,8 +38,12 @@ from typing import Any
 
 from hopline.bench.cli import add_bench_command, run_targets
 from hopline.bench.mixes import make_mix
+from hopline.bench.precision import precision_scenario
 from hopline.bench.report import ratios
 from hopline.runtime.launcher import Mesh, MeshError, free_ports
+from hopline.runtime.service_table import Topology
+
+COLOCATED = "colocated"  # the co-located mesh's name as a bench peer: peer_colocated
 
 ROOT = Path(__file__).resolve().parents[1]
 GHZ_DEFAULT = ROOT / ".tools" / "bin" / "ghz"
@@ -169,13 +178,20 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     }
     sc = doc["scenarios"]
     work = Path(tempfile.mkdtemp(prefix="hopline-bench-"))
-    # Metrics stay on (free ports): the mesh measured is the one operators run.
-    mesh = Mesh.on_free_ports(args.model_repo, work)
+    meshes: list[Mesh] = []
     try:
-        mesh.start(timeout_s=180.0)
+        for topology in Topology:
+            (work / topology).mkdir()
+            # Metrics stay on (free ports): the meshes measured are the ones operators run.
+            mesh = Mesh.on_free_ports(args.model_repo, work / topology, addrs=topology.addrs())
+            meshes.append(mesh)
+            mesh.start(timeout_s=180.0)
     except MeshError as exc:
+        for mesh in meshes:
+            mesh.stop()
         raise SystemExit(f"mesh did not start; logs in {work}: {exc}") from exc
-    gw = mesh.addrs["gateway"]
+    gw, colo = (m.addrs["gateway"] for m in meshes)
+    common_peer = [*common, "--peer", f"{COLOCATED}={colo}"]
     try:
         sc["miss_c1"] = bench(
             "--target",
@@ -186,10 +202,18 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             "miss",
             "--baseline",
             "echo,inprocess",
-            *common,
+            *common_peer,
         )
         sc["exact_c1"] = bench(
-            "--target", gw, "--concurrency", "1", "--mix", "exact", "--baseline", "echo", *common
+            "--target",
+            gw,
+            "--concurrency",
+            "1",
+            "--mix",
+            "exact",
+            "--baseline",
+            "echo",
+            *common_peer,
         )
         sc["miss_c32"] = bench(
             "--target",
@@ -200,12 +224,25 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             "miss",
             "--baseline",
             "inprocess,inprocess_batched",
-            *common,
+            *common_peer,
         )
-        rps = 0.7 * sc["miss_c32"]["targets"]["mesh"]["throughput_rps"]
-        sc["miss_open70"] = bench(
-            "--target", gw, "--rps", f"{rps:.1f}", "--mix", "miss", "--baseline", "none", *common
-        )
+        saturation = sc["miss_c32"]["targets"]
+        for key, target, name in (
+            ("miss_open70", gw, "mesh"),
+            (f"miss_open70_{COLOCATED}", colo, f"peer_{COLOCATED}"),
+        ):
+            rps = 0.7 * saturation[name]["throughput_rps"]
+            sc[key] = bench(
+                "--target",
+                target,
+                "--rps",
+                f"{rps:.1f}",
+                "--mix",
+                "miss",
+                "--baseline",
+                "none",
+                *common,
+            )
         if args.ghz.is_file():
             texts = [make_mix("exact").text(i) for i in range(64)]
             sc["ghz_exact_c1"] = {
@@ -252,7 +289,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
                 "bypass",
                 "--baseline",
                 "none",
-                *common,
+                *common_peer,
             )
             mesh_rps = 0.7 * sc["peer_c32"]["targets"]["mesh"]["throughput_rps"]
             sc["peer_open"] = bench(
@@ -266,10 +303,11 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
                 "bypass",
                 "--baseline",
                 "none",
-                *common,
+                *common_peer,
             )
     finally:
-        mesh.stop()
+        for mesh in meshes:
+            mesh.stop()
     if args.peer:
         # The peer runs with the mesh stopped: the two never share the cores.
         proc, addr = start_peer(args.model_repo)
@@ -291,50 +329,56 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
+    # Issue 16: FP32 against INT8 on a mesh of its own, once the others have stopped.
+    sc["precision_ab"] = precision_scenario(args.model_repo, work / "precision")
     shutil.rmtree(work, ignore_errors=True)
     doc["targets_met"] = check_targets(sc)
     return doc
 
 
 def check_targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 5's targets, each with the figures it was judged on."""
+    """Issue 17's targets for both topologies, each with the figures it was judged on."""
     rows: list[dict[str, Any]] = []
 
     def row(name: str, value: float, limit: float, ok: bool, how: str) -> None:
         rows.append({"target": name, "value": value, "limit": limit, "met": ok, "how": how})
 
-    t = sc["miss_c1"]["targets"]
-    limit = t["inprocess"]["p50_ms"] + 3 * t["echo"]["p50_ms"]
-    row(
-        "miss c=1: mesh p50 <= inprocess p50 + 3 x echo p50",
-        t["mesh"]["p50_ms"],
-        limit,
-        t["mesh"]["p50_ms"] <= limit,
-        "ms",
-    )
-    t = sc["exact_c1"]["targets"]
-    limit = 1.5 * t["echo"]["p50_ms"]
-    row(
-        "exact c=1: mesh p50 <= 1.5 x echo p50",
-        t["mesh"]["p50_ms"],
-        limit,
-        t["mesh"]["p50_ms"] <= limit,
-        "ms",
-    )
-    t = sc["miss_c32"]["targets"]
-    r = _ratio(t["mesh"]["throughput_rps"], t["inprocess"]["throughput_rps"])
-    row("c=32: mesh rps >= 1.5 x inprocess (batch 1)", r, 1.5, r >= 1.5, "ratio")
-    r = _ratio(t["mesh"]["throughput_rps"], t["inprocess_batched"]["throughput_rps"])
-    row("c=32: mesh rps >= 0.7 x inprocess batched", r, 0.7, r >= 0.7, "ratio")
-    m = sc["miss_open70"]["targets"]["mesh"]
-    r = _ratio(m["p99_ms"], m["p50_ms"])
-    row(
-        "open loop 70%: p99 <= 3 x p50, no errors",
-        r,
-        3.0,
-        r <= 3.0 and m["errors"] == 0,
-        f"ratio; errors {m['errors']}",
-    )
+    # (name in the bench's targets, label, echo round trips allowed, c=32 share of batched)
+    topologies = (("mesh", "five-process", 6, 0.6), (f"peer_{COLOCATED}", COLOCATED, 3, 0.8))
+    for name, label, echoes, share in topologies:
+        t = sc["miss_c1"]["targets"]
+        limit = t["inprocess"]["p50_ms"] + echoes * t["echo"]["p50_ms"]
+        p50 = t[name]["p50_ms"]
+        row(
+            f"{label} miss c=1: p50 <= inprocess p50 + {echoes} x echo p50",
+            p50,
+            limit,
+            p50 <= limit,
+            "ms",
+        )
+        t = sc["exact_c1"]["targets"]
+        p50_limit, p99_limit = 1.5 * t["echo"]["p50_ms"], 3 * t["echo"]["p99_ms"]
+        p50, p99 = t[name]["p50_ms"], t[name]["p99_ms"]
+        row(
+            f"{label} exact c=1: p50 <= 1.5 x echo p50, p99 <= 3 x echo p99",
+            p50,
+            p50_limit,
+            p50 <= p50_limit and p99 <= p99_limit,
+            f"ms; p99 {p99:.2f} vs {p99_limit:.2f}",
+        )
+        t = sc["miss_c32"]["targets"]
+        r = _ratio(t[name]["throughput_rps"], t["inprocess_batched"]["throughput_rps"])
+        row(f"{label} c=32: rps >= {share} x inprocess batched", r, share, r >= share, "ratio")
+        key = "miss_open70" if name == "mesh" else f"miss_open70_{COLOCATED}"
+        m = sc[key]["targets"]["mesh"]
+        r = _ratio(m["p99_ms"], m["p50_ms"])
+        row(
+            f"{label} open loop 70%: p99 <= 3 x p50, no errors",
+            r,
+            3.0,
+            r <= 3.0 and m["errors"] == 0,
+            f"ratio; errors {m['errors']}",
+        )
     for key in ("ghz_exact_c1", "ghz_bypass_c1"):
         if key in sc:
             g, h = sc[key]["ghz"]["p50_ms"], sc[key]["hopline_bench"]["p50_ms"]
@@ -342,11 +386,14 @@ def check_targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
             row(f"{key}: |bench p50 - ghz p50| <= 10% of ghz", r, 0.10, r <= 0.10, "share")
     for key in ("peer_c32", "peer_open"):
         t = sc.get(key, {}).get("targets", {})
-        if "peer_ray" in t:
-            mt, pt = t["mesh"], t["peer_ray"]
+        if "peer_ray" not in t:
+            continue
+        pt = t["peer_ray"]
+        for name, label, _, _ in topologies:
+            mt = t[name]
             ok = mt["throughput_rps"] >= pt["throughput_rps"] * 0.99 and mt["p99_ms"] < pt["p99_ms"]
             row(
-                f"{key}: mesh vs Ray Serve, rps and p99",
+                f"{key}: {label} vs Ray Serve, rps and p99",
                 _ratio(mt["throughput_rps"], pt["throughput_rps"]),
                 1.0,
                 ok,
@@ -379,10 +426,10 @@ def markdown(doc: dict[str, Any]) -> str:
         if s.get("ratios"):
             ratios = ", ".join(f"{k} {v:.3f}" for k, v in s["ratios"].items())
             lines.append(f"\n{name}: {ratios}")
-        mesh = s.get("targets", {}).get("mesh")
-        if mesh and mesh.get("hops_ms"):
-            hops = ", ".join(f"{h} {v['p50']:.2f}" for h, v in mesh["hops_ms"].items())
-            lines.append(f"{name} mesh hops p50 ms: {hops}")
+        for tname, target in s.get("targets", {}).items():
+            if target.get("hops_ms"):
+                hops = ", ".join(f"{h} {v['p50']:.2f}" for h, v in target["hops_ms"].items())
+                lines.append(f"{name} {tname} hops p50 ms: {hops}")
     return "\n".join(lines) + "\n"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 
 from hopline.runtime import config as cfg
-from hopline.runtime.service_table import SERVICES, spec
+from hopline.runtime.service_table import SERVICES, Topology, spec
 
 SERVICE_NAMES = tuple(s.name for s in SERVICES)
 
@@ -76,6 +76,8 @@ def _predict(args: argparse.Namespace) -> int:
 
 def _model_build(args: argparse.Namespace) -> int:
     from hopline.model.build import DEFAULT_MODEL_NAME, DEFAULT_TRAIN_FILE, build_model
+    from hopline.model.providers import ProviderConfigError
+    from hopline.model.quantize import CheckLimits, Precision, PrecisionCheckError
     from hopline.observability.logs import setup_logging
 
     setup_logging("model-build", "info", "text")
@@ -87,30 +89,53 @@ def _model_build(args: argparse.Namespace) -> int:
             raise SystemExit("--name is required with --train")
     else:
         raise SystemExit("give --train FILE --name NAME, or --default")
-    target = build_model(
-        train,
-        name,
-        Path(args.repo),
-        version=args.version,
-        split=args.split,
-        oos_threshold=args.oos_threshold,
-        in_scope_reject_rate=args.reject_rate,
-        cache_mode=args.cache_mode,
-        cache_threshold=args.cache_threshold,
-        cache_min_score=args.cache_min_score,
-    )
+    try:
+        target = build_model(
+            train,
+            name,
+            Path(args.repo),
+            version=args.version,
+            split=args.split,
+            oos_threshold=args.oos_threshold,
+            in_scope_reject_rate=args.reject_rate,
+            cache_mode=args.cache_mode,
+            cache_threshold=args.cache_threshold,
+            cache_min_score=args.cache_min_score,
+            precision=Precision(args.precision),
+            providers=args.providers.split(",") if args.providers else None,
+            check_sentences=Path(args.check_sentences) if args.check_sentences else None,
+            check_limits=CheckLimits(
+                args.min_label_agreement,
+                args.max_accuracy_drop,
+                args.min_cosine_mean,
+                args.min_cosine,
+            ),
+        )
+    except (PrecisionCheckError, ProviderConfigError) as exc:
+        sys.stderr.write(f"hopline model build: {exc}\n")
+        return 1
     info = json.loads((target / "config.json").read_text())
-    sys.stdout.write(
-        f"built {target}  labels={len(json.loads((target / 'labels.json').read_text()))} "
-        f"cv_accuracy={info['build']['cv_accuracy']} oos_threshold={info['oos_threshold']}\n"
+    line = (
+        f"built {target}  precision={info['precision']} "
+        f"labels={len(json.loads((target / 'labels.json').read_text()))} "
+        f"cv_accuracy={info['build']['cv_accuracy']} oos_threshold={info['oos_threshold']}"
     )
+    check = info["build"].get("precision_check")
+    if check:
+        line += (
+            f" heldout_label_agreement={check['heldout_label_agreement']}"
+            f" cosine_mean={check['cosine_mean']} cosine_min={check['cosine_min']}"
+        )
+    sys.stdout.write(line + "\n")
     return 0
 
 
 def _run(args: argparse.Namespace) -> int:
     from hopline.cli.run import run_mesh
 
-    return run_mesh(Path(args.model_repo), log_format=args.log_format)
+    return run_mesh(
+        Path(args.model_repo), log_format=args.log_format, topology=Topology(args.topology)
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,9 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service (see `hopline serve NAME --help`)")
     serve.add_argument("service", choices=SERVICE_NAMES)
 
+    from hopline.cli.run import DEFAULT_TOPOLOGY
+
     run = sub.add_parser("run", help="start all five services locally, stop them on Ctrl-C")
     run.add_argument("--model-repo", default="models")
     run.add_argument("--log-format", default="text", choices=("text", "json"))
+    run.add_argument(
+        "--topology",
+        default=DEFAULT_TOPOLOGY.value,
+        choices=[t.value for t in Topology],
+        help="colocated: tokenizer, inference and postprocess inside the gateway, the cache "
+        "in its own process; five-process: every service in its own process (default: "
+        "%(default)s)",
+    )
 
     pred = sub.add_parser("predict", help="classify one text through the gateway")
     pred.add_argument("text")
@@ -157,6 +192,41 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.02,
         help="share of held-out in-scope texts the calibrated threshold rejects",
+    )
+    build.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "int8", "fp16"),
+        help="int8: dynamic quantization for CPUs; fp16: for GPUs. Either is checked against "
+        "FP32 and refused (nothing published) if it strays past the limits below",
+    )
+    build.add_argument(
+        "--providers",
+        help="execution providers, best first, comma-separated: tensorrt,cuda,cpu (default: "
+        "cpu; fp16: tensorrt with an engine cache and FP16, cuda, cpu)",
+    )
+    build.add_argument(
+        "--check-sentences",
+        help="sentences for the embedding cosine check (reference JSON records, JSONL of "
+        "{text}, or lines; default: ../shared/reference/minilm_reference.json if present)",
+    )
+    build.add_argument(
+        "--min-label-agreement",
+        type=float,
+        default=0.98,
+        help="share of held-out texts whose label must match FP32's",
+    )
+    build.add_argument(
+        "--max-accuracy-drop",
+        type=float,
+        default=0.005,
+        help="held-out accuracy the conversion may lose (0.005: half a point)",
+    )
+    build.add_argument(
+        "--min-cosine-mean", type=float, default=0.99, help="mean embedding cosine to FP32"
+    )
+    build.add_argument(
+        "--min-cosine", type=float, default=0.95, help="embedding cosine to FP32, worst sentence"
     )
     build.add_argument("--cache-mode", default="exact", choices=("off", "exact", "semantic"))
     build.add_argument(

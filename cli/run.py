@@ -1,9 +1,10 @@
 """`hopline run` (what `make run` calls): the whole mesh on this machine, until Ctrl-C.
 
 "hopline is up" means every service answers and the first repeat is an EXACT hit: the
-launcher starts the four upstreams until SERVING, then the gateway, then waits for its local
-exact tier to be live (runtime/launcher.py:Mesh.start says why in that order). The line says
-how long start-up took.
+launcher starts the upstreams that run as processes until SERVING, then the gateway (which is
+SERVING only once the services it runs in-process are), then waits for its local exact tier
+to be live (runtime/launcher.py:Mesh.start says why in that order). The line says how long
+start-up took and which services run inside the gateway (`--topology`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 
 from hopline.runtime.launcher import ALL, Mesh, MeshError, StartInterrupted
+from hopline.runtime.service_table import Topology
 
 log = logging.getLogger("hopline.run")
 
@@ -23,7 +25,16 @@ log = logging.getLogger("hopline.run")
 STOP_TIMEOUT_S = 8.0
 
 
-def run_mesh(model_repo: Path, log_format: str = "text", ready_timeout_s: float = 180.0) -> int:
+# README.md "Placement" has the measurements behind this default.
+DEFAULT_TOPOLOGY = Topology.COLOCATED
+
+
+def run_mesh(
+    model_repo: Path,
+    log_format: str = "text",
+    ready_timeout_s: float = 180.0,
+    topology: Topology = DEFAULT_TOPOLOGY,
+) -> int:
     from hopline.observability.logs import setup_logging
 
     started = time.monotonic()
@@ -40,7 +51,12 @@ def run_mesh(model_repo: Path, log_format: str = "text", ready_timeout_s: float 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     # Children share our stdout: their logs are the mesh's log.
-    mesh = Mesh(model_repo, env={"HOPLINE_LOG_FORMAT": log_format}, die_with_parent=True)
+    mesh = Mesh(
+        model_repo,
+        addrs=topology.addrs(),
+        env={"HOPLINE_LOG_FORMAT": log_format},
+        die_with_parent=True,
+    )
     try:
         mesh.start(ALL, ready_timeout_s, stopping=lambda: stopping)
     except StartInterrupted:
@@ -50,10 +66,14 @@ def run_mesh(model_repo: Path, log_format: str = "text", ready_timeout_s: float 
         return 1
     took = time.monotonic() - started
     log.info("mesh ready", extra={"start_up_s": round(took, 1)})
-    upstreams = ", ".join(name for name in ALL if name != "gateway")
+    upstreams = ", ".join(
+        f"{name} (in the gateway)" if mesh.colocated(name) else name
+        for name in ALL
+        if name != "gateway"
+    )
     sys.stdout.write(
         f"\nhopline is up in {took:.1f} s: gateway SERVING on {mesh.gateway}, "
-        f"{upstreams} SERVING\n"
+        f"{upstreams} SERVING ({topology} topology)\n"
         f'  try: .venv/bin/hopline predict "I forgot my password"\n'
         f"  stop: Ctrl-C\n\n"
     )

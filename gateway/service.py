@@ -6,10 +6,12 @@ Two APIs share one prediction path: the gateway's own Predict and the KServe v2 
 
 `predict_text` reads as its steps:
 1. `_answer_from_local_tier`: an exact repeat the gateway holds is answered with no hop.
-2. `_tokenize` starts, and `_look_up_cache` runs meanwhile (the lookup needs no token ids).
+2. `_tokenize` starts, `_speculate` may start the inference too (gateway/speculation.py
+   says when), and `_look_up_cache` runs meanwhile (the lookup needs no token ids).
 3. `_record_outcome`: the one place a request's cache outcome is counted.
-4. On a miss, `_infer_once`: tokenize -> infer -> postprocess, shared by identical concurrent
-   misses, which ends with `_store_later` (fire-and-forget, after the model's cache policy).
+4. On a miss, `_infer_once` (or the speculative one, already running): tokenize -> infer ->
+   postprocess, shared by identical concurrent misses; then `_store_later` (fire-and-forget,
+   after the model's cache policy). On a hit, the speculative inference is cancelled.
 5. `_finish`: span attributes and timings on the reply.
 The cache never makes the mesh less available: a lookup that fails or overruns its budget is
 reported as FAIL_OPEN and the request goes on to inference, and a circuit breaker stops
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Coroutine, Iterable
@@ -33,12 +36,15 @@ from opentelemetry import trace
 from prometheus_client import Counter
 
 from hopline.cache.keys import scope_tuple
-from hopline.gateway.call import PredictCall, check_cache_mode
+from hopline.gateway.admission import Admission
+from hopline.gateway.call import PredictCall, check_cache_mode, discard
 from hopline.gateway.catalogue import ModelCatalogue
 from hopline.gateway.errors import RequestError
 from hopline.gateway.exact_tier import LocalEntry, LocalExactTier
 from hopline.gateway.identity import TenantResolver
 from hopline.gateway.resilience import CircuitBreaker, CircuitState, Coalescer
+from hopline.gateway.speculation import Speculation, SpeculationMode
+from hopline.gateway.stage_batching import GatewayStages
 from hopline.gateway.streaming import predict_stream
 from hopline.gateway.upstream import GatewayUpstreams, HopError, call_hop
 from hopline.observability import metrics, schema
@@ -134,10 +140,69 @@ class GatewayConfig(ServerConfig):
         "retry budget per upstream: a failed attempt spends a token, retries stop while "
         "fewer than half are left",
     )
+    batch_max_rows: int = env_field(
+        "HOPLINE_GATEWAY_BATCH_MAX_ROWS",
+        32,
+        "misses that wait for a busy stage go to it together, up to this many rows per RPC "
+        "(1: one RPC per request); a lone request never waits (gateway/stage_batching.py)",
+    )
+    batch_in_flight: int = env_field(
+        "HOPLINE_GATEWAY_BATCH_IN_FLIGHT",
+        2,
+        "RPCs per stage and model on their way before further misses queue into one batch",
+    )
+    speculate: SpeculationMode = env_field(
+        "HOPLINE_GATEWAY_SPECULATE",
+        SpeculationMode.AUTO,
+        "start inference beside the cache lookup: auto (while the model's recent lookups hit "
+        "less than HOPLINE_GATEWAY_SPECULATE_MAX_HIT_RATE), on, off",
+    )
+    speculate_max_hit_rate: float = env_field(
+        "HOPLINE_GATEWAY_SPECULATE_MAX_HIT_RATE",
+        0.2,
+        "with speculate=auto: share of cache-service lookups hitting above which a model's "
+        "misses wait for the lookup before inference (each hit wastes a started inference)",
+    )
     upstream_retry_token_ratio: float = env_field(
         "HOPLINE_UPSTREAM_RETRY_TOKEN_RATIO",
         0.1,
         "tokens a successful call gives back to the retry budget",
+    )
+    # The front door: tenants come from API keys, so no client certificate by default.
+    tls_peers: str = env_field(
+        "HOPLINE_GATEWAY_TLS_PEERS",
+        "",
+        "client certificate names the gateway requires (empty: none; API keys name tenants)",
+    )
+    # Admission control (gateway/admission.py).
+    max_in_flight: int = env_field(
+        "HOPLINE_GATEWAY_MAX_IN_FLIGHT",
+        256,
+        "requests worked on at once; past it RESOURCE_EXHAUSTED at once (0: no limit)",
+    )
+    cache_adaptive: bool = env_field(
+        "HOPLINE_CACHE_ADAPTIVE",
+        True,
+        "cut the lookup budget to what the deadline leaves, skip lookups while most overrun it",
+    )
+    # Ejection of a failing replica (gateway/resilience.py:ejection_service_config).
+    upstream_eject_failure_percent: int = env_field(
+        "HOPLINE_UPSTREAM_EJECT_FAILURE_PERCENT",
+        50,
+        "a replica whose calls fail this often over an interval is ejected (0: never)",
+    )
+    upstream_eject_min_requests: int = env_field(
+        "HOPLINE_UPSTREAM_EJECT_MIN_REQUESTS",
+        10,
+        "calls a replica needs in an interval (per gateway channel) to be judged",
+    )
+    upstream_eject_interval_s: float = env_field(
+        "HOPLINE_UPSTREAM_EJECT_INTERVAL_S", 1.0, "how often replicas are judged"
+    )
+    upstream_eject_base_s: float = env_field(
+        "HOPLINE_UPSTREAM_EJECT_BASE_S",
+        10.0,
+        "first ejection's length; each further ejection of a replica lasts longer",
     )
 
 
@@ -148,6 +213,8 @@ COUNTS: dict[str, tuple[Counter, dict[str, str]]] = {
     "streams": (metrics.GATEWAY_CALLS, {"method": "PredictStream"}),
     "inferences": (metrics.INFERENCES, {}),
     "coalesced": (metrics.COALESCED, {}),
+    "speculative_used": (metrics.SPECULATIVE, {"result": "used"}),
+    "speculative_wasted": (metrics.SPECULATIVE, {"result": "wasted"}),
     "cache_exact": (metrics.CACHE_OUTCOMES, {"outcome": "exact"}),
     "cache_exact_local": (metrics.LOCAL_EXACT_HITS, {}),
     "cache_semantic": (metrics.CACHE_OUTCOMES, {"outcome": "semantic"}),
@@ -180,6 +247,17 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             config.cache_breaker_failures, config.cache_breaker_cooldown_s
         )
         self.coalescer: Coalescer[common_pb2.Prediction] = Coalescer()
+        self.speculation = Speculation(config.speculate, config.speculate_max_hit_rate)
+        self.stages = (
+            GatewayStages.over(
+                self.upstreams, config.batch_in_flight, config.batch_max_rows, self._model_rows
+            )
+            if config.batch_max_rows > 1
+            else None
+        )
+        self.admission = Admission(
+            config.max_in_flight, config.cache_budget_ms, config.cache_adaptive
+        )
         self.exact_tier = LocalExactTier(config.local_exact_entries)
         self._loops: set[asyncio.Task[None]] = set()  # run for the life of the process
         self._stores: set[asyncio.Task[None]] = set()  # awaited, briefly, at shutdown
@@ -194,7 +272,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     # -- life cycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        # Not SERVING until the inference service has told us which models exist.
+        # Not SERVING until co-located services are, and inference has said which models exist.
+        await self.upstreams.start()
         while True:
             try:
                 await self.catalogue.refresh()
@@ -211,6 +290,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             _spawn(self.exact_tier.follow(self._watch_cache), self._loops)
         self.serving = True
 
+    def _model_rows(self, name: str, version: str) -> int:
+        info = self.models.get((name, version))
+        return info.max_batch_size if info is not None else 0
+
     def _watch_cache(self) -> AsyncIterable[cache_pb2.WatchInvalidationsResponse]:
         return self.upstreams.cache.stub().WatchInvalidations(cache_pb2.WatchInvalidationsRequest())
 
@@ -220,6 +303,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             await asyncio.wait(set(self._stores), timeout=2.0)
         for task in (*self._loops, *self._stores):
             task.cancel()
+        if self.stages is not None:
+            await self.stages.close()
         await self.upstreams.close()
 
     # -- validation -----------------------------------------------------------------------
@@ -338,15 +423,27 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> gateway_pb2.PredictResponse:
         """One validated text through cache and hops; raises HopError when a hop fails."""
         call = PredictCall.new(text, info, tenant, top_k, cache_mode, timeout_s, started)
+        speculative: asyncio.Future[tuple[common_pb2.Prediction, bool]] | None = None
         prediction = self._answer_from_local_tier(call)
-        if prediction is None:
-            self._tokenize(call)
-            prediction = await self._look_up_cache(call)
-        self._record_outcome(call)
-        if prediction is None:
-            prediction = await self._infer_once(call)
-        else:
-            call.drop_tokens()
+        # Refused at once (a RequestError) past the in-flight limit or the deadline's reach.
+        with self.admission.admit(call, free=prediction is not None):
+            if prediction is None:
+                self._tokenize(call)
+                speculative = self._speculate(call)
+                prediction = await self._look_up_cache(call)
+            self._record_outcome(call)
+            if prediction is None:
+                prediction, ran_here = await (speculative or self._infer_once(call))
+                if ran_here and call.may_store:
+                    self._store_later(call, prediction)
+                self._report_later(call, prediction)
+            elif call.verify_id:  # the cache wants the model's answer too, after this reply
+                _spawn(self._verify(call, speculative), self._stores)
+            else:
+                call.drop_tokens()
+                if speculative is not None:
+                    discard(speculative)
+                    metrics.SPECULATIVE.labels("wasted").inc()
         return self._finish(call, prediction)
 
     def _answer_from_local_tier(self, call: PredictCall) -> common_pb2.Prediction | None:
@@ -375,7 +472,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 call_hop(
                     schema.SPAN_TOKENIZE,
                     tokenizer.target,
-                    tokenizer.stub().Tokenize,
+                    self.stages.tokenize if self.stages else tokenizer.stub().Tokenize,
                     request,
                     call.timeout_s,
                     call.timings,
@@ -402,6 +499,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 f"{self.breaker.retry_in():.1f}s"
             )
             return None
+        if self.admission.skip_lookup(call):
+            return None  # no time for it, or an overloaded cache: the reply says which
         generation = self.exact_tier.generation
         cache = self.upstreams.cache
         try:
@@ -414,19 +513,26 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                     text=call.text,
                     mode=info.cache.mode,
                     threshold=info.cache.threshold,
+                    verify_target=info.cache.verify_target,
+                    verify_confidence=info.cache.verify_confidence,
                 ),
-                self.config.cache_budget_ms / 1e3,
+                self.admission.lookup_budget_s(call),
                 call.timings,
             )
         except HopError as err:
+            self.admission.lookup_finished(overran=err.code == grpc.StatusCode.DEADLINE_EXCEEDED)
             self.breaker.failure()
             call.cache.outcome = common_pb2.CACHE_OUTCOME_FAIL_OPEN
             call.fail_open_reason = err.code.name.lower()
             call.cache.detail = err.message
             log.warning("cache fail-open", extra={"reason": err.message})
             return None
+        self.admission.lookup_finished(overran=False)
         self.breaker.success()
-        if found.outcome not in (EXACT, SEMANTIC):
+        call.verify_id = found.verify_id
+        hit = found.outcome in (EXACT, SEMANTIC)
+        self.speculation.record(info.name, hit)
+        if not hit:
             call.cache.outcome = common_pb2.CACHE_OUTCOME_MISS
             return None
         call.cache.outcome = found.outcome
@@ -437,19 +543,32 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             self._keep_locally(call, found.prediction, time.time() - found.age_s, generation)
         return found.prediction
 
+    def _speculate(
+        self, call: PredictCall
+    ) -> asyncio.Future[tuple[common_pb2.Prediction, bool]] | None:
+        """The inference started now, beside the lookup, when the policy says it pays."""
+        # Only beside a lookup that will be made (allow() would take a half-open probe).
+        if not (call.use_cache and self.breaker.state == CircuitState.CLOSED):
+            return None
+        if not self.speculation.should(call.info.name):
+            return None
+        call.speculative = True
+        return asyncio.ensure_future(self._infer_once(call))
+
     def _record_outcome(self, call: PredictCall) -> None:
         """The one place a request's cache outcome is counted (GetStats reads these)."""
-        metrics.CACHE_OUTCOMES.labels(call.info.name, _outcome(call.cache.outcome)).inc()
+        _outcome_counter(call.info.name, _outcome(call.cache.outcome)).inc()
         if call.local:
             metrics.LOCAL_EXACT_HITS.inc()
         if call.cache.outcome == common_pb2.CACHE_OUTCOME_FAIL_OPEN:
             metrics.CACHE_FAIL_OPEN.labels(call.fail_open_reason).inc()
 
-    async def _infer_once(self, call: PredictCall) -> common_pb2.Prediction:
-        """An inference for this text, shared with identical plain misses running now."""
+    async def _infer_once(self, call: PredictCall) -> tuple[common_pb2.Prediction, bool]:
+        """An inference for this text, shared with identical plain misses running now, and
+        whether it ran for this request (the one that ran it stores the answer)."""
         if call.mode != common_pb2.CACHE_MODE_USE:
             # REFRESH and BYPASS ask for an inference of their own.
-            return await self._tokenize_infer_postprocess(call)
+            return await self._tokenize_infer_postprocess(call), True
         waited = time.perf_counter()
         prediction, shared = await self.coalescer.run(
             call.key, lambda: self._tokenize_infer_postprocess(call)
@@ -459,7 +578,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             metrics.COALESCED.inc()
             call.cache.coalesced = True
             call.timings["coalesced_wait"] = (time.perf_counter() - waited) * 1e3
-        return prediction
+        if call.speculative:
+            metrics.SPECULATIVE.labels("used").inc()
+        return prediction, not shared
 
     async def _tokenize_infer_postprocess(self, call: PredictCall) -> common_pb2.Prediction:
         metrics.INFERENCES.inc()
@@ -472,7 +593,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         inferred: inference_pb2.InferResponse = await call_hop(
             schema.SPAN_INFERENCE,
             inference.target,
-            inference.stub().Infer,
+            self.stages.infer if self.stages else inference.stub().Infer,
             inference_pb2.InferRequest(
                 model=info.name,
                 model_version=info.version,
@@ -487,7 +608,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         post: postprocess_pb2.PostprocessResponse = await call_hop(
             schema.SPAN_POSTPROCESS,
             postprocess.target,
-            postprocess.stub().Postprocess,
+            self.stages.postprocess if self.stages else postprocess.stub().Postprocess,
             postprocess_pb2.PostprocessRequest(
                 model=info.name,
                 model_version=info.version,
@@ -497,10 +618,45 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             call.timeout_s,
             call.timings,
         )
-        prediction = post.predictions[0]
-        if call.may_store:
-            self._store_later(call, prediction)
-        return prediction
+        return post.predictions[0]
+
+    async def _verify(
+        self,
+        call: PredictCall,
+        speculative: asyncio.Future[tuple[common_pb2.Prediction, bool]] | None,
+    ) -> None:
+        """The model's answer for a served semantic hit, reported to the cache (after the
+        reply: the cached answer is never delayed by it). A speculative run is reused."""
+        try:
+            if speculative is not None:
+                prediction, _ = await speculative
+            else:
+                prediction = await self._tokenize_infer_postprocess(call)
+        except HopError as err:
+            log.warning("verification inference failed", extra={"status": err.code.name})
+            return
+        await self._report(call, prediction)
+
+    def _report_later(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
+        """A candidate the cache did not serve yet: the model's answer is its evidence."""
+        if call.verify_id:
+            _spawn(self._report(call, prediction), self._stores)
+
+    async def _report(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
+        cache = self.upstreams.cache
+        try:
+            await call_hop(
+                schema.SPAN_CACHE_VERIFY,
+                cache.target,
+                cache.stub().ReportVerification,
+                cache_pb2.ReportVerificationRequest(
+                    verify_id=call.verify_id, prediction=prediction
+                ),
+                2.0,
+                {},
+            )
+        except HopError as err:
+            log.warning("verification report failed", extra={"status": err.code.name})
 
     def _store_later(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
         """Write the answer to the cache off the reply's path, if the model's policy wants it."""
@@ -568,6 +724,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 schema.CACHE_SIMILARITY: response.cache.similarity,
                 schema.CACHE_COALESCED: response.cache.coalesced,
                 schema.CACHE_LOCAL: call.local,
+                schema.SPECULATIVE: call.speculative,
             }
         )
         call.timings["total"] = (time.perf_counter() - call.started) * 1e3
@@ -577,8 +734,20 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         return response
 
 
+_OUTCOMES = {
+    number: name.removeprefix("CACHE_OUTCOME_").lower()
+    for name, number in common_pb2.CacheOutcome.items()
+}
+
+
 def _outcome(outcome: common_pb2.CacheOutcome.ValueType) -> str:
-    return common_pb2.CacheOutcome.Name(outcome).removeprefix("CACHE_OUTCOME_").lower()
+    return _OUTCOMES[outcome]
+
+
+@functools.lru_cache(maxsize=4096)
+def _outcome_counter(model: str, outcome: str) -> Any:
+    """The counter's child, resolved once per (model, outcome): labels() costs a lock."""
+    return metrics.CACHE_OUTCOMES.labels(model, outcome)
 
 
 def _spawn(coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from hopline.gateway.resilience import with_ejection
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import outgoing_metadata, tracer
 from hopline.protos.hopline.cache.v1 import cache_pb2_grpc
@@ -35,6 +36,9 @@ from hopline.protos.hopline.inference.v1 import inference_pb2_grpc
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2_grpc
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2_grpc
 from hopline.runtime.errors import StatusError
+from hopline.runtime.inproc import INPROC, InProcessService
+from hopline.runtime.service_table import ServiceName, spec
+from hopline.runtime.tls import ClientTls, TlsFiles, aio_channel, client_tls
 
 if TYPE_CHECKING:
     from hopline.gateway.service import GatewayConfig
@@ -68,11 +72,19 @@ class HopError(StatusError):
 # - Lookup, GetStats, ListModels: reads.
 # - Store: writes the entry under its exact key; a repeat writes the same entry over itself.
 # - Invalidate: deleting what is already deleted deletes nothing more.
+# - ReportVerification: an UNAVAILABLE attempt never reached the servicer, so the verify_id
+#   is still pending (on another replica it is unknown: NOT_FOUND, not retried).
 # WatchInvalidations is left out: a long-lived stream the local exact tier re-opens itself
 # (gateway/exact_tier.py), and gRPC could not retry it after its first message anyway.
 RETRY_METHODS: dict[str, tuple[str, ...]] = {
     "hopline.tokenizer.v1.TokenizerService": ("Tokenize",),
-    "hopline.cache.v1.CacheService": ("Lookup", "Store", "Invalidate", "GetStats"),
+    "hopline.cache.v1.CacheService": (
+        "Lookup",
+        "Store",
+        "Invalidate",
+        "GetStats",
+        "ReportVerification",
+    ),
     "hopline.inference.v1.InferenceService": ("Infer", "ListModels"),
     "hopline.postprocess.v1.PostprocessService": ("Postprocess",),
 }
@@ -183,13 +195,12 @@ class Upstream(Generic[StubT]):
         size: int,
         max_message_bytes: int,
         service_config: dict[str, Any] | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         self.hop = hop
         self.target = target
         self.channels = [
-            grpc.aio.insecure_channel(
-                target, options=channel_options(i, max_message_bytes, service_config)
-            )
+            aio_channel(target, tls, channel_options(i, max_message_bytes, service_config))
             for i in range(max(1, size))
         ]
         self._stubs = [stub(c) for c in self.channels]
@@ -201,6 +212,27 @@ class Upstream(Generic[StubT]):
     async def close(self) -> None:
         for channel in self.channels:
             await channel.close(grace=None)
+
+
+class CoLocated(Generic[StubT]):
+    """A service running in this process (address `inproc`), called through its own stub."""
+
+    def __init__(self, service: InProcessService, stub: Callable[[Any], StubT]) -> None:
+        self.service = service
+        self._stub = stub(service.channel)
+
+    @property
+    def target(self) -> str:
+        return INPROC
+
+    def stub(self) -> StubT:
+        return self._stub
+
+    async def start(self) -> None:
+        await self.service.start()
+
+    async def close(self) -> None:
+        await self.service.stop()
 
 
 class Pool(Protocol[StubT_co]):
@@ -231,45 +263,60 @@ class GatewayUpstreams:
 
     @classmethod
     def connect(cls, config: GatewayConfig) -> GatewayUpstreams:
-        n, size = config.channels_per_upstream, config.max_message_bytes
-        retries = config_retry_policy(config)
+        """Pools to the addresses in `config`; an address of `inproc` co-locates the service."""
+
+        def pool(
+            name: ServiceName, hop: str, addr: str, stub: Callable[[Any], StubT]
+        ) -> Pool[StubT]:
+            if addr == INPROC:
+                return CoLocated(InProcessService.load(spec(name)), stub)
+            return Upstream(
+                hop,
+                addr,
+                stub,
+                config.channels_per_upstream,
+                config.max_message_bytes,
+                with_ejection(config_retry_policy(config), config),
+                client_tls(TlsFiles.of(config, ServiceName.GATEWAY), name),
+            )
+
         return cls(
-            tokenizer=Upstream(
+            tokenizer=pool(
+                ServiceName.TOKENIZER,
                 schema.SPAN_TOKENIZE,
                 config.tokenizer_addr,
                 tokenizer_pb2_grpc.TokenizerServiceStub,
-                n,
-                size,
-                retries,
             ),
-            cache=Upstream(
+            cache=pool(
+                ServiceName.CACHE,
                 schema.SPAN_CACHE_LOOKUP,
                 config.cache_addr,
                 cache_pb2_grpc.CacheServiceStub,
-                n,
-                size,
-                retries,
             ),
-            inference=Upstream(
+            inference=pool(
+                ServiceName.INFERENCE,
                 schema.SPAN_INFERENCE,
                 config.inference_addr,
                 inference_pb2_grpc.InferenceServiceStub,
-                n,
-                size,
-                retries,
             ),
-            postprocess=Upstream(
+            postprocess=pool(
+                ServiceName.POSTPROCESS,
                 schema.SPAN_POSTPROCESS,
                 config.postprocess_addr,
                 postprocess_pb2_grpc.PostprocessServiceStub,
-                n,
-                size,
-                retries,
             ),
         )
 
+    @property
+    def pools(self) -> tuple[Pool[Any], ...]:
+        return (self.tokenizer, self.cache, self.inference, self.postprocess)
+
+    async def start(self) -> None:
+        """Start the co-located services (the gateway serves only once they do)."""
+        await asyncio.gather(*(p.start() for p in self.pools if isinstance(p, CoLocated)))
+
     async def close(self) -> None:
-        for upstream in (self.tokenizer, self.cache, self.inference, self.postprocess):
+        for upstream in self.pools:
             await upstream.close()
 
 

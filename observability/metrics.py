@@ -69,6 +69,24 @@ CACHE_FAIL_OPEN = Counter(
     "circuit-broken",
     ("reason",),
 )
+CACHE_LOOKUPS_SKIPPED = Counter(
+    "hopline_cache_lookups_skipped_total",
+    "Cache lookups the gateway skipped (gateway/admission.py): the deadline left no time for "
+    "one (deadline), or most recent lookups overran their budget (overloaded)",
+    ("reason",),
+)
+GATEWAY_REFUSED = Counter(
+    "hopline_gateway_refused_total",
+    "Requests the gateway refused at once: past its in-flight limit (in_flight, "
+    "RESOURCE_EXHAUSTED) or with too little deadline left for a model answer (deadline, "
+    "DEADLINE_EXCEEDED)",
+    ("reason",),
+)
+GATEWAY_IN_FLIGHT = Gauge(
+    "hopline_gateway_in_flight",
+    "Requests the gateway is working on, local-tier repeats aside (what its limit counts)",
+    (),
+)
 COALESCED = Counter(
     "hopline_coalesced_total", "Cache misses that shared another request's inference", ()
 )
@@ -84,6 +102,11 @@ GATEWAY_CALLS = Counter(
     "hopline_gateway_calls_total",
     "Gateway calls that carry several requests, by method (PredictStream, ModelInfer)",
     ("method",),
+)
+SPECULATIVE = Counter(
+    "hopline_gateway_speculative_inferences_total",
+    "Inferences started beside a cache lookup: used (a miss) or wasted (a hit cancelled it)",
+    ("result",),
 )
 INFERENCES = Counter(
     "hopline_gateway_inferences_total",
@@ -109,6 +132,22 @@ CACHE_LOOKUPS = Counter(
     "hopline_cache_lookups_total",
     "Cache service lookups by tier answered (exact, semantic, miss)",
     ("tier",),
+)
+CACHE_VERIFY_CANDIDATES = Counter(
+    "hopline_cache_verify_candidates_total",
+    "Semantic candidates decided by a verified-hit rule, by decision (serve, "
+    "serve_and_verify, verify_first, miss)",
+    ("model", "decision"),
+)
+CACHE_VERIFIED = Counter(
+    "hopline_cache_verified_total",
+    "Model answers reported for verified candidates, by result (agreed, disagreed)",
+    ("model", "result"),
+)
+CACHE_VERIFY_THRESHOLD = Gauge(
+    "hopline_cache_verify_threshold",
+    "The similarity a scope's verified-hit rule serves from now (held-back answers need more)",
+    ("tenant", "model", "model_version"),
 )
 BATCH_SIZE = Histogram(
     "hopline_batch_size",

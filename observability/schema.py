@@ -17,7 +17,13 @@ CACHE_OUTCOME = "hopline.cache.outcome"
 CACHE_SIMILARITY = "hopline.cache.similarity"
 CACHE_COALESCED = "hopline.cache.coalesced"
 CACHE_LOCAL = "hopline.cache.local"
+SPECULATIVE = "hopline.speculative"
+CACHE_SKIP_REASON = "hopline.cache.skip_reason"
+ADMISSION_REFUSED = "hopline.admission.refused"
 CACHE_CANDIDATES = "hopline.cache.candidates"
+CACHE_VERIFY_DECISION = "hopline.cache.verify.decision"
+CACHE_VERIFY_THRESHOLD = "hopline.cache.verify.threshold"
+CACHE_VERIFY_AGREED = "hopline.cache.verify.agreed"
 CACHE_ENTRIES = "hopline.cache.entries"
 BATCH_SIZE = "hopline.batch_size"
 TOKENS = "hopline.tokens"
@@ -34,7 +40,14 @@ ATTRIBUTES: dict[str, str] = {
     CACHE_SIMILARITY: "cosine similarity of the entry a hit served (1 for exact)",
     CACHE_COALESCED: "this miss waited for another identical request's inference",
     CACHE_LOCAL: "the gateway's local exact tier answered: no hop to the cache",
+    SPECULATIVE: "inference started beside the cache lookup (gateway/speculation.py)",
+    CACHE_SKIP_REASON: "why the gateway skipped the cache lookup: deadline or overloaded",
+    ADMISSION_REFUSED: "why the gateway refused the request at once: in_flight or deadline",
     CACHE_CANDIDATES: "entries the Milvus search returned for verification and agreement",
+    CACHE_VERIFY_DECISION: "a verified-hit rule's decision: serve, serve_and_verify, "
+    "verify_first or miss (cache/verify.py)",
+    CACHE_VERIFY_THRESHOLD: "the threshold the rule applied to this candidate's answer",
+    CACHE_VERIFY_AGREED: "whether the model's answer equalled the cached candidate's",
     CACHE_ENTRIES: "entries in one batched Milvus write",
     BATCH_SIZE: "texts in the model or embedder run",
     TOKENS: "tokens of the request's texts before padding",
@@ -57,7 +70,9 @@ SPAN_CACHE_EXACT = "cache.exact_read"
 SPAN_CACHE_EMBED = "cache.embed"
 SPAN_CACHE_SEARCH = "cache.search"
 SPAN_CACHE_WRITE = "cache.write"
+SPAN_CACHE_VERIFY = "cache_verify"
 SPAN_STREAM_MESSAGE = "gateway.stream_message"
+SPAN_STAGE_BATCH = "gateway.stage_batch"
 
 SPANS: dict[str, str] = {
     SPAN_TOKENIZE: "gateway client span: the call to the tokenizer",
@@ -71,6 +86,11 @@ SPANS: dict[str, str] = {
     SPAN_CACHE_EMBED: "cache: the query's embedding (may be shared with other lookups' batch)",
     SPAN_CACHE_SEARCH: "cache: the scope-filtered Milvus vector search",
     SPAN_CACHE_WRITE: "cache: one batched Milvus write; its own trace, linked to the stores",
+    SPAN_CACHE_VERIFY: "gateway client span: the model's answer reported for a verified "
+    "candidate (after the reply)",
+    SPAN_STAGE_BATCH: "gateway: one RPC carrying several requests' rows to a stage "
+    "(`hopline.hop` says which); in the first request's trace, linked from every request's hop "
+    "span",
     SPAN_STREAM_MESSAGE: "gateway: one request on a PredictStream, under the stream's server "
     "span; its hops' client spans are its children",
 }

@@ -12,19 +12,32 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, cast
 
 import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from hopline.observability import metrics, schema
 from hopline.runtime.interceptors import Behaviour, Context, RpcWrapper, StreamBehaviour
 
 log = logging.getLogger("hopline.tracing")
+
+
+# Share of traces exported when OTEL_TRACES_SAMPLER is unset (see setup_tracing).
+EXPORT_SAMPLE_RATIO = 0.1
+
+
+def default_sampler(exporting: bool, environ: Mapping[str, str]) -> Sampler | None:
+    """hopline's sampler when exporting without OTEL_TRACES_SAMPLER; None: the SDK's own
+    (OTEL_TRACES_SAMPLER, else every trace)."""
+    if exporting and not environ.get("OTEL_TRACES_SAMPLER"):
+        return ParentBased(TraceIdRatioBased(EXPORT_SAMPLE_RATIO))
+    return None
 
 
 def setup_tracing(service: str) -> None:
@@ -35,13 +48,24 @@ def setup_tracing(service: str) -> None:
     variant) is set; the standard OTEL_* variables configure the exporter, the batch
     processor and the sampler. With no endpoint nothing is exported and the spans cost only
     their creation.
+
+    When exporting with no OTEL_TRACES_SAMPLER set, the root of a trace (the gateway, for a
+    client that sends no `traceparent`) keeps EXPORT_SAMPLE_RATIO of traces and every other
+    process follows its decision, so a trace is whole or absent. Measured in README.md
+    "Tracing cost": exporting every trace cost the mesh more than the issue's budget; a
+    sampled-out request's spans are not recorded at all. A client that wants one request
+    traced sends a sampled `traceparent`; OTEL_TRACES_SAMPLER=parentbased_always_on keeps all.
     """
     name = os.environ.get("OTEL_SERVICE_NAME", service)
-    provider = TracerProvider(resource=Resource.create({"service.name": name}))
     endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
         "OTEL_EXPORTER_OTLP_ENDPOINT"
     )
-    if endpoint and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none":
+    exporting = bool(endpoint) and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none"
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": name}),
+        sampler=default_sampler(exporting, os.environ),
+    )
+    if exporting:
         # Imported only when exporting: it pulls in the OTLP protobufs.
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor

@@ -96,19 +96,24 @@ def wrap_handler(method: str, handler: Handler, wrappers: Sequence[RpcWrapper]) 
         deserializer = handler.request_deserializer
         if deserializer is not None:
             behaviour = decoding(method, deserializer, behaviour, kind)
-        for wrapper in reversed(wrappers):
-            wrapped = (
-                wrapper.wrap_stream(method, behaviour)
-                if streams
-                else wrapper.wrap(method, behaviour)
-            )
-            behaviour = wrapped or behaviour
         return build(  # type: ignore[no-any-return]
-            behaviour,
+            wrap_behaviour(method, behaviour, streams, wrappers),
             request_deserializer=None,  # raw bytes: `decoding` parses them
             response_serializer=handler.response_serializer,
         )
     return handler
+
+
+def wrap_behaviour(
+    method: str, behaviour: Any, streams: bool, wrappers: Sequence[RpcWrapper]
+) -> Any:
+    """`behaviour` under `wrappers`, the first one outermost (also for in-process calls)."""
+    for wrapper in reversed(wrappers):
+        wrapped = (
+            wrapper.wrap_stream(method, behaviour) if streams else wrapper.wrap(method, behaviour)
+        )
+        behaviour = wrapped or behaviour
+    return behaviour
 
 
 # -- request decoding -------------------------------------------------------------------------

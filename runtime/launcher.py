@@ -26,7 +26,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from hopline.runtime.service_table import SERVICES, ServiceName, spec
+from hopline.runtime.service_table import INPROC, SERVICES, ServiceName, spec
+from hopline.runtime.tls import ClientTls, channel, operator_tls
 
 log = logging.getLogger("hopline.launcher")
 
@@ -61,11 +62,11 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             probe.close()
 
 
-def health_status(target: str, timeout_s: float = 1.0) -> int | None:
+def health_status(target: str, timeout_s: float = 1.0, tls: ClientTls | None = None) -> int | None:
     """The grpc.health.v1 status of the server at `target`, or None if it does not answer."""
     try:
-        with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
+        with channel(target, tls) as chan:
+            reply = health_pb2_grpc.HealthStub(chan).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
             )
     except grpc.RpcError:
@@ -73,8 +74,8 @@ def health_status(target: str, timeout_s: float = 1.0) -> int | None:
     return int(reply.status)
 
 
-def is_serving(target: str, timeout_s: float = 1.0) -> bool:
-    return health_status(target, timeout_s) == SERVING
+def is_serving(target: str, timeout_s: float = 1.0, tls: ClientTls | None = None) -> bool:
+    return health_status(target, timeout_s, tls) == SERVING
 
 
 def _die_with_parent() -> None:
@@ -156,9 +157,15 @@ class Mesh:
         path = self.log_dir / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def colocated(self, name: str) -> bool:
+        """Whether `name` runs inside the gateway (address `inproc`): no process of its own."""
+        return name != ServiceName.GATEWAY and self.addrs[name] == INPROC
+
     def spawn(self, names: Iterable[str] = ALL) -> None:
-        """Start the processes without waiting for them to serve."""
+        """Start the processes without waiting for them to serve (none for co-located ones)."""
         for name in names:
+            if self.colocated(name):
+                continue
             env = dict(self.env)
             if name in self.metrics_ports:
                 env["HOPLINE_METRICS_PORT"] = str(self.metrics_ports[name])
@@ -206,8 +213,12 @@ class Mesh:
                 raise MeshError(f"not ready in time: {what}{logs}")
             time.sleep(0.1)
 
+    def client_tls(self, name: str) -> ClientTls | None:
+        """How the launcher dials `name`: with the operator's certificate when TLS is on."""
+        return operator_tls(name, self.env)
+
     def _serving(self, name: str) -> Callable[[], bool]:
-        return lambda: health_status(self.addrs[name]) == SERVING
+        return lambda: health_status(self.addrs[name], tls=self.client_tls(name)) == SERVING
 
     def wait_serving(self, name: str, timeout_s: float = 120.0) -> None:
         self.wait_until(f"{name} SERVING", self._serving(name), time.monotonic() + timeout_s)
@@ -215,8 +226,8 @@ class Mesh:
     def local_tier_live(self) -> bool:
         """Whether the gateway's local exact tier serves (its watch on the cache connected)."""
         try:
-            with grpc.insecure_channel(self.gateway) as channel:
-                stats = gateway_pb2_grpc.GatewayServiceStub(channel).GetStats(
+            with channel(self.gateway, self.client_tls(ServiceName.GATEWAY)) as chan:
+                stats = gateway_pb2_grpc.GatewayServiceStub(chan).GetStats(
                     gateway_pb2.GetStatsRequest(), timeout=1.0
                 )
         except grpc.RpcError:
@@ -239,7 +250,7 @@ class Mesh:
         """
         names = tuple(names)
         deadline = time.monotonic() + timeout_s
-        upstreams = [n for n in names if n != ServiceName.GATEWAY]
+        upstreams = [n for n in names if n != ServiceName.GATEWAY and not self.colocated(n)]
         local_tier = self.service_env_value("gateway", "HOPLINE_GATEWAY_EXACT_ENTRIES") != "0"
         try:
             self.spawn(upstreams)
@@ -248,7 +259,10 @@ class Mesh:
             if ServiceName.GATEWAY in names:
                 self.spawn([ServiceName.GATEWAY])
                 self.wait_until(
-                    "gateway SERVING", lambda: is_serving(self.gateway), deadline, stopping
+                    "gateway SERVING",
+                    lambda: is_serving(self.gateway, tls=self.client_tls(ServiceName.GATEWAY)),
+                    deadline,
+                    stopping,
                 )
                 if ServiceName.CACHE in names and local_tier:
                     self.wait_until(

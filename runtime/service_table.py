@@ -14,6 +14,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+# An upstream address that places the service inside its caller's process
+# (hopline.runtime.inproc): the launcher starts no process for it, the gateway runs its servicer.
+INPROC = "inproc"
+
 
 class ServiceName(enum.StrEnum):
     TOKENIZER = "tokenizer"
@@ -39,6 +43,10 @@ class ServiceSpec:
 
     def address(self, environ: Mapping[str, str] = os.environ) -> str:
         return environ.get(self.addr_env) or self.default_addr
+
+    def colocated(self, environ: Mapping[str, str] = os.environ) -> bool:
+        """Whether callers run this service in their own process (its address is `inproc`)."""
+        return self.name != ServiceName.GATEWAY and self.address(environ) == INPROC
 
     def load(self) -> tuple[type[Any], type[Any]]:
         """(config class, servicer class), importing only this service's module."""
@@ -102,3 +110,25 @@ def spec(name: str) -> ServiceSpec:
     except ValueError:
         known = ", ".join(s.name for s in SERVICES)
         raise ValueError(f"unknown service {name!r} (one of: {known})") from None
+
+
+class Topology(enum.StrEnum):
+    """Where the gateway's upstreams run (`hopline run --topology`, the tests, bench).
+
+    COLOCATED runs the stateless stages inside the gateway (address `inproc`,
+    hopline.runtime.inproc) and keeps the cache, which holds state every gateway shares, in a
+    process of its own. README.md "Placement" gives the measurements behind the default.
+    """
+
+    FIVE_PROCESS = "five-process"
+    COLOCATED = "colocated"
+
+    @property
+    def colocated(self) -> tuple[ServiceName, ...]:
+        if self is Topology.COLOCATED:
+            return (ServiceName.TOKENIZER, ServiceName.INFERENCE, ServiceName.POSTPROCESS)
+        return ()
+
+    def addrs(self) -> dict[str, str]:
+        """The upstream addresses that place this topology's services in the gateway."""
+        return {name: INPROC for name in self.colocated}

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from harness import Mesh
+from harness import Mesh, Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
@@ -40,14 +40,26 @@ def reference() -> list[dict[str, Any]]:
     return records
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A module with `MESH_TOPOLOGIES = harness.TOPOLOGIES` runs every test that uses the mesh
+    (directly or through another fixture) once per topology, one mesh per topology."""
+    topologies = getattr(metafunc.module, "MESH_TOPOLOGIES", None)
+    if topologies and "mesh" in metafunc.fixturenames:
+        metafunc.parametrize("mesh", topologies, indirect=True, scope="module", ids=str)
+
+
 @pytest.fixture(scope="module")
-def mesh(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """The five services on free ports over a copy of the default repository."""
-    work = tmp_path_factory.mktemp("mesh")
+def mesh(
+    default_repo: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Mesh]:
+    """The mesh on free ports over a copy of the default repository: five processes, or the
+    topology a module parametrizes it with (harness.TOPOLOGIES)."""
+    topology: Topology = getattr(request, "param", Topology.FIVE_PROCESS)
+    work = tmp_path_factory.mktemp(f"mesh-{topology}")
     repo = work / "models"
     repo.mkdir()
     shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
-    m = Mesh(repo, work)
+    m = Mesh(repo, work, addrs=topology.addrs())
     try:
         yield m.start()
     finally:

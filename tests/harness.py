@@ -4,18 +4,26 @@ folder per mesh, quick start-up settings, and reads of the gateway's and cache's
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Self
 
 import grpc
 from grpc_health.v1 import health_pb2
+from milvus_server import MilvusKind, MilvusServer, chosen_kind, lane_env
 
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime import launcher
 from hopline.runtime.launcher import ALL, free_ports
 from hopline.runtime.launcher import health_status as health
+from hopline.runtime.service_table import Topology
 
-__all__ = ["ALL", "NOT_SERVING", "SERVING", "Mesh", "free_port", "health"]
+__all__ = ["ALL", "NOT_SERVING", "SERVING", "TOPOLOGIES", "Mesh", "Topology", "free_port", "health"]
+
+# A test module that must pass in every placement says `MESH_TOPOLOGIES = TOPOLOGIES`
+# (conftest.py:pytest_generate_tests).
+TOPOLOGIES = tuple(Topology)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -42,6 +50,20 @@ class Mesh(launcher.Mesh):
     ) -> None:
         # `addrs` overrides some, e.g. unix:PATH sockets for co-located services.
         ports = iter(free_ports(2 * len(ALL)))
+        # HOPLINE_TEST_MILVUS=lite-server|standalone: this mesh's cache reaches a Milvus
+        # server of its own by URI instead of milvus-lite by file (tests/milvus_server.py).
+        kind = chosen_kind()
+        self.milvus: MilvusServer | None = None
+        if kind is not MilvusKind.FILE and "HOPLINE_CACHE_URI" not in env:
+            self.milvus = MilvusServer(workdir / "milvus", kind)
+            # With a server URI the verifier's state would default to the shared work dir.
+            verify = str(workdir / "cache.verify.sqlite")
+            env = {
+                "HOPLINE_CACHE_VERIFY_STATE": verify,
+                **lane_env(kind),
+                **env,
+                "HOPLINE_CACHE_URI": self.milvus.uri,
+            }
         super().__init__(
             repo,
             addrs={name: f"127.0.0.1:{next(ports)}" for name in ALL} | (addrs or {}),
@@ -53,6 +75,21 @@ class Mesh(launcher.Mesh):
             log_dir=workdir,
         )
         self.workdir = workdir
+
+    def start(
+        self,
+        names: Iterable[str] = ALL,
+        timeout_s: float = 120.0,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> Self:
+        if self.milvus is not None and self.milvus.process is None:
+            self.milvus.start()
+        return super().start(names, timeout_s, stopping)
+
+    def stop(self, timeout_s: float = launcher.STOP_TIMEOUT_S) -> None:
+        super().stop(timeout_s)
+        if self.milvus is not None:
+            self.milvus.stop()
 
     def gateway_counters(self) -> dict[str, int | str]:
         """The gateway's GetStats counters, plus its cache circuit state as `circuit`."""
@@ -78,7 +115,8 @@ class Mesh(launcher.Mesh):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             idle = self.gateway_counters()["stores_in_flight"] == 0
-            if idle and self.cache_stats().pending_writes == 0:
+            # A co-located cache has no port to ask; its accepted stores already answer.
+            if idle and (self.colocated("cache") or self.cache_stats().pending_writes == 0):
                 return
             time.sleep(0.05)
         raise AssertionError(f"cache stores did not land within {timeout_s} s")

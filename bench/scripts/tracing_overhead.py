@@ -30,6 +30,7 @@ import numpy as np
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime.launcher import Mesh, free_ports
+from hopline.runtime.service_table import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
 JAEGER_CONFIG = """
@@ -54,10 +55,10 @@ exporters:
 """
 
 
-def start_mesh(repo: Path, work: Path, extra: dict[str, str]) -> Mesh:
-    return Mesh.on_free_ports(repo, work, env={"HOPLINE_LOG_LEVEL": "warning", **extra}).start(
-        timeout_s=180.0
-    )
+def start_mesh(repo: Path, work: Path, extra: dict[str, str], topology: Topology) -> Mesh:
+    return Mesh.on_free_ports(
+        repo, work, addrs=topology.addrs(), env={"HOPLINE_LOG_LEVEL": "warning", **extra}
+    ).start(timeout_s=180.0)
 
 
 def cpu_s(pid: int) -> float:
@@ -104,7 +105,11 @@ def main() -> None:
     parser.add_argument(
         "--sample-ratio",
         type=float,
-        help="head sampling for the 'on' variant (parentbased_traceidratio); default all",
+        help="head sampling for the 'on' variant (parentbased_traceidratio); default: "
+        "hopline's own (observability/tracing.py:EXPORT_SAMPLE_RATIO)",
+    )
+    parser.add_argument(
+        "--topology", type=Topology, default=Topology.COLOCATED, choices=list(Topology)
     )
     args = parser.parse_args()
 
@@ -141,7 +146,7 @@ def main() -> None:
                 )
                 run_dir = work / f"{variant}{rnd}"
                 run_dir.mkdir()
-                mesh = start_mesh(args.model_repo, run_dir, extra)
+                mesh = start_mesh(args.model_repo, run_dir, extra, args.topology)
                 gateway, procs = mesh.gateway, list(mesh.procs.values())
                 try:
                     asyncio.run(load(gateway, args.concurrency, args.warmup, f"w{rnd}{variant}"))

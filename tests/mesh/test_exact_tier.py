@@ -7,10 +7,13 @@ import time
 
 import grpc
 
-from harness import Mesh
+from harness import TOPOLOGIES, Mesh
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+# Every test here passes with the stateless stages in their own processes and in the gateway.
+MESH_TOPOLOGIES = TOPOLOGIES
 
 LOCAL = "answered by the gateway's local exact tier"
 EXACT = common_pb2.CACHE_OUTCOME_EXACT

@@ -31,10 +31,13 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from conftest import DEFAULT_MODEL
-from harness import Mesh
+from harness import TOPOLOGIES, Mesh
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+# Every test here passes with the stateless stages in their own processes and in the gateway.
+MESH_TOPOLOGIES = TOPOLOGIES
 
 TEXTS = [
     "I forgot my password and can't log in",

@@ -10,7 +10,10 @@ from typing import Any
 
 import pytest
 
-from harness import Mesh
+from harness import TOPOLOGIES, Mesh
+
+# Every test here passes with the stateless stages in their own processes and in the gateway.
+MESH_TOPOLOGIES = TOPOLOGIES
 
 OBVIOUS = {
     "I forgot my password and can't log in": "password_reset",

@@ -129,7 +129,12 @@ def traffic(mesh: Mesh, service: str, run: Run, survivor_metrics: int) -> None:
 
 
 def run_with_replicas(
-    repo: Path, tmp_path: Path, state: dict[str, object], service: str, attempts: int
+    repo: Path,
+    tmp_path: Path,
+    state: dict[str, object],
+    service: str,
+    attempts: int,
+    batch_rows: int = 1,
 ) -> Run:
     """A mesh whose `service` runs twice, traffic through it, one replica SIGKILLed."""
     ports = (free_port(), free_port())
@@ -142,6 +147,7 @@ def run_with_replicas(
             "gateway": {
                 spec(service).addr_env: f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
                 "HOPLINE_UPSTREAM_RETRY_ATTEMPTS": str(attempts),
+                "HOPLINE_GATEWAY_BATCH_MAX_ROWS": str(batch_rows),
             }
         },
         **LEAN,
@@ -174,16 +180,21 @@ def run_with_replicas(
         mesh.stop()
 
 
+@pytest.mark.parametrize("batch_rows", [1, 32], ids=["one-rpc-per-request", "gateway-batching"])
 @pytest.mark.parametrize("service", ["inference", "tokenizer"])
 def test_sigkill_of_one_of_two_replicas_fails_no_request(
-    repo: Path, tmp_path: Path, second_replica: dict[str, object], service: str
+    repo: Path, tmp_path: Path, second_replica: dict[str, object], service: str, batch_rows: int
 ) -> None:
-    run = run_with_replicas(repo, tmp_path, second_replica, service, attempts=3)
+    run = run_with_replicas(repo, tmp_path, second_replica, service, 3, batch_rows)
     assert run.sent == REQUESTS
     assert 0 < run.killed_after < REQUESTS
     assert run.failures == {}, f"{len(run.failures)} of {run.sent} failed: {run.failures}"
-    # Every request after the kill was answered by the one replica left.
-    assert run.survivor_calls_after_kill >= REQUESTS - run.killed_after
+    if batch_rows == 1:
+        # Every request after the kill was answered by the one replica left: one RPC each.
+        assert run.survivor_calls_after_kill >= REQUESTS - run.killed_after
+    else:
+        # Batched RPCs carry several requests: the replica left still answered after the kill.
+        assert run.survivor_calls_after_kill > 0
 
 
 def test_without_retries_a_lost_replica_costs_only_clear_unavailables(

@@ -12,8 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from harness import NOT_SERVING, Mesh, health
+from harness import NOT_SERVING, TOPOLOGIES, Mesh, health
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+# Every test here passes with the stateless stages in their own processes and in the gateway.
+MESH_TOPOLOGIES = TOPOLOGIES
 
 OK = grpc.StatusCode.OK.value[0]
 

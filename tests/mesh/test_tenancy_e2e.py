@@ -15,9 +15,12 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import Mesh
+from harness import TOPOLOGIES, Mesh
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+# Every test here passes with the stateless stages in their own processes and in the gateway.
+MESH_TOPOLOGIES = TOPOLOGIES
 
 EXACT = common_pb2.CACHE_OUTCOME_EXACT
 MISS = common_pb2.CACHE_OUTCOME_MISS

@@ -115,6 +115,11 @@ def traced(
         service_env={"postprocess": {"HOPLINE_TEST_DELAY_MS": str(DELAY_MS)}},
         OTEL_EXPORTER_OTLP_ENDPOINT=jaeger["otlp"],
         OTEL_BSP_SCHEDULE_DELAY="100",
+        # Every trace (hopline samples 10% by default when exporting), and one RPC per
+        # request: this module pins down the per-request tree; batch spans are checked in
+        # tests/unit/test_stage_batching.py.
+        OTEL_TRACES_SAMPLER="parentbased_always_on",
+        HOPLINE_GATEWAY_BATCH_MAX_ROWS="1",
         HOPLINE_CACHE_BUDGET_MS="2000",
     )
     try:

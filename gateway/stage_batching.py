@@ -1,0 +1,415 @@
+"""Gateway batching: misses waiting for the same stage at the same moment share one RPC.
+
+Each stage (tokenize, inference, postprocess) keeps at most `in_flight` RPCs on their way per
+batch key (model, version, and for postprocess top_k). A request that finds a free slot is
+sent at once, alone: a lone request waits for nothing. Requests that arrive while every slot
+is taken queue, and go together, up to `max_rows`, in the RPC that the next free slot sends.
+So under load the per-RPC cost (serialisation, a round trip, a server's per-call work) is paid
+per batch, and at rest nothing changes.
+
+Each request keeps its own hop span and timing (gateway/upstream.py:call_hop calls
+`BatchedStage` like a stub method), the batch RPC gets a span of its own linked to every
+request's, and the upstream's server span is the batch span's child. A batch that fails
+with a status about its content (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED) is sent
+again row by row, so a bad row fails only its own request; a failure of the upstream itself
+(UNAVAILABLE, DEADLINE_EXCEEDED, ...) reaches every row, as it would have one by one.
+
+Rows are cut back to their own length when a batch is split (the tokenizer pads a batch to
+its longest text), so a batched row is the same tensor a single request would have carried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import Any, Generic, TypeVar
+
+import grpc
+import numpy as np
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Link, SpanKind
+
+from hopline.gateway.upstream import GatewayUpstreams
+from hopline.observability import metrics, schema
+from hopline.observability.tracing import outgoing_metadata, tracer
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.inference.v1 import inference_pb2
+from hopline.protos.hopline.postprocess.v1 import postprocess_pb2
+from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
+from hopline.runtime.batching import DEFAULT_BUCKETS
+from hopline.runtime.tensors import from_tensor, to_tensor
+
+log = logging.getLogger("hopline.gateway.stage_batching")
+
+# Token lengths rows are grouped by for the inference stage: the models' default buckets.
+LENGTH_BUCKETS = DEFAULT_BUCKETS
+
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+
+# Statuses that can be about one row's content: the batch is retried row by row.
+ROW_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
+
+
+@dataclasses.dataclass
+class _Row(Generic[Req, Rep]):
+    request: Req
+    deadline: float  # monotonic
+    metadata: tuple[tuple[str, str | bytes], ...]
+    reply: asyncio.Future[Rep]
+
+
+class Codec(Generic[Req, Rep]):
+    """How one stage's single requests become one request, and its reply becomes theirs."""
+
+    def key(self, request: Req) -> Hashable:
+        raise NotImplementedError
+
+    def merge(self, requests: Sequence[Req]) -> Req:
+        raise NotImplementedError
+
+    def split(self, requests: Sequence[Req], reply: Rep) -> list[Rep]:
+        raise NotImplementedError
+
+
+class BatchedStage(Generic[Req, Rep]):
+    """Called like a grpc.aio stub method; sends rows together when the stage is busy."""
+
+    def __init__(
+        self,
+        hop: str,
+        send: Callable[[], Callable[..., Awaitable[Rep]]],
+        codec: Codec[Req, Rep],
+        in_flight: int,
+        max_rows: Callable[[Req], int],
+    ) -> None:
+        self.hop = hop
+        self._send = send  # the next stub method (a pool picks the channel per call)
+        self._codec = codec
+        self._in_flight = max(1, in_flight)
+        self._max_rows = max_rows
+        self._busy: dict[Hashable, int] = {}
+        self._queues: dict[Hashable, list[_Row[Req, Rep]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def __call__(
+        self,
+        request: Req,
+        *,
+        timeout: float,  # noqa: ASYNC109 (a stub's signature: the call's deadline)
+        metadata: Sequence[tuple[str, str | bytes]] = (),
+        **_: Any,
+    ) -> Rep:
+        row: _Row[Req, Rep] = _Row(
+            request,
+            time.monotonic() + timeout,
+            tuple(metadata),
+            asyncio.get_running_loop().create_future(),
+        )
+        key = self._codec.key(request)
+        self._queues.setdefault(key, []).append(row)
+        self._pump(key)
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(row.reply)
+        except TimeoutError:
+            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        finally:
+            row.reply.cancel()  # given up (or answered: then a no-op): not sent if still queued
+
+    def _pump(self, key: Hashable) -> None:
+        """Send what is queued for `key` while it has free slots."""
+        queue = self._queues.get(key)
+        while queue and self._busy.get(key, 0) < self._in_flight:
+            live = [r for r in queue if not r.reply.done()]  # a waiter may have given up
+            limit = max(1, self._max_rows(live[0].request)) if live else 1
+            rows, queue[:] = live[:limit], live[limit:]
+            if not rows:
+                break
+            self._busy[key] = self._busy.get(key, 0) + 1
+            if len(rows) > 1:
+                model = key[0] if isinstance(key, tuple) else key
+                metrics.BATCH_SIZE.labels(f"gateway.{self.hop}", str(model)).observe(len(rows))
+            task = asyncio.create_task(self._run(key, rows))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        if not queue:
+            self._queues.pop(key, None)
+
+    async def _run(self, key: Hashable, rows: list[_Row[Req, Rep]]) -> None:
+        try:
+            await self._send_rows(rows)
+        finally:
+            self._busy[key] -= 1
+            if self._busy[key] == 0:
+                del self._busy[key]
+            self._pump(key)
+
+    async def _send_rows(self, rows: list[_Row[Req, Rep]]) -> None:
+        timeout = max(r.deadline for r in rows) - time.monotonic()
+        if len(rows) == 1:  # alone: the request goes as it came, under its own span
+            await _settle(rows, self._call(rows[0].request, timeout, rows[0].metadata))
+            return
+        contexts = [propagate.extract(dict(r.metadata)) for r in rows]
+        with tracer().start_as_current_span(
+            schema.SPAN_STAGE_BATCH,
+            context=contexts[0],  # in the first request's trace, linked from every request's
+            kind=SpanKind.INTERNAL,
+            links=[Link(trace.get_current_span(c).get_span_context()) for c in contexts],
+            attributes={schema.HOP: self.hop, schema.BATCH_SIZE: len(rows)},
+        ):
+            parts = await self._batch_parts(rows, timeout)
+        if parts is None:  # a row's content may be at fault: each goes again alone
+            await asyncio.gather(*(self._send_rows([r]) for r in rows))
+            return
+        for row, part in zip(rows, parts, strict=False):  # [] after _fail
+            if not row.reply.done():
+                row.reply.set_result(part)
+
+    async def _batch_parts(self, rows: list[_Row[Req, Rep]], budget_s: float) -> list[Rep] | None:
+        """Each row's part of one batched reply; None when the batch must go row by row."""
+        requests = [r.request for r in rows]
+        try:
+            merged = self._codec.merge(requests)
+        except ValueError:  # rows that do not stack (shapes, dtypes): the upstream says which
+            return None
+        try:
+            reply = await self._call(merged, budget_s, outgoing_metadata())
+        except grpc.aio.AioRpcError as err:
+            if err.code() in ROW_CODES:
+                return None
+            _fail(rows, err)  # the upstream's own failure: every row would have met it
+            return []
+        try:
+            return self._codec.split(requests, reply)
+        except ValueError:
+            return None
+
+    async def _call(
+        self, request: Req, budget_s: float, metadata: Sequence[tuple[str, str | bytes]]
+    ) -> Rep:
+        if budget_s <= 0:
+            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        return await self._send()(request, timeout=budget_s, metadata=tuple(metadata))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+
+async def _settle(rows: Sequence[_Row[Req, Rep]], call: Awaitable[Rep]) -> None:
+    try:
+        reply = await call
+    except grpc.aio.AioRpcError as err:
+        _fail(rows, err)
+        return
+    except Exception as exc:  # not a status: what a remote caller would have got as UNKNOWN
+        log.exception("stage call raised")
+        _fail(rows, _rpc_error(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}"))
+        return
+    for row in rows:
+        if not row.reply.done():
+            row.reply.set_result(reply)
+
+
+def _fail(rows: Sequence[_Row[Any, Any]], err: grpc.aio.AioRpcError) -> None:
+    for row in rows:
+        if not row.reply.done():
+            row.reply.set_exception(err)
+            row.reply.exception()  # retrieved: a waiter that gave up must not warn
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details, None)
+
+
+# -- the three stages -------------------------------------------------------------------------
+
+
+def _rows_of(tensor: common_pb2.Tensor) -> list[np.ndarray[Any, Any]]:
+    return list(from_tensor(tensor))
+
+
+def _stack(name: str, rows: Sequence[np.ndarray[Any, Any]]) -> common_pb2.Tensor:
+    """Rows of different lengths padded with zeros to the longest (mask 0: not attended)."""
+    width = max(r.shape[-1] for r in rows)
+    out = np.zeros((len(rows), width), dtype=rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[-1]] = r
+    return to_tensor(name, out)
+
+
+class TokenizeCodec(Codec[tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeResponse]):
+    def key(self, request: tokenizer_pb2.TokenizeRequest) -> Hashable:
+        return (request.model, request.model_version)
+
+    def merge(
+        self, requests: Sequence[tokenizer_pb2.TokenizeRequest]
+    ) -> tokenizer_pb2.TokenizeRequest:
+        first = requests[0]
+        return tokenizer_pb2.TokenizeRequest(
+            model=first.model,
+            model_version=first.model_version,
+            texts=[t for r in requests for t in r.texts],
+        )
+
+    def split(
+        self,
+        requests: Sequence[tokenizer_pb2.TokenizeRequest],
+        reply: tokenizer_pb2.TokenizeResponse,
+    ) -> list[tokenizer_pb2.TokenizeResponse]:
+        ids, mask = from_tensor(reply.input_ids), from_tensor(reply.attention_mask)
+        parts = []
+        for i in range(len(requests)):
+            length = int(mask[i].sum())  # the batch pads every row to its longest
+            parts.append(
+                tokenizer_pb2.TokenizeResponse(
+                    input_ids=to_tensor(reply.input_ids.name, ids[i : i + 1, :length]),
+                    attention_mask=to_tensor(reply.attention_mask.name, mask[i : i + 1, :length]),
+                )
+            )
+        return parts
+
+
+class InferCodec(Codec[inference_pb2.InferRequest, inference_pb2.InferResponse]):
+    def key(self, request: inference_pb2.InferRequest) -> Hashable:
+        # Rows of like length only: one request is one padded run at the inference service,
+        # so a 9-token text must not be padded to a 200-token one.
+        length = int(request.inputs[0].shape[-1]) if request.inputs else 0
+        bucket = next((b for b in LENGTH_BUCKETS if length <= b), length)
+        return (request.model, request.model_version, tuple(request.outputs), bucket)
+
+    def merge(self, requests: Sequence[inference_pb2.InferRequest]) -> inference_pb2.InferRequest:
+        first = requests[0]
+        inputs = [
+            _stack(spec.name, [row for r in requests for row in _rows_of(r.inputs[i])])
+            for i, spec in enumerate(first.inputs)
+        ]
+        return inference_pb2.InferRequest(
+            model=first.model,
+            model_version=first.model_version,
+            inputs=inputs,
+            outputs=first.outputs,
+        )
+
+    def split(
+        self, requests: Sequence[inference_pb2.InferRequest], reply: inference_pb2.InferResponse
+    ) -> list[inference_pb2.InferResponse]:
+        outputs = [from_tensor(t) for t in reply.outputs]
+        parts, start = [], 0
+        for request in requests:
+            rows = int(request.inputs[0].shape[0])
+            parts.append(
+                inference_pb2.InferResponse(
+                    outputs=[
+                        to_tensor(t.name, out[start : start + rows])
+                        for t, out in zip(reply.outputs, outputs, strict=True)
+                    ],
+                    queue_ms=reply.queue_ms,
+                    compute_ms=reply.compute_ms,
+                )
+            )
+            start += rows
+        return parts
+
+
+class PostprocessCodec(
+    Codec[postprocess_pb2.PostprocessRequest, postprocess_pb2.PostprocessResponse]
+):
+    def key(self, request: postprocess_pb2.PostprocessRequest) -> Hashable:
+        names = tuple(t.name for t in request.outputs)
+        return (request.model, request.model_version, request.top_k, names)
+
+    def merge(
+        self, requests: Sequence[postprocess_pb2.PostprocessRequest]
+    ) -> postprocess_pb2.PostprocessRequest:
+        first = requests[0]
+        outputs = [
+            to_tensor(t.name, np.concatenate([from_tensor(r.outputs[i]) for r in requests]))
+            for i, t in enumerate(first.outputs)
+        ]
+        return postprocess_pb2.PostprocessRequest(
+            model=first.model,
+            model_version=first.model_version,
+            outputs=outputs,
+            top_k=first.top_k,
+        )
+
+    def split(
+        self,
+        requests: Sequence[postprocess_pb2.PostprocessRequest],
+        reply: postprocess_pb2.PostprocessResponse,
+    ) -> list[postprocess_pb2.PostprocessResponse]:
+        parts, start = [], 0
+        for request in requests:
+            rows = int(request.outputs[0].shape[0])
+            parts.append(
+                postprocess_pb2.PostprocessResponse(
+                    predictions=reply.predictions[start : start + rows]
+                )
+            )
+            start += rows
+        return parts
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayStages:
+    """The three batched stages over the gateway's upstream pools."""
+
+    tokenize: BatchedStage[tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeResponse]
+    infer: BatchedStage[inference_pb2.InferRequest, inference_pb2.InferResponse]
+    postprocess: BatchedStage[
+        postprocess_pb2.PostprocessRequest, postprocess_pb2.PostprocessResponse
+    ]
+
+    @classmethod
+    def over(
+        cls,
+        upstreams: GatewayUpstreams,
+        in_flight: int,
+        max_rows: int,
+        model_rows: Callable[[str, str], int],
+    ) -> GatewayStages:
+        """`model_rows(model, version)`: the most rows the model takes in one run (0: unknown)."""
+
+        def infer_rows(request: inference_pb2.InferRequest) -> int:
+            return min(max_rows, model_rows(request.model, request.model_version) or max_rows)
+
+        return cls(
+            tokenize=BatchedStage(
+                schema.SPAN_TOKENIZE,
+                lambda: upstreams.tokenizer.stub().Tokenize,
+                TokenizeCodec(),
+                in_flight,
+                lambda _: max_rows,
+            ),
+            infer=BatchedStage(
+                schema.SPAN_INFERENCE,
+                lambda: upstreams.inference.stub().Infer,
+                InferCodec(),
+                in_flight,
+                infer_rows,
+            ),
+            postprocess=BatchedStage(
+                schema.SPAN_POSTPROCESS,
+                lambda: upstreams.postprocess.stub().Postprocess,
+                PostprocessCodec(),
+                in_flight,
+                lambda _: max_rows,
+            ),
+        )
+
+    async def close(self) -> None:
+        for stage in (self.tokenize, self.infer, self.postprocess):
+            await stage.close()

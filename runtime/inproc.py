@@ -1,0 +1,223 @@
+"""Co-location by address: a service's servicer running inside its caller's process.
+
+`HOPLINE_<NAME>_ADDR=inproc` on the gateway runs that service in the gateway's process and
+calls it through the service's own generated stub over `InProcessChannel`, as gRPC's
+in-process transports do in other languages: the caller's code is the same for both
+placements (a stub, a request, a timeout, metadata; AioRpcError on failure), so hop spans,
+hop timings, retries' absence and error mapping read the same in a trace.
+
+What a call skips: serialisation, HTTP/2 framing, the socket and the server's thread hop.
+What it keeps: the server side's wrappers (readiness gate, server span parented on the
+caller's `traceparent`, the RPC's metrics), the deadline (the servicer sees it as
+`time_remaining()`, and a call that overruns it ends DEADLINE_EXCEEDED), and aborts as
+statuses. Requests and replies are handed over as objects, not copies: neither side may
+change a message after handing it over (no hopline code does; replies were already shared
+between coalesced requests).
+
+The service's start-up (`start`) and shutdown (`stop`) run in the caller's: the gateway is
+not SERVING until its co-located services are, and stops them after its own drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, NoReturn, cast
+
+import grpc
+
+from hopline.observability.tracing import ServerTracing
+from hopline.runtime import config as cfg
+from hopline.runtime.interceptors import Context, Handler, RpcWrapper, wrap_behaviour
+from hopline.runtime.server import ReadinessGate, Service
+from hopline.runtime.service_table import INPROC, ServiceSpec
+
+log = logging.getLogger("hopline.runtime.inproc")
+
+__all__ = ["INPROC", "InProcessChannel", "InProcessService"]
+
+
+class _Aborted(Exception):
+    """What `context.abort` raises in-process (grpc.aio's AbortError is an Exception too)."""
+
+
+class _Context:
+    """The part of grpc.aio.ServicerContext hopline's servicers and wrappers use."""
+
+    def __init__(self, metadata: Sequence[tuple[str, str | bytes]], timeout: float | None):
+        self._metadata = tuple(metadata)
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def peer(self) -> str:
+        return INPROC
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", *_: Any) -> NoReturn:
+        self._code, self._details = code, details
+        raise _Aborted(details)
+
+    def failure(self, exc: BaseException) -> grpc.aio.AioRpcError:
+        """The AioRpcError a remote caller would have got for `exc` ending the RPC."""
+        if isinstance(exc, _Aborted) and self._code is not None:
+            return _rpc_error(self._code, self._details)
+        if isinstance(exc, TimeoutError):
+            return _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        # What grpc's server answers for an exception a servicer let escape.
+        log.error("servicer raised", exc_info=exc)
+        return _rpc_error(grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)!r}: {exc}")
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details, None)
+
+
+class _UnaryUnary:
+    def __init__(self, behaviour: Any) -> None:
+        self._behaviour = behaviour
+
+    async def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (a stub's signature: the call's deadline)
+        metadata: Sequence[tuple[str, str | bytes]] | None = None,
+        **_: Any,
+    ) -> Any:
+        context = _Context(metadata or (), timeout)
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._behaviour(request, cast(Context, context))
+        except (_Aborted, TimeoutError, Exception) as exc:
+            raise context.failure(exc) from None
+
+
+class _StreamCall:
+    """A server stream's call object: iterate it for the replies; cancel() ends it."""
+
+    def __init__(self, behaviour: Any, request: Any, context: _Context) -> None:
+        self._replies: AsyncIterator[Any] = behaviour(request, cast(Context, context))
+        self._context = context
+        self._closing: asyncio.Future[None] | None = None
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        try:
+            async for reply in self._replies:
+                yield reply
+        except (_Aborted, Exception) as exc:
+            raise self._context.failure(exc) from None
+
+    def cancel(self) -> bool:
+        self._closing = asyncio.ensure_future(cast(Any, self._replies).aclose())
+        return True
+
+
+class _UnaryStream:
+    def __init__(self, behaviour: Any) -> None:
+        self._behaviour = behaviour
+
+    def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str | bytes]] | None = None,
+        **_: Any,
+    ) -> _StreamCall:
+        return _StreamCall(self._behaviour, request, _Context(metadata or (), timeout))
+
+
+class InProcessChannel:
+    """Stands in for a grpc.aio.Channel under a generated stub: methods by their full path."""
+
+    def __init__(self, methods: Mapping[str, Handler], wrappers: Sequence[RpcWrapper]) -> None:
+        self._methods = methods
+        self._wrappers = wrappers
+
+    def _behaviour(self, method: str, kind: str) -> Any:
+        handler = self._methods.get(method)
+        behaviour = None if handler is None else getattr(handler, kind)
+        if behaviour is None:
+            raise ValueError(f"{method} is not a {kind} method of the co-located service")
+        return wrap_behaviour(method, behaviour, kind.endswith("stream"), self._wrappers)
+
+    def unary_unary(self, method: str, *_: Any, **__: Any) -> _UnaryUnary:
+        return _UnaryUnary(self._behaviour(method, "unary_unary"))
+
+    def unary_stream(self, method: str, *_: Any, **__: Any) -> _UnaryStream:
+        return _UnaryStream(self._behaviour(method, "unary_stream"))
+
+    async def close(self, grace: float | None = None) -> None:
+        return None
+
+
+class _Registrar:
+    """Stands in for the server while a servicer registers: keeps its method handlers."""
+
+    def __init__(self) -> None:
+        self.methods: dict[str, Handler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        return None  # generated code registers the same handlers by name below
+
+    def add_registered_method_handlers(
+        self, service_name: str, method_handlers: Mapping[str, Handler]
+    ) -> None:
+        for name, handler in method_handlers.items():
+            self.methods[f"/{service_name}/{name}"] = handler
+
+
+class InProcessService:
+    """One service's servicer in this process, with the server-side wrappers it would have."""
+
+    def __init__(self, name: str, servicer: Service, test_delay_ms: float = 0.0) -> None:
+        self.name = name
+        self.servicer = servicer
+        self._gate = ReadinessGate()
+        registrar = _Registrar()
+        servicer.register(cast(grpc.aio.Server, registrar))
+        wrappers = [self._gate, ServerTracing(test_delay_ms)]
+        self.channel = InProcessChannel(registrar.methods, wrappers)
+
+    @classmethod
+    def load(cls, service: ServiceSpec) -> InProcessService:
+        """The service the table names, configured from this process's HOPLINE_* variables."""
+        config_cls, servicer_cls = service.load()
+        config = cfg.load(config_cls, [], prog=f"{service.name} (in-process)")
+        return cls(service.name, servicer_cls(config), config.test_delay_ms)
+
+    async def start(self) -> None:
+        started = time.monotonic()
+        await self.servicer.start()
+        self._gate.ready = True
+        log.info(
+            "co-located service serving",
+            extra={"service": self.name, "start_s": round(time.monotonic() - started, 2)},
+        )
+
+    async def stop(self) -> None:
+        self._gate.ready = False
+        drain = getattr(self.servicer, "drain", None)  # optional, as in runtime.server.serve
+        if drain is not None:
+            await drain()
+        await self.servicer.stop()

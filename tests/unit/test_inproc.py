@@ -1,0 +1,127 @@
+"""Co-location by address (hopline.runtime.inproc): a service's real servicer called through
+its own generated stub in this process, with the statuses a remote caller would see.
+
+No fakes: the tokenizer and postprocess servicers are the real ones over the default model
+repository; nothing opens a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import cast
+
+import grpc
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from conftest import DEFAULT_MODEL
+from hopline.observability import tracing
+from hopline.observability.tracing import outgoing_metadata
+from hopline.protos.hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
+from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from hopline.runtime.inproc import InProcessService
+from hopline.runtime.server import NOT_READY
+from hopline.runtime.service_table import ServiceName, spec
+from hopline.runtime.tensors import from_tensor
+
+
+def _service(
+    name: ServiceName, repo: Path, monkeypatch: pytest.MonkeyPatch, **env: str
+) -> InProcessService:
+    monkeypatch.setenv("HOPLINE_MODEL_REPO", str(repo))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return InProcessService.load(spec(name))
+
+
+def test_tokenize_in_process_answers_like_the_service(
+    default_repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = _service(ServiceName.TOKENIZER, default_repo, monkeypatch)
+    stub = tokenizer_pb2_grpc.TokenizerServiceStub(cast(grpc.aio.Channel, service.channel))
+    request = tokenizer_pb2.TokenizeRequest(model=DEFAULT_MODEL, texts=["reset my password"])
+
+    async def scenario() -> tokenizer_pb2.TokenizeResponse:
+        with pytest.raises(grpc.aio.AioRpcError) as early:
+            await stub.Tokenize(request, timeout=5)
+        assert early.value.code() == grpc.StatusCode.UNAVAILABLE  # not started: gated
+        assert early.value.details() == NOT_READY
+        await service.start()
+        try:
+            return await stub.Tokenize(request, timeout=5)
+        finally:
+            await service.stop()
+
+    reply = asyncio.run(scenario())
+    ids = from_tensor(reply.input_ids).ravel().tolist()
+    assert ids[0] == 101  # [CLS]
+    assert 102 in ids  # [SEP]
+
+
+def test_an_abort_is_the_callers_status_and_a_slow_call_meets_its_deadline(
+    default_repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # HOPLINE_TEST_DELAY_MS delays every RPC in the server-side wrapper, as it does remotely.
+    service = _service(
+        ServiceName.POSTPROCESS, default_repo, monkeypatch, HOPLINE_TEST_DELAY_MS="200"
+    )
+    stub = postprocess_pb2_grpc.PostprocessServiceStub(cast(grpc.aio.Channel, service.channel))
+
+    async def scenario() -> tuple[grpc.aio.AioRpcError, grpc.aio.AioRpcError]:
+        await service.start()
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await stub.Postprocess(
+                    postprocess_pb2.PostprocessRequest(model="no-such-model"), timeout=5
+                )
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await stub.Postprocess(
+                    postprocess_pb2.PostprocessRequest(model=DEFAULT_MODEL), timeout=0.05
+                )
+            return unknown.value, late.value
+        finally:
+            await service.stop()
+
+    unknown, late = asyncio.run(scenario())
+    assert unknown.code() == grpc.StatusCode.NOT_FOUND
+    assert "no-such-model" in (unknown.details() or "")
+    assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_the_server_span_is_a_child_of_the_callers_span(
+    default_repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same trace shape as across a socket: client span -> server span, by traceparent."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    service = _service(ServiceName.TOKENIZER, default_repo, monkeypatch)
+    stub = tokenizer_pb2_grpc.TokenizerServiceStub(cast(grpc.aio.Channel, service.channel))
+
+    async def scenario() -> None:
+        await service.start()
+        try:
+            with provider.get_tracer("test").start_as_current_span("client"):
+                metadata = outgoing_metadata()
+            # Outside the client span: only the traceparent can link the two.
+            await stub.Tokenize(
+                tokenizer_pb2.TokenizeRequest(model=DEFAULT_MODEL, texts=["hi"]),
+                timeout=5,
+                metadata=metadata,
+            )
+        finally:
+            await service.stop()
+
+    # hopline's tracer is looked up once per process; this test's provider stands in for it.
+    monkeypatch.setattr(tracing, "_TRACER", provider.get_tracer("hopline"))
+    asyncio.run(scenario())
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    client = spans["client"]
+    server = next(s for s in spans.values() if s.kind == trace.SpanKind.SERVER)
+    assert server.context.trace_id == client.context.trace_id
+    assert server.parent is not None
+    assert server.parent.span_id == client.context.span_id

@@ -1,0 +1,217 @@
+"""Gateway batching (hopline.gateway.stage_batching): rows that wait for a busy stage share
+one RPC, a lone request waits for nothing, and a bad row fails only its own request.
+
+The upstream here is a stand-in stub method that records the requests it gets and answers
+the way the real tokenizer does (one padded row per text, INVALID_ARGUMENT for a text it
+refuses); the real services are batched in tests/mesh/test_gateway_batching.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from conftest import until
+from hopline.gateway.stage_batching import BatchedStage, TokenizeCodec
+from hopline.observability import tracing
+from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
+from hopline.runtime.tensors import from_tensor, to_tensor
+
+Request = tokenizer_pb2.TokenizeRequest
+Reply = tokenizer_pb2.TokenizeResponse
+
+
+class Tokenizer:
+    """Token ids are the words' lengths; the batch is padded to its longest text."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.gate: asyncio.Event | None = None
+        self.refuse = "bad"  # a text containing this is INVALID_ARGUMENT
+        self.down = False
+
+    async def Tokenize(self, request: Request, **_: Any) -> Reply:
+        texts = list(request.texts)
+        self.calls.append(texts)
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.down:
+            raise _error(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        if any(self.refuse in t for t in texts):
+            raise _error(grpc.StatusCode.INVALID_ARGUMENT, "a text was refused")
+        width = max(len(t.split()) for t in texts)
+        ids = np.zeros((len(texts), width), dtype=np.int64)
+        mask = np.zeros((len(texts), width), dtype=np.int64)
+        for i, text in enumerate(texts):
+            words = [len(w) for w in text.split()]
+            ids[i, : len(words)] = words
+            mask[i, : len(words)] = 1
+        return Reply(input_ids=to_tensor("input_ids", ids), attention_mask=to_tensor("mask", mask))
+
+
+def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details, None)
+
+
+def _stage(upstream: Tokenizer, in_flight: int = 1, max_rows: int = 32) -> BatchedStage[Any, Any]:
+    return BatchedStage(
+        "tokenize", lambda: upstream.Tokenize, TokenizeCodec(), in_flight, lambda _: max_rows
+    )
+
+
+def _ask(stage: BatchedStage[Any, Any], text: str, timeout: float = 5.0) -> asyncio.Task[Reply]:
+    request = Request(model="m", model_version="1", texts=[text])
+    return asyncio.ensure_future(stage(request, timeout=timeout))
+
+
+def _ids(reply: Reply) -> list[int]:
+    return [int(x) for x in from_tensor(reply.input_ids).ravel()]
+
+
+def test_a_lone_request_goes_at_once_and_unchanged() -> None:
+    async def scenario() -> None:
+        upstream = Tokenizer()
+        reply = await _ask(_stage(upstream), "hello there")
+        assert upstream.calls == [["hello there"]]
+        assert _ids(reply) == [5, 5]
+
+    asyncio.run(scenario())
+
+
+def test_rows_waiting_for_a_busy_stage_share_one_rpc_and_get_their_own_rows() -> None:
+    async def scenario() -> None:
+        upstream = Tokenizer()
+        upstream.gate = asyncio.Event()
+        stage = _stage(upstream)
+        first = _ask(stage, "busy")
+        await until(lambda: len(upstream.calls) == 1)
+        texts = ["a bb", "ccc", "dddd ee f", "g"]
+        waiting = [_ask(stage, t) for t in texts]
+        await asyncio.sleep(0.01)
+        assert len(upstream.calls) == 1  # queued behind the RPC in flight
+        upstream.gate.set()
+        replies = await asyncio.gather(first, *waiting)
+        assert upstream.calls == [["busy"], texts]  # one more RPC carried all four
+        # Each row is cut back to its own length: the same tensor a single call would give.
+        assert [_ids(r) for r in replies[1:]] == [[1, 2], [3], [4, 2, 1], [1]]
+        assert list(replies[2].input_ids.shape) == [1, 1]
+
+    asyncio.run(scenario())
+
+
+def test_a_bad_row_fails_only_its_own_request() -> None:
+    async def scenario() -> None:
+        upstream = Tokenizer()
+        upstream.gate = asyncio.Event()
+        stage = _stage(upstream)
+        first = _ask(stage, "busy")
+        await until(lambda: len(upstream.calls) == 1)
+        good, bad, other = _ask(stage, "fine"), _ask(stage, "bad text"), _ask(stage, "ok ok")
+        upstream.gate.set()
+        assert _ids(await good) == [4]
+        assert _ids(await other) == [2, 2]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await bad
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await first
+        # The batch was refused, then each row went alone.
+        assert upstream.calls[1] == ["fine", "bad text", "ok ok"]
+        assert sorted(map(tuple, upstream.calls[2:])) == [("bad text",), ("fine",), ("ok ok",)]
+
+    asyncio.run(scenario())
+
+
+def test_an_upstream_failure_reaches_every_row_without_retries() -> None:
+    async def scenario() -> None:
+        upstream = Tokenizer()
+        upstream.gate = asyncio.Event()
+        stage = _stage(upstream)
+        first = _ask(stage, "busy")
+        await until(lambda: len(upstream.calls) == 1)
+        rows = [_ask(stage, t) for t in ("one", "two")]
+        upstream.down = True
+        upstream.gate.set()
+        for task in (first, *rows):
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await task
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert len(upstream.calls) == 2  # the failed batch was not split and sent again
+
+    asyncio.run(scenario())
+
+
+def test_a_row_whose_caller_gave_up_is_not_sent() -> None:
+    async def scenario() -> None:
+        upstream = Tokenizer()
+        upstream.gate = asyncio.Event()
+        stage = _stage(upstream)
+        first = _ask(stage, "busy")
+        await until(lambda: len(upstream.calls) == 1)
+        gone, kept = _ask(stage, "gone"), _ask(stage, "kept")
+        late = _ask(stage, "late", timeout=0.01)
+        await asyncio.sleep(0)
+        gone.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as expired:
+            await late
+        assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        upstream.gate.set()
+        await asyncio.gather(first, kept)
+        assert upstream.calls == [["busy"], ["kept"]]
+
+    asyncio.run(scenario())
+
+
+def test_batches_hold_at_most_max_rows() -> None:
+    async def scenario() -> None:
+        upstream = Tokenizer()
+        upstream.gate = asyncio.Event()
+        stage = _stage(upstream, in_flight=1, max_rows=3)
+        first = _ask(stage, "busy")
+        await until(lambda: len(upstream.calls) == 1)
+        rows = [_ask(stage, f"t{i}") for i in range(7)]
+        upstream.gate.set()
+        await asyncio.gather(first, *rows)
+        assert [len(c) for c in upstream.calls] == [1, 3, 3, 1]
+
+    asyncio.run(scenario())
+
+
+def test_the_batch_span_is_linked_to_every_request_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_TRACER", provider.get_tracer("hopline"))
+    client = provider.get_tracer("test")
+
+    async def scenario() -> None:
+        upstream = Tokenizer()
+        upstream.gate = asyncio.Event()
+        stage = _stage(upstream)
+        first = _ask(stage, "busy")
+        await until(lambda: len(upstream.calls) == 1)
+        rows = []
+        for text in ("one", "two two"):
+            with client.start_as_current_span(f"hop {text}"):
+                request = Request(model="m", model_version="1", texts=[text])
+                metadata = tracing.outgoing_metadata()
+            rows.append(asyncio.ensure_future(stage(request, timeout=5, metadata=metadata)))
+        upstream.gate.set()
+        await asyncio.gather(first, *rows)
+
+    asyncio.run(scenario())
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    batch = spans["gateway.stage_batch"]
+    hops = [spans["hop one"], spans["hop two two"]]
+    assert [link.context.span_id for link in batch.links] == [h.context.span_id for h in hops]
+    assert batch.parent is not None
+    assert batch.parent.span_id == hops[0].context.span_id  # in the first request's trace
+    assert batch.attributes is not None
+    assert batch.attributes["hopline.batch_size"] == 2
+    assert batch.attributes["hopline.hop"] == "tokenize"
