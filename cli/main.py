@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from hopline.cli.run import DEFAULT_TOPOLOGY
 
-    run = sub.add_parser("run", help="start all five services locally, stop them on Ctrl-C")
+    run = sub.add_parser("run", help="start the mesh locally (--topology), stop it on Ctrl-C")
     run.add_argument("--model-repo", default="models")
     run.add_argument("--log-format", default="text", choices=("text", "json"))
     run.add_argument(
