@@ -88,13 +88,17 @@ RETRY_METHODS: dict[str, tuple[str, ...]] = {
     "hopline.inference.v1.InferenceService": ("Infer", "ListModels"),
     "hopline.postprocess.v1.PostprocessService": ("Postprocess",),
 }
-# Only UNAVAILABLE: the attempt never reached a servicer that could answer (connection refused
-# or reset by a killed replica, a replica still starting or draining). Not DEADLINE_EXCEEDED:
+# UNAVAILABLE: the attempt never reached a servicer that could answer (connection refused or
+# reset by a killed replica, a replica still starting or draining). CANCELLED from the upstream
+# (never our own cancel, which ends the call at once and is not retried): gRPC core ends the
+# calls a stopping server had accepted but not yet handed to a handler with CANCELLED, not
+# UNAVAILABLE (grpc/grpc#41785, open), so a replica drained under load hands a few callers a
+# CANCELLED for work it never started. Not DEADLINE_EXCEEDED:
 # the deadline is the call's, shared by every attempt, so once it has passed there is no time
 # left to retry in, and the cache lookup's short budget must stay the bound it is. Not
 # RESOURCE_EXHAUSTED: that is an upstream shedding load (a full batch queue) or a message too
 # large, and a retry would add load to an overload or fail again the same way.
-RETRYABLE_CODES = ("UNAVAILABLE",)
+RETRYABLE_CODES = ("UNAVAILABLE", "CANCELLED")
 MAX_ATTEMPTS_CAP = 5  # gRPC's own limit on maxAttempts: it clamps higher values to 5
 
 
@@ -347,12 +351,21 @@ def _hop_error(hop: str, target: str, err: grpc.aio.AioRpcError) -> HopError:
         return HopError(
             hop, code, f"deadline exceeded waiting for the {hop} service", target, details
         )
+    if code == grpc.StatusCode.CANCELLED:
+        # The upstream ended the call: our own cancel raises CancelledError, not this. It is a
+        # replica going away (see RETRYABLE_CODES), so the caller hears it as what it is.
+        return HopError(
+            hop,
+            grpc.StatusCode.UNAVAILABLE,
+            f"{hop} service unavailable (it ended the call while shutting down)",
+            target,
+            details,
+        )
     shown = caller_details(details, target)
     if code in (
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.NOT_FOUND,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.CANCELLED,
     ):
         return HopError(hop, code, f"{hop}: {shown}", target, details)
     return HopError(

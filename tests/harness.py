@@ -3,7 +3,10 @@ folder per mesh, quick start-up settings, and reads of the gateway's and cache's
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Self
@@ -19,7 +22,18 @@ from hopline.runtime.launcher import ALL, free_ports
 from hopline.runtime.launcher import health_status as health
 from hopline.runtime.service_table import Topology
 
-__all__ = ["ALL", "NOT_SERVING", "SERVING", "TOPOLOGIES", "Mesh", "Topology", "free_port", "health"]
+__all__ = [
+    "ALL",
+    "NOT_SERVING",
+    "SERVING",
+    "TOPOLOGIES",
+    "Mesh",
+    "Topology",
+    "free_port",
+    "health",
+    "rpcs_answered",
+    "spawn_faulty_replica",
+]
 
 # A test module that must pass in every placement says `MESH_TOPOLOGIES = TOPOLOGIES`
 # (conftest.py:pytest_generate_tests).
@@ -120,3 +134,45 @@ class Mesh(launcher.Mesh):
                 return
             time.sleep(0.05)
         raise AssertionError(f"cache stores did not land within {timeout_s} s")
+
+
+def spawn_faulty_replica(
+    mesh: Mesh, name: str, port: int, metrics_port: int, code: str
+) -> subprocess.Popen[bytes]:
+    """A replica of `name` on `port` whose every service RPC fails with `code`
+    (HOPLINE_TEST_FAULT, test-only), returned once its health says SERVING, as a replica with
+    a broken model, or one stopping, would. Its log is `mesh.workdir/<name>-faulty.log`."""
+    env = {
+        **mesh.env,
+        f"HOPLINE_{name.upper()}_ADDR": f"127.0.0.1:{port}",
+        "HOPLINE_METRICS_PORT": str(metrics_port),
+        "HOPLINE_TEST_FAULT": code,
+    }
+    log_path = mesh.workdir / f"{name}-faulty.log"
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hopline", "serve", name],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+        )
+    deadline = time.monotonic() + 120
+    while health(f"127.0.0.1:{port}") != SERVING:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"the faulty {name} never said SERVING: {log_path.read_text()}")
+        time.sleep(0.1)
+    return proc
+
+
+def rpcs_answered(metrics_port: int, method: str) -> float:
+    """RPCs of `method` a process has answered, whatever their status (from its /metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("hopline_rpc_duration_seconds_count{") and f'method="{method}"' in line
+    )

@@ -2,8 +2,8 @@
 
 Two inference replicas behind one gateway address (`ipv4:127.0.0.1:A,127.0.0.1:B`); the second
 is started with HOPLINE_TEST_FAULT=INTERNAL (test-only: every service RPC fails, health still
-says SERVING, as a replica with a broken model would). INTERNAL is not retried (only
-UNAVAILABLE is), so without ejection about half of all requests fail for as long as the
+says SERVING, as a replica with a broken model would). INTERNAL is not retried (UNAVAILABLE
+and CANCELLED are), so without ejection about half of all requests fail for as long as the
 broken replica runs; with gRPC's outlier detection (gateway/resilience.py) the failures stop
 once the replica has been judged, and it gets no more calls.
 """
@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +20,7 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import SERVING, Mesh, free_port, health
+from harness import Mesh, free_port, rpcs_answered, spawn_faulty_replica
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -36,17 +33,6 @@ EJECTION = {
     "HOPLINE_UPSTREAM_EJECT_MIN_REQUESTS": "2",
     "HOPLINE_UPSTREAM_EJECT_BASE_S": "120",
 }
-
-
-def infer_calls(metrics_port: int) -> float:
-    """Infer RPCs a replica has answered, whatever their status."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("hopline_rpc_duration_seconds_count{") and 'method="Infer"' in line
-    )
 
 
 @pytest.fixture
@@ -83,26 +69,10 @@ def test_a_replica_answering_errors_is_ejected_and_traffic_moves_to_the_other(
         },
         HOPLINE_INFERENCE_THREADS="1",  # two replicas share the cores
     )
-    env = {
-        **mesh.env,
-        "HOPLINE_INFERENCE_ADDR": f"127.0.0.1:{bad}",
-        "HOPLINE_METRICS_PORT": str(bad_metrics),
-        "HOPLINE_TEST_FAULT": "INTERNAL",
-    }
-    with (tmp_path / "inference-broken.log").open("ab") as log:
-        broken_replica["inference"] = proc = subprocess.Popen(
-            [sys.executable, "-m", "hopline", "serve", "inference"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            process_group=0,
-        )
     try:
-        deadline = time.monotonic() + 120
-        while health(f"127.0.0.1:{bad}") != SERVING:
-            assert proc.poll() is None, (tmp_path / "inference-broken.log").read_text()
-            assert time.monotonic() < deadline, "the broken replica never said SERVING"
-            time.sleep(0.1)
+        broken_replica["inference"] = spawn_faulty_replica(
+            mesh, "inference", bad, bad_metrics, "INTERNAL"
+        )
         mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
         failed: list[int] = []
         codes: set[str] = set()
@@ -111,7 +81,7 @@ def test_a_replica_answering_errors_is_ejected_and_traffic_moves_to_the_other(
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             for i in range(REQUESTS):
                 if i == REQUESTS - TAIL:
-                    bad_calls_before_tail = infer_calls(bad_metrics)
+                    bad_calls_before_tail = rpcs_answered(bad_metrics, "Infer")
                 request = gateway_pb2.PredictRequest(
                     text=f"where is my order {uuid.uuid4()}",
                     cache_mode=common_pb2.CACHE_MODE_BYPASS,  # every request needs inference
@@ -122,7 +92,7 @@ def test_a_replica_answering_errors_is_ejected_and_traffic_moves_to_the_other(
                     failed.append(i)
                     codes.add(f"{err.code().name}: {err.details()}")
         tail_failures = [i for i in failed if i >= REQUESTS - TAIL]
-        bad_calls_in_tail = infer_calls(bad_metrics) - bad_calls_before_tail
+        bad_calls_in_tail = rpcs_answered(bad_metrics, "Infer") - bad_calls_before_tail
     finally:
         mesh.stop()
 

@@ -51,7 +51,9 @@ CLIENT_CONFIG = {
                 "initialBackoff": "0.05s",
                 "maxBackoff": "0.5s",
                 "backoffMultiplier": 2,
-                "retryableStatusCodes": ["UNAVAILABLE"],
+                # CANCELLED too: a stopping gRPC server ends the calls it accepted but had not
+                # started with CANCELLED (grpc/grpc#41785), the gateway's own server included.
+                "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
             },
         }
     ],

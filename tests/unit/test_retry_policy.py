@@ -46,11 +46,12 @@ def test_defaults() -> None:
     assert "perAttemptRecvTimeout" not in retry
 
 
-def test_only_unavailable_is_retried() -> None:
-    """Not DEADLINE_EXCEEDED (the call's deadline is spent; the cache's budget must hold) nor
-    RESOURCE_EXHAUSTED (an overloaded upstream, or a message too large)."""
+def test_unavailable_and_cancelled_are_retried_and_nothing_else() -> None:
+    """CANCELLED because a stopping server ends the calls it had not started with it
+    (grpc/grpc#41785). Not DEADLINE_EXCEEDED (the call's deadline is spent; the cache's budget
+    must hold) nor RESOURCE_EXHAUSTED (an overloaded upstream, or a message too large)."""
     (method,) = policy()["methodConfig"]
-    assert method["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
+    assert method["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE", "CANCELLED"]
 
 
 def test_every_unary_upstream_method_is_covered_and_nothing_else() -> None:
