@@ -1,0 +1,63 @@
+"""`make soak`'s verdict: the warm-up lasts until the cache is full, RSS growth is measured from
+there, and a run with nothing after its warm-up cannot meet the memory target."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hopline.bench.soak import RSS_GROWTH_TARGET, summarise
+
+
+def row(minute: int, cache_mb: float, evictions: int, errors: int = 0) -> dict[str, Any]:
+    return {
+        "minute": minute,
+        "requests": 100,
+        "errors": {"UNAVAILABLE": errors} if errors else {},
+        "p50_ms": 10.0,
+        "p99_ms": 20.0 + minute,
+        "rss_mb": {"gateway": 80.0, "cache": cache_mb},
+        "cache": {"entries": min(minute * 5000, 20000), "evictions": evictions},
+    }
+
+
+def test_growth_is_measured_from_the_minute_the_cache_filled() -> None:
+    # The cache grows while it fills (minutes 1-4), then stays flat.
+    rows = [row(1, 250, 0), row(2, 300, 0), row(3, 340, 0), row(4, 360, 900)]
+    rows += [row(m, 362, 5000 * (m - 4)) for m in range(5, 11)]
+    result = summarise(rows, 85.0)
+    assert result["warm_up_minutes"] == 4
+    assert result["cache_filled"]
+    assert result["rss_growth_after_warm_up"] == {"gateway": 0.0, "cache": round(2 / 360, 4)}
+    assert result["met"]
+    assert result["worst_minute_p99_ms"] == 30.0
+
+
+def test_growth_after_the_cache_is_full_misses_the_target() -> None:
+    rows = [row(1, 250, 0), row(2, 300, 10)]
+    rows += [row(m, 300 * (1 + RSS_GROWTH_TARGET) + m, 100) for m in range(3, 8)]
+    result = summarise(rows, 85.0)
+    assert result["warm_up_minutes"] == 2
+    assert result["rss_growth_after_warm_up"]["cache"] > RSS_GROWTH_TARGET
+    assert not result["met"]
+
+
+def test_a_cache_that_never_fills_is_measured_from_minute_one_and_said() -> None:
+    rows = [row(m, 250 + m, 0) for m in range(1, 6)]
+    result = summarise(rows, 85.0)
+    assert result["warm_up_minutes"] == 1
+    assert not result["cache_filled"]
+    assert result["met"]  # 4 MB on 251: under the target
+
+
+def test_no_minute_after_the_warm_up_is_not_met() -> None:
+    rows = [row(1, 250, 0), row(2, 260, 50)]
+    result = summarise(rows, 85.0)
+    assert result["rss_growth_after_warm_up"] == {}
+    assert not result["met"]
+
+
+def test_errors_miss_the_target() -> None:
+    rows = [row(1, 250, 10), row(2, 250, 20, errors=1)]
+    result = summarise(rows, 85.0)
+    assert result["errors"] == {"UNAVAILABLE": 1}
+    assert not result["met"]
