@@ -311,6 +311,21 @@ class Rules:
         return judged
 
 
+# The observations table as this code writes it; SQLite's user_version carries the number.
+# Change both together: an older file is set aside at start-up (EvidenceLog.open_schema).
+SCHEMA_VERSION = 2
+COLUMNS = (
+    ("scope", "TEXT"),
+    ("region", "TEXT"),
+    ("similarity", "REAL"),
+    ("agreed", "INTEGER"),
+    ("weight", "REAL"),
+    ("region_ok", "INTEGER"),
+    ("stratum", "TEXT"),
+    ("at", "REAL"),
+)
+
+
 class EvidenceLog:
     """Observations appended to a SQLite file, replayed at start-up (decisions survive a
     restart). One writer thread's connection; Milvus stays the store of entries."""
@@ -318,15 +333,50 @@ class EvidenceLog:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.set_aside: Path | None = None  # where a file of another schema was moved
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS observations (scope TEXT NOT NULL, region TEXT NOT NULL,"
-            " similarity REAL NOT NULL, agreed INTEGER NOT NULL, weight REAL NOT NULL,"
-            " region_ok INTEGER NOT NULL, stratum TEXT NOT NULL, at REAL NOT NULL)"
-        )
-        self._db.execute("CREATE INDEX IF NOT EXISTS by_scope ON observations (scope, at)")
+        self._db = self.open_schema(path)
+
+    def open_schema(self, path: Path) -> sqlite3.Connection:
+        """The file at `path` with this code's schema. A file written by another version of
+        the schema is moved aside (`<name>.v<version>`, never deleted) and a new one begun:
+        evidence is what verification has learnt, so starting over only verifies more until
+        it is learnt again, while reading columns that mean something else would misjudge."""
+        db = self._connect(path)
+        found = self._schema(db)
+        if found not in (None, SCHEMA_VERSION):
+            db.close()
+            self.set_aside = path.with_name(f"{path.name}.v{found}")
+            for suffix in ("", "-wal", "-shm"):
+                old = Path(f"{path}{suffix}")
+                if old.exists():
+                    old.replace(f"{self.set_aside}{suffix}")
+            db = self._connect(path)
+        columns = ", ".join(f"{name} {kind} NOT NULL" for name, kind in COLUMNS)
+        db.execute(f"CREATE TABLE IF NOT EXISTS observations ({columns})")
+        db.execute("CREATE INDEX IF NOT EXISTS by_scope ON observations (scope, at)")
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        return db
+
+    @staticmethod
+    def _connect(path: Path) -> sqlite3.Connection:
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        return db
+
+    @staticmethod
+    def _schema(db: sqlite3.Connection) -> int | None:
+        """The file's schema version; None for a new file. A file from before versions
+        were numbered (user_version 0) counts as this version when its columns are these."""
+        (version,) = db.execute("PRAGMA user_version").fetchone()
+        if version:
+            return int(version)
+        table = db.execute("PRAGMA table_info(observations)").fetchall()
+        if not table:
+            return None
+        # rows are (cid, name, type, notnull, default, pk)
+        same = tuple((row[1], row[2]) for row in table) == COLUMNS
+        return SCHEMA_VERSION if same else 1
 
     def append(self, rows: Sequence[tuple[str, str, Observation]]) -> None:
         now = time.time()

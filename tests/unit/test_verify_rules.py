@@ -4,11 +4,13 @@ holds back, how often it checks, and that its evidence log replays into the same
 from __future__ import annotations
 
 import random
+import sqlite3
 from pathlib import Path
 
 import pytest
 
 from hopline.cache.verify import (
+    SCHEMA_VERSION,
     Decision,
     EvidenceLog,
     Observation,
@@ -97,6 +99,62 @@ def test_the_evidence_log_replays_into_the_same_rule(tmp_path: Path) -> None:
     assert replayed.threshold_for(SCOPE, "a", POLICY) == rules.threshold_for(SCOPE, "a", POLICY)
     assert list(replayed.evidence(SCOPE).regions["a"]) == list(rules.evidence(SCOPE).regions["a"])
     assert replayed.threshold_for(SCOPE, "a", POLICY) > 0.907  # the disagreement at 0.907
+
+
+def test_an_evidence_file_of_another_schema_is_set_aside_not_misread(tmp_path: Path) -> None:
+    """A file from an older schema (no region_ok, no stratum: what crashed a cache's start-up
+    once) is moved aside whole and a new log begun; nothing of it is read or deleted."""
+    path = tmp_path / "evidence.sqlite"
+    old = sqlite3.connect(path)
+    old.execute(
+        "CREATE TABLE observations (scope TEXT NOT NULL, region TEXT NOT NULL,"
+        " similarity REAL NOT NULL, agreed INTEGER NOT NULL, weight REAL NOT NULL,"
+        " at REAL NOT NULL)"
+    )
+    old.execute("INSERT INTO observations VALUES ('s', 'a', 0.9, 1, 1.0, 0)")
+    old.commit()
+    old.close()
+    log = EvidenceLog(path)
+    assert log.set_aside == tmp_path / "evidence.sqlite.v1"
+    assert log.replay(Rules(seed=1)) == 0
+    log.append([(SCOPE, "a", Observation(0.9, True, 1.0))])
+    log.close()
+    kept = sqlite3.connect(tmp_path / "evidence.sqlite.v1")
+    assert kept.execute("SELECT COUNT(*) FROM observations").fetchone() == (1,)
+    kept.close()
+    reopened = EvidenceLog(path)  # now of this schema: kept, versioned
+    assert reopened.set_aside is None
+    assert reopened.replay(Rules(seed=1)) == 1
+    reopened.close()
+    versioned = sqlite3.connect(path)
+    assert versioned.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,)
+    versioned.close()
+
+
+def test_a_file_of_a_newer_schema_is_set_aside_too(tmp_path: Path) -> None:
+    path = tmp_path / "evidence.sqlite"
+    EvidenceLog(path).close()
+    newer = sqlite3.connect(path)
+    newer.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    newer.close()
+    log = EvidenceLog(path)
+    assert log.set_aside == tmp_path / f"evidence.sqlite.v{SCHEMA_VERSION + 1}"
+    log.close()
+
+
+def test_an_unversioned_file_with_these_columns_is_adopted(tmp_path: Path) -> None:
+    """Files written before versions were numbered, by this schema, keep their evidence."""
+    path = tmp_path / "evidence.sqlite"
+    log = EvidenceLog(path)
+    log.append([(SCOPE, "a", Observation(0.9, True, 1.0))])
+    log.close()
+    unversioned = sqlite3.connect(path)
+    unversioned.execute("PRAGMA user_version = 0")
+    unversioned.close()
+    reopened = EvidenceLog(path)
+    assert reopened.set_aside is None
+    assert reopened.replay(Rules(seed=1)) == 1
+    reopened.close()
 
 
 @pytest.mark.parametrize("target", [0.01, 0.05])
