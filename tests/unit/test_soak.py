@@ -3,9 +3,11 @@ there, and a run with nothing after its warm-up cannot meet the memory target.""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from typing import Any
 
-from hopline.bench.soak import RSS_GROWTH_TARGET, summarise
+from hopline.bench.soak import RSS_GROWTH_TARGET, service_rss, summarise
 
 
 def row(minute: int, cache_mb: float, evictions: int, errors: int = 0) -> dict[str, Any]:
@@ -61,3 +63,16 @@ def test_errors_miss_the_target() -> None:
     result = summarise(rows, 85.0)
     assert result["errors"] == {"UNAVAILABLE": 1}
     assert not result["met"]
+
+
+def test_a_services_children_are_measured_too() -> None:
+    """The cache's milvus-lite is a child process: its memory must show up beside the
+    service's own."""
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        rss = service_rss({"me": os.getpid()})
+    finally:
+        child.kill()
+        child.wait()
+    assert rss["me"] > 0
+    assert rss["me/sleep"] > 0
