@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
+import enum
 import logging
 import time
 from collections import OrderedDict, deque
@@ -28,7 +30,6 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
-from hopline.cache.config import CacheConfig, ExactFallback
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
@@ -49,6 +50,7 @@ from hopline.observability.tracing import tracer
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.runtime.batching import QueueFullError
+from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
 from hopline.runtime.errors import clip
 
 log = logging.getLogger("hopline.cache")
@@ -56,6 +58,101 @@ log = logging.getLogger("hopline.cache")
 SEMANTIC_CANDIDATES = 4  # nearest entries checked for verification and agreement
 RECENT_VECTORS = 4096  # 1.5 KiB each
 WATCH_QUEUE = 1024  # invalidation events a watcher may fall behind before its stream ends
+
+
+class ExactFallback(enum.StrEnum):
+    """Which lookups read Milvus by key when the in-memory exact index has no entry."""
+
+    OFF = "off"
+    SEMANTIC = "semantic"  # semantic-policy lookups, beside their embedding
+    ALL = "all"  # exact-only ones too
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig(ServerConfig):
+    listen: str = listen_field("cache")
+    metrics_port: int = metrics_port_field("cache")
+    uri: str = env_field(
+        "HOPLINE_CACHE_URI",
+        ".hopline/cache.db",
+        "Milvus: a file path runs embedded milvus-lite, http(s)://host:port a Milvus server",
+    )
+    work_dir: str = env_field(
+        "HOPLINE_CACHE_DIR", ".hopline", "where the built embedding encoder is kept"
+    )
+    index_type: str = env_field(
+        "HOPLINE_CACHE_INDEX",
+        "AUTOINDEX",
+        "Milvus vector index for a new collection (AUTOINDEX: exact on milvus-lite 2.5, the "
+        "server's choice on a Milvus server)",
+    )
+    milvus_timeout_s: float = env_field(
+        "HOPLINE_CACHE_MILVUS_TIMEOUT_S", 5.0, "bound on each Milvus call, connecting included"
+    )
+    max_entries: int = env_field(
+        "HOPLINE_CACHE_MAX_ENTRIES", 1_000_000, "bound per (tenant, model) when a model sets none"
+    )
+    default_ttl_s: float = env_field(
+        "HOPLINE_CACHE_TTL_S", 3600.0, "time to live when a store names none"
+    )
+    sweep_interval_s: float = env_field(
+        "HOPLINE_CACHE_SWEEP_S", 30.0, "how often expired entries are deleted"
+    )
+    flush_interval_ms: float = env_field(
+        "HOPLINE_CACHE_FLUSH_MS", 5.0, "how long stores gather before one batched write"
+    )
+    max_pending: int = env_field(
+        "HOPLINE_CACHE_MAX_PENDING", 10_000, "stores waiting for Milvus before new ones are refused"
+    )
+    agreement_margin: float = env_field(
+        "HOPLINE_CACHE_AGREEMENT_MARGIN",
+        0.05,
+        "a semantic hit is refused when an entry within this much below the threshold "
+        "carries another answer",
+    )
+    exact_index: bool = env_field(
+        "HOPLINE_CACHE_EXACT_INDEX",
+        True,
+        "answer exact lookups from an in-memory index rebuilt from Milvus at start-up "
+        "(false: read Milvus by key on every exact lookup, for several cache replicas over one "
+        "Milvus server that must see each other's invalidations)",
+    )
+    exact_index_max_entries: int = env_field(
+        "HOPLINE_CACHE_EXACT_INDEX_MAX_ENTRIES",
+        2_000_000,
+        "bound on the exact index as a whole (about 1 KiB an entry); past it the entries put "
+        "longest ago leave the index, not Milvus",
+    )
+    exact_fallback: ExactFallback = env_field(
+        "HOPLINE_CACHE_EXACT_FALLBACK",
+        ExactFallback.SEMANTIC,
+        "on an exact-index miss, also read Milvus by key: 'semantic' (semantic-policy lookups, "
+        "at the same time as their embedding), 'all' (exact-only ones too) or 'off'",
+    )
+    embed_threads: int = env_field(
+        "HOPLINE_CACHE_EMBED_THREADS", 0, "ONNX Runtime threads for the embedder (0: all cores)"
+    )
+    verify_state: str = env_field(
+        "HOPLINE_CACHE_VERIFY_STATE",
+        "",
+        "SQLite file of verified-hit evidence (default: beside a milvus-lite file, else "
+        "cache-verify.sqlite in HOPLINE_CACHE_DIR)",
+    )
+
+    def verify_state_path(self) -> Path:
+        if self.verify_state:
+            return Path(self.verify_state)
+        if is_local(self.uri):
+            return Path(self.uri).with_suffix(".verify.sqlite")
+        return Path(self.work_dir) / "cache-verify.sqlite"
+
+    peer_poll_ms: float = env_field(
+        "HOPLINE_CACHE_PEER_POLL_MS",
+        100.0,
+        "with a Milvus server, how often this replica applies the other replicas' "
+        "invalidations (cache/shared_invalidations.py: the bound on how stale they can be); "
+        "while on, every exact-index miss reads Milvus (another replica's stores); 0: off",
+    )
 
 
 def _weights_dir() -> Path:

@@ -19,8 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
-from hopline.cache.config import CacheConfig, ExactFallback
-from hopline.cache.service import CacheService
+from hopline.cache.service import CacheConfig, CacheService, ExactFallback
 from hopline.cache.store import CacheStoreError, MilvusStore
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -129,10 +128,8 @@ def test_exact_hits_are_answered_from_memory_without_milvus(tmp_path: Path) -> N
 
 def test_fallback_all_reads_milvus_on_an_index_miss(tmp_path: Path) -> None:
     async def body() -> None:
-        async with cache(tmp_path / "cache.db", exact_fallback=ExactFallback.ALL) as (
-            service,
-            stub,
-        ):
+        db = tmp_path / "cache.db"
+        async with cache(db, exact_fallback=ExactFallback.ALL) as (service, stub):
             key = await store(stub, "cancel my order")
             await written(stub)
             assert service.index is not None

@@ -21,8 +21,7 @@ import grpc
 import pytest
 
 from conftest import until
-from hopline.gateway.config import GatewayConfig
-from hopline.gateway.service import GatewayService
+from hopline.gateway.service import GatewayConfig, GatewayService
 from hopline.gateway.speculation import Speculation, SpeculationMode
 from hopline.gateway.upstream import GatewayUpstreams, HopError
 from hopline.observability import metrics
