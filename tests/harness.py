@@ -3,11 +3,13 @@ folder per mesh, quick start-up settings, and reads of the gateway's and cache's
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Self
 
@@ -29,6 +31,7 @@ __all__ = [
     "TOPOLOGIES",
     "Mesh",
     "Topology",
+    "beside_faulty_inference",
     "free_port",
     "health",
     "rpcs_answered",
@@ -176,3 +179,36 @@ def rpcs_answered(metrics_port: int, method: str) -> float:
         for line in text.splitlines()
         if line.startswith("hopline_rpc_duration_seconds_count{") and f'method="{method}"' in line
     )
+
+
+@contextlib.contextmanager
+def beside_faulty_inference(
+    default_repo: Path, workdir: Path, model: str, code: str, gateway_env: dict[str, str]
+) -> Iterator[tuple[Mesh, int]]:
+    """A started mesh (no cache) whose gateway round-robins, over one channel, between its own
+    inference and a second replica whose every call fails with `code` (`spawn_faulty_replica`).
+    Yields the mesh and the faulty replica's metrics port; stops both after."""
+    repo = workdir / "models"
+    shutil.copytree(default_repo / model, repo / model)
+    good, bad, bad_metrics = free_port(), free_port(), free_port()
+    mesh = Mesh(
+        repo,
+        workdir,
+        addrs={"inference": f"127.0.0.1:{good}"},
+        service_env={
+            "gateway": {
+                "HOPLINE_INFERENCE_ADDR": f"ipv4:127.0.0.1:{good},127.0.0.1:{bad}",
+                "HOPLINE_CHANNELS_PER_UPSTREAM": "1",
+                **gateway_env,
+            }
+        },
+        HOPLINE_INFERENCE_THREADS="1",  # two replicas share the cores
+    )
+    faulty = spawn_faulty_replica(mesh, "inference", bad, bad_metrics, code)
+    try:
+        mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
+        yield mesh, bad_metrics
+    finally:
+        mesh.stop()
+        faulty.kill()
+        faulty.wait()

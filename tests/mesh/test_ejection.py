@@ -10,17 +10,14 @@ once the replica has been judged, and it gets no more calls.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import Mesh, free_port, rpcs_answered, spawn_faulty_replica
+from harness import beside_faulty_inference, rpcs_answered
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -35,66 +32,36 @@ EJECTION = {
 }
 
 
-@pytest.fixture
-def broken_replica(tmp_path: Path) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    yield procs
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.mark.parametrize("ejection", [True, False], ids=["ejection", "no_ejection"])
 def test_a_replica_answering_errors_is_ejected_and_traffic_moves_to_the_other(
-    default_repo: Path,
-    tmp_path: Path,
-    broken_replica: dict[str, subprocess.Popen[bytes]],
-    ejection: bool,
+    default_repo: Path, tmp_path: Path, ejection: bool
 ) -> None:
-    repo = tmp_path / "models"
-    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
-    good, bad, bad_metrics = free_port(), free_port(), free_port()
     gateway_env = EJECTION if ejection else {"HOPLINE_UPSTREAM_EJECT_FAILURE_PERCENT": "0"}
-    mesh = Mesh(
-        repo,
-        tmp_path,
-        addrs={"inference": f"127.0.0.1:{good}"},
-        service_env={
-            "gateway": {
-                "HOPLINE_INFERENCE_ADDR": f"ipv4:127.0.0.1:{good},127.0.0.1:{bad}",
-                "HOPLINE_CHANNELS_PER_UPSTREAM": "1",
-                **gateway_env,
-            }
-        },
-        HOPLINE_INFERENCE_THREADS="1",  # two replicas share the cores
-    )
-    try:
-        broken_replica["inference"] = spawn_faulty_replica(
-            mesh, "inference", bad, bad_metrics, "INTERNAL"
-        )
-        mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
-        failed: list[int] = []
-        codes: set[str] = set()
-        bad_calls_before_tail = 0.0
-        with grpc.insecure_channel(mesh.gateway) as channel:
-            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-            for i in range(REQUESTS):
-                if i == REQUESTS - TAIL:
-                    bad_calls_before_tail = rpcs_answered(bad_metrics, "Infer")
-                request = gateway_pb2.PredictRequest(
-                    text=f"where is my order {uuid.uuid4()}",
-                    cache_mode=common_pb2.CACHE_MODE_BYPASS,  # every request needs inference
-                )
-                try:
-                    stub.Predict(request, timeout=10)
-                except grpc.RpcError as err:
-                    failed.append(i)
-                    codes.add(f"{err.code().name}: {err.details()}")
+    failed: list[int] = []
+    codes: set[str] = set()
+    bad_calls_before_tail = 0.0
+    with (
+        beside_faulty_inference(default_repo, tmp_path, DEFAULT_MODEL, "INTERNAL", gateway_env) as (
+            mesh,
+            bad_metrics,
+        ),
+        grpc.insecure_channel(mesh.gateway) as channel,
+    ):
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        for i in range(REQUESTS):
+            if i == REQUESTS - TAIL:
+                bad_calls_before_tail = rpcs_answered(bad_metrics, "Infer")
+            request = gateway_pb2.PredictRequest(
+                text=f"where is my order {uuid.uuid4()}",
+                cache_mode=common_pb2.CACHE_MODE_BYPASS,  # every request needs inference
+            )
+            try:
+                stub.Predict(request, timeout=10)
+            except grpc.RpcError as err:
+                failed.append(i)
+                codes.add(f"{err.code().name}: {err.details()}")
         tail_failures = [i for i in failed if i >= REQUESTS - TAIL]
         bad_calls_in_tail = rpcs_answered(bad_metrics, "Infer") - bad_calls_before_tail
-    finally:
-        mesh.stop()
 
     print(
         f"\nejection={ejection}: {len(failed)} of {REQUESTS} failed, "

@@ -12,79 +12,51 @@ that replica and the client.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import Mesh, free_port, rpcs_answered, spawn_faulty_replica
+from harness import beside_faulty_inference, rpcs_answered
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 REQUESTS = 40
 
 
-@pytest.fixture
-def meshes(default_repo: Path, tmp_path: Path) -> Iterator[list[Mesh]]:
-    started: list[Mesh] = []
-    yield started
-    for mesh in started:
-        mesh.stop()
-
-
 @pytest.mark.parametrize("retries", [True, False], ids=["retries", "no_retries"])
 def test_an_upstream_cancelled_is_retried_elsewhere_or_reported_unavailable(
-    default_repo: Path, tmp_path: Path, meshes: list[Mesh], retries: bool
+    default_repo: Path, tmp_path: Path, retries: bool
 ) -> None:
-    repo = tmp_path / "models"
-    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
-    good, bad, bad_metrics = free_port(), free_port(), free_port()
-    mesh = Mesh(
-        repo,
-        tmp_path,
-        addrs={"inference": f"127.0.0.1:{good}"},
-        service_env={
-            "gateway": {
-                "HOPLINE_INFERENCE_ADDR": f"ipv4:127.0.0.1:{good},127.0.0.1:{bad}",
-                "HOPLINE_CHANNELS_PER_UPSTREAM": "1",
-                "HOPLINE_UPSTREAM_EJECT_FAILURE_PERCENT": "0",
-                "HOPLINE_UPSTREAM_RETRY_ATTEMPTS": "3" if retries else "1",
-                # A replica failing every call would spend the default retry budget (20 tokens)
-                # within the run, as the budget is meant to; a real drain fails a few calls.
-                "HOPLINE_UPSTREAM_RETRY_TOKENS": "1000",
-            }
-        },
-        HOPLINE_INFERENCE_THREADS="1",  # two replicas share the cores
-    )
-    meshes.append(mesh)
-    faulty: subprocess.Popen[bytes] = spawn_faulty_replica(
-        mesh, "inference", bad, bad_metrics, "CANCELLED"
-    )
-    try:
-        mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
-        outcomes: Counter[str] = Counter()
-        with grpc.insecure_channel(mesh.gateway) as channel:
-            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-            for _ in range(REQUESTS):
-                request = gateway_pb2.PredictRequest(
-                    text=f"where is my order {uuid.uuid4()}",
-                    cache_mode=common_pb2.CACHE_MODE_BYPASS,  # every request needs inference
-                )
-                try:
-                    stub.Predict(request, timeout=10)
-                    outcomes["OK"] += 1
-                except grpc.RpcError as err:
-                    outcomes[f"{err.code().name}: {err.details()}"] += 1
+    gateway_env = {
+        "HOPLINE_UPSTREAM_EJECT_FAILURE_PERCENT": "0",
+        "HOPLINE_UPSTREAM_RETRY_ATTEMPTS": "3" if retries else "1",
+        # A replica failing every call would spend the default retry budget (20 tokens)
+        # within the run, as the budget is meant to; a real drain fails a few calls.
+        "HOPLINE_UPSTREAM_RETRY_TOKENS": "1000",
+    }
+    outcomes: Counter[str] = Counter()
+    with (
+        beside_faulty_inference(
+            default_repo, tmp_path, DEFAULT_MODEL, "CANCELLED", gateway_env
+        ) as (mesh, bad_metrics),
+        grpc.insecure_channel(mesh.gateway) as channel,
+    ):
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        for _ in range(REQUESTS):
+            request = gateway_pb2.PredictRequest(
+                text=f"where is my order {uuid.uuid4()}",
+                cache_mode=common_pb2.CACHE_MODE_BYPASS,  # every request needs inference
+            )
+            try:
+                stub.Predict(request, timeout=10)
+                outcomes["OK"] += 1
+            except grpc.RpcError as err:
+                outcomes[f"{err.code().name}: {err.details()}"] += 1
         cancelled_by_bad = rpcs_answered(bad_metrics, "Infer")
-    finally:
-        faulty.kill()
-        faulty.wait()
 
     print(f"\nretries={retries}: {dict(outcomes)}; the faulty replica ended {cancelled_by_bad}")
     assert cancelled_by_bad > 0, "the faulty replica was never called: the test shows nothing"
