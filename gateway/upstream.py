@@ -72,8 +72,9 @@ class HopError(StatusError):
 # - Lookup, GetStats, ListModels: reads.
 # - Store: writes the entry under its exact key; a repeat writes the same entry over itself.
 # - Invalidate: deleting what is already deleted deletes nothing more.
-# - ReportVerification: an UNAVAILABLE attempt never reached the servicer, so the verify_id
-#   is still pending (on another replica it is unknown: NOT_FOUND, not retried).
+# - ReportVerification: an UNAVAILABLE or CANCELLED attempt never reached (or never finished
+#   in) a servicer, so the verify_id is still pending; on another replica it is unknown:
+#   NOT_FOUND, not retried.
 # WatchInvalidations is left out: a long-lived stream the local exact tier re-opens itself
 # (gateway/exact_tier.py), and gRPC could not retry it after its first message anyway.
 RETRY_METHODS: dict[str, tuple[str, ...]] = {

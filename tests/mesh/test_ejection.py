@@ -10,6 +10,7 @@ once the replica has been judged, and it gets no more calls.
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -21,12 +22,18 @@ from harness import beside_faulty_inference, rpcs_answered
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-REQUESTS = 160
-TAIL = 60  # the last requests, sent well after the broken replica could have been judged
+JUDGING = 100  # requests at the least before the tail
+INTERVAL_S = 1.0
+# ... and this long, whatever the requests took: gRPC judges replicas once per interval, on
+# the calls of the interval before, so by then the broken one has been judged twice. (A count
+# of requests alone is no clock: on a quiet machine 100 took 1.2 s and the tail began before
+# the ejection, CI, this stop.)
+JUDGING_S = 3 * INTERVAL_S
+TAIL = 60  # the last requests, sent after the broken replica could have been judged
 # Judged every second on at least 2 calls (one gateway channel, so a replica sees half of the
 # requests even on a slow machine); ejected for longer than the test runs.
 EJECTION = {
-    "HOPLINE_UPSTREAM_EJECT_INTERVAL_S": "1",
+    "HOPLINE_UPSTREAM_EJECT_INTERVAL_S": str(INTERVAL_S),
     "HOPLINE_UPSTREAM_EJECT_MIN_REQUESTS": "2",
     "HOPLINE_UPSTREAM_EJECT_BASE_S": "120",
 }
@@ -48,8 +55,11 @@ def test_a_replica_answering_errors_is_ejected_and_traffic_moves_to_the_other(
         grpc.insecure_channel(mesh.gateway) as channel,
     ):
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-        for i in range(REQUESTS):
-            if i == REQUESTS - TAIL:
+        judged_at = time.monotonic() + JUDGING_S
+        i = tail_from = 0
+        while not tail_from or i < tail_from + TAIL:
+            if not tail_from and i >= JUDGING and time.monotonic() >= judged_at:
+                tail_from = i
                 bad_calls_before_tail = rpcs_answered(bad_metrics, "Infer")
             request = gateway_pb2.PredictRequest(
                 text=f"where is my order {uuid.uuid4()}",
@@ -60,11 +70,12 @@ def test_a_replica_answering_errors_is_ejected_and_traffic_moves_to_the_other(
             except grpc.RpcError as err:
                 failed.append(i)
                 codes.add(f"{err.code().name}: {err.details()}")
-        tail_failures = [i for i in failed if i >= REQUESTS - TAIL]
+            i += 1
+        tail_failures = [n for n in failed if n >= tail_from]
         bad_calls_in_tail = rpcs_answered(bad_metrics, "Infer") - bad_calls_before_tail
 
     print(
-        f"\nejection={ejection}: {len(failed)} of {REQUESTS} failed, "
+        f"\nejection={ejection}: {len(failed)} of {i} failed, "
         f"{len(tail_failures)} in the last {TAIL}: {codes}"
     )
     assert failed, "the broken replica was never called: the test shows nothing"
