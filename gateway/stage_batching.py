@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -307,21 +307,17 @@ class InferCodec(Codec[inference_pb2.InferRequest, inference_pb2.InferResponse])
         self, requests: Sequence[inference_pb2.InferRequest], reply: inference_pb2.InferResponse
     ) -> list[inference_pb2.InferResponse]:
         outputs = [from_tensor(t) for t in reply.outputs]
-        parts, start = [], 0
-        for request in requests:
-            rows = int(request.inputs[0].shape[0])
-            parts.append(
-                inference_pb2.InferResponse(
-                    outputs=[
-                        to_tensor(t.name, out[start : start + rows])
-                        for t, out in zip(reply.outputs, outputs, strict=True)
-                    ],
-                    queue_ms=reply.queue_ms,
-                    compute_ms=reply.compute_ms,
-                )
+        return [
+            inference_pb2.InferResponse(
+                outputs=[
+                    to_tensor(t.name, out[rows])
+                    for t, out in zip(reply.outputs, outputs, strict=True)
+                ],
+                queue_ms=reply.queue_ms,
+                compute_ms=reply.compute_ms,
             )
-            start += rows
-        return parts
+            for rows in _row_slices(int(r.inputs[0].shape[0]) for r in requests)
+        ]
 
 
 class PostprocessCodec(
@@ -351,16 +347,19 @@ class PostprocessCodec(
         requests: Sequence[postprocess_pb2.PostprocessRequest],
         reply: postprocess_pb2.PostprocessResponse,
     ) -> list[postprocess_pb2.PostprocessResponse]:
-        parts, start = [], 0
-        for request in requests:
-            rows = int(request.outputs[0].shape[0])
-            parts.append(
-                postprocess_pb2.PostprocessResponse(
-                    predictions=reply.predictions[start : start + rows]
-                )
-            )
-            start += rows
-        return parts
+        return [
+            postprocess_pb2.PostprocessResponse(predictions=reply.predictions[rows])
+            for rows in _row_slices(int(r.outputs[0].shape[0]) for r in requests)
+        ]
+
+
+def _row_slices(counts: Iterable[int]) -> list[slice]:
+    """Where each request's rows lie in the batch, in order (`counts`: rows per request)."""
+    slices, start = [], 0
+    for rows in counts:
+        slices.append(slice(start, start + rows))
+        start += rows
+    return slices
 
 
 @dataclasses.dataclass(frozen=True)
