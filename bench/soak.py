@@ -12,7 +12,7 @@ the end, against the targets (0 errors; growth under 10%). Exit code 1 when a ta
 
 The cache is bounded (`--max-entries`, HOPLINE_CACHE_MAX_ENTRIES) and the warm-up lasts until
 it is full (the first minute with an eviction), at least one minute. A miss mix stores a new
-entry with every request (about 6,600 a minute here), so an unbounded cache grows by design
+entry with nearly every request (about 4,500 a minute here), so an unbounded cache grows by design
 until its TTL starts expiring entries an hour in: memory that grows then is data, and a soak
 that cannot tell data from a leak proves nothing. Full, every store evicts one entry, and
 growth from there on is what the mesh keeps that it should not. Child processes are measured
