@@ -75,6 +75,20 @@ def _ids(reply: Reply) -> list[int]:
     return [int(x) for x in from_tensor(reply.input_ids).ravel()]
 
 
+Busy = tuple[Tokenizer, asyncio.Event, BatchedStage[Any, Any], asyncio.Task[Reply]]
+
+
+async def _busy(max_rows: int = 32) -> Busy:
+    """A stage of one slot whose upstream holds a first request ("busy") until its gate is
+    set: what arrives next waits for the slot."""
+    upstream = Tokenizer()
+    upstream.gate = gate = asyncio.Event()
+    stage = _stage(upstream, in_flight=1, max_rows=max_rows)
+    first = _ask(stage, "busy")
+    await until(lambda: len(upstream.calls) == 1)
+    return upstream, gate, stage, first
+
+
 def test_a_lone_request_goes_at_once_and_unchanged() -> None:
     async def scenario() -> None:
         upstream = Tokenizer()
@@ -87,16 +101,12 @@ def test_a_lone_request_goes_at_once_and_unchanged() -> None:
 
 def test_rows_waiting_for_a_busy_stage_share_one_rpc_and_get_their_own_rows() -> None:
     async def scenario() -> None:
-        upstream = Tokenizer()
-        upstream.gate = asyncio.Event()
-        stage = _stage(upstream)
-        first = _ask(stage, "busy")
-        await until(lambda: len(upstream.calls) == 1)
+        upstream, gate, stage, first = await _busy()
         texts = ["a bb", "ccc", "dddd ee f", "g"]
         waiting = [_ask(stage, t) for t in texts]
         await asyncio.sleep(0.01)
         assert len(upstream.calls) == 1  # queued behind the RPC in flight
-        upstream.gate.set()
+        gate.set()
         replies = await asyncio.gather(first, *waiting)
         assert upstream.calls == [["busy"], texts]  # one more RPC carried all four
         # Each row is cut back to its own length: the same tensor a single call would give.
@@ -108,13 +118,9 @@ def test_rows_waiting_for_a_busy_stage_share_one_rpc_and_get_their_own_rows() ->
 
 def test_a_bad_row_fails_only_its_own_request() -> None:
     async def scenario() -> None:
-        upstream = Tokenizer()
-        upstream.gate = asyncio.Event()
-        stage = _stage(upstream)
-        first = _ask(stage, "busy")
-        await until(lambda: len(upstream.calls) == 1)
+        upstream, gate, stage, first = await _busy()
         good, bad, other = _ask(stage, "fine"), _ask(stage, "bad text"), _ask(stage, "ok ok")
-        upstream.gate.set()
+        gate.set()
         assert _ids(await good) == [4]
         assert _ids(await other) == [2, 2]
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -130,14 +136,10 @@ def test_a_bad_row_fails_only_its_own_request() -> None:
 
 def test_an_upstream_failure_reaches_every_row_without_retries() -> None:
     async def scenario() -> None:
-        upstream = Tokenizer()
-        upstream.gate = asyncio.Event()
-        stage = _stage(upstream)
-        first = _ask(stage, "busy")
-        await until(lambda: len(upstream.calls) == 1)
+        upstream, gate, stage, first = await _busy()
         rows = [_ask(stage, t) for t in ("one", "two")]
         upstream.down = True
-        upstream.gate.set()
+        gate.set()
         for task in (first, *rows):
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await task
@@ -149,11 +151,7 @@ def test_an_upstream_failure_reaches_every_row_without_retries() -> None:
 
 def test_a_row_whose_caller_gave_up_is_not_sent() -> None:
     async def scenario() -> None:
-        upstream = Tokenizer()
-        upstream.gate = asyncio.Event()
-        stage = _stage(upstream)
-        first = _ask(stage, "busy")
-        await until(lambda: len(upstream.calls) == 1)
+        upstream, gate, stage, first = await _busy()
         gone, kept = _ask(stage, "gone"), _ask(stage, "kept")
         late = _ask(stage, "late", timeout=0.01)
         await asyncio.sleep(0)
@@ -161,7 +159,7 @@ def test_a_row_whose_caller_gave_up_is_not_sent() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as expired:
             await late
         assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        upstream.gate.set()
+        gate.set()
         await asyncio.gather(first, kept)
         assert upstream.calls == [["busy"], ["kept"]]
 
@@ -170,13 +168,9 @@ def test_a_row_whose_caller_gave_up_is_not_sent() -> None:
 
 def test_batches_hold_at_most_max_rows() -> None:
     async def scenario() -> None:
-        upstream = Tokenizer()
-        upstream.gate = asyncio.Event()
-        stage = _stage(upstream, in_flight=1, max_rows=3)
-        first = _ask(stage, "busy")
-        await until(lambda: len(upstream.calls) == 1)
+        upstream, gate, stage, first = await _busy(max_rows=3)
         rows = [_ask(stage, f"t{i}") for i in range(7)]
-        upstream.gate.set()
+        gate.set()
         await asyncio.gather(first, *rows)
         assert [len(c) for c in upstream.calls] == [1, 3, 3, 1]
 
@@ -191,18 +185,14 @@ def test_the_batch_span_is_linked_to_every_request_span(monkeypatch: pytest.Monk
     client = provider.get_tracer("test")
 
     async def scenario() -> None:
-        upstream = Tokenizer()
-        upstream.gate = asyncio.Event()
-        stage = _stage(upstream)
-        first = _ask(stage, "busy")
-        await until(lambda: len(upstream.calls) == 1)
+        _, gate, stage, first = await _busy()
         rows = []
         for text in ("one", "two two"):
             with client.start_as_current_span(f"hop {text}"):
                 request = Request(model="m", model_version="1", texts=[text])
                 metadata = tracing.outgoing_metadata()
             rows.append(asyncio.ensure_future(stage(request, timeout=5, metadata=metadata)))
-        upstream.gate.set()
+        gate.set()
         await asyncio.gather(first, *rows)
 
     asyncio.run(scenario())
