@@ -58,6 +58,7 @@ log = logging.getLogger("hopline.cache")
 SEMANTIC_CANDIDATES = 4  # nearest entries checked for verification and agreement
 RECENT_VECTORS = 4096  # 1.5 KiB each
 WATCH_QUEUE = 1024  # invalidation events a watcher may fall behind before its stream ends
+RECLAIM_CHECK_S = 5.0  # how often the store is asked whether deleted rows need reclaiming
 
 
 class ExactFallback(enum.StrEnum):
@@ -146,6 +147,13 @@ class CacheConfig(ServerConfig):
             return Path(self.uri).with_suffix(".verify.sqlite")
         return Path(self.work_dir) / "cache-verify.sqlite"
 
+    reclaim_ratio: float = env_field(
+        "HOPLINE_CACHE_RECLAIM_RATIO",
+        1.0,
+        "milvus-lite keeps deleted rows in memory: once they reach this many times the live "
+        "ones (and 1000), the live rows are copied to a fresh collection and the old one "
+        "dropped (docs/cache.md); 0: never. A Milvus server compacts by itself",
+    )
     peer_poll_ms: float = env_field(
         "HOPLINE_CACHE_PEER_POLL_MS",
         100.0,
@@ -190,6 +198,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 "index_hits",  # exact hits answered by the in-memory index
                 "exact_reads",  # exact lookups that read Milvus by key (fallback, or no index)
                 "index_rebuilt",  # entries the start-up rebuild put into the index
+                "reclaims",  # milvus-lite collections rebuilt to free deleted rows
             ),
             0,
         )
@@ -229,6 +238,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 model.dim,
                 index_type=self.config.index_type,
                 timeout_s=self.config.milvus_timeout_s,
+                reclaim_ratio=self.config.reclaim_ratio,
             ),
         )
         entries = await self._io_call(self.store.count)
@@ -247,6 +257,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self._tasks = [
             asyncio.create_task(self._sweep(), name="sweep"),
             asyncio.create_task(self._writer(), name="writer"),
+            asyncio.create_task(self._reclaim(), name="reclaim"),
         ]
         if self.peers is not None:
             poll_s = self.config.peer_poll_ms / 1e3
@@ -314,6 +325,29 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 )
             except CacheStoreError as exc:
                 log.warning("expiry sweep failed", extra={"error": str(exc)})
+
+    async def _reclaim(self) -> None:
+        """milvus-lite's deleted rows, freed by copying the live ones (cache/generations.py)."""
+        while True:
+            await asyncio.sleep(RECLAIM_CHECK_S)
+            try:
+                done = await self._io_call(self._require_store().reclaim, time.time())
+            except CacheStoreError as exc:
+                log.warning("reclaiming deleted rows failed", extra={"error": str(exc)})
+                continue
+            if done is not None:
+                self.counters["reclaims"] += 1
+                log.info(
+                    "reclaimed deleted rows",
+                    extra={
+                        "collection": done.collection,
+                        "copied": done.copied,
+                        "freed": done.freed,
+                        "replayed": done.replayed,
+                        "seconds": round(done.seconds, 3),
+                        "switch_ms": round(done.switch_ms, 1),
+                    },
+                )
 
     async def _writer(self) -> None:
         while True:
@@ -800,6 +834,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             stores=c["stores"],
             store_errors=c["store_errors"],
             evictions=c["evictions"],
+            reclaims=c["reclaims"],
             expirations=c["expirations"],
             lookup_mean_ms=float(times.mean()),
             lookup_p50_ms=float(np.percentile(times, 50)),

@@ -16,6 +16,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import threading
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +27,15 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
+from hopline.cache.generations import (
+    RECLAIM_PAGE,
+    Gate,
+    Reclaimed,
+    Write,
+    current_and_abandoned,
+    generation_name,
+    generation_of,
+)
 from hopline.cache.keys import digest, scope_digest
 
 log = logging.getLogger("hopline.cache.store")
@@ -36,6 +47,7 @@ _MAX_TEXT = 65_535  # Milvus VARCHAR limit, in bytes
 # Reads see every acknowledged write: an exact repeat right after a store must hit, an
 # invalidated entry must never be served, and eviction must count what is really there.
 CONSISTENCY = "Strong"
+RECLAIM_MIN_DEAD = 1000  # below this many deleted rows a reclaim is not worth its copy
 LIVE_PAGE = 2000  # rows per page when the exact index is rebuilt (Milvus caps one at 16384)
 _SQLITE_HEADER = b"SQLite format 3\x00"  # milvus-lite keeps its data in SQLite
 _SCALARS = (
@@ -118,6 +130,9 @@ class CacheStore(Protocol):
     def oldest(self, tenant: str, model: str, n: int) -> list[str]:
         """Keys of the `n` oldest entries of (tenant, model)."""
 
+    def reclaim(self, now: float) -> Reclaimed | None:
+        """Frees what deleted rows still hold, when the backend needs it; None when not due."""
+
     def close(self) -> None: ...
 
 
@@ -147,12 +162,21 @@ class MilvusStore:
         *,
         index_type: str = "AUTOINDEX",
         timeout_s: float = 5.0,
+        reclaim_ratio: float = 0.0,
     ) -> None:
         self.uri = uri
-        self.collection = collection
+        self.base = collection
+        self.collection = collection  # the generation in use (cache/generations.py)
         self.dim = dim
         self.timeout_s = timeout_s
+        self.index_type = index_type
+        # milvus-lite only: reclaim once deleted rows reach this many times the live ones.
+        self.reclaim_ratio = reclaim_ratio
+        self._gate = Gate()
+        self._dead = 0  # rows deleted or replaced since this generation was opened
+        self._dead_lock = threading.Lock()
         pymilvus = _quiet_imports()
+        self._pymilvus = pymilvus
         # pymilvus logs to its own stderr handler; route it through the service's logs.
         pymilvus_log = logging.getLogger("pymilvus")
         pymilvus_log.handlers.clear()
@@ -160,11 +184,12 @@ class MilvusStore:
         self._exc: type[Exception] = pymilvus.MilvusException
         self._client = self._connect(pymilvus)
         try:
-            if self._client.has_collection(collection, timeout=timeout_s):
+            self.collection = self._open_generation()
+            if self._client.has_collection(self.collection, timeout=timeout_s):
                 self._validate()
             else:
-                self._create(pymilvus, index_type)
-            self._client.load_collection(collection, timeout=timeout_s * 6)
+                self._create(self.collection)
+            self._client.load_collection(self.collection, timeout=timeout_s * 6)
         except (self._exc, grpc.RpcError) as exc:
             self.close()
             raise CacheStoreError(f"Milvus at {uri}: {_reason(exc)}") from exc
@@ -195,9 +220,22 @@ class MilvusStore:
             reason = _reason(exc)
             raise CacheStoreError(f"cannot open Milvus at {self.uri}: {hint} ({reason})") from exc
 
-    def _create(self, pymilvus: Any, index_type: str) -> None:
-        dt = pymilvus.DataType
-        schema = pymilvus.MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+    def _open_generation(self) -> str:
+        """The lowest generation present; copies above it are unfinished reclaims: dropped."""
+        names = self._client.list_collections(timeout=self.timeout_s)
+        current, abandoned = current_and_abandoned(self.base, names)
+        for name in abandoned:
+            log.warning(
+                "dropping an unfinished reclaim copy", extra={"collection": name, "uri": self.uri}
+            )
+            self._client.drop_collection(name, timeout=self.timeout_s)
+        return current
+
+    def _create(self, collection: str) -> None:
+        dt = self._pymilvus.DataType
+        schema = self._pymilvus.MilvusClient.create_schema(
+            auto_id=False, enable_dynamic_field=False
+        )
         schema.add_field("id", dt.VARCHAR, is_primary=True, max_length=64)
         schema.add_field("vector", dt.FLOAT_VECTOR, dim=self.dim)
         for name in ("scope_key", "tenant_key", "model_key", "version_key"):
@@ -209,9 +247,9 @@ class MilvusStore:
         schema.add_field("created_at", dt.DOUBLE)
         schema.add_field("expires_at", dt.DOUBLE)
         index = self._client.prepare_index_params()
-        index.add_index(field_name="vector", index_type=index_type, metric_type="COSINE")
+        index.add_index(field_name="vector", index_type=self.index_type, metric_type="COSINE")
         self._client.create_collection(
-            self.collection,
+            collection,
             schema=schema,
             index_params=index,
             consistency_level=CONSISTENCY,
@@ -219,7 +257,7 @@ class MilvusStore:
         )
         log.info(
             "created cache collection",
-            extra={"collection": self.collection, "uri": self.uri, "index": index_type},
+            extra={"collection": collection, "uri": self.uri, "index": self.index_type},
         )
 
     def _validate(self) -> None:
@@ -249,8 +287,7 @@ class MilvusStore:
 
     def get(self, key: str, now: float) -> Entry | None:
         rows = self._call(
-            self._client.query,
-            self.collection,
+            "query",
             filter=f'id == "{_hex(key)}" and expires_at > {now!r}',
             output_fields=["id", *_SCALARS],
             consistency_level=CONSISTENCY,
@@ -259,33 +296,33 @@ class MilvusStore:
 
     def live(self, now: float, page: int = LIVE_PAGE) -> list[Entry]:
         """Every live entry's scalar fields (no vectors), in pages: the exact index's rebuild."""
-        if self._client is None:
-            raise CacheStoreError("the cache store is closed")
         found: list[Entry] = []
-        try:
-            pages = self._client.query_iterator(
-                self.collection,
-                batch_size=page,
-                filter=f"expires_at > {now!r}",
-                output_fields=["id", *_SCALARS],
-                consistency_level=CONSISTENCY,
-                timeout=self.timeout_s,
-            )
+        with self._gate.call():
+            if self._client is None:
+                raise CacheStoreError("the cache store is closed")
             try:
-                while rows := pages.next():
-                    found.extend(_entry(row) for row in rows)
-            finally:
-                pages.close()
-        except (self._exc, grpc.RpcError) as exc:
-            raise CacheStoreError(f"Milvus at {self.uri}: {_reason(exc)}") from exc
+                pages = self._client.query_iterator(
+                    self.collection,
+                    batch_size=page,
+                    filter=f"expires_at > {now!r}",
+                    output_fields=["id", *_SCALARS],
+                    consistency_level=CONSISTENCY,
+                    timeout=self.timeout_s,
+                )
+                try:
+                    while rows := pages.next():
+                        found.extend(_entry(row) for row in rows)
+                finally:
+                    pages.close()
+            except (self._exc, grpc.RpcError) as exc:
+                raise CacheStoreError(f"Milvus at {self.uri}: {_reason(exc)}") from exc
         return found
 
     def search(
         self, vector: Vector, scope: Scope, now: float, limit: int
     ) -> list[tuple[Entry, float]]:
         hits = self._call(
-            self._client.search,
-            self.collection,
+            "search",
             data=[vector.astype(np.float32).tolist()],
             limit=limit,
             filter=f'scope_key == "{scope_digest(scope)}" and expires_at > {now!r}',
@@ -303,8 +340,7 @@ class MilvusStore:
     def count(self, tenant: str = "", model: str = "") -> int:
         expression = ScopeFilter(tenant, model).expression()
         rows = self._call(
-            self._client.query,
-            self.collection,
+            "query",
             filter=expression,
             output_fields=["count(*)"],
             consistency_level=CONSISTENCY,
@@ -313,8 +349,7 @@ class MilvusStore:
 
     def oldest(self, tenant: str, model: str, n: int) -> list[str]:
         rows = self._call(
-            self._client.query,
-            self.collection,
+            "query",
             filter=ScopeFilter(tenant, model).expression(),
             output_fields=["id", "created_at"],
             consistency_level=CONSISTENCY,
@@ -335,39 +370,126 @@ class MilvusStore:
         a duplicate row; it holds the same scope, text and answer, and a delete by key or
         scope removes both.
         """
-        if not rows:
-            return
-        ids = [_hex(e.key) for e, _ in rows]
-        present = self._call(
-            self._client.query,
-            self.collection,
-            filter=f"id in {json.dumps(ids)}",
+        if rows:
+            records = [_row(e, v) for e, v in rows]
+            self._write(lambda name: self._upsert_into(name, records))
+
+    def _upsert_into(self, collection: str, records: list[dict[str, Any]]) -> int:
+        """Returns the rows replaced: each leaves a deleted row behind in milvus-lite."""
+        present = self._client.query(
+            collection,
+            filter=f"id in {json.dumps([r['id'] for r in records])}",
             output_fields=["id"],
             consistency_level=CONSISTENCY,
+            timeout=self.timeout_s,
         )
         existing = {str(r["id"]) for r in present}
-        fresh = [_row(e, v) for e, v in rows if e.key not in existing]
-        known = [_row(e, v) for e, v in rows if e.key in existing]
+        fresh = [r for r in records if r["id"] not in existing]
+        known = [r for r in records if r["id"] in existing]
         if fresh:
-            self._call(self._client.insert, self.collection, fresh)
+            self._client.insert(collection, fresh, timeout=self.timeout_s)
         if known:
-            self._call(self._client.upsert, self.collection, known)
+            self._client.upsert(collection, known, timeout=self.timeout_s)
+        return len(known)
 
     def delete(self, keys: Sequence[str]) -> int:
         if not keys:
             return 0
-        result = self._call(self._client.delete, self.collection, ids=[_hex(k) for k in keys])
-        return _deleted(result)
+        ids = [_hex(k) for k in keys]
+        return self._write(lambda name: self._delete_from(name, ids=ids))
 
     def delete_scope(self, scope: ScopeFilter) -> int:
         if scope.is_empty():
             raise ValueError("refusing to delete every tenant's entries")
-        return _deleted(self._call(self._client.delete, self.collection, filter=scope.expression()))
+        expression = scope.expression()
+        return self._write(lambda name: self._delete_from(name, filter=expression))
 
     def expire(self, now: float) -> int:
-        return _deleted(
-            self._call(self._client.delete, self.collection, filter=f"expires_at <= {now!r}")
+        expression = f"expires_at <= {now!r}"
+        return self._write(lambda name: self._delete_from(name, filter=expression))
+
+    def _delete_from(self, collection: str, **which: Any) -> int:
+        return _deleted(self._client.delete(collection, timeout=self.timeout_s, **which))
+
+    def _write(self, write: Write) -> int:
+        """Applies `write` to the generation in use; during a reclaim, also records it."""
+        with self._gate.call():
+            if self._client is None:
+                raise CacheStoreError("the cache store is closed")
+            try:
+                removed = write(self.collection)
+            except (self._exc, grpc.RpcError) as exc:
+                raise CacheStoreError(f"Milvus at {self.uri}: {_reason(exc)}") from exc
+            self._gate.record(write)
+            with self._dead_lock:
+                self._dead += removed
+            return removed
+
+    # -- reclaiming milvus-lite's memory (cache/generations.py) ---------------------------
+
+    def reclaim(self, now: float) -> Reclaimed | None:
+        """Copies the live rows to the next generation once the deleted rows milvus-lite still
+        holds reach `reclaim_ratio` times the live ones (and RECLAIM_MIN_DEAD); None otherwise.
+
+        Lookups and writes go on during the copy, against the old generation; the writes are
+        recorded and applied to the copy, and only those of the last moment are applied while
+        calls wait. A Milvus server compacts by itself: this is for milvus-lite only.
+        """
+        if not self.reclaim_ratio or not is_local(self.uri) or self._client is None:
+            return None
+        if self._dead < RECLAIM_MIN_DEAD or self._dead < self.reclaim_ratio * self.count():
+            return None
+        started = time.perf_counter()
+        old = self.collection
+        new = generation_name(self.base, (generation_of(self.base, old) or 0) + 1)
+        freed = self._dead
+        try:
+            if self._client.has_collection(new, timeout=self.timeout_s):
+                self._client.drop_collection(new, timeout=self.timeout_s)
+            self._create(new)
+            self._client.load_collection(new, timeout=self.timeout_s * 6)
+            self._gate.open_journal()
+            copied = self._copy_live(old, new, now)
+            replayed = self._replay(self._gate.take_journal(), new)
+            with self._gate.held():
+                switch_started = time.perf_counter()
+                replayed += self._replay(self._gate.close_journal(), new)
+                self._client.drop_collection(old, timeout=self.timeout_s)  # the commit
+                self.collection = new
+                with self._dead_lock:
+                    self._dead = 0
+                switch_ms = (time.perf_counter() - switch_started) * 1e3
+        except (self._exc, grpc.RpcError, CacheStoreError) as exc:
+            with self._gate.held():
+                self._gate.close_journal()
+            if self.collection == old and self._client is not None:
+                with contextlib.suppress(Exception):  # the next open drops it anyway
+                    self._client.drop_collection(new, timeout=self.timeout_s)
+            raise CacheStoreError(f"reclaiming {old} at {self.uri}: {_reason(exc)}") from exc
+        return Reclaimed(new, copied, freed, replayed, time.perf_counter() - started, switch_ms)
+
+    def _copy_live(self, source: str, target: str, now: float) -> int:
+        pages = self._client.query_iterator(
+            source,
+            batch_size=RECLAIM_PAGE,
+            filter=f"expires_at > {now!r}",
+            output_fields=["id", "vector", *_SCALARS],
+            consistency_level=CONSISTENCY,
+            timeout=self.timeout_s,
         )
+        copied = 0
+        try:
+            while rows := pages.next():
+                self._client.insert(target, rows, timeout=self.timeout_s)
+                copied += len(rows)
+        finally:
+            pages.close()
+        return copied
+
+    def _replay(self, writes: list[Write], target: str) -> int:
+        for write in writes:
+            write(target)
+        return len(writes)
 
     def close(self) -> None:
         client, self._client = getattr(self, "_client", None), None
@@ -377,14 +499,18 @@ class MilvusStore:
             except Exception:  # closing a broken client must not mask the cause
                 log.debug("closing the Milvus client failed", exc_info=True)
 
-    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._client is None:
-            raise CacheStoreError("the cache store is closed")
-        try:
-            return fn(*args, timeout=self.timeout_s, **kwargs)
-        except (self._exc, grpc.RpcError) as exc:
-            # A stalled server surfaces as a bare gRPC DEADLINE_EXCEEDED, not a MilvusException.
-            raise CacheStoreError(f"Milvus at {self.uri}: {_reason(exc)}") from exc
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The client's `method(<generation in use>, *args, ...)`; a reclaim's switch waits."""
+        with self._gate.call():
+            if self._client is None:
+                raise CacheStoreError("the cache store is closed")
+            try:
+                fn = getattr(self._client, method)
+                return fn(self.collection, *args, timeout=self.timeout_s, **kwargs)
+            except (self._exc, grpc.RpcError) as exc:
+                # A stalled server surfaces as a bare gRPC DEADLINE_EXCEEDED, not a
+                # MilvusException.
+                raise CacheStoreError(f"Milvus at {self.uri}: {_reason(exc)}") from exc
 
 
 def _hex(key: str) -> str:

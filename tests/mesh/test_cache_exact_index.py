@@ -10,73 +10,19 @@ cannot be made to fail reads alone while it keeps serving the rebuild and writes
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
+from cache_service import cache, lookup, run, scope, store, written
 
-from hopline.cache.service import CacheConfig, CacheService, ExactFallback
+from hopline.cache.service import CacheService, ExactFallback
 from hopline.cache.store import CacheStoreError, MilvusStore
-from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 
 EXACT = common_pb2.CACHE_OUTCOME_EXACT
 MISS = common_pb2.CACHE_OUTCOME_MISS
-
-
-def scope(tenant: str = "idx", model: str = "m") -> common_pb2.Scope:
-    return common_pb2.Scope(
-        tenant=tenant, model=model, model_version="1", parameters={"top_k": "1"}
-    )
-
-
-@asynccontextmanager
-async def cache(db: Path, **config: Any) -> AsyncIterator[tuple[CacheService, Any]]:
-    service = CacheService(CacheConfig(uri=str(db), flush_interval_ms=1.0, **config))
-    server = grpc.aio.server()
-    service.register(server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await service.start()
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield service, cache_pb2_grpc.CacheServiceStub(channel)
-    finally:
-        await server.stop(None)
-        await service.stop()
-
-
-async def store(stub: Any, text: str, label: str = "order_status", **kw: Any) -> str:
-    reply = await stub.Store(
-        cache_pb2.StoreRequest(
-            scope=kw.pop("scope", scope()),
-            text=text,
-            prediction=common_pb2.Prediction(label=label, score=0.9),
-            mode=kw.pop("mode", "exact"),
-            **kw,
-        ),
-        timeout=10,
-    )
-    return str(reply.entry_id)
-
-
-async def written(stub: Any) -> None:
-    """Wait until every acknowledged store is in Milvus (and so in the index)."""
-    deadline = time.monotonic() + 20
-    while (await stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)).pending_writes:
-        assert time.monotonic() < deadline, "stores never reached Milvus"
-        await asyncio.sleep(0.01)
-
-
-async def lookup(stub: Any, text: str, **kw: Any) -> cache_pb2.LookupResponse:
-    reply: cache_pb2.LookupResponse = await stub.Lookup(
-        cache_pb2.LookupRequest(scope=kw.pop("scope", scope()), text=text, **kw), timeout=10
-    )
-    return reply
 
 
 def milvus_reads_fail(service: CacheService) -> list[str]:
@@ -90,10 +36,6 @@ def milvus_reads_fail(service: CacheService) -> list[str]:
     assert isinstance(service.store, MilvusStore)
     service.store.get = get  # type: ignore[method-assign]
     return asked
-
-
-def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    asyncio.run(test())
 
 
 def test_exact_hits_are_answered_from_memory_without_milvus(tmp_path: Path) -> None:
