@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -47,6 +49,7 @@ from hopline.runtime.tls import aio_channel, operator_tls
 
 LOAD_SHARE = 0.7  # of the measured capacity
 RSS_GROWTH_TARGET = 0.10
+RSS_SAMPLE_S = 2.0
 MAX_ENTRIES = 20_000  # filled in about 3 minutes at this machine's 70% of a miss mix
 
 
@@ -89,6 +92,27 @@ def service_rss(procs: dict[str, int]) -> dict[str, float]:
         for child, comm in children(pid):
             rss[f"{name}/{comm}"] = round(rss_mb(child), 1)
     return rss
+
+
+@dataclasses.dataclass
+class RssSpread:
+    """The highest and lowest RSS of each process over one row's samples."""
+
+    high: dict[str, float] = dataclasses.field(default_factory=dict)
+    low: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def add(self, rss: dict[str, float]) -> None:
+        for name, mb in rss.items():
+            self.high[name] = max(mb, self.high.get(name, mb))
+            self.low[name] = min(mb, self.low.get(name, mb))
+
+
+async def sample_rss(pids: dict[str, int], spread: RssSpread) -> None:
+    # Every few seconds, so a reclaim's copy (about 5 s of peak memory in milvus-lite) is
+    # seen in the row it happens in rather than by chance at a minute's end.
+    while True:
+        spread.add(service_rss(pids))
+        await asyncio.sleep(RSS_SAMPLE_S)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -161,21 +185,31 @@ async def soak(mesh: Mesh, args: argparse.Namespace) -> dict[str, Any]:
             def payload(i: int, base: int = base) -> bytes:
                 return target.payload(mix.text(base + i))
 
-            run = await open_loop(
-                target.call,
-                payload,
-                rps=rps,
-                duration_s=args.interval,
-                seed=minute,
-            )
+            pids = {n: p.pid for n, p in mesh.procs.items()}
+            sampler = asyncio.create_task(sample_rss(pids, spread := RssSpread()))
+            try:
+                run = await open_loop(
+                    target.call,
+                    payload,
+                    rps=rps,
+                    duration_s=args.interval,
+                    seed=minute,
+                )
+            finally:
+                sampler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sampler
             offset += run.completed + 1
-            rss = service_rss({n: p.pid for n, p in mesh.procs.items()})
+            rss = service_rss(pids)
+            spread.add(rss)
             row: dict[str, Any] = {
                 "minute": minute + 1,
                 "requests": run.completed,
                 "errors": run.errors,
                 **{k: round(v, 2) for k, v in percentiles_ms(run.latencies_ns).items()},
                 "rss_mb": rss,
+                "rss_high_mb": spread.high,
+                "rss_low_mb": spread.low,
                 "cache": await cache_counts(mesh),
             }
             rows.append(row)
@@ -213,16 +247,22 @@ def rss_growth(after: list[dict[str, Any]]) -> dict[str, float]:
     """Per process, the larger of the growth of its peak and of its trough, from the first
     third of the minutes after the warm-up to the last third.
 
-    milvus-lite's memory saws between reclaims (150-240 MB in a soak), so two single minutes
-    compare whatever phases they fell on; the peaks and the troughs of each third compare like
-    with like. A flat process gives its end against its start, and a leak raises both."""
+    milvus-lite's memory rises and falls between reclaims (150-290 MB in a soak), so two single
+    minutes compare whatever phases they fell on; the peaks and the troughs of each third
+    (each row's highest and lowest sample, every RSS_SAMPLE_S) compare like with like. A flat
+    process gives its end against its start, and a leak raises both."""
     k = max(1, len(after) // 3)
     first, last = after[:k], after[-k:]
+
+    def values(rows: list[dict[str, Any]], name: str, spread: str) -> list[float]:
+        # A row's spread over its samples where recorded, else its one end-of-row sample.
+        return [r.get(spread, r["rss_mb"]).get(name, r["rss_mb"].get(name, 0.0)) for r in rows]
+
     growth = {}
     for n in after[0]["rss_mb"]:
-        early = [r["rss_mb"].get(n, 0.0) for r in first]
-        late = [r["rss_mb"].get(n, 0.0) for r in last]
-        growth[n] = max(_growth(max(early), max(late)), _growth(min(early), min(late)))
+        peak = _growth(max(values(first, n, "rss_high_mb")), max(values(last, n, "rss_high_mb")))
+        trough = _growth(min(values(first, n, "rss_low_mb")), min(values(last, n, "rss_low_mb")))
+        growth[n] = max(peak, trough)
     return growth
 
 

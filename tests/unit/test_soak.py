@@ -8,7 +8,7 @@ import os
 import subprocess
 from typing import Any
 
-from hopline.bench.soak import RSS_GROWTH_TARGET, service_rss, summarise
+from hopline.bench.soak import RSS_GROWTH_TARGET, RssSpread, service_rss, summarise
 
 
 def row(
@@ -76,6 +76,23 @@ def test_a_sawing_process_is_judged_by_its_peaks_and_troughs_not_its_last_minute
     rising = summarise(rows, 85.0)
     assert rising["rss_growth_after_warm_up"]["cache"] > RSS_GROWTH_TARGET
     assert not rising["met"]
+
+
+def test_the_samples_within_each_minute_carry_the_peaks_a_minute_end_misses() -> None:
+    spread = RssSpread()
+    for mb in (160.0, 290.0, 170.0):  # a reclaim's copy peaks between two minute ends
+        spread.add({"cache": mb})
+    assert (spread.high, spread.low) == ({"cache": 290.0}, {"cache": 160.0})
+    rows = [row(1, 130, 0), row(2, 160, 10, reclaims=1)]
+    rows += [row(m, 160, 4000 * m, reclaims=m) for m in range(3, 11)]
+    for r in rows[1:]:
+        r["rss_high_mb"], r["rss_low_mb"] = {"gateway": 80.0, "cache": 230.0}, r["rss_mb"]
+    rows[-1]["rss_high_mb"] = {"gateway": 80.0, "cache": 290.0}  # a copy seen late only
+    assert summarise(rows, 85.0)["rss_growth_after_warm_up"]["cache"] > RSS_GROWTH_TARGET
+    rows[3]["rss_high_mb"] = {"gateway": 80.0, "cache": 290.0}  # and early too: no growth
+    result = summarise(rows, 85.0)
+    assert result["rss_growth_after_warm_up"]["cache"] == 0.0
+    assert result["met"]
 
 
 def test_growth_after_the_cache_is_full_misses_the_target() -> None:
