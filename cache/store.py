@@ -28,6 +28,8 @@ import numpy as np
 import numpy.typing as npt
 
 from hopline.cache.generations import (
+    CATCH_UP_ROUNDS,
+    HELD_REPLAY_MAX,
     RECLAIM_PAGE,
     Gate,
     Reclaimed,
@@ -450,7 +452,7 @@ class MilvusStore:
             self._client.load_collection(new, timeout=self.timeout_s * 6)
             self._gate.open_journal()
             copied = self._copy_live(old, new, now)
-            replayed = self._replay(self._gate.take_journal(), new)
+            replayed = self._catch_up(new)
             with self._gate.held():
                 switch_started = time.perf_counter()
                 replayed += self._replay(self._gate.close_journal(), new)
@@ -485,6 +487,17 @@ class MilvusStore:
         finally:
             pages.close()
         return copied
+
+    def _catch_up(self, target: str) -> int:
+        """Replays the recorded writes while calls go on, round after round while new ones
+        keep arriving, so that the switch, which holds every call, has only a few left."""
+        replayed = 0
+        for _ in range(CATCH_UP_ROUNDS):
+            writes = self._gate.take_journal()
+            replayed += self._replay(writes, target)
+            if len(writes) <= HELD_REPLAY_MAX:
+                break
+        return replayed
 
     def _replay(self, writes: list[Write], target: str) -> int:
         for write in writes:
