@@ -16,6 +16,13 @@ from hopline.runtime import config as cfg
 from hopline.runtime.service_table import SERVICES, Topology, spec
 
 SERVICE_NAMES = tuple(s.name for s in SERVICES)
+# `hopline model build`'s check limits, named as CheckLimits' fields.
+LIMIT_FLAGS = {
+    "min_label_agreement": "share of held-out texts whose label must match FP32's",
+    "max_accuracy_drop": "held-out accuracy the conversion may lose (0.005: half a point)",
+    "min_cosine_mean": "mean embedding cosine to FP32",
+    "min_cosine": "embedding cosine to FP32, worst sentence",
+}
 
 
 def _serve(name: str, argv: Sequence[str]) -> int:
@@ -76,8 +83,9 @@ def _predict(args: argparse.Namespace) -> int:
 
 def _model_build(args: argparse.Namespace) -> int:
     from hopline.model.build import DEFAULT_MODEL_NAME, DEFAULT_TRAIN_FILE, build_model
+    from hopline.model.limits import CheckLimits
     from hopline.model.providers import ProviderConfigError
-    from hopline.model.quantize import CheckLimits, Precision, PrecisionCheckError
+    from hopline.model.quantize import Precision, PrecisionCheckError
     from hopline.observability.logs import setup_logging
 
     setup_logging("model-build", "info", "text")
@@ -104,11 +112,13 @@ def _model_build(args: argparse.Namespace) -> int:
             precision=Precision(args.precision),
             providers=args.providers.split(",") if args.providers else None,
             check_sentences=Path(args.check_sentences) if args.check_sentences else None,
+            # Flags left unset keep CheckLimits' defaults: one source for each limit.
             check_limits=CheckLimits(
-                args.min_label_agreement,
-                args.max_accuracy_drop,
-                args.min_cosine_mean,
-                args.min_cosine,
+                **{
+                    field: getattr(args, field)
+                    for field in LIMIT_FLAGS
+                    if getattr(args, field) is not None
+                }
             ),
         )
     except (PrecisionCheckError, ProviderConfigError) as exc:
@@ -139,6 +149,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hopline.model.limits import CheckLimits  # plain dataclass: no numpy, no ONNX
+
     parser = argparse.ArgumentParser(prog="hopline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -210,24 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="sentences for the embedding cosine check (reference JSON records, JSONL of "
         "{text}, or lines; default: ../shared/reference/minilm_reference.json if present)",
     )
-    build.add_argument(
-        "--min-label-agreement",
-        type=float,
-        default=0.98,
-        help="share of held-out texts whose label must match FP32's",
-    )
-    build.add_argument(
-        "--max-accuracy-drop",
-        type=float,
-        default=0.005,
-        help="held-out accuracy the conversion may lose (0.005: half a point)",
-    )
-    build.add_argument(
-        "--min-cosine-mean", type=float, default=0.99, help="mean embedding cosine to FP32"
-    )
-    build.add_argument(
-        "--min-cosine", type=float, default=0.95, help="embedding cosine to FP32, worst sentence"
-    )
+    for field, what in LIMIT_FLAGS.items():
+        build.add_argument(
+            f"--{field.replace('_', '-')}",
+            type=float,
+            help=f"{what} (default: {getattr(CheckLimits(), field)})",
+        )
     build.add_argument("--cache-mode", default="exact", choices=("off", "exact", "semantic"))
     build.add_argument(
         "--cache-threshold",

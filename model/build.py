@@ -45,6 +45,7 @@ from hopline.model.head import (
     softmax,
     train_head,
 )
+from hopline.model.outliers import calibration_feeds
 from hopline.model.providers import ProviderSpec, parse_providers
 from hopline.model.quantize import (
     CheckLimits,
@@ -333,7 +334,8 @@ def _convert_and_check(
     """Replace staging's FP32 model.onnx with its conversion, if the conversion passes."""
     reference = (staging / "model.onnx").rename(staging / "fp32-reference.onnx")
     log.info("converting", extra={"precision": precision.value})
-    convert(graph, precision, staging / "model.onnx")
+    calibration = calibration_feeds(data.tokenizer, data.texts)
+    convert(graph, precision, staging / "model.onnx", calibration)
     result = _check_precision(precision, reference, staging / "model.onnx", data)
     reference.unlink()
     check = result.to_json(limits)

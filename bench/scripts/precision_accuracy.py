@@ -23,9 +23,11 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper
 
-from hopline.model.build import build_model, default_weights_dir
+from hopline.model.build import build_model, default_weights_dir, load_examples
 from hopline.model.encoder import ClassifierHead, build_encoder_graph
+from hopline.model.outliers import calibration_feeds
 from hopline.model.quantize import Precision, convert
+from hopline.model.tokenizer import DEFAULT_MAX_LENGTH, load_tokenizer
 from hopline.observability.logs import setup_logging
 from hopline.services.pipeline import Pipeline
 
@@ -33,15 +35,20 @@ ROOT = Path(__file__).resolve().parents[2]
 CLINC = ROOT.parent / "shared" / "data" / "clinc150" / "data_full.json"
 
 
-def convert_version(fp32: Path, target: Path, precision: Precision) -> None:
-    """`fp32`'s head on a fresh encoder graph, converted: version 2 beside it."""
+def convert_version(fp32: Path, target: Path, precision: Precision, train: Path) -> None:
+    """`fp32`'s head on a fresh encoder graph, converted (calibrated on `train`'s train split):
+    version 2 beside it."""
     model = onnx.load(str(fp32 / "model.onnx"))
     weights = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
     (gemm,) = [n for n in model.graph.node if n.op_type == "Gemm"]
     head = ClassifierHead(weights[gemm.input[1]], weights[gemm.input[2]])
     staging = target.parent / f".staging-{target.name}"
     shutil.copytree(fp32, staging)
-    convert(build_encoder_graph(default_weights_dir(), head), precision, staging / "model.onnx")
+    weights_dir = default_weights_dir()
+    tokenizer = load_tokenizer(weights_dir / "tokenizer.json", DEFAULT_MAX_LENGTH)
+    calibration = calibration_feeds(tokenizer, [t for t, _ in load_examples(train, "train")])
+    graph = build_encoder_graph(weights_dir, head)
+    convert(graph, precision, staging / "model.onnx", calibration)
     config = json.loads((staging / "config.json").read_text())
     config.update(version=target.name, precision=precision.value)
     (staging / "config.json").write_text(json.dumps(config, indent=2))
@@ -66,7 +73,7 @@ def main() -> None:
                 args.clinc, "clinc150", repo, version="1", split="train", in_scope_reject_rate=0.01
             )
         elif precision is Precision.INT8 and not (repo / "clinc150" / version).is_dir():
-            convert_version(repo / "clinc150" / "1", repo / "clinc150" / "2", precision)
+            convert_version(repo / "clinc150" / "1", repo / "clinc150" / "2", precision, args.clinc)
         built = time.perf_counter() - started
         pipeline = Pipeline.load(repo, "clinc150", version)
         labels[precision] = [p.label for p in pipeline.predict_many(texts)]

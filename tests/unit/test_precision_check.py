@@ -63,9 +63,9 @@ def test_a_changed_embedding_is_refused_naming_the_sentence() -> None:
 
 
 def test_label_flips_beyond_the_limit_are_refused() -> None:
-    # 2% may flip (4 of 200) when the accuracy holds; 5 may not.
-    assert _check(noise=0.01, flipped_heldout=4) == []
-    assert _check(noise=0.01, flipped_heldout=5) == ["held-out label agreement 0.9750 < 0.98"]
+    # 1% may flip (2 of 200) when the accuracy holds; 3 may not.
+    assert _check(noise=0.01, flipped_heldout=2) == []
+    assert _check(noise=0.01, flipped_heldout=3) == ["held-out label agreement 0.9850 < 0.99"]
 
 
 def test_lost_accuracy_is_refused_even_when_few_labels_flip() -> None:

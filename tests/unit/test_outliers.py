@@ -1,0 +1,134 @@
+"""INT8's outlier rewrites (hopline.model.outliers) on the real MiniLM graph from the bundled
+weights: the rewritten graph computes what FP32 computes, the widest channels take the FP32
+path, and the quantized result holds every reference sentence above cosine 0.99, where plain
+dynamic INT8 does not."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+from onnxruntime.quantization import QuantType, quantize_dynamic
+
+from hopline.model.build import DEFAULT_TRAIN_FILE, default_weights_dir, load_examples
+from hopline.model.encoder import build_encoder_graph
+from hopline.model.outliers import (
+    SPLIT_CHANNELS,
+    Feed,
+    activation_ranges,
+    calibration_feeds,
+    prepare_for_int8,
+    projections,
+)
+from hopline.model.quantize import cosines, quantize_int8
+from hopline.model.session import embed_texts, make_session
+from hopline.model.tokenizer import DEFAULT_MAX_LENGTH, load_tokenizer
+
+LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return load_tokenizer(default_weights_dir() / "tokenizer.json", DEFAULT_MAX_LENGTH)
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    return [text for text, _ in load_examples(DEFAULT_TRAIN_FILE)]
+
+
+@pytest.fixture(scope="module")
+def graph() -> onnx.ModelProto:
+    return build_encoder_graph(default_weights_dir())
+
+
+@pytest.fixture(scope="module")
+def feeds(tokenizer: Any, texts: list[str]) -> list[Feed]:
+    return calibration_feeds(tokenizer, texts)
+
+
+def _embed(model: onnx.ModelProto | Path, tokenizer: Any, texts: list[str], tmp: Path) -> Any:
+    if isinstance(model, onnx.ModelProto):
+        onnx.save(model, str(tmp / "m.onnx"))
+        model = tmp / "m.onnx"
+    return embed_texts(make_session(model), tokenizer, texts)
+
+
+def test_the_rewritten_graph_computes_what_fp32_computes(
+    graph: onnx.ModelProto, feeds: list[Feed], tokenizer: Any, texts: list[str], tmp_path: Path
+) -> None:
+    rewritten, _ = prepare_for_int8(graph, feeds)
+    probe = ["", "?", *texts[:40]]
+    want = _embed(graph, tokenizer, probe, tmp_path)
+    got = _embed(rewritten, tokenizer, probe, tmp_path)
+    assert np.abs(want - got).max() < 1e-4
+    # ...and is not the same graph: every projection now reads a smoothed or split input.
+    reads = set(projections(rewritten))
+    assert sum(x.endswith(".smoothed") for x in reads) == 3 * LAYERS
+    assert sum(x.endswith(".inliers") for x in reads) == LAYERS
+
+
+def test_the_widest_channels_of_the_ffn_input_take_the_fp32_path(
+    graph: onnx.ModelProto, feeds: list[Feed]
+) -> None:
+    ranges = activation_ranges(graph, feeds)
+    rewritten, fp32_nodes = prepare_for_int8(graph, feeds)
+    inits = {i.name: numpy_helper.to_array(i) for i in rewritten.graph.initializer}
+    gathers = [n for n in rewritten.graph.node if n.op_type == "Gather" and "outliers" in n.name]
+    assert len(gathers) == LAYERS
+    for gather in gathers:
+        x = gather.input[0]
+        widest = set(np.argsort(ranges[x])[-SPLIT_CHANNELS:].tolist())
+        assert set(inits[gather.input[1]].tolist()) == widest
+        keep = inits[f"{x}.keep"]
+        assert set(np.flatnonzero(keep == 0).tolist()) == widest  # zeroed for the INT8 MatMul
+        assert ranges[x][sorted(widest)].min() >= np.median(ranges[x])
+    matmuls = {n.name: n for n in rewritten.graph.node}
+    assert len(fp32_nodes) == LAYERS
+    assert all(matmuls[name].input[0].endswith(".outliers") for name in fp32_nodes)
+
+
+def test_int8_keeps_every_reference_sentence_above_099_and_plain_int8_does_not(
+    graph: onnx.ModelProto,
+    feeds: list[Feed],
+    tokenizer: Any,
+    reference: list[dict[str, Any]],
+    tmp_path: Path,
+) -> None:
+    sentences = [r["text"] for r in reference]
+    fp32 = _embed(graph, tokenizer, sentences, tmp_path)
+    quantize_int8(graph, tmp_path / "int8.onnx", feeds)
+    kept = onnx.load(str(tmp_path / "int8.onnx"))
+    assert sum(n.op_type == "MatMulInteger" for n in kept.graph.node) == 6 * LAYERS
+    shipped = cosines(_embed(tmp_path / "int8.onnx", tokenizer, sentences, tmp_path), fp32)
+
+    weights = {i.name for i in graph.graph.initializer}
+    attention = [
+        n.name for n in graph.graph.node if n.op_type == "MatMul" and n.input[1] not in weights
+    ]
+    logging.disable(logging.WARNING)
+    try:
+        quantize_dynamic(
+            graph,
+            tmp_path / "plain.onnx",
+            weight_type=QuantType.QInt8,
+            op_types_to_quantize=["MatMul"],
+            nodes_to_exclude=attention,
+            per_channel=True,
+        )
+    finally:
+        logging.disable(logging.NOTSET)
+    plain = cosines(_embed(tmp_path / "plain.onnx", tokenizer, sentences, tmp_path), fp32)
+    assert shipped.min() >= 0.99, sentences[int(shipped.argmin())]
+    assert plain.min() < 0.99  # what the rewrites are for
+    assert shipped.mean() > plain.mean()
+
+
+def test_int8_without_calibration_texts_is_refused(graph: onnx.ModelProto, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="calibration texts"):
+        quantize_int8(graph, tmp_path / "int8.onnx", [])
