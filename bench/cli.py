@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hopline.bench.load import Run, closed_loop, cpu_count, open_loop
-from hopline.bench.mixes import Mix, make_mix
+from hopline.bench.mixes import Mix, make_mix, narrowed
 from hopline.bench.report import model_ratios, ratios, summarise, table, write_png
 from hopline.bench.targets import (
     EchoTarget,
@@ -149,9 +149,28 @@ class _Payloads:
         return self.target.payload(self.mix.text(i))
 
 
-async def measure(target: Target, mix: Mix, args: argparse.Namespace) -> Run:
-    for text in mix.prime:  # exact and semantic mixes: fill the cache first
+async def prime(target: Target, mix: Mix) -> Mix:
+    """Fill the cache with the mix's primed texts, then send each again: a repeat that is not
+    a hit is a text the model's cache policy does not keep (an out-of-scope answer, a score
+    below min_score). It is left out, and said, so a window of repeats holds only repeats."""
+    for text in mix.prime:
         await target.call(target.payload(text))
+    kept = []
+    for text in mix.prime:
+        outcome, _ = target.describe(await target.call(target.payload(text)))
+        if outcome in (None, "exact", "semantic"):  # None: a target with no cache (echo)
+            kept.append(text)
+    if len(kept) == len(mix.prime):
+        return mix
+    sys.stderr.write(
+        f"{target.name}: {len(mix.prime) - len(kept)} of {len(mix.prime)} primed texts are not "
+        f"kept by the cache (the model's cache policy); the {mix.name} mix leaves them out\n"
+    )
+    return narrowed(mix, kept)
+
+
+async def measure(target: Target, mix: Mix, args: argparse.Namespace) -> Run:
+    mix = await prime(target, mix)  # exact and semantic mixes: fill the cache first
     seconds = args.duration + args.warmup
     expected = args.rps * seconds if args.rps else (args.concurrency or 1) * 300 * seconds
     payloads = _Payloads(target, mix, int(expected * 1.3) + 1000)

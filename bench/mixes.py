@@ -3,7 +3,9 @@
 - miss: every request a text never seen before (a per-run prefix and a counter), so the
   cache can only miss: the full path through every hop.
 - exact: a fixed set of texts, each sent once before the window; in the window every
-  request repeats one of them exactly.
+  request repeats one of them exactly. Texts the cache does not keep (the model's policy
+  leaves out-of-scope answers uncached) are found by a second pass and left out, or the
+  "repeat" window would be partly misses.
 - semantic: the same fixed set primed, then paraphrases of it (a different normalised text,
   a close embedding). Hits need a model whose cache mode is `semantic`; the default model is
   exact-only, and the outcome counts in the report say what happened.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # Customer-support requests of realistic lengths (6 to 24 tokens), so length buckets matter.
@@ -50,6 +52,34 @@ def _fixed(i: int) -> str:
     return TEMPLATES[i % len(TEMPLATES)].format(n=1000 + i)
 
 
+def _exact(primed: tuple[str, ...]) -> Mix:
+    return Mix("exact", lambda i: primed[i % len(primed)], primed, len(primed))
+
+
+def _semantic(primed: tuple[str, ...]) -> Mix:
+    variants = tuple(
+        PARAPHRASES[(i // len(primed)) % len(PARAPHRASES)].format(t=primed[i % len(primed)])
+        for i in range(len(primed) * len(PARAPHRASES))
+    )
+    return Mix("semantic", lambda i: variants[i % len(variants)], primed, len(variants))
+
+
+PRIMED_MIXES: dict[str, Callable[[tuple[str, ...]], Mix]] = {
+    "exact": _exact,
+    "semantic": _semantic,
+}
+
+
+def narrowed(mix: Mix, kept: Sequence[str]) -> Mix:
+    """The same mix over only the primed texts in `kept` (those the cache keeps)."""
+    if not kept:
+        raise SystemExit(
+            f"--mix {mix.name}: the cache kept none of the {len(mix.prime)} primed texts (the "
+            "model's cache policy: mode off, out-of-scope answers, or scores below min_score)"
+        )
+    return PRIMED_MIXES[mix.name](tuple(t for t in mix.prime if t in set(kept)))
+
+
 def make_mix(name: str, clinc_file: Path | None = None) -> Mix:
     if name == "miss":
         # A fresh prefix per mix: a second run, or a second target, never repeats a text.
@@ -61,14 +91,8 @@ def make_mix(name: str, clinc_file: Path | None = None) -> Mix:
             None,
         )
     primed = tuple(_fixed(i) for i in range(PRIMED))
-    if name == "exact":
-        return Mix("exact", lambda i: primed[i % PRIMED], primed, PRIMED)
-    if name == "semantic":
-        variants = tuple(
-            PARAPHRASES[(i // PRIMED) % len(PARAPHRASES)].format(t=primed[i % PRIMED])
-            for i in range(PRIMED * len(PARAPHRASES))
-        )
-        return Mix("semantic", lambda i: variants[i % len(variants)], primed, len(variants))
+    if name in PRIMED_MIXES:
+        return PRIMED_MIXES[name](primed)
     if name == "clinc":
         path = clinc_file or DEFAULT_CLINC
         if not path.is_file():

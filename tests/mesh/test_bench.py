@@ -36,3 +36,19 @@ def test_bench_writes_every_target_with_the_documented_keys(mesh: Mesh, tmp_path
     assert sum(outcomes.values()) == doc["targets"]["mesh"]["requests"]
     assert "mesh_p50_over_echo_p50" in doc["ratios"]
     assert "mesh" in run.stdout  # the table
+
+
+def test_the_exact_mix_repeats_only_texts_the_cache_keeps(mesh: Mesh, tmp_path: Path) -> None:
+    """Some primed texts get out-of-scope answers, which the default model's policy does not
+    cache: left in, they would be misses inside a window meant to hold only repeats."""
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "hopline", "bench", "--target", mesh.gateway,
+         "--concurrency", "1", "--duration", "1", "--warmup", "0.2", "--mix", "exact",
+         "--baseline", "none", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "primed texts are not kept by the cache" in run.stderr  # 3 of 64, out of scope
+    target = json.loads(out.read_text())["targets"]["mesh"]
+    assert target["cache_outcomes"] == {"exact": target["requests"]}
