@@ -62,6 +62,21 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             probe.close()
 
 
+def address_in_use(address: str) -> bool:
+    """Whether something already listens on `address` (host:port): a mesh started over
+    another would find the other's services SERVING and report itself up."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not a user
+        try:
+            probe.bind((host, int(port)))
+        except OSError:
+            return True
+    return False
+
+
 def health_status(target: str, timeout_s: float = 1.0, tls: ClientTls | None = None) -> int | None:
     """The grpc.health.v1 status of the server at `target`, or None if it does not answer."""
     try:
@@ -249,6 +264,16 @@ class Mesh:
         failure every service started is stopped.
         """
         names = tuple(names)
+        taken = [
+            f"{name} on {self.addrs[name]} ({spec(name).addr_env})"
+            for name in names
+            if not self.colocated(name) and address_in_use(self.addrs[name])
+        ]
+        if taken:
+            raise MeshError(
+                f"address in use: {', '.join(taken)}. Another `hopline run` (or another "
+                "program) listens there: stop it, or give these services other addresses"
+            )
         deadline = time.monotonic() + timeout_s
         upstreams = [n for n in names if n != ServiceName.GATEWAY and not self.colocated(n)]
         local_tier = self.service_env_value("gateway", "HOPLINE_GATEWAY_EXACT_ENTRIES") != "0"
