@@ -158,7 +158,9 @@ async def prime(target: Target, mix: Mix) -> Mix:
     kept = []
     for text in mix.prime:
         outcome, _ = target.describe(await target.call(target.payload(text)))
-        if outcome in (None, "exact", "semantic"):  # None: a target with no cache (echo)
+        # Only a MISS says the cache looked and did not have it. A target without a cache
+        # (echo, a peer: no outcome) or a lookup that failed open says nothing of the policy.
+        if outcome != "miss":
             kept.append(text)
     if len(kept) == len(mix.prime):
         return mix
