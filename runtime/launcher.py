@@ -66,6 +66,8 @@ def address_in_use(address: str) -> bool:
     """Whether something already listens on `address` (host:port): a mesh started over
     another would find the other's services SERVING and report itself up."""
     host, _, port = address.rpartition(":")
+    if address.startswith("unix:") or not port.isdigit():
+        return False  # a Unix socket path: not probed here; the server's own bind error names it
     host = host.strip("[]") or "0.0.0.0"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
