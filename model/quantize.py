@@ -64,13 +64,21 @@ class PrecisionCheckError(RuntimeError):
 
 
 def quantize_int8(model: onnx.ModelProto, out_path: Path, calibration: Iterable[Feed]) -> None:
-    """Dynamic INT8: constant-weight MatMul/Gemm quantized per channel, after the graph is
-    rewritten to keep its outlier channels (hopline.model.outliers, ranges from `calibration`)."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
+    """Dynamic INT8 after the graph is rewritten to keep its outlier channels
+    (hopline.model.outliers, ranges from `calibration`)."""
     from hopline.model.outliers import prepare_for_int8
 
-    model, fp32_nodes = prepare_for_int8(model, calibration)
+    rewritten, fp32_nodes = prepare_for_int8(model, calibration)
+    quantize_dynamic_int8(rewritten, out_path, keep_fp32=fp32_nodes)
+
+
+def quantize_dynamic_int8(
+    model: onnx.ModelProto, out_path: Path, keep_fp32: Sequence[str] = ()
+) -> None:
+    """ONNX Runtime's dynamic INT8: constant-weight MatMuls quantized per channel, except the
+    nodes named in `keep_fp32`. Alone (no rewrite) this is the plain INT8 the rewrites beat."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
     weights = {init.name for init in model.graph.initializer}
     # Activation x activation products (attention scores, context) stay FP32: both sides change
     # per request, so there is no weight to quantize ahead of time.
@@ -86,7 +94,7 @@ def quantize_int8(model: onnx.ModelProto, out_path: Path, calibration: Iterable[
             out_path,
             weight_type=QuantType.QInt8,
             op_types_to_quantize=["MatMul"],
-            nodes_to_exclude=activation_only + fp32_nodes,
+            nodes_to_exclude=activation_only + list(keep_fp32),
             per_channel=True,
         )
     finally:
