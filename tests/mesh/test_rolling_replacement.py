@@ -9,10 +9,11 @@ both gateways the same way, as a Kubernetes client would dial a headless Service
 client-side health checking that takes a draining gateway out of its picks and a retry
 policy for an attempt that still reaches one as it closes.
 
-Not here: the issue's "for one service, a build from the previous proto version". The last
-proto change predates the repository's layout change, so the previous version's tree is not
-runnable as `hopline serve` with today's install; tests/mesh/test_compat.py covers clients
-built from older protos instead.
+One service starts as the previous release would have it: both its replicas run the build of
+the newest commit before the last proto change (tests/previous_build.py), a real old build
+whose contract differs from today's, and the rollout replaces them with today's build. So the
+new gateway calls old replicas, and old and new replicas serve side by side, as in a real
+upgrade; reflection shows which contract each replica serves, before and after.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 import grpc
 import pytest
 from milvus_server import MilvusKind, MilvusServer, lane_env
+from previous_build import PreviousBuild, build_previous, current_proto, served_proto
 
 from conftest import BATCH_TEXTS, DEFAULT_MODEL
 from harness import Mesh
@@ -125,8 +127,25 @@ def wait_taking_traffic(metrics_port: int, name: str, calls: int = 20) -> None:
         time.sleep(0.05)
 
 
+@dataclass
+class ReplicaSets:
+    a: Mesh
+    b: Mesh
+    previous: PreviousBuild
+    upgraded: ServiceName  # the service whose replicas start on the previous build
+
+
+def serves_previous_contract(mesh: Mesh, sets: ReplicaSets) -> bool:
+    """Whether the upgraded service's replica in `mesh` serves the previous protos (else
+    today's; anything else fails)."""
+    address = mesh.addrs[sets.upgraded]
+    served = [served_proto(address, f) for f in sets.previous.files]
+    today = [current_proto(f) for f in sets.previous.files]
+    return served != today
+
+
 @pytest.fixture
-def replica_sets(default_repo: Path, tmp_path: Path) -> Iterator[tuple[Mesh, Mesh]]:
+def replica_sets(default_repo: Path, tmp_path: Path) -> Iterator[ReplicaSets]:
     repo = tmp_path / "models"
     shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
     server = MilvusServer(tmp_path / "milvus", MilvusKind.LITE_SERVER)
@@ -145,6 +164,13 @@ def replica_sets(default_repo: Path, tmp_path: Path) -> Iterator[tuple[Mesh, Mes
             )
         )
     a, b = meshes
+    previous = build_previous(tmp_path / "previous")
+    # The first service (in rollout order) whose contract changed; the gateway has no caller
+    # in the mesh to prove compatibility with, so it is taken only when nothing else changed.
+    upgraded = next((n for n in ORDER if n in previous.changed), next(iter(previous.changed), None))
+    assert upgraded is not None, f"{previous.commit[:10]} changed no service's proto"
+    for mesh in meshes:
+        mesh.service_env.setdefault(upgraded, {}).update(previous.env())
     dial = {
         f"HOPLINE_{name.upper()}_ADDR": f"ipv4:{a.addrs[name]},{b.addrs[name]}"
         for name in ORDER
@@ -159,7 +185,7 @@ def replica_sets(default_repo: Path, tmp_path: Path) -> Iterator[tuple[Mesh, Mes
             mesh.start(names=upstreams)
         for mesh in meshes:
             mesh.start(names=[ServiceName.GATEWAY])
-        yield a, b
+        yield ReplicaSets(a, b, previous, upgraded)
     finally:
         for mesh in meshes:
             mesh.stop()
@@ -167,9 +193,15 @@ def replica_sets(default_repo: Path, tmp_path: Path) -> Iterator[tuple[Mesh, Mes
 
 
 def test_every_service_replaced_under_load_without_a_failed_request(
-    replica_sets: tuple[Mesh, Mesh],
+    replica_sets: ReplicaSets,
 ) -> None:
-    a, b = replica_sets
+    sets = replica_sets
+    a, b = sets.a, sets.b
+    for mesh in (a, b):
+        assert serves_previous_contract(mesh, sets), (
+            f"{sets.upgraded} at {mesh.addrs[sets.upgraded]} does not serve the protos of "
+            f"{sets.previous.commit[:10]}"
+        )
     load = Load(f"ipv4:{a.gateway},{b.gateway}")
     workers = [threading.Thread(target=load.run, args=(w,), daemon=True) for w in range(WORKERS)]
     for worker in workers:
@@ -184,6 +216,9 @@ def test_every_service_replaced_under_load_without_a_failed_request(
             for mesh in (a, b):
                 before, failed = load.total(), load.failed()
                 assert mesh.terminate(name) == 0, f"{name} did not drain cleanly"
+                if name == sets.upgraded:  # today's build replaces the previous release's
+                    for key in sets.previous.env():
+                        del mesh.service_env[name][key]
                 mesh.spawn([name])
                 mesh.wait_serving(name)
                 # Ready is not enough: the next replacement waits until the callers'
@@ -199,7 +234,12 @@ def test_every_service_replaced_under_load_without_a_failed_request(
         load.stopping.set()
         for worker in workers:
             worker.join(timeout=2 * TIMEOUT_S)
-    print(f"requests: {dict(load.outcomes)}; during each replacement: {replaced}")
+    print(
+        f"{sets.upgraded} upgraded from {sets.previous.commit[:10]}; requests: "
+        f"{dict(load.outcomes)}; during each replacement: {replaced}"
+    )
+    for mesh in (a, b):
+        assert not serves_previous_contract(mesh, sets), f"{sets.upgraded} was not upgraded"
     assert len(replaced) == 2 * len(ORDER)
     assert all(during > 0 for _, during, _ in replaced), "traffic stopped during a replacement"
     assert set(load.outcomes) == {"OK"}, load.outcomes
