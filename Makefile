@@ -238,15 +238,9 @@ milvus-standalone: $(MILVUS_STANDALONE)
 # server and once on the standalone (HOPLINE_TEST_MILVUS: each mesh starts a server of its own).
 CACHE_SERVER_TESTS := tests/mesh/test_cache.py tests/mesh/test_cache_exact_index.py \
 	tests/mesh/test_exact_tier.py tests/mesh/test_cache_unseen.py tests/mesh/test_cache_shared_milvus.py
-# Left out on the standalone only: their second mesh's standalone does not come up beside
-# the module's first one (not yet understood); both pass on milvus-lite's server.
-STANDALONE_DESELECT := \
-	--deselect tests/mesh/test_cache.py::test_identical_concurrent_misses_run_inference_once \
-	--deselect tests/mesh/test_cache.py::test_cache_killed_mid_run_fails_open_then_recovers
 milvus-server-tests: model $(MILVUS_STANDALONE)
 	HOPLINE_MODEL_REPO=$(MODEL_REPO) HOPLINE_TEST_MILVUS=lite-server $(BIN)/pytest $(CACHE_SERVER_TESTS)
-	HOPLINE_MODEL_REPO=$(MODEL_REPO) HOPLINE_TEST_MILVUS=standalone $(BIN)/pytest \
-		$(STANDALONE_DESELECT) $(CACHE_SERVER_TESTS)
+	HOPLINE_MODEL_REPO=$(MODEL_REPO) HOPLINE_TEST_MILVUS=standalone $(BIN)/pytest $(CACHE_SERVER_TESTS)
 
 # Kubernetes manifests, offline: each overlay rendered by kustomize and validated, strict, by
 # kubeconform against the JSON schemas the PyPI package kubernetes-validate bundles (laid out

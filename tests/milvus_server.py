@@ -84,14 +84,28 @@ def _standalone_command(data: Path, port: int) -> tuple[list[str], dict[str, str
     if not server.is_file():
         raise FileNotFoundError(f"{server} is missing: run `make milvus-standalone`")
     # Its other components find free ports of their own; each advertises 127.0.0.1, or the
-    # proxy hands clients the machine's first non-loopback address.
+    # proxy hands clients the machine's first non-loopback address. Its embedded etcd is the
+    # exception: without a config file of its own it listens on etcd's fixed defaults
+    # (2379, 2380), so a second standalone beside the first fails to start.
+    client, peer = free_ports(2)
+    etcd = data / "embed-etcd.yaml"
+    etcd.write_text(
+        f"listen-client-urls: http://127.0.0.1:{client}\n"
+        f"advertise-client-urls: http://127.0.0.1:{client}\n"
+        f"listen-peer-urls: http://127.0.0.1:{peer}\n"
+        f"initial-advertise-peer-urls: http://127.0.0.1:{peer}\n"
+        f"initial-cluster: default=http://127.0.0.1:{peer}\n"
+    )
     command = [str(server), "--data", str(data), "--proxy-port", str(port)]
+    command += ["--etcd-port", str(client)]
     for component in STANDALONE_COMPONENTS:
         command += ["--extra-config", f"{component}.ip=127.0.0.1"]
     # A Strong read waits for the next time tick (200 ms by default); the cache's batched
     # writer pays two per batch, so at the default a few hundred stores take over a minute.
     command += ["--extra-config", "proxy.timeTickInterval=20"]
-    return command, dict(os.environ)
+    # Milvus reads any setting from the environment too (etcd.config.path: ETCD_CONFIG_PATH);
+    # the wrapper's --extra-config can only change keys its template already has.
+    return command, dict(os.environ, ETCD_CONFIG_PATH=str(etcd))
 
 
 class MilvusServer:
