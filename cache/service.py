@@ -38,10 +38,12 @@ from hopline.cache.store import (
     CacheStore,
     CacheStoreError,
     Entry,
+    LookupConsistency,
     MilvusStore,
     ScopeFilter,
     is_local,
 )
+from hopline.cache.tombstones import Tombstones
 from hopline.cache.verifier import Verifier, policy_of
 from hopline.cache.verify import VerifyPolicy
 from hopline.model.tokenizer import unseen
@@ -159,6 +161,20 @@ class CacheConfig(ServerConfig):
         "ones (and 1000), the live rows are copied to a fresh collection and the old one "
         "dropped (docs/cache.md); 0: never. A Milvus server compacts by itself",
     )
+    lookup_consistency: LookupConsistency = env_field(
+        "HOPLINE_CACHE_LOOKUP_CONSISTENCY",
+        LookupConsistency.BOUNDED,
+        "how lookups read Milvus: 'bounded' (no wait for a server's time tick; entries deleted "
+        "within HOPLINE_CACHE_TOMBSTONE_S are hidden from the results) or 'strong' (waits for "
+        "the server's next tick, proxy.timeTickInterval)",
+    )
+    tombstone_s: float = env_field(
+        "HOPLINE_CACHE_TOMBSTONE_S",
+        10.0,
+        "how long a deleted entry or scope stays hidden from lookups' Milvus reads; keep it "
+        "above the Milvus server's common.gracefulTime (5 s by default), the staleness bound "
+        "of a bounded read",
+    )
     peer_poll_ms: float = env_field(
         "HOPLINE_CACHE_PEER_POLL_MS",
         100.0,
@@ -185,6 +201,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         )
         self.store: CacheStore | None = None
         self.peers: SharedInvalidations | None = None  # other replicas on one Milvus server
+        # Deleted a moment ago: hidden from lookups' reads of Milvus, which may lag it.
+        self.tombstones = Tombstones(config.tombstone_s)
         self.embedder: Embedder | None = None
         self.verifier = Verifier(config.verify_state_path())
         self.counters = dict.fromkeys(
@@ -204,6 +222,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 "exact_reads",  # exact lookups that read Milvus by key (fallback, or no index)
                 "index_rebuilt",  # entries the start-up rebuild put into the index
                 "reclaims",  # milvus-lite collections rebuilt to free deleted rows
+                "buried",  # entries a lookup read from Milvus after they were deleted
             ),
             0,
         )
@@ -244,6 +263,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 index_type=self.config.index_type,
                 timeout_s=self.config.milvus_timeout_s,
                 reclaim_ratio=self.config.reclaim_ratio,
+                lookup_consistency=self.config.lookup_consistency,
             ),
         )
         entries = await self._io_call(self.store.count)
@@ -415,6 +435,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 self.counters["evictions"] += await self._io_call(store.delete, doomed)
                 if self.index is not None:
                     self.index.remove(doomed)
+                self.tombstones.bury(doomed, None, time.monotonic())
                 evicted = cache_pb2.WatchInvalidationsResponse(entry_ids=doomed)
                 self._publish(evicted)
                 await self._share(evicted)
@@ -486,7 +507,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                     embedding = asyncio.create_task(self._embed_timed(normalised))
                 self.counters["exact_reads"] += 1
                 try:
-                    entry = await self._io_call(store.get, key, now)
+                    entry = self._unburied(await self._io_call(store.get, key, now))
                 except BaseException:
                     if embedding is not None:
                         _detach(embedding)
@@ -505,6 +526,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             t2 = time.perf_counter()
             with tracer().start_as_current_span(schema.SPAN_CACHE_SEARCH) as span:
                 found = await self._io_call(store.search, vector, scope, now, SEMANTIC_CANDIDATES)
+                found = [(e, similarity) for e, similarity in found if self._unburied(e)]
                 span.set_attribute(schema.CACHE_CANDIDATES, len(found))
             response.search_ms = (time.perf_counter() - t2) * 1e3
             # The query's unseen parts only matter against a candidate: no search result, no
@@ -523,6 +545,13 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         metrics.CACHE_LOOKUPS.labels("miss").inc()
         response.outcome = common_pb2.CACHE_OUTCOME_MISS
         return response
+
+    def _unburied(self, entry: Entry | None) -> Entry | None:
+        """`entry` as read from Milvus, or None when it was deleted within tombstone_s."""
+        if entry is not None and self.tombstones.hides(entry, time.monotonic()):
+            self.counters["buried"] += 1
+            return None
+        return entry
 
     def _eligible(
         self,
@@ -711,10 +740,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not cache entry ids: {bad[:3]}")
         # Pending entries go first, so the writer cannot resurrect them after the delete.
         for key, (entry, _, _) in list(self._pending.items()):
-            if key in ids or (scope is not None and _matches(scope, entry.scope)):
+            if key in ids or (scope is not None and scope.matches(entry.scope)):
                 del self._pending[key]
                 self._store_spans.pop(key, None)
         self._unindex(ids, scope)  # no lookup is answered from memory after this point
+        self.tombstones.bury(ids, scope, time.monotonic())  # nor from a lagging read
         store = self._require_store()
         try:
             removed = await self._io_call(store.delete, ids)
@@ -750,10 +780,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         s = event.scope
         scope = ScopeFilter(s.tenant, s.model, s.model_version) if event.HasField("scope") else None
         for key, (entry, _, _) in list(self._pending.items()):
-            if key in ids or (scope is not None and _matches(scope, entry.scope)):
+            if key in ids or (scope is not None and scope.matches(entry.scope)):
                 del self._pending[key]
                 self._store_spans.pop(key, None)
         self._unindex(ids, scope)
+        self.tombstones.bury(ids, scope, time.monotonic())
         self._publish(event)
 
     def _unindex(self, ids: list[str], scope: ScopeFilter | None) -> None:
@@ -858,12 +889,3 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 def _detach(task: asyncio.Task[Any]) -> None:
     """Let a task run on unawaited without an unretrieved-exception warning."""
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-
-def _matches(scope: ScopeFilter, entry_scope: tuple[str, str, str, str]) -> bool:
-    return all(
-        not want or want == got
-        for want, got in zip(
-            (scope.tenant, scope.model, scope.model_version), entry_scope[:3], strict=True
-        )
-    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import enum
 import json
 import logging
 import threading
@@ -46,8 +47,8 @@ Vector = npt.NDArray[np.float32]
 Scope = tuple[str, str, str, str]  # tenant, model, version, canonical parameters
 
 _MAX_TEXT = 65_535  # Milvus VARCHAR limit, in bytes
-# Reads see every acknowledged write: an exact repeat right after a store must hit, an
-# invalidated entry must never be served, and eviction must count what is really there.
+# Reads off the request path see every acknowledged write: eviction must count what is really
+# there, a store must know which keys exist. Lookups choose (LookupConsistency).
 CONSISTENCY = "Strong"
 RECLAIM_MIN_DEAD = 1000  # below this many deleted rows a reclaim is not worth its copy
 LIVE_PAGE = 2000  # rows per page when the exact index is rebuilt (Milvus caps one at 16384)
@@ -82,6 +83,17 @@ class Entry:
     expires_at: float
 
 
+class LookupConsistency(enum.StrEnum):
+    """How a lookup's key query and search read Milvus (cache/tombstones.py says why)."""
+
+    BOUNDED = "bounded"  # no wait for the server's time tick; recent deletes hidden by stones
+    STRONG = "strong"  # waits for the next tick (proxy.timeTickInterval) on a Milvus server
+
+    @property
+    def milvus_level(self) -> str:
+        return self.value.capitalize()
+
+
 @dataclasses.dataclass(frozen=True)
 class ScopeFilter:
     """Matches entries whose scope equals every non-empty field."""
@@ -92,6 +104,11 @@ class ScopeFilter:
 
     def is_empty(self) -> bool:
         return not (self.tenant or self.model or self.model_version)
+
+    def matches(self, scope: Scope) -> bool:
+        """Whether an entry of `scope` is one this filter names (empty fields match all)."""
+        wanted = (self.tenant, self.model, self.model_version)
+        return all(not want or want == got for want, got in zip(wanted, scope[:3], strict=True))
 
     def expression(self) -> str:
         if self.model_version and not self.model:
@@ -165,8 +182,10 @@ class MilvusStore:
         index_type: str = "AUTOINDEX",
         timeout_s: float = 5.0,
         reclaim_ratio: float = 0.0,
+        lookup_consistency: LookupConsistency = LookupConsistency.STRONG,
     ) -> None:
         self.uri = uri
+        self.lookup_level = lookup_consistency.milvus_level
         self.base = collection
         self.collection = collection  # the generation in use (cache/generations.py)
         self.dim = dim
@@ -292,7 +311,7 @@ class MilvusStore:
             "query",
             filter=f'id == "{_hex(key)}" and expires_at > {now!r}',
             output_fields=["id", *_SCALARS],
-            consistency_level=CONSISTENCY,
+            consistency_level=self.lookup_level,
         )
         return _entry(rows[0]) if rows else None
 
@@ -330,7 +349,7 @@ class MilvusStore:
             filter=f'scope_key == "{scope_digest(scope)}" and expires_at > {now!r}',
             output_fields=list(_SCALARS),
             search_params={"metric_type": "COSINE"},
-            consistency_level=CONSISTENCY,
+            consistency_level=self.lookup_level,
         )
         found = []
         for hit in hits[0]:

@@ -1,0 +1,62 @@
+"""Entries deleted a moment ago, hidden from lookups that read Milvus without waiting.
+
+A Strong read waits for the server's next time tick: on a Milvus standalone a lookup's key
+query or search took 199-201 ms at the default `proxy.timeTickInterval` (200 ms) and 39-41
+ms at 20 ms, against the gateway's 40 ms cache budget, so every lookup that read the server
+failed open; a Bounded read answered in 1.4-2.3 ms (tick 20 or 200). Bounded may read rows
+up to the server's `common.gracefulTime` (5 s by default) old: an entry deleted within that
+time can come back. For a cache only deletions matter (a store not yet visible is a miss,
+an eviction's victim is still a right answer, but an invalidated entry must never be served
+again), so lookups read Bounded and every entry this replica has deleted, or heard deleted
+from another replica (cache/shared_invalidations.py), stays here for `keep_s`, longer than
+the server's staleness bound; a read's results are checked against it.
+
+Entries buried by scope are hidden whatever their age: a store made in the scope after the
+invalidation is hidden too until the scope's stone expires (a short miss, never a stale hit;
+comparing stamps would trust the replicas' clocks).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from hopline.cache.store import Entry, ScopeFilter
+
+
+class Tombstones:
+    """Recently deleted ids and scopes, each kept `keep_s` (monotonic seconds)."""
+
+    def __init__(self, keep_s: float) -> None:
+        self.keep_s = keep_s
+        self._ids: dict[str, float] = {}  # entry id -> until
+        self._scopes: deque[tuple[ScopeFilter, float]] = deque()  # oldest first
+
+    def bury(self, ids: Iterable[str], scope: ScopeFilter | None, now: float) -> None:
+        until = now + self.keep_s
+        self._prune(now)
+        for key in ids:
+            # Re-inserted so the dict stays ordered by expiry (one keep_s for all).
+            self._ids.pop(key, None)
+            self._ids[key] = until
+        if scope is not None:
+            self._scopes.append((scope, until))
+
+    def hides(self, entry: Entry, now: float) -> bool:
+        """Whether `entry`, as a read of Milvus returned it, was deleted within keep_s."""
+        until = self._ids.get(entry.key)
+        if until is not None and until > now:
+            return True
+        return any(until > now and s.matches(entry.scope) for s, until in self._scopes)
+
+    def __len__(self) -> int:
+        return len(self._ids) + len(self._scopes)
+
+    def _prune(self, now: float) -> None:
+        while self._ids:
+            key, until = next(iter(self._ids.items()))
+            if until > now:
+                break
+            del self._ids[key]
+        while self._scopes and self._scopes[0][1] <= now:
+            self._scopes.popleft()

@@ -1,0 +1,60 @@
+"""cache/tombstones.py: what a lookup's lagging read of Milvus must not bring back."""
+
+from __future__ import annotations
+
+from hopline.cache.store import Entry, LookupConsistency, ScopeFilter
+from hopline.cache.tombstones import Tombstones
+
+KEEP_S = 10.0
+
+
+def entry(key: str, tenant: str = "acme", model: str = "m", version: str = "1") -> Entry:
+    return Entry(
+        key=key.rjust(64, "0"),
+        scope=(tenant, model, version, ""),
+        text="where is my parcel",
+        response=b"",
+        created_at=0.0,
+        expires_at=1e12,
+    )
+
+
+def test_a_buried_id_is_hidden_until_its_stone_expires() -> None:
+    stones = Tombstones(KEEP_S)
+    stones.bury([entry("a").key], None, now=100.0)
+    assert stones.hides(entry("a"), now=100.0)
+    assert stones.hides(entry("a"), now=100.0 + KEEP_S - 0.01)
+    assert not stones.hides(entry("a"), now=100.0 + KEEP_S)
+    assert not stones.hides(entry("b"), now=100.0)
+
+
+def test_a_buried_scope_hides_its_entries_and_no_other_tenants() -> None:
+    stones = Tombstones(KEEP_S)
+    stones.bury([], ScopeFilter(tenant="acme", model="m"), now=0.0)
+    assert stones.hides(entry("a"), now=1.0)
+    assert stones.hides(entry("b", version="2"), now=1.0)  # every version of the model
+    assert not stones.hides(entry("c", tenant="globex"), now=1.0)
+    assert not stones.hides(entry("d", model="other"), now=1.0)
+    assert not stones.hides(entry("a"), now=KEEP_S)
+
+
+def test_a_version_scope_leaves_the_models_other_versions() -> None:
+    stones = Tombstones(KEEP_S)
+    stones.bury([], ScopeFilter(model="m", model_version="1"), now=0.0)
+    assert stones.hides(entry("a", tenant="any"), now=1.0)
+    assert not stones.hides(entry("b", version="2"), now=1.0)
+
+
+def test_expired_stones_are_dropped_and_a_reburied_id_lasts_from_its_new_burial() -> None:
+    stones = Tombstones(KEEP_S)
+    stones.bury([entry(f"{i:x}").key for i in range(100)], ScopeFilter(tenant="t"), now=0.0)
+    assert len(stones) == 101
+    stones.bury([entry("0").key], None, now=KEEP_S + 1)  # every earlier stone has expired
+    assert len(stones) == 1
+    assert stones.hides(entry("0"), now=2 * KEEP_S)
+    assert not stones.hides(entry("1"), now=KEEP_S + 1)
+
+
+def test_lookup_consistency_names_milvus_levels() -> None:
+    assert LookupConsistency("bounded").milvus_level == "Bounded"
+    assert LookupConsistency("strong").milvus_level == "Strong"
