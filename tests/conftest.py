@@ -23,6 +23,29 @@ CLINC = SHARED / "data" / "clinc150" / "data_full.json"
 DEFAULT_MODEL = "support-intents"
 
 
+# What a test measured, for the run's summary: captured output of a passing test is
+# dropped, and CI's log is the only place a stop's figures (request counts, visibility
+# times) are seen.
+_FIGURES: list[str] = []
+
+
+@pytest.fixture
+def figures(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """`figures(line)` adds a line, under the test's id, to the run's "measured" section."""
+
+    def add(line: str) -> None:
+        _FIGURES.append(f"{request.node.nodeid}: {line}")
+
+    return add
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _FIGURES:
+        terminalreporter.section("measured")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def default_repo() -> Path:
     """The repository `make` built; tests never build the default model behind its back."""

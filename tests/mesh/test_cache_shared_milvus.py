@@ -117,8 +117,10 @@ def test_a_store_through_one_replica_is_served_by_the_other(replicas: Replicas) 
     assert served.prediction == first.prediction
 
 
-def test_store_visibility_time_is_the_batched_write(replicas: Replicas) -> None:
-    """Store straight to replica A, then look up at B until it answers: printed, not bound."""
+def test_store_visibility_time_is_the_batched_write(
+    replicas: Replicas, figures: Callable[[str], None]
+) -> None:
+    """Store straight to replica A, then look up at B until it answers: reported, not bound."""
     a, b = replicas
     with (
         grpc.insecure_channel(a.addrs["cache"]) as chan_a,
@@ -150,7 +152,7 @@ def test_store_visibility_time_is_the_batched_write(replicas: Replicas) -> None:
             )
             hit = functools.partial(answers, stub_b, semantic, EXACT)
             seen.append(waited(hit, "replica B serving replica A's store"))
-    print(f"store at A -> EXACT at B, seconds: {[round(s, 3) for s in seen]}")
+    figures(f"store at A -> EXACT at B, seconds: {[round(s, 3) for s in seen]}")
 
 
 def answers(
@@ -166,7 +168,7 @@ def local_copy(mesh: Mesh, text: str, tenant: str) -> bool:
 
 
 def test_an_invalidation_through_either_replica_reaches_both_gateways(
-    replicas: Replicas,
+    replicas: Replicas, figures: Callable[[str], None]
 ) -> None:
     a, b = replicas
     tenant = "shared-inval"
@@ -208,7 +210,7 @@ def test_an_invalidation_through_either_replica_reaches_both_gateways(
     by_scope_s = time.monotonic() - started
     # The first answer not from gateway B's copy: replica B's index must not hold it either.
     assert replies[-1].cache.outcome == MISS
-    print(
+    figures(
         f"invalidation -> other gateway's copy dropped: by id {by_id_s:.3f} s, "
         f"by scope {by_scope_s:.3f} s (poll {POLL_MS} ms)"
     )

@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,7 +193,7 @@ def replica_sets(default_repo: Path, tmp_path: Path) -> Iterator[ReplicaSets]:
 
 
 def test_every_service_replaced_under_load_without_a_failed_request(
-    replica_sets: ReplicaSets,
+    replica_sets: ReplicaSets, figures: Callable[[str], None]
 ) -> None:
     sets = replica_sets
     a, b = sets.a, sets.b
@@ -234,7 +234,7 @@ def test_every_service_replaced_under_load_without_a_failed_request(
         load.stopping.set()
         for worker in workers:
             worker.join(timeout=2 * TIMEOUT_S)
-    print(
+    figures(
         f"{sets.upgraded} upgraded from {sets.previous.commit[:10]}; requests: "
         f"{dict(load.outcomes)}; during each replacement: {replaced}"
     )
