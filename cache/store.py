@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import json
 import logging
+import os
 import threading
 import time
 import warnings
@@ -172,6 +173,16 @@ def is_local(uri: str) -> bool:
     return "://" not in uri
 
 
+def _milvus_lite_logs_beside(db: Path) -> None:
+    """milvus-lite's server (a child pymilvus starts with this process's environment) logs
+    through glog, which writes a file into /tmp at every start unless told a folder: each
+    cache start left one there. Its logs go beside the database file instead, unless the
+    operator set GLOG_log_dir."""
+    logs = db.resolve().parent / f"{db.name}.logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("GLOG_log_dir", str(logs))
+
+
 class MilvusStore:
     def __init__(
         self,
@@ -203,6 +214,8 @@ class MilvusStore:
         pymilvus_log.handlers.clear()
         pymilvus_log.propagate = True
         self._exc: type[Exception] = pymilvus.MilvusException
+        if is_local(uri):
+            _milvus_lite_logs_beside(Path(uri))
         self._client = self._connect(pymilvus)
         try:
             self.collection = self._open_generation()

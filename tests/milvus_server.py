@@ -75,7 +75,8 @@ def _lite_command(data: Path, port: int) -> tuple[list[str], dict[str, str]]:
     if spec is None or spec.origin is None:
         raise FileNotFoundError("milvus-lite is not installed (a hopline dependency)")
     lib = Path(spec.origin).parent / "lib"
-    env = dict(os.environ, LD_LIBRARY_PATH=str(lib))
+    # glog's files go to the server's folder, not /tmp (cache/store.py does the same).
+    env = dict(os.environ, LD_LIBRARY_PATH=str(lib), GLOG_log_dir=str(data))
     return [str(lib / "milvus"), str(data / "milvus.db"), f"127.0.0.1:{port}", "ERROR"], env
 
 
