@@ -74,7 +74,8 @@ def test_milvus_server_that_does_not_answer_fails_fast(tmp_path: Path) -> None:
 
 
 def test_second_process_on_the_same_file_is_refused(tmp_path: Path) -> None:
-    first = Mesh(tmp_path / "unused-repo", tmp_path)
+    # A milvus-lite file in every lane (HOPLINE_TEST_MILVUS): the file's lock is the subject.
+    first = Mesh(tmp_path / "unused-repo", tmp_path, HOPLINE_CACHE_URI=str(tmp_path / "cache.db"))
     first.start(("cache",))
     try:
         code, log, _ = serve_cache(first.env["HOPLINE_CACHE_URI"])
