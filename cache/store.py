@@ -214,8 +214,6 @@ class MilvusStore:
         pymilvus_log.handlers.clear()
         pymilvus_log.propagate = True
         self._exc: type[Exception] = pymilvus.MilvusException
-        if is_local(uri):
-            _milvus_lite_logs_beside(Path(uri))
         self._client = self._connect(pymilvus)
         try:
             self.collection = self._open_generation()
@@ -242,6 +240,7 @@ class MilvusStore:
                         f"{path} is not a milvus-lite database (no SQLite header): it is "
                         "damaged or another kind of file; move it away to start an empty cache"
                     )
+            _milvus_lite_logs_beside(path)  # only once the path is known to be a database's
         try:
             return pymilvus.MilvusClient(self.uri, timeout=self.timeout_s)
         except Exception as exc:  # pymilvus raises many kinds here
