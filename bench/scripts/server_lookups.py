@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import tempfile
 import time
@@ -49,24 +50,21 @@ def standalone_at(tick_ms: int) -> Any:
 async def measure(uri: str, args: argparse.Namespace) -> None:
     samples: dict[tuple[LookupConsistency, str], list[tuple[float, float]]] = {}
     texts = [f"where is my parcel number {i}" for i in range(args.entries)]
-    async with (
-        cache(
-            uri,
-            exact_index=False,
-            lookup_consistency=LookupConsistency.STRONG,
-            verify_state=str(Path(args.work) / "strong.sqlite"),
-        ) as (_, strong),
-        cache(
-            uri,
-            exact_index=False,
-            lookup_consistency=LookupConsistency.BOUNDED,
-            verify_state=str(Path(args.work) / "bounded.sqlite"),
-        ) as (_, bounded),
-    ):
+    async with contextlib.AsyncExitStack() as stack:
+        stubs = {}
+        for level in (LookupConsistency.STRONG, LookupConsistency.BOUNDED):
+            _, stubs[level] = await stack.enter_async_context(
+                cache(
+                    uri,
+                    exact_index=False,
+                    lookup_consistency=level,
+                    verify_state=str(Path(args.work) / f"{level.value}.sqlite"),
+                )
+            )
+        strong = stubs[LookupConsistency.STRONG]
         for text in texts:
             await store(strong, text, mode="semantic")
         await written(strong)
-        stubs = {LookupConsistency.STRONG: strong, LookupConsistency.BOUNDED: bounded}
         for round_ in range(args.rounds):
             order = list(stubs.items()) if round_ % 2 == 0 else list(stubs.items())[::-1]
             for level, stub in order:
