@@ -48,7 +48,7 @@ from hopline.cache.verifier import Verifier, policy_of
 from hopline.cache.verify import VerifyPolicy
 from hopline.model.tokenizer import unseen
 from hopline.observability import metrics, schema
-from hopline.observability.tracing import tracer
+from hopline.observability.tracing import child_span, tracer
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.runtime.batching import QueueFullError
@@ -493,7 +493,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         key = exact_key(scope, text)
         normalised = normalise_text(text)
         embedding: asyncio.Task[tuple[Vector, float]] | None = None
-        with tracer().start_as_current_span(schema.SPAN_CACHE_EXACT):
+        with child_span(schema.SPAN_CACHE_EXACT):
             pending = self._pending.get(key)
             entry = pending[0] if pending is not None else None
             if entry is None and self.index is not None:
@@ -524,7 +524,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 embedding = asyncio.create_task(self._embed_timed(normalised))
             vector, response.embed_ms = await embedding
             t2 = time.perf_counter()
-            with tracer().start_as_current_span(schema.SPAN_CACHE_SEARCH) as span:
+            with child_span(schema.SPAN_CACHE_SEARCH) as span:
                 found = await self._io_call(store.search, vector, scope, now, SEMANTIC_CANDIDATES)
                 found = [(e, similarity) for e, similarity in found if self._unburied(e)]
                 span.set_attribute(schema.CACHE_CANDIDATES, len(found))
@@ -586,7 +586,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         """The text's vector (remembered for the store a miss sends) and the ms it took."""
         assert self.embedder is not None
         started = time.perf_counter()
-        with tracer().start_as_current_span(schema.SPAN_CACHE_EMBED):
+        with child_span(schema.SPAN_CACHE_EMBED):
             vector = await self.embedder.embed(text)
         self._remember(text, vector)
         return vector, (time.perf_counter() - started) * 1e3

@@ -21,6 +21,7 @@ its longest text), so a batched row is the same tensor a single request would ha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -29,12 +30,13 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 import numpy as np
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, SpanKind
 
 from hopline.gateway.upstream import GatewayUpstreams
 from hopline.observability import metrics, schema
-from hopline.observability.tracing import outgoing_metadata, tracer
+from hopline.observability.tracing import in_context, outgoing_metadata, tracer, unsampled
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2
@@ -161,14 +163,7 @@ class BatchedStage(Generic[Req, Rep]):
         if len(rows) == 1:  # alone: the request goes as it came, under its own span
             await _settle(rows, self._call(rows[0].request, timeout, rows[0].metadata))
             return
-        contexts = [propagate.extract(dict(r.metadata)) for r in rows]
-        with tracer().start_as_current_span(
-            schema.SPAN_STAGE_BATCH,
-            context=contexts[0],  # in the first request's trace, linked from every request's
-            kind=SpanKind.INTERNAL,
-            links=[Link(trace.get_current_span(c).get_span_context()) for c in contexts],
-            attributes={schema.HOP: self.hop, schema.BATCH_SIZE: len(rows)},
-        ):
+        with _batch_span(self.hop, [propagate.extract(dict(r.metadata)) for r in rows]):
             parts = await self._batch_parts(rows, timeout)
         if parts is None:  # a row's content may be at fault: each goes again alone
             await asyncio.gather(*(self._send_rows([r]) for r in rows))
@@ -206,6 +201,25 @@ class BatchedStage(Generic[Req, Rep]):
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+
+
+def _batch_span(
+    hop: str, contexts: list[otel_context.Context]
+) -> contextlib.AbstractContextManager[trace.Span]:
+    """The batch RPC's span: in the first recorded request's trace, linked from every
+    request's; none when no request's trace is recorded (the call then carries the first
+    request's trace id)."""
+    spans = [trace.get_current_span(c).get_span_context() for c in contexts]
+    recorded = [c for c, s in zip(contexts, spans, strict=True) if not unsampled(s)]
+    if not recorded:
+        return in_context(contexts[0])
+    return tracer().start_as_current_span(
+        schema.SPAN_STAGE_BATCH,
+        context=recorded[0],
+        kind=SpanKind.INTERNAL,
+        links=[Link(s) for s in spans],
+        attributes={schema.HOP: hop, schema.BATCH_SIZE: len(contexts)},
+    )
 
 
 async def _settle(rows: Sequence[_Row[Req, Rep]], call: Awaitable[Rep]) -> None:

@@ -22,7 +22,7 @@ import grpc
 from opentelemetry.trace import Status, StatusCode
 
 from hopline.observability import metrics, schema
-from hopline.observability.tracing import tracer
+from hopline.observability.tracing import child_span
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.runtime.errors import StatusError
 
@@ -47,11 +47,10 @@ async def predict_stream(
 
     async def answer(message: gateway_pb2.PredictStreamRequest) -> None:
         try:
-            with tracer().start_as_current_span(
+            with child_span(
                 schema.SPAN_STREAM_MESSAGE,
                 attributes={schema.STREAM_MESSAGE_ID: message.id},
-                record_exception=False,
-                set_status_on_exception=False,
+                quiet=True,
             ) as span:
                 reply = gateway_pb2.PredictStreamResponse(id=message.id)
                 try:

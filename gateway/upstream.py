@@ -30,7 +30,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from hopline.gateway.resilience import with_ejection
 from hopline.observability import metrics, schema
-from hopline.observability.tracing import outgoing_metadata, tracer
+from hopline.observability.tracing import child_span, outgoing_metadata
 from hopline.protos.hopline.cache.v1 import cache_pb2_grpc
 from hopline.protos.hopline.inference.v1 import inference_pb2_grpc
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2_grpc
@@ -384,12 +384,11 @@ async def call_hop(
 ) -> Any:
     """One traced upstream call; records its wall time and maps failures to HopError."""
     started = time.perf_counter()
-    with tracer().start_as_current_span(
+    with child_span(
         hop,
         kind=SpanKind.CLIENT,
         attributes={"rpc.system": "grpc", "server.address": target, schema.HOP: hop},
-        record_exception=False,
-        set_status_on_exception=False,
+        quiet=True,
     ) as span:
         code = grpc.StatusCode.OK
         try:

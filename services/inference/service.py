@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from opentelemetry import trace
 
 from hopline.model.registry import ModelRegistry
 from hopline.model.repository import (
@@ -20,7 +21,7 @@ from hopline.model.repository import (
     TensorSpec,
 )
 from hopline.observability import schema
-from hopline.observability.tracing import tracer
+from hopline.observability.tracing import tracer, unsampled
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.runtime.batching import QueueFullError
@@ -191,15 +192,16 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             )
         # The run happened on a worker thread, possibly for several requests at once: each
         # request's spans are written from the batch's timestamps, under its own server span.
-        attrs = {schema.MODEL: cfg.name, schema.MODEL_VERSION: cfg.version}
-        tracer().start_span(
-            schema.SPAN_INFERENCE_QUEUE, start_time=run.enqueued_ns, attributes=attrs
-        ).end(end_time=run.started_ns)
-        tracer().start_span(
-            schema.SPAN_INFERENCE_RUN,
-            start_time=run.started_ns,
-            attributes={**attrs, schema.BATCH_SIZE: run.rows},
-        ).end(end_time=run.finished_ns)
+        if not unsampled(trace.get_current_span().get_span_context()):
+            attrs = {schema.MODEL: cfg.name, schema.MODEL_VERSION: cfg.version}
+            tracer().start_span(
+                schema.SPAN_INFERENCE_QUEUE, start_time=run.enqueued_ns, attributes=attrs
+            ).end(end_time=run.started_ns)
+            tracer().start_span(
+                schema.SPAN_INFERENCE_RUN,
+                start_time=run.started_ns,
+                attributes={**attrs, schema.BATCH_SIZE: run.rows},
+            ).end(end_time=run.finished_ns)
         return inference_pb2.InferResponse(
             model=cfg.name,
             model_version=cfg.version,

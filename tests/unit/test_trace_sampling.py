@@ -1,17 +1,35 @@
-"""Which traces a process exports: hopline's default ratio at the root, the parent's decision
-everywhere else, and the standard OTEL_TRACES_SAMPLER when set."""
+"""Which traces a process records: hopline's default ratio at the root when exporting, none
+when not, the parent's decision everywhere else, the standard OTEL_TRACES_SAMPLER when set;
+and no spans at all below a root that is not recorded."""
 
 from __future__ import annotations
 
-from opentelemetry.sdk.trace.sampling import Decision
+import asyncio
+from typing import Any, cast
+
+import pytest
+from opentelemetry.context import Context, attach, detach
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision, Sampler
 from opentelemetry.trace import (
     NonRecordingSpan,
     SpanContext,
+    SpanKind,
     TraceFlags,
+    get_current_span,
     set_span_in_context,
 )
 
-from hopline.observability.tracing import EXPORT_SAMPLE_RATIO, default_sampler
+from hopline.observability import tracing
+from hopline.observability.tracing import (
+    EXPORT_SAMPLE_RATIO,
+    ServerTracing,
+    child_span,
+    default_sampler,
+    outgoing_metadata,
+)
 
 
 def _parent(sampled: bool) -> object:
@@ -35,6 +53,96 @@ def test_roots_keep_the_default_ratio_and_children_follow_their_parent() -> None
         assert (decision == Decision.RECORD_AND_SAMPLE) is sampled
 
 
-def test_no_default_without_export_or_with_the_standard_variable() -> None:
-    assert default_sampler(False, {}) is None
+def test_nothing_is_recorded_without_export_and_the_standard_variable_wins() -> None:
+    quiet = default_sampler(False, {})
+    assert quiet is not None
+    assert quiet.should_sample(None, 7, "root").decision == Decision.DROP
     assert default_sampler(True, {"OTEL_TRACES_SAMPLER": "parentbased_always_on"}) is None
+    assert default_sampler(False, {"OTEL_TRACES_SAMPLER": "always_on"}) is None
+
+
+def _recorder(monkeypatch: pytest.MonkeyPatch, sampler: Sampler) -> InMemorySpanExporter:
+    """hopline's tracer on a provider with `sampler` whose spans end up in the returned list
+    (the tracer is looked up once per process; this stands in for it)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_TRACER", provider.get_tracer("hopline"))
+    return exporter
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_a_hop_in_an_unrecorded_trace_opens_no_span_and_keeps_the_trace_id(
+    monkeypatch: pytest.MonkeyPatch, sampled: bool
+) -> None:
+    """A request the root sampled out: its hops' client and server spans would be dropped, so
+    none are made, but the next hop still gets the request's trace id (logs, replies)."""
+    exporter = _recorder(monkeypatch, default_sampler(True, {}) or ALWAYS_OFF)
+    seen: list[tuple[int, bool]] = []
+
+    async def servicer(request: str, context: object) -> str:
+        current = get_current_span().get_span_context()
+        seen.append((current.trace_id, current.trace_flags.sampled))
+        return request
+
+    behaviour = ServerTracing().wrap("/hopline.test.v1.Test/Echo", servicer)
+    parent = _parent(sampled)
+
+    async def scenario() -> None:
+        token = attach(cast(Context, parent))
+        try:
+            with child_span("hop", kind=SpanKind.CLIENT):
+                await behaviour("hi", cast(Any, _Metadata(outgoing_metadata())))
+        finally:
+            detach(token)
+
+    asyncio.run(scenario())
+    assert seen == [(7, sampled)]
+    spans = exporter.get_finished_spans()
+    assert sorted(s.kind.name for s in spans) == (["CLIENT", "SERVER"] if sampled else [])
+    if sampled:
+        server = next(s for s in spans if s.kind == SpanKind.SERVER)
+        client = next(s for s in spans if s.kind == SpanKind.CLIENT)
+        assert server.parent is not None
+        assert server.parent.span_id == client.context.span_id
+
+
+def test_a_root_without_a_parent_gets_ids_even_when_not_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No exporter: the gateway's root span is not recorded, yet its reply's trace id and its
+    hops' traceparent come from it."""
+    exporter = _recorder(monkeypatch, ALWAYS_OFF)
+    seen: list[SpanContext] = []
+
+    async def servicer(request: str, context: object) -> str:
+        with child_span("hop"):
+            seen.append(get_current_span().get_span_context())
+        return request
+
+    behaviour = ServerTracing().wrap("/hopline.test.v1.Test/Echo", servicer)
+
+    async def scenario() -> None:
+        await behaviour("hi", cast(Any, _Metadata(())))
+
+    asyncio.run(scenario())
+    (root,) = seen
+    assert root.is_valid
+    assert not root.trace_flags.sampled
+    assert exporter.get_finished_spans() == ()
+
+
+class _Metadata:
+    """The part of a servicer context ServerTracing reads."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def code(self) -> None:
+        return None
+
+    def time_remaining(self) -> None:
+        return None
