@@ -87,17 +87,20 @@ def test_every_service_exports_rpc_latency_and_the_gateway_its_cache_outcomes(
         assert value(body, "hopline_rpc_in_flight", service=GATEWAY, method="Predict") == 0
 
 
-def test_latency_exemplars_carry_the_trace_id(mesh: Mesh) -> None:
+def test_without_an_exporter_no_exemplar_points_at_a_trace_nobody_keeps(mesh: Mesh) -> None:
+    """Nothing is recorded when nothing exports, so a latency exemplar would name a trace
+    that exists nowhere; the reply still has its trace id. With an exporter the exemplar
+    carries it: tests/mesh/test_tracing_jaeger.py."""
     reply = predict("metrics test: exemplar 9182", gateway=mesh.gateway, timeout_s=30)
+    assert len(reply.trace_id) == 32
     body = scrape(mesh, "gateway", OPENMETRICS)
-    exemplars = {
-        s.exemplar.labels["trace_id"]
+    durations = [
+        s
         for family in parse_openmetrics(body)  # type: ignore[no-untyped-call]  # untyped upstream
         if family.name == "hopline_rpc_duration_seconds"
         for s in family.samples
-        if s.exemplar is not None and s.labels.get("method") == "Predict"
-    }
-    # The newest observation in its bucket carries this request's trace id.
-    assert reply.trace_id in exemplars
-    # The plain text format (what `curl` gets) has no exemplars but the same histogram.
+        if s.labels.get("method") == "Predict"
+    ]
+    assert durations  # the histogram is there, in the format that can carry exemplars
+    assert not [s for s in durations if s.exemplar is not None]
     assert "trace_id" not in scrape(mesh, "gateway")

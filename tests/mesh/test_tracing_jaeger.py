@@ -16,6 +16,9 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as parse_openmetrics,
+)
 
 from conftest import DEFAULT_MODEL, ROOT
 from harness import Mesh, free_port
@@ -305,3 +308,26 @@ def test_traces_span_every_hop_with_correct_parents_and_the_report_blames_the_sl
     top = next(r for r in report["rows"] if not r["name"].startswith("  "))
     assert top["name"] == "postprocess", out.stdout
     assert top["critical_ms"] >= DELAY_MS
+
+
+def test_latency_exemplars_carry_the_trace_id_of_an_exported_trace(
+    traced: Mesh, jaeger: dict[str, str]
+) -> None:
+    """From a latency bucket on /metrics to the trace in Jaeger: the newest observation in its
+    bucket carries this request's trace id. Plain text (what `curl` gets) has none."""
+    reply = predict("metrics test: exemplar 9182", gateway=traced.gateway, timeout_s=30)
+    url = f"http://127.0.0.1:{traced.metrics_ports['gateway']}/metrics"
+    accept = {"Accept": "application/openmetrics-text; version=1.0.0; charset=utf-8"}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=accept), timeout=10) as r:
+        body = r.read().decode()
+    exemplars = {
+        s.exemplar.labels["trace_id"]
+        for family in parse_openmetrics(body)  # type: ignore[no-untyped-call]  # untyped upstream
+        if family.name == "hopline_rpc_duration_seconds"
+        for s in family.samples
+        if s.exemplar is not None and s.labels.get("method") == "Predict"
+    }
+    assert reply.trace_id in exemplars
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert "trace_id" not in r.read().decode()
+    assert {s.trace_id for s in fetch_trace(jaeger["query"], reply.trace_id, 1)} == {reply.trace_id}
