@@ -11,8 +11,9 @@ from hopline.observability import schema
 
 # Every folder of Python code (a missing one would be skipped silently by rglob: checked below).
 PACKAGES = ("runtime", "model", "services", "gateway", "cache", "observability", "cli", "bench")
-# call_hop opens the gateway's client span for a hop, named by its first argument.
-SPAN_CALLS = {"start_as_current_span", "start_span", "call_hop"}
+# call_hop opens the gateway's client span for a hop, named by its first argument;
+# child_span opens a span under the current one (when its trace is recorded).
+SPAN_CALLS = {"start_as_current_span", "start_span", "call_hop", "child_span"}
 # OpenTelemetry semantic conventions the code also uses.
 SEMCONV = ("rpc.", "server.")
 
@@ -96,11 +97,12 @@ def test_code_uses_only_declared_attributes_and_every_declared_one() -> None:
 def test_every_declared_span_is_opened_somewhere() -> None:
     spans, _, dynamic = _used()
     # Only two span names are computed: the server span (named after the RPC) and the hop
-    # span call_hop opens with the name its callers pass.
-    assert sorted(p.split(":")[0] for p in dynamic) == [
+    # span call_hop opens with the name its callers pass; child_span passes its own on.
+    assert sorted({p.split(":")[0] for p in dynamic}) == [
         "gateway/upstream.py",
         "observability/tracing.py",
     ]
+    assert len(dynamic) == 3, dynamic
     assert set(schema.SPANS) == spans, set(schema.SPANS) ^ spans
 
 
