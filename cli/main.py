@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TOPOLOGY.value,
         choices=[t.value for t in Topology],
         help="colocated: tokenizer, inference and postprocess inside the gateway, the cache "
-        "in its own process; five-process: every service in its own process (default: "
+        "in its own process; one-process: the cache inside the gateway too (no cache address "
+        "for operators); five-process: every service in its own process (default: "
         "%(default)s)",
     )
 

@@ -3,7 +3,8 @@
 Each stage (tokenize, inference, postprocess) keeps at most `in_flight` RPCs on their way per
 batch key (model, version, and for postprocess top_k). A request that finds a free slot is
 sent at once, alone: a lone request waits for nothing. Requests that arrive while every slot
-is taken queue, and go together, up to `max_rows`, in the RPC that the next free slot sends.
+is taken queue, and go together, up to `max_rows`, in the RPC that the next free slot sends
+(a lone request is sent from its caller's task: no task, future or shield of its own).
 So under load the per-RPC cost (serialisation, a round trip, a server's per-call work) is paid
 per batch, and at rest nothing changes.
 
@@ -113,13 +114,15 @@ class BatchedStage(Generic[Req, Rep]):
         metadata: Sequence[tuple[str, str | bytes]] = (),
         **_: Any,
     ) -> Rep:
+        key = self._codec.key(request)
+        if key not in self._queues and self._busy.get(key, 0) < self._in_flight:
+            return await self._send_alone(key, request, timeout, tuple(metadata))
         row: _Row[Req, Rep] = _Row(
             request,
             time.monotonic() + timeout,
             tuple(metadata),
             asyncio.get_running_loop().create_future(),
         )
-        key = self._codec.key(request)
         self._queues.setdefault(key, []).append(row)
         self._pump(key)
         try:
@@ -129,6 +132,32 @@ class BatchedStage(Generic[Req, Rep]):
             raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         finally:
             row.reply.cancel()  # given up (or answered: then a no-op): not sent if still queued
+
+    async def _send_alone(
+        self,
+        key: Hashable,
+        request: Req,
+        budget_s: float,
+        metadata: tuple[tuple[str, str | bytes], ...],
+    ) -> Rep:
+        """A free slot and nobody queued: the request goes now, from the caller's task (no
+        task, future or shield of its own), as `_send_rows` would have sent it alone."""
+        self._busy[key] = self._busy.get(key, 0) + 1
+        try:
+            return await self._call(request, budget_s, metadata)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # not a status: what a remote caller would have got
+            log.exception("stage call raised")
+            raise _rpc_error(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}") from None
+        finally:
+            self._release(key)
+
+    def _release(self, key: Hashable) -> None:
+        self._busy[key] -= 1
+        if self._busy[key] == 0:
+            del self._busy[key]
+        self._pump(key)
 
     def _pump(self, key: Hashable) -> None:
         """Send what is queued for `key` while it has free slots."""
@@ -153,10 +182,7 @@ class BatchedStage(Generic[Req, Rep]):
         try:
             await self._send_rows(rows)
         finally:
-            self._busy[key] -= 1
-            if self._busy[key] == 0:
-                del self._busy[key]
-            self._pump(key)
+            self._release(key)
 
     async def _send_rows(self, rows: list[_Row[Req, Rep]]) -> None:
         timeout = max(r.deadline for r in rows) - time.monotonic()

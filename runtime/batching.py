@@ -9,8 +9,9 @@ Scheduling, per batcher:
 - When a run slot is free, the bucket holding the oldest request is dispatched: up to
   `max_batch_size` rows, oldest first. With `max_queue_delay_us` > 0 a batch that is not
   full waits up to that long after its oldest request arrived for more rows; with 0 (the
-  default) nothing waits: a lone request runs at once, and under load the requests that
-  queued while the previous run was busy form the next batch.
+  default) nothing waits: a lone request runs at once (from its caller's task, not through
+  the scheduler: two event-loop turns fewer), and under load the requests that queued while
+  the previous run was busy form the next batch.
 - Past `max_queue_size` waiting rows a request is refused at once (QueueFullError), so an
   overloaded model answers RESOURCE_EXHAUSTED instead of letting every queue in front of it
   grow.
@@ -149,6 +150,8 @@ class DynamicBatcher(Generic[In, Out]):
                 f"{self._waiting_rows} rows already waiting (max_queue_size "
                 f"{self.policy.max_queue_size})"
             )
+        if self._alone_runs_now(rows):
+            return await self._run_alone(payload, rows)
         if self._task is None:
             self._task = asyncio.create_task(self._schedule(), name="loop-batcher")
         item: _Item[In, Out] = _Item(
@@ -163,6 +166,39 @@ class DynamicBatcher(Generic[In, Out]):
         except asyncio.CancelledError:
             item.future.cancel()  # the scheduler skips it if it has not run yet
             raise
+
+    def _alone_runs_now(self, rows: int) -> bool:
+        """Nothing waits, a run slot is free and the policy would not hold the request back
+        for company: the scheduler would run it next, alone, so it runs here."""
+        waits_for_company = self.policy.max_queue_delay_us > 0 and rows < self.policy.max_batch_size
+        return (
+            self._waiting_rows == 0
+            and self._in_flight < self.policy.max_in_flight
+            and not waits_for_company
+        )
+
+    async def _run_alone(self, payload: In, rows: int) -> tuple[Out, BatchInfo]:
+        self._in_flight += 1
+        self._on_batch(rows)
+        started = time.time_ns()
+        job = self._executor.submit(self._run, [payload])
+        try:
+            outputs = await asyncio.wrap_future(job)
+        finally:
+            if job.done():
+                self._release()
+            else:  # the caller gave up mid-run: the slot stays taken until the run ends
+                loop = asyncio.get_running_loop()
+                job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release))
+        if len(outputs) != 1:
+            raise RuntimeError(f"batch run returned {len(outputs)} outputs for 1")
+        self.batches += 1
+        self.rows += rows
+        return outputs[0], BatchInfo(started, started, time.time_ns(), rows)
+
+    def _release(self) -> None:
+        self._in_flight -= 1
+        self._wake.set()
 
     def _oldest_bucket(self) -> deque[_Item[In, Out]] | None:
         for bucket in self._buckets:  # drop requests whose callers gave up
@@ -226,8 +262,7 @@ class DynamicBatcher(Generic[In, Out]):
                     item.future.set_exception(exc)
             return
         finally:
-            self._in_flight -= 1
-            self._wake.set()
+            self._release()
         finished = time.time_ns()
         self.batches += 1
         self.rows += rows

@@ -117,16 +117,22 @@ class Topology(enum.StrEnum):
 
     COLOCATED runs the stateless stages inside the gateway (address `inproc`,
     hopline.runtime.inproc) and keeps the cache, which holds state every gateway shares, in a
-    process of its own. README.md "Placement" gives the measurements behind the default.
+    process of its own. ONE_PROCESS runs the cache inside the gateway too: the fastest miss on
+    one machine, but the cache then has no address of its own (no Invalidate or GetStats for
+    operators, no second gateway on its store). README.md "Placement" gives the measurements.
     """
 
     FIVE_PROCESS = "five-process"
     COLOCATED = "colocated"
+    ONE_PROCESS = "one-process"
 
     @property
     def colocated(self) -> tuple[ServiceName, ...]:
+        stateless = (ServiceName.TOKENIZER, ServiceName.INFERENCE, ServiceName.POSTPROCESS)
         if self is Topology.COLOCATED:
-            return (ServiceName.TOKENIZER, ServiceName.INFERENCE, ServiceName.POSTPROCESS)
+            return stateless
+        if self is Topology.ONE_PROCESS:
+            return (*stateless, ServiceName.CACHE)
         return ()
 
     def addrs(self) -> dict[str, str]:

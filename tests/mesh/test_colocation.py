@@ -1,5 +1,6 @@
-"""Placement by address: with every upstream at `inproc` the gateway is the whole mesh, in one
-process, and answers, caches, invalidates and reports its hops as the five processes do."""
+"""Placement by address: with every upstream at `inproc` (`hopline run --topology one-process`)
+the gateway is the whole mesh, in one process, and answers, caches, invalidates and reports
+its hops as the five processes do."""
 
 from __future__ import annotations
 
@@ -15,21 +16,16 @@ from conftest import DEFAULT_MODEL
 from harness import Mesh
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from hopline.runtime.service_table import INPROC, ServiceName
-
-UPSTREAMS = (
-    ServiceName.TOKENIZER,
-    ServiceName.CACHE,
-    ServiceName.INFERENCE,
-    ServiceName.POSTPROCESS,
-)
+from hopline.runtime.service_table import INPROC, ServiceName, Topology
 
 
 @pytest.fixture(scope="module")
 def one_process(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     work = tmp_path_factory.mktemp("one-process")
     shutil.copytree(default_repo / DEFAULT_MODEL, work / "models" / DEFAULT_MODEL)
-    mesh = Mesh(work / "models", work, addrs={name: INPROC for name in UPSTREAMS})
+    addrs = Topology.ONE_PROCESS.addrs()
+    assert addrs == {name: INPROC for name in ServiceName if name != ServiceName.GATEWAY}
+    mesh = Mesh(work / "models", work, addrs=addrs)
     try:
         yield mesh.start()
     finally:

@@ -133,3 +133,32 @@ def test_queue_bound_is_enforced_in_the_batcher() -> None:
             await batcher.close()
 
     asyncio.run(scenario())
+
+
+def test_a_lone_request_that_gives_up_mid_run_holds_its_slot_until_the_run_ends() -> None:
+    """A lone request runs from its caller's task; when that caller is cancelled mid-run the
+    model is still busy, so the next request must queue, not start a second run beside it."""
+    started, gate = threading.Event(), threading.Event()
+
+    def run(payloads: list[str]) -> Sequence[str]:
+        started.set()
+        gate.wait(10)
+        return [p.upper() for p in payloads]
+
+    async def scenario() -> tuple[int, str]:
+        with ThreadPoolExecutor(max_workers=2) as executor:  # room for a second run
+            batcher: DynamicBatcher[str, str] = DynamicBatcher(run, BatchingPolicy(), executor)
+            first = asyncio.ensure_future(batcher.submit("a"))
+            assert await asyncio.to_thread(started.wait, 5)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            second = asyncio.ensure_future(batcher.submit("b"))
+            await asyncio.sleep(0.05)
+            waiting = batcher.waiting_rows  # 1: queued behind the abandoned run
+            gate.set()
+            output, _ = await second
+            await batcher.close()
+            return waiting, output
+
+    assert asyncio.run(scenario()) == (1, "B")

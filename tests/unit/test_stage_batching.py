@@ -99,6 +99,34 @@ def test_a_lone_request_goes_at_once_and_unchanged() -> None:
     asyncio.run(scenario())
 
 
+def test_a_lone_request_that_gives_up_frees_its_slot_and_a_crash_is_a_status() -> None:
+    """The lone request's RPC runs in its caller's task: cancelling the caller ends the RPC
+    and frees the slot for the next request (sent alone, not queued behind a ghost); an
+    upstream that raises something other than a status answers UNKNOWN, as a server would."""
+
+    async def scenario() -> None:
+        upstream, _, stage, first = await _busy()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        upstream.gate = None
+        assert _ids(await asyncio.wait_for(_ask(stage, "next one"), 2)) == [4, 3]
+        assert upstream.calls == [["busy"], ["next one"]]
+
+        async def crash(request: Request, **_: Any) -> Reply:
+            raise ValueError("a bug in the stage")
+
+        broken = BatchedStage("tokenize", lambda: crash, TokenizeCodec(), 1, lambda _: 32)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await _ask(broken, "anything")
+        assert failed.value.code() == grpc.StatusCode.UNKNOWN
+        assert "ValueError: a bug in the stage" in (failed.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError):  # its slot was freed: answered, not queued
+            await asyncio.wait_for(_ask(broken, "again"), 1)
+
+    asyncio.run(scenario())
+
+
 def test_rows_waiting_for_a_busy_stage_share_one_rpc_and_get_their_own_rows() -> None:
     async def scenario() -> None:
         upstream, gate, stage, first = await _busy()
