@@ -715,18 +715,20 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> gateway_pb2.PredictResponse:
         response = call.response
         response.prediction.CopyFrom(prediction)
-        trace.get_current_span().set_attributes(
-            {
-                schema.MODEL: response.model,
-                schema.MODEL_VERSION: response.model_version,
-                schema.TENANT: response.tenant,
-                schema.CACHE_OUTCOME: _outcome(response.cache.outcome),
-                schema.CACHE_SIMILARITY: response.cache.similarity,
-                schema.CACHE_COALESCED: response.cache.coalesced,
-                schema.CACHE_LOCAL: call.local,
-                schema.SPECULATIVE: call.speculative,
-            }
-        )
+        span = trace.get_current_span()
+        if span.is_recording():  # most requests' traces are not: skip building the dict
+            span.set_attributes(
+                {
+                    schema.MODEL: response.model,
+                    schema.MODEL_VERSION: response.model_version,
+                    schema.TENANT: response.tenant,
+                    schema.CACHE_OUTCOME: _outcome(response.cache.outcome),
+                    schema.CACHE_SIMILARITY: response.cache.similarity,
+                    schema.CACHE_COALESCED: response.cache.coalesced,
+                    schema.CACHE_LOCAL: call.local,
+                    schema.SPECULATIVE: call.speculative,
+                }
+            )
         call.timings["total"] = (time.perf_counter() - call.started) * 1e3
         response.timings.extend(
             common_pb2.HopTiming(hop=h, ms=ms) for h, ms in call.timings.items()
