@@ -145,11 +145,6 @@ class BatchedStage(Generic[Req, Rep]):
         self._busy[key] = self._busy.get(key, 0) + 1
         try:
             return await self._call(request, budget_s, metadata)
-        except (grpc.aio.AioRpcError, asyncio.CancelledError):
-            raise
-        except Exception as exc:  # not a status: what a remote caller would have got
-            log.exception("stage call raised")
-            raise _rpc_error(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}") from None
         finally:
             self._release(key)
 
@@ -220,9 +215,17 @@ class BatchedStage(Generic[Req, Rep]):
     async def _call(
         self, request: Req, budget_s: float, metadata: Sequence[tuple[str, str | bytes]]
     ) -> Rep:
+        """The stub call; anything it raises that is not a status becomes the UNKNOWN a
+        remote caller would have got."""
         if budget_s <= 0:
             raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-        return await self._send()(request, timeout=budget_s, metadata=tuple(metadata))
+        try:
+            return await self._send()(request, timeout=budget_s, metadata=tuple(metadata))
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            log.exception("stage call raised")
+            raise _rpc_error(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}") from None
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -251,12 +254,8 @@ def _batch_span(
 async def _settle(rows: Sequence[_Row[Req, Rep]], call: Awaitable[Rep]) -> None:
     try:
         reply = await call
-    except grpc.aio.AioRpcError as err:
+    except grpc.aio.AioRpcError as err:  # BatchedStage._call made any failure a status
         _fail(rows, err)
-        return
-    except Exception as exc:  # not a status: what a remote caller would have got as UNKNOWN
-        log.exception("stage call raised")
-        _fail(rows, _rpc_error(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}"))
         return
     for row in rows:
         if not row.reply.done():

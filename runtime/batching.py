@@ -179,22 +179,29 @@ class DynamicBatcher(Generic[In, Out]):
 
     async def _run_alone(self, payload: In, rows: int) -> tuple[Out, BatchInfo]:
         self._in_flight += 1
+        (output,), started, finished = await self._execute([payload], rows)
+        return output, BatchInfo(started, started, finished, rows)
+
+    async def _execute(self, payloads: list[In], rows: int) -> tuple[Sequence[Out], int, int]:
+        """One run on the executor, in a slot already taken: (outputs, started, finished).
+        The slot is given back when the run ends, even when its awaiting task is cancelled
+        first (a second run must not start beside one still going)."""
         self._on_batch(rows)
         started = time.time_ns()
-        job = self._executor.submit(self._run, [payload])
+        job = self._executor.submit(self._run, payloads)
         try:
             outputs = await asyncio.wrap_future(job)
         finally:
             if job.done():
                 self._release()
-            else:  # the caller gave up mid-run: the slot stays taken until the run ends
+            else:  # given up mid-run: the slot stays taken until the run ends
                 loop = asyncio.get_running_loop()
                 job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release))
-        if len(outputs) != 1:
-            raise RuntimeError(f"batch run returned {len(outputs)} outputs for 1")
+        if len(outputs) != len(payloads):
+            raise RuntimeError(f"batch run returned {len(outputs)} outputs for {len(payloads)}")
         self.batches += 1
         self.rows += rows
-        return outputs[0], BatchInfo(started, started, time.time_ns(), rows)
+        return outputs, started, time.time_ns()
 
     def _release(self) -> None:
         self._in_flight -= 1
@@ -248,24 +255,13 @@ class DynamicBatcher(Generic[In, Out]):
 
     async def _run_batch(self, batch: list[_Item[In, Out]]) -> None:
         rows = sum(i.rows for i in batch)
-        self._on_batch(rows)
-        started = time.time_ns()
         try:
-            outputs = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._run, [i.payload for i in batch]
-            )
-            if len(outputs) != len(batch):
-                raise RuntimeError(f"batch run returned {len(outputs)} outputs for {len(batch)}")
+            outputs, started, finished = await self._execute([i.payload for i in batch], rows)
         except Exception as exc:  # one failed run fails only its own requests
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(exc)
             return
-        finally:
-            self._release()
-        finished = time.time_ns()
-        self.batches += 1
-        self.rows += rows
         for item, output in zip(batch, outputs, strict=True):
             if not item.future.done():
                 info = BatchInfo(item.enqueued_ns, started, finished, rows)

@@ -21,7 +21,7 @@ from hopline.model.repository import (
     TensorSpec,
 )
 from hopline.observability import schema
-from hopline.observability.tracing import tracer, unsampled
+from hopline.observability.tracing import tracer
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.runtime.batching import QueueFullError
@@ -192,7 +192,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             )
         # The run happened on a worker thread, possibly for several requests at once: each
         # request's spans are written from the batch's timestamps, under its own server span.
-        if not unsampled(trace.get_current_span().get_span_context()):
+        if trace.get_current_span().is_recording():
             attrs = {schema.MODEL: cfg.name, schema.MODEL_VERSION: cfg.version}
             tracer().start_span(
                 schema.SPAN_INFERENCE_QUEUE, start_time=run.enqueued_ns, attributes=attrs
