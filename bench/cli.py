@@ -203,17 +203,23 @@ def _inprocess(name: str, args: argparse.Namespace, spec: str = "") -> InProcess
     model = model or os.environ.get("HOPLINE_DEFAULT_MODEL", "support-intents")
     config = ModelRepository(Path(args.model_repo)).resolve(model, version)
     suffix = f"@{spec}" if spec else ""
+    service = cfg.load(InferenceConfig, [])  # the inference service's settings, from env
     if name == "inprocess":
         workers, threads = inprocess_threads(args.concurrency or (cpu_count() if args.rps else 1))
         return InProcessTarget(
-            config, batched=False, workers=workers, threads=threads, suffix=suffix
+            config,
+            batched=False,
+            workers=workers,
+            threads=threads,
+            spin=service.spin,
+            suffix=suffix,
         )
-    service = cfg.load(InferenceConfig, [])  # the inference service's settings, from env
     return InProcessTarget(
         config,
         batched=True,
         workers=max(1, service.workers),
         threads=service.threads,
+        spin=service.spin,
         suffix=suffix,
     )
 
@@ -227,13 +233,15 @@ def _compute(args: argparse.Namespace, specs: list[str]) -> dict[str, Any]:
     repo = ModelRepository(Path(args.model_repo))
     configs = [repo.resolve(*_model_spec(spec)) for spec in specs]
     mix = make_mix("miss", args.clinc)
+    service = cfg.load(InferenceConfig, [])  # run as the inference service runs them
     sys.stderr.write(f"measuring model compute ({', '.join(specs)}) ...\n")
     result = compare_compute(
         configs,
         [mix.text(i) for i in range(512)],
         batches=[int(b) for b in args.compute_batches.split(",")],
         iterations=args.compute_iterations,
-        threads=cfg.load(InferenceConfig, []).threads,  # as the inference service runs it
+        threads=service.threads,
+        spin=service.spin,
     )
     sys.stdout.write(compute_table(result) + "\n")
     return result

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from hopline.model.repository import ModelConfig
+from hopline.model.session import Spin
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.services.inference.backend import OnnxRuntimeBackend
 
@@ -26,13 +27,19 @@ def compare_compute(
     batches: Sequence[int] = (1, 32),
     iterations: int = 200,
     threads: int = 0,
+    spin: Spin = Spin.OFF,
 ) -> dict[str, Any]:
     """Per model and batch size: p50/p99/mean ms over `iterations` alternated runs; and each
     model's p50 speed-up over the first model's."""
-    backends = [OnnxRuntimeBackend(cfg, threads) for cfg in configs]
+    backends = [OnnxRuntimeBackend(cfg, threads, spin=spin) for cfg in configs]
     tokenizer = load_tokenizer(configs[0].file("tokenizer"), configs[0].max_sequence_length)
     rng = np.random.default_rng(0)
-    out: dict[str, Any] = {"iterations": iterations, "threads": threads, "models": {}}
+    out: dict[str, Any] = {
+        "iterations": iterations,
+        "threads": threads,
+        "spin": spin.value,
+        "models": {},
+    }
     for batch in batches:
         feeds = []
         for _ in range(iterations):

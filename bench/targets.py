@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hopline.model.repository import ModelConfig
+from hopline.model.session import Spin
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
@@ -136,6 +137,7 @@ class InProcessTarget:
         batched: bool,
         workers: int,
         threads: int,
+        spin: Spin,
         top_k: int = 1,
         suffix: str = "",
     ) -> None:
@@ -143,10 +145,15 @@ class InProcessTarget:
         self.config = config
         self.top_k = top_k
         self.tokenizer = load_tokenizer(config.file("tokenizer"), config.max_sequence_length)
-        self.backend = OnnxRuntimeBackend(config, threads)
+        self.backend = OnnxRuntimeBackend(config, threads, spin=spin)
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="inprocess")
         self.model = BatchedModel(self.backend, self.executor, workers) if batched else None
-        self.settings = {"workers": workers, "threads": threads, "batched": batched}
+        self.settings = {
+            "workers": workers,
+            "threads": threads,
+            "spin": spin.value,
+            "batched": batched,
+        }
 
     def payload(self, text: str) -> str:
         return text

@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from hopline.model.providers import session_providers
 from hopline.model.repository import ModelConfig
-from hopline.model.session import make_session
+from hopline.model.session import Spin, make_session
 
 Array = npt.NDArray[np.generic]
 
@@ -29,7 +29,7 @@ class Backend(Protocol):
 
 
 class OnnxRuntimeBackend:
-    def __init__(self, config: ModelConfig, threads: int, *, spin: bool = False) -> None:
+    def __init__(self, config: ModelConfig, threads: int, *, spin: Spin = Spin.OFF) -> None:
         self.config = config
         self.session = make_session(
             config.file("model"), threads=threads, providers=config.providers, spin=spin
@@ -43,7 +43,7 @@ class OnnxRuntimeBackend:
         return dict(zip(names, results, strict=True))
 
 
-def create_backend(config: ModelConfig, threads: int, *, spin: bool = False) -> Backend:
+def create_backend(config: ModelConfig, threads: int, *, spin: Spin = Spin.OFF) -> Backend:
     if config.backend == "onnxruntime":
         return OnnxRuntimeBackend(config, threads, spin=spin)
     raise ValueError(f"{config.key}: unknown backend {config.backend!r} (have: onnxruntime)")

@@ -1,0 +1,59 @@
+"""What ONNX Runtime's threads do between operators (`model/session.py:Spin`), as the inference
+service reads it from HOPLINE_INFERENCE_SPIN. The CPU a session burns is read from the
+process's CPU clock, which counts ORT's pool threads: a spinning thread is on it, a sleeping
+one is not."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import DEFAULT_MODEL
+from hopline.model.repository import ModelRepository
+from hopline.model.session import Spin, make_session
+from hopline.runtime import config as cfg
+from hopline.services.inference.service import InferenceConfig
+
+CYCLES = 25
+GAP_S = 0.04  # idle time between runs, as between requests at low load
+
+
+def _cpu_per_cycle(model: Path, spin: Spin) -> float:
+    """Process CPU seconds per (run, idle gap) cycle on a two-thread session."""
+    session = make_session(model, threads=2, spin=spin)
+    ids = np.array([[101, 2023, 2003, 1037, 3231, 102]], np.int64)
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    session.run(["logits"], feed)
+    started = time.process_time()
+    for _ in range(CYCLES):
+        session.run(["logits"], feed)
+        time.sleep(GAP_S)
+    return (time.process_time() - started) / CYCLES
+
+
+def test_run_spins_only_while_a_run_is_in_progress(default_repo: Path) -> None:
+    model = ModelRepository(default_repo).resolve(DEFAULT_MODEL).file("model")
+    off = _cpu_per_cycle(model, Spin.OFF)
+    run = _cpu_per_cycle(model, Spin.RUN)
+    always = _cpu_per_cycle(model, Spin.ALWAYS)
+    figures = f"per cycle: OFF {off * 1e3:.1f}, RUN {run * 1e3:.1f}, ALWAYS {always * 1e3:.1f} ms"
+    # ALWAYS keeps its worker on a core through most of each gap; RUN spins only inside the
+    # run, so it costs OFF's CPU plus a fraction of one run.
+    assert always - off > 0.5 * GAP_S, figures
+    assert run - off < (always - off) / 4, figures
+
+
+def test_the_service_reads_its_spin_setting_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert cfg.load(InferenceConfig, []).spin is Spin.OFF
+    monkeypatch.setenv("HOPLINE_INFERENCE_SPIN", "run")
+    assert cfg.load(InferenceConfig, []).spin is Spin.RUN
+    monkeypatch.setenv("HOPLINE_INFERENCE_SPIN", "fast")
+    with pytest.raises(
+        SystemExit, match=r"HOPLINE_INFERENCE_SPIN='fast'.*not one of: off, run, always"
+    ):
+        cfg.load(InferenceConfig, [])
