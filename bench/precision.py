@@ -5,7 +5,10 @@ built beside it (`hopline model build --default --precision int8 --version 2`: c
 FP32 before it is published); a mesh of its own on free ports serves both. Then `hopline bench
 --models support-intents:1,support-intents:2` with rounds: model compute alone at batch 1 and
 32, in-process and through the mesh on the miss path (cache USE, every text new), the two
-versions' windows alternating so a busy neighbour slows both alike.
+versions' windows alternating so a busy neighbour slows both alike. Model compute is measured
+twice: with the inference service's thread setting, and with ONNX Runtime's threads spinning
+through each run (HOPLINE_INFERENCE_SPIN=run, for an inference service with cores of its own),
+because at batch 1 waking the second thread for each operator costs INT8 much of its lead.
 """
 
 from __future__ import annotations
@@ -19,8 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from hopline.bench.cli import add_bench_command, run_targets
+from hopline.bench.compute import compare_compute
+from hopline.bench.mixes import make_mix
 from hopline.bench.report import model_ratios
+from hopline.model.repository import ModelRepository
+from hopline.model.session import Spin
+from hopline.runtime import config as cfg
 from hopline.runtime.launcher import Mesh
+from hopline.services.inference.service import InferenceConfig
 
 MODEL = "support-intents"
 
@@ -58,8 +67,25 @@ def precision_scenario(
         _, result = asyncio.run(run_targets(parser.parse_args(argv)))
     finally:
         mesh.stop()
+    spinning = _compute_spinning(repo, iterations)
     return {
         "argv": argv[1:],
         **result,
-        "ratios": model_ratios(result["targets"], result.get("compute")),
+        "compute_spin_run": spinning,
+        "ratios": {
+            **model_ratios(result["targets"], result.get("compute")),
+            **{f"{k} (spin run)": v for k, v in model_ratios({}, spinning).items()},
+        },
     }
+
+
+def _compute_spinning(repo: Path, iterations: int) -> dict[str, Any]:
+    models = ModelRepository(repo)
+    mix = make_mix("miss", None)
+    return compare_compute(
+        [models.resolve(MODEL, "1"), models.resolve(MODEL, "2")],
+        [mix.text(i) for i in range(512)],
+        iterations=iterations,
+        threads=cfg.load(InferenceConfig, []).threads,
+        spin=Spin.RUN,
+    )
