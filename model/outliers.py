@@ -13,7 +13,8 @@ Two rewrites of the FP32 graph, both exact in FP32, run before `quantize_dynamic
 - **Smoothing** (SmoothQuant, Xiao et al. 2022) for projections that read a LayerNorm output or
   the attention context: the input is divided per channel by s and the weight rows multiplied
   by it, s_j = max|x_j|^a / max|W_j|^(1-a), so the activations' range moves into the weights,
-  which are quantized per output channel ahead of time.
+  which are quantized per output channel ahead of time. The context's division is folded into
+  the value projection's columns; a LayerNorm output, also the residual, needs a Mul.
 - **An FP32 path for outlier channels** (LLM.int8(), Dettmers et al. 2022) for the FFN's down
   projection, in the layers where its input has outliers: the SPLIT_CHANNELS widest input
   channels go through a small FP32 MatMul and the rest through the quantized one. Smoothing
@@ -149,15 +150,56 @@ class _Editor:
         self.after.setdefault(anchor.name, []).extend(nodes)
 
     def smooth(self, x: str, matmuls: list[onnx.NodeProto], x_max: F32) -> None:
+        """x / s feeds the projections, whose weight rows take s. For the attention context the
+        division goes into the value projection that made its channels, so no Mul is added:
+        an operator fewer per layer, which at batch 1 is worth more than its arithmetic."""
         rows = [self.weight(m.input[1]) for m in matmuls]
         w_max = np.max([np.abs(w).max(axis=1) for w in rows], axis=0)
         s = (x_max**SMOOTH_ALPHA / np.maximum(w_max, 1e-5) ** (1 - SMOOTH_ALPHA)).clip(1e-5)
+        for m, w in zip(matmuls, rows, strict=True):
+            self.set_weight(m.input[1], w * s[:, None])
+        value = self.value_projection(x)
+        if value is not None:
+            weight, bias = value
+            self.set_weight(weight, self.weight(weight) / s[None, :])
+            self.set_weight(bias, self.weight(bias) / s)
+            return
         scaled = f"{x}.smoothed"
         inverse = self.const(f"{x}.smooth_inverse", (1.0 / s).astype(np.float32))
         self.insert_after(self.producer[x], helper.make_node("Mul", [x, inverse], [scaled], scaled))
-        for m, w in zip(matmuls, rows, strict=True):
-            self.set_weight(m.input[1], w * s[:, None])
+        for m in matmuls:
             m.input[0] = scaled
+
+    def value_projection(self, x: str) -> tuple[str, str] | None:
+        """(weight, bias) of the value projection when `x` is an attention context: channel j
+        of the context is the attention-weighted sum of channel j of V (the heads are split
+        and merged by the same reshape), so scaling V's column j scales the context's. None
+        for anything else, or when some other node reads a tensor on the way."""
+        readers: dict[str, int] = {}
+        for node in self.model.graph.node:
+            for name in node.input:
+                readers[name] = readers.get(name, 0) + 1
+        # From the context back to V: merge heads, weights x V, split heads, bias, projection.
+        steps = [("Reshape", 0), ("Transpose", 0), ("MatMul", 1), ("Transpose", 0), ("Reshape", 0)]
+        name = x
+        for op_type, follow in steps:
+            step = self.producer.get(name)
+            if step is None or step.op_type != op_type:
+                return None
+            name = step.input[follow]
+            if readers.get(name, 0) != 1:
+                return None
+        add = self.producer.get(name)
+        if add is None or add.op_type != "Add":
+            return None
+        bias = [i for i in add.input if i in self.weights]
+        made = [i for i in add.input if i not in self.weights]
+        if len(bias) != 1 or len(made) != 1 or readers.get(made[0], 0) != 1:
+            return None
+        matmul = self.producer.get(made[0])
+        if matmul is None or matmul.op_type != "MatMul" or matmul.input[1] not in self.weights:
+            return None
+        return matmul.input[1], bias[0]
 
     def split(self, x: str, matmuls: list[onnx.NodeProto], x_max: F32) -> None:
         """The widest channels are moved to the end of `x` (the projection that makes them is

@@ -66,10 +66,18 @@ def test_the_rewritten_graph_computes_what_fp32_computes(
     want = _embed(graph, tokenizer, probe, tmp_path)
     got = _embed(rewritten, tokenizer, probe, tmp_path)
     assert np.abs(want - got).max() < 1e-4
-    # ...and is not the same graph: the projections read smoothed or split inputs.
+    # ...and is not the same graph: the projections read smoothed or split inputs, except the
+    # attention output's, whose smoothing went into the value projection's weights.
     reads = set(projections(rewritten))
-    assert sum(x.endswith(".smoothed") for x in reads) == 3 * LAYERS
+    assert sum(x.endswith(".smoothed") for x in reads) == 2 * LAYERS
     assert 1 <= sum(x.endswith(".inliers") for x in reads) <= LAYERS  # the split's INT8 part
+    made_by = {out: n.op_type for n in rewritten.graph.node for out in n.output}
+    assert sum(made_by[x] == "Reshape" for x in reads) == LAYERS  # the contexts, as they were
+    before = {i.name: numpy_helper.to_array(i) for i in graph.graph.initializer}
+    after = {i.name: numpy_helper.to_array(i) for i in rewritten.graph.initializer}
+    values = [n for n in before if ".attention.self.value." in n]
+    assert len(values) == 2 * LAYERS  # weight and bias
+    assert all(not np.array_equal(before[n], after[n]) for n in values)
 
 
 def test_the_widest_channels_of_the_ffn_input_take_the_fp32_path(
