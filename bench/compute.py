@@ -26,8 +26,8 @@ def compare_compute(
     *,
     batches: Sequence[int] = (1, 32),
     iterations: int = 200,
-    threads: int = 0,
-    spin: Spin = Spin.OFF,
+    threads: int,
+    spin: Spin,
 ) -> dict[str, Any]:
     """Per model and batch size: p50/p99/mean ms over `iterations` alternated runs; and each
     model's p50 speed-up over the first model's."""

@@ -170,15 +170,20 @@ class _Editor:
         for m in matmuls:
             m.input[0] = scaled
 
+    def readers(self) -> dict[str, list[onnx.NodeProto]]:
+        """The nodes reading each tensor, as the graph stands now."""
+        found: dict[str, list[onnx.NodeProto]] = {}
+        for node in self.model.graph.node:
+            for name in node.input:
+                found.setdefault(name, []).append(node)
+        return found
+
     def value_projection(self, x: str) -> tuple[str, str] | None:
         """(weight, bias) of the value projection when `x` is an attention context: channel j
         of the context is the attention-weighted sum of channel j of V (the heads are split
         and merged by the same reshape), so scaling V's column j scales the context's. None
         for anything else, or when some other node reads a tensor on the way."""
-        readers: dict[str, int] = {}
-        for node in self.model.graph.node:
-            for name in node.input:
-                readers[name] = readers.get(name, 0) + 1
+        readers = self.readers()
         # From the context back to V: merge heads, weights x V, split heads, bias, projection.
         steps = [("Reshape", 0), ("Transpose", 0), ("MatMul", 1), ("Transpose", 0), ("Reshape", 0)]
         name = x
@@ -187,14 +192,14 @@ class _Editor:
             if step is None or step.op_type != op_type:
                 return None
             name = step.input[follow]
-            if readers.get(name, 0) != 1:
+            if len(readers.get(name, [])) != 1:
                 return None
         add = self.producer.get(name)
         if add is None or add.op_type != "Add":
             return None
         bias = [i for i in add.input if i in self.weights]
         made = [i for i in add.input if i not in self.weights]
-        if len(bias) != 1 or len(made) != 1 or readers.get(made[0], 0) != 1:
+        if len(bias) != 1 or len(made) != 1 or len(readers.get(made[0], [])) != 1:
             return None
         matmul = self.producer.get(made[0])
         if matmul is None or matmul.op_type != "MatMul" or matmul.input[1] not in self.weights:
@@ -236,10 +241,7 @@ class _Editor:
         """The constant-weight MatMul and its bias whose output channels become `x`'s through
         channel-wise ops only (the FFN's up projection and its GELU), and nothing else reads
         in between: then permuting its columns permutes `x`'s channels and nothing else."""
-        readers: dict[str, list[onnx.NodeProto]] = {}
-        for node in self.model.graph.node:
-            for name in node.input:
-                readers.setdefault(name, []).append(node)
+        readers = self.readers()
         chain: list[onnx.NodeProto] = []
         frontier = [x]
         while frontier:

@@ -49,6 +49,7 @@ def test_run_spins_only_while_a_run_is_in_progress(default_repo: Path) -> None:
 def test_the_service_reads_its_spin_setting_from_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.delenv("HOPLINE_INFERENCE_SPIN", raising=False)
     assert cfg.load(InferenceConfig, []).spin is Spin.OFF
     monkeypatch.setenv("HOPLINE_INFERENCE_SPIN", "run")
     assert cfg.load(InferenceConfig, []).spin is Spin.RUN
