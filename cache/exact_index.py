@@ -36,6 +36,7 @@ class ExactIndex:
         # that `expire` skips; compacted when stale items outnumber live ones.
         self._expiry: list[tuple[float, str]] = []
         self.dropped_for_room = 0
+        self._expired: list[str] = []  # dropped by `get` since the last `expire`, unreported
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -49,6 +50,7 @@ class ExactIndex:
             return None
         if entry.expires_at <= now:
             self._drop(key)
+            self._expired.append(key)
             return None
         return entry
 
@@ -96,15 +98,21 @@ class ExactIndex:
         ]
         return self.remove(doomed)
 
-    def expire(self, now: float) -> int:
-        expired = 0
+    def expire(self, now: float) -> list[str]:
+        """Drop what expired by `now`; the keys dropped by expiry since the last call (lookups
+        drop an expired entry when they meet it), for the key listings that mirror this index."""
+        expired, self._expired = self._expired, []
         while self._expiry and self._expiry[0][0] <= now:
             expires_at, key = heapq.heappop(self._expiry)
             entry = self._entries.get(key)
             if entry is not None and entry.expires_at == expires_at:
                 self._drop(key)
-                expired += 1
+                expired.append(key)
         return expired
+
+    def held(self) -> list[tuple[str, tuple[str, str, str, str]]]:
+        """Every key with its scope, copied now (the watch feed's listing)."""
+        return [(key, entry.scope) for key, entry in self._entries.items()]
 
     def count(self, tenant: str, model: str) -> int:
         return len(self._groups.get((tenant, model), ()))

@@ -46,6 +46,7 @@ from hopline.cache.store import (
 from hopline.cache.tombstones import Tombstones
 from hopline.cache.verifier import Verifier, policy_of
 from hopline.cache.verify import VerifyPolicy
+from hopline.cache.watch_feed import WatchFeed
 from hopline.model.tokenizer import unseen
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import child_span, tracer
@@ -59,7 +60,6 @@ log = logging.getLogger("hopline.cache")
 
 SEMANTIC_CANDIDATES = 4  # nearest entries checked for verification and agreement
 RECENT_VECTORS = 4096  # 1.5 KiB each
-WATCH_QUEUE = 1024  # invalidation events a watcher may fall behind before its stream ends
 RECLAIM_CHECK_S = 5.0  # how often the store is asked whether deleted rows need reclaiming
 
 
@@ -239,7 +239,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="milvus")
         self._tasks: list[asyncio.Task[None]] = []
         self._placeholder: Vector = np.zeros(1, dtype=np.float32)  # sized at start
-        self._watchers: set[asyncio.Queue[cache_pb2.WatchInvalidationsResponse | None]] = set()
+        self.feed = WatchFeed()  # WatchInvalidations' streams
+        self._ready = False  # start() is done: the index holds every live entry
 
     def register(self, server: grpc.aio.Server) -> None:
         cache_pb2_grpc.add_CacheServiceServicer_to_server(self, server)
@@ -288,6 +289,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             poll_s = self.config.peer_poll_ms / 1e3
             follower = follow(self.peers, self._io_call, self._apply_peer, poll_s)
             self._tasks.append(asyncio.create_task(follower, name="peers"))
+        self._ready = True
 
     async def _rebuild_index(self, index: ExactIndex, store: CacheStore) -> None:
         """Every live entry's scalar fields, read in pages, before the service is SERVING."""
@@ -306,8 +308,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     async def drain(self) -> None:
         """End the watch streams, so held-open streams do not take the drain's whole grace."""
-        for queue in list(self._watchers):
-            self._end_watch(queue)
+        self.feed.end_all()
 
     async def stop(self) -> None:
         # Let the writer land what was accepted: nothing acknowledged is lost on a drain.
@@ -343,7 +344,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
             if self.index is not None:
-                self.index.expire(time.time())  # lookups already skip them; this frees memory
+                # Lookups already skip them; this frees memory, and tells the key listings.
+                self.feed.let_go(self.index.expire(time.time()))
             try:
                 self.counters["expirations"] += await self._io_call(
                     self._require_store().expire, time.time()
@@ -408,7 +410,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 if self._pending.get(key) is item:  # a newer store of the same key stays queued
                     del self._pending[key]
                     if self.index is not None:
-                        self.index.put(item[0])
+                        self.feed.let_go(self.index.put(item[0]))
                 elif key not in self._pending:
                     invalidated.append(key)
             if invalidated:
@@ -437,7 +439,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                     self.index.remove(doomed)
                 self.tombstones.bury(doomed, None, time.monotonic())
                 evicted = cache_pb2.WatchInvalidationsResponse(entry_ids=doomed)
-                self._publish(evicted)
+                self.feed.publish(evicted)
                 await self._share(evicted)
             except CacheStoreError as exc:
                 log.warning("eviction failed", extra={"error": str(exc)})
@@ -707,6 +709,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             expires_at=now + (request.ttl_s or self.config.default_ttl_s),
         )
         self._pending[key] = (entry, vector, limit)
+        self.feed.held(key, scope)
         self._store_spans[key] = trace.get_current_span().get_span_context()
         self._flush_wake.set()
         self.counters["stores"] += 1
@@ -760,7 +763,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         event = cache_pb2.WatchInvalidationsResponse(
             scope=request.scope if scope is not None else None, entry_ids=ids
         )
-        self._publish(event)
+        self.feed.publish(event)
         try:
             await self._share(event)
         except CacheStoreError as exc:
@@ -785,7 +788,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 self._store_spans.pop(key, None)
         self._unindex(ids, scope)
         self.tombstones.bury(ids, scope, time.monotonic())
-        self._publish(event)
+        self.feed.publish(event)
 
     def _unindex(self, ids: list[str], scope: ScopeFilter | None) -> None:
         if self.index is None:
@@ -801,31 +804,26 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             cache_pb2.WatchInvalidationsRequest, cache_pb2.WatchInvalidationsResponse
         ],
     ) -> AsyncIterator[cache_pb2.WatchInvalidationsResponse]:
-        queue: asyncio.Queue[cache_pb2.WatchInvalidationsResponse | None] = asyncio.Queue(
-            WATCH_QUEUE
-        )
-        self._watchers.add(queue)
-        try:
-            yield cache_pb2.WatchInvalidationsResponse(live=True)
-            while (event := await queue.get()) is not None:
-                yield event
-        finally:
-            self._watchers.discard(queue)
+        listing = None
+        if request.keys and self._lists_keys():
+            if not self._ready:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the cache is still loading its exact index; retry the watch",
+                )
+            listing = self._held_keys()
+        async for event in self.feed.stream(listing):
+            yield event
 
-    def _publish(self, event: cache_pb2.WatchInvalidationsResponse) -> None:
-        for queue in list(self._watchers):
-            try:
-                queue.put_nowait(event)
-            except asyncio.QueueFull:
-                # A watcher this far behind ends its stream; it drops its copy and starts over,
-                # which is always safe, where a lost event would not be.
-                self._end_watch(queue)
+    def _lists_keys(self) -> bool:
+        """Whether this cache's exact keys decide its exact-only lookups: memory answers them
+        alone, so a key it does not list is a miss (see WatchInvalidationsRequest.keys)."""
+        return self.index is not None and not self._reads_milvus(semantic=False)
 
-    def _end_watch(self, queue: asyncio.Queue[cache_pb2.WatchInvalidationsResponse | None]) -> None:
-        self._watchers.discard(queue)
-        while not queue.empty():
-            queue.get_nowait()
-        queue.put_nowait(None)
+    def _held_keys(self) -> list[tuple[str, tuple[str, str, str, str]]]:
+        assert self.index is not None
+        pending = [(key, entry.scope) for key, (entry, _, _) in self._pending.items()]
+        return pending + self.index.held()
 
     async def ReportVerification(
         self,

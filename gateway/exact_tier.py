@@ -26,6 +26,7 @@ from collections.abc import AsyncIterable, Callable
 
 import grpc
 
+from hopline.gateway.key_mirror import KeyMirror
 from hopline.observability import metrics
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -99,8 +100,9 @@ class LocalExactTier:
         self._entries.clear()
         metrics.LOCAL_EXACT_ENTRIES.set(0)
 
-    async def follow(self, watch: Watch, max_retry_s: float = 2.0) -> None:
-        """Hold a watch stream to the cache for good, serving only while one is live."""
+    async def follow(self, watch: Watch, mirror: KeyMirror, max_retry_s: float = 2.0) -> None:
+        """Hold a watch stream to the cache for good, serving (this copy, and `mirror`'s
+        keys) only while one is live."""
         retry_s = 0.1
         while True:
             try:
@@ -108,14 +110,19 @@ class LocalExactTier:
                     if event.live:
                         retry_s = 0.1
                         self.reset(live=True)
+                        mirror.reset()
                         log.info("local exact tier live")
+                    elif event.held or event.keys_synced:
+                        mirror.apply(event)  # keys the cache holds: nothing here to drop
                     else:
                         self.apply(event)
+                        mirror.apply(event)
                 reason = "stream ended"
             except grpc.aio.AioRpcError as err:
                 reason = err.code().name
             if self.live:
                 log.info("local exact tier off until the cache answers", extra={"reason": reason})
             self.reset(live=False)
+            mirror.reset()
             await asyncio.sleep(retry_s)
             retry_s = min(max_retry_s, retry_s * 2)

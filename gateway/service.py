@@ -42,6 +42,7 @@ from hopline.gateway.catalogue import ModelCatalogue
 from hopline.gateway.errors import RequestError
 from hopline.gateway.exact_tier import LocalEntry, LocalExactTier
 from hopline.gateway.identity import TenantResolver
+from hopline.gateway.key_mirror import KeyMirror
 from hopline.gateway.resilience import CircuitBreaker, CircuitState, Coalescer
 from hopline.gateway.speculation import Speculation, SpeculationMode
 from hopline.gateway.stage_batching import GatewayStages
@@ -65,6 +66,7 @@ from hopline.runtime.errors import ECHO_CHARS, StatusError, clip
 
 log = logging.getLogger("hopline.gateway")
 LOCAL_DETAIL = "answered by the gateway's local exact tier"
+KNOWN_MISS_DETAIL = "not held by the cache (the gateway's key mirror): no lookup was sent"
 EXACT, SEMANTIC = common_pb2.CACHE_OUTCOME_EXACT, common_pb2.CACHE_OUTCOME_SEMANTIC
 
 Context = grpc.aio.ServicerContext[gateway_pb2.PredictRequest, gateway_pb2.PredictResponse]
@@ -86,6 +88,12 @@ class GatewayConfig(ServerConfig):
         10_000,
         "exact cache entries the gateway keeps to answer repeats without a hop (0: none); "
         "served only while its invalidation watch on the cache is live",
+    )
+    key_mirror_keys: int = env_field(
+        "HOPLINE_GATEWAY_KEY_MIRROR",
+        2_000_000,
+        "exact keys the gateway mirrors from the cache (about 70 bytes each), so a miss of an "
+        "exact-only model skips the Lookup (0: always look up)",
     )
     channels_per_upstream: int = env_field(
         "HOPLINE_CHANNELS_PER_UPSTREAM", 2, "connections the gateway keeps to each upstream"
@@ -219,6 +227,7 @@ COUNTS: dict[str, tuple[Counter, dict[str, str]]] = {
     "cache_exact_local": (metrics.LOCAL_EXACT_HITS, {}),
     "cache_semantic": (metrics.CACHE_OUTCOMES, {"outcome": "semantic"}),
     "cache_miss": (metrics.CACHE_OUTCOMES, {"outcome": "miss"}),
+    "cache_known_miss": (metrics.KNOWN_MISSES, {}),
     "cache_skipped": (metrics.CACHE_OUTCOMES, {"outcome": "skipped"}),
     "cache_fail_open": (metrics.CACHE_FAIL_OPEN, {}),
     "cache_circuit_open": (metrics.CACHE_FAIL_OPEN, {"reason": "circuit_open"}),
@@ -259,6 +268,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             config.max_in_flight, config.cache_budget_ms, config.cache_adaptive
         )
         self.exact_tier = LocalExactTier(config.local_exact_entries)
+        self.key_mirror = KeyMirror(config.key_mirror_keys)
         self._loops: set[asyncio.Task[None]] = set()  # run for the life of the process
         self._stores: set[asyncio.Task[None]] = set()  # awaited, briefly, at shutdown
 
@@ -286,8 +296,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 await asyncio.sleep(0.5)
         log.info("models", extra={"models": sorted(f"{n}/{v}" for n, v in self.models)})
         _spawn(self.catalogue.follow(self.config.model_refresh_s), self._loops)
-        if self.exact_tier.capacity > 0:
-            _spawn(self.exact_tier.follow(self._watch_cache), self._loops)
+        if self.exact_tier.capacity > 0 or self.key_mirror.capacity > 0:
+            _spawn(self.exact_tier.follow(self._watch_cache, self.key_mirror), self._loops)
         self.serving = True
 
     def _model_rows(self, name: str, version: str) -> int:
@@ -295,7 +305,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         return info.max_batch_size if info is not None else 0
 
     def _watch_cache(self) -> AsyncIterable[cache_pb2.WatchInvalidationsResponse]:
-        return self.upstreams.cache.stub().WatchInvalidations(cache_pb2.WatchInvalidationsRequest())
+        return self.upstreams.cache.stub().WatchInvalidations(
+            cache_pb2.WatchInvalidationsRequest(keys=self.key_mirror.capacity > 0)
+        )
 
     async def stop(self) -> None:
         self.serving = False
@@ -380,6 +392,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 "coalescing_in_flight": len(self.coalescer),
                 "local_exact_entries": len(self.exact_tier),
                 "local_exact_live": int(self.exact_tier.live),
+                "key_mirror_keys": len(self.key_mirror),
+                "key_mirror_synced": int(self.key_mirror.synced),
             },
             cache_circuit=self.breaker.state.value,
         )
@@ -429,8 +443,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         with self.admission.admit(call, free=prediction is not None):
             if prediction is None:
                 self._tokenize(call)
-                speculative = self._speculate(call)
-                prediction = await self._look_up_cache(call)
+                if not self._known_miss(call):
+                    speculative = self._speculate(call)
+                    prediction = await self._look_up_cache(call)
             self._record_outcome(call)
             if prediction is None:
                 prediction, ran_here = await (speculative or self._infer_once(call))
@@ -460,6 +475,20 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         call.cache.age_s = max(0.0, now - local.created_at)
         call.cache.detail = LOCAL_DETAIL
         return local.prediction
+
+    def _known_miss(self, call: PredictCall) -> bool:
+        """A miss the key mirror vouches for: an exact-only model, and a key the cache does
+        not hold, so no Lookup is sent (gateway/key_mirror.py)."""
+        if not (
+            call.use_cache
+            and call.info.cache.mode == "exact"
+            and self.key_mirror.known_miss(call.key)
+        ):
+            return False
+        metrics.KNOWN_MISSES.inc()
+        call.cache.outcome = common_pb2.CACHE_OUTCOME_MISS
+        call.cache.detail = KNOWN_MISS_DETAIL
+        return True
 
     def _tokenize(self, call: PredictCall) -> asyncio.Future[tokenizer_pb2.TokenizeResponse]:
         """The token ids of the text, asked for once (early, so the lookup can overlap it)."""
@@ -694,6 +723,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             log.warning("cache store failed", extra={"status": err.code.name})
             return
         metrics.CACHE_STORES.labels("stored").inc()
+        if self.key_mirror.synced:  # before the cache's own event: the next repeat looks it up
+            self.key_mirror.hold(call.scope, (call.key,))
         self._keep_locally(call, prediction, time.time(), generation)
 
     def _keep_locally(

@@ -128,6 +128,16 @@ LOCAL_EXACT_ENTRIES = Gauge(
     "Exact entries in the gateway's local tier (0 while its cache watch is not live)",
     (),
 )
+KEY_MIRROR_KEYS = Gauge(
+    "hopline_key_mirror_keys",
+    "Exact keys the gateway mirrors from the cache (0 while its cache watch is not live)",
+    (),
+)
+KNOWN_MISSES = Counter(
+    "hopline_known_misses_total",
+    "Exact-only misses the gateway's key mirror answered, with no Lookup to the cache",
+    (),
+)
 CACHE_LOOKUPS = Counter(
     "hopline_cache_lookups_total",
     "Cache service lookups by tier answered (exact, semantic, miss)",

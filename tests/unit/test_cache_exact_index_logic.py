@@ -29,7 +29,9 @@ def test_expired_entries_are_never_returned() -> None:
     assert index.get(short.key, NOW) == short
     assert index.get(short.key, NOW + 1) is None  # expires_at is exclusive, as in Milvus
     assert short.key not in index
-    assert index.expire(NOW + 100) == 1
+    # Dropped by the read above, reported by the sweep with the one it drops itself.
+    assert index.expire(NOW + 100) == [short.key, long.key]
+    assert index.expire(NOW + 100) == []
     assert len(index) == 0
 
 
@@ -39,7 +41,7 @@ def test_a_replaced_entry_keeps_only_its_new_expiry() -> None:
     new = entry("a", created_at=NOW + 1, expires_at=NOW + 50)
     index.put(old)
     index.put(new)
-    assert index.expire(NOW + 10) == 0  # the stale heap item is skipped
+    assert index.expire(NOW + 10) == []  # the stale heap item is skipped
     assert index.get(new.key, NOW + 10) == new
 
 

@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from conftest import until
+from hopline.cache.keys import exact_key, scope_tuple
 from hopline.gateway.service import GatewayConfig, GatewayService
 from hopline.gateway.speculation import Speculation, SpeculationMode
 from hopline.gateway.upstream import GatewayUpstreams, HopError
@@ -33,7 +34,7 @@ from hopline.protos.hopline.postprocess.v1 import postprocess_pb2
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
 from hopline.runtime.errors import StatusError
 
-MODEL, UNCACHED = "intents", "intents-uncached"
+MODEL, UNCACHED, EXACT_ONLY = "intents", "intents-uncached", "intents-exact"
 LABELS = ["refund", "delivery", "billing"]
 MISS = common_pb2.CACHE_OUTCOME_MISS
 EXACT = common_pb2.CACHE_OUTCOME_EXACT
@@ -63,6 +64,9 @@ STATS_KEYS = {
     "coalescing_in_flight",
     "local_exact_entries",
     "local_exact_live",
+    "cache_known_miss",
+    "key_mirror_keys",
+    "key_mirror_synced",
 }
 
 
@@ -106,7 +110,7 @@ class Inference:
         self, request: inference_pb2.ListModelsRequest, **_: Any
     ) -> inference_pb2.ListModelsResponse:
         return inference_pb2.ListModelsResponse(
-            models=[model(MODEL, "semantic"), model(UNCACHED, "off")]
+            models=[model(MODEL, "semantic"), model(UNCACHED, "off"), model(EXACT_ONLY, "exact")]
         )
 
     async def Infer(
@@ -149,6 +153,7 @@ class Cache:
         self.lookup_delay_s = 0.0
         self.lookup_error: grpc.aio.AioRpcError | None = None
         self.store_gate: asyncio.Event | None = None  # when set, Store waits for it
+        self.listing: list[str] | None = None  # exact keys listed to a watch that asks
 
     async def Lookup(
         self,
@@ -183,6 +188,11 @@ class Cache:
         self, request: cache_pb2.WatchInvalidationsRequest
     ) -> AsyncIterator[cache_pb2.WatchInvalidationsResponse]:
         yield cache_pb2.WatchInvalidationsResponse(live=True)
+        if request.keys and self.listing is not None:
+            scope = common_pb2.Scope(tenant="default", model=EXACT_ONLY, model_version="1")
+            held = cache_pb2.HeldKeys(scope=scope, entry_ids=self.listing)
+            yield cache_pb2.WatchInvalidationsResponse(held=[held])
+            yield cache_pb2.WatchInvalidationsResponse(keys_synced=True)
         await asyncio.Event().wait()  # live until the gateway stops
 
 
@@ -237,11 +247,15 @@ def changed(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before[k] for k in after if after[k] != before[k]}
 
 
-def run(scenario: Callable[[Mesh], Awaitable[None]], **config: Any) -> None:
-    """Start a gateway over fresh stand-ins, run the scenario against it, stop it."""
+def run(
+    scenario: Callable[[Mesh], Awaitable[None]], listing: list[str] | None = None, **config: Any
+) -> None:
+    """Start a gateway over fresh stand-ins, run the scenario against it, stop it. The cache
+    lists `listing`'s keys to a watch that asks for keys."""
 
     async def main() -> None:
         tokenizer, cache, inference, postprocess = Tokenizer(), Cache(), Inference(), Postprocess()
+        cache.listing = listing
         stand_ins = [
             StandIn(f"{name}.test:1", stub)
             for name, stub in [
@@ -255,6 +269,8 @@ def run(scenario: Callable[[Mesh], Awaitable[None]], **config: Any) -> None:
         settings: dict[str, Any] = {
             "default_model": MODEL,
             "local_exact_entries": 0,
+            # The stand-in cache lists no keys unless a test gives it some (`listing`).
+            "key_mirror_keys": 0,
             "cache_budget_ms": 20.0,
             "cache_breaker_failures": 2,
             "cache_breaker_cooldown_s": 60.0,
@@ -679,3 +695,61 @@ def test_the_hit_rate_rule_starts_and_stops_speculation_per_model() -> None:
     assert policy.should("a")  # 0.27 * 0.9**5 = 0.16
     assert not Speculation(SpeculationMode.OFF, 1.0).should("a")
     assert Speculation(SpeculationMode.ON, 0.0).should("a")
+
+
+def exact_only_key(text: str) -> str:
+    """The cache's exact key for `text` under EXACT_ONLY, as the gateway's predict scopes it."""
+    scope = common_pb2.Scope(
+        tenant="default", model=EXACT_ONLY, model_version="1", parameters={"top_k": "1"}
+    )
+    return exact_key(scope_tuple(scope), text)
+
+
+def test_an_exact_only_miss_the_key_mirror_knows_sends_no_lookup() -> None:
+    held, new, other = "reset my password", "where is my parcel", "cancel my order"
+
+    async def scenario(m: Mesh) -> None:
+        await until(lambda: m.gateway.key_mirror.synced)
+        m.cache.entries[held] = (common_pb2.Prediction(label="billing", score=0.9), EXACT)
+        before = await m.counters()
+
+        hit = await m.predict(held, model=EXACT_ONLY)  # listed: looked up
+        miss = await m.predict(new, model=EXACT_ONLY)  # not listed: no lookup
+        await m.settle()
+        again = await m.predict(new, model=EXACT_ONLY)  # its store returned: looked up now
+        semantic = await m.predict(other)  # a semantic model's miss is always looked up
+        await m.settle()
+
+        assert hit.cache.outcome == EXACT
+        assert hit.prediction.label == "billing"
+        assert miss.cache.outcome == MISS
+        assert miss.cache.detail.startswith("not held by the cache")
+        assert "cache_lookup" in hops(hit)
+        assert "cache_lookup" not in hops(miss)
+        assert (again.cache.outcome, semantic.cache.outcome) == (EXACT, MISS)
+        assert [(r.text, r.scope.model) for r in m.cache.lookups] == [
+            (held, EXACT_ONLY),
+            (new, EXACT_ONLY),
+            (other, MODEL),
+        ]
+        assert len(m.cache.stores) == 2  # the exact-only miss and the semantic one
+        counts = changed(before, await m.counters())
+        # Both stores' keys are held from their replies on, as the cache lists every key.
+        assert (counts["cache_known_miss"], counts["key_mirror_keys"]) == (1, 2)
+
+    run(scenario, listing=[exact_only_key(held)], key_mirror_keys=100)
+
+
+def test_without_a_listing_every_exact_only_miss_is_looked_up() -> None:
+    """A cache that cannot vouch for its keys (a Milvus fallback, peers) never ends a listing:
+    the mirror stays unsynced and nothing is skipped."""
+
+    async def scenario(m: Mesh) -> None:
+        await until(lambda: m.gateway.exact_tier.live)
+        reply = await m.predict("where is my parcel", model=EXACT_ONLY)
+        assert reply.cache.outcome == MISS
+        assert "cache_lookup" in hops(reply)
+        assert not m.gateway.key_mirror.synced
+        assert len(m.cache.lookups) == 1
+
+    run(scenario, key_mirror_keys=100)
