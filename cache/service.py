@@ -817,8 +817,14 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     def _lists_keys(self) -> bool:
         """Whether this cache's exact keys decide its exact-only lookups: memory answers them
-        alone, so a key it does not list is a miss (see WatchInvalidationsRequest.keys)."""
-        return self.index is not None and not self._reads_milvus(semantic=False)
+        alone, so a key it does not list is a miss (see WatchInvalidationsRequest.keys). Only
+        on milvus-lite, one process per file: over a Milvus server another replica may take
+        stores this one never hears of."""
+        return (
+            is_local(self.config.uri)
+            and self.index is not None
+            and not self._reads_milvus(semantic=False)
+        )
 
     def _held_keys(self) -> list[tuple[str, tuple[str, str, str, str]]]:
         assert self.index is not None

@@ -76,7 +76,7 @@ class KeyMirror:
 
     def hold(self, scope: common_pb2.Scope, keys: Iterable[str]) -> None:
         """Keys the cache holds under `scope` (a listing, a store event, or our own store)."""
-        if self.full:
+        if self.full or self.capacity <= 0:
             return
         triple = (scope.tenant, scope.model, scope.model_version)
         shared = self._scopes.setdefault(triple, triple)

@@ -697,6 +697,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             return
         if self.breaker.state != CircuitState.CLOSED:
             return  # a failing cache gets no writes either; the probe lookup decides
+        # Held from now: a repeat arriving before the store returns is looked up (the cache
+        # answers it from its pending writes), never vouched a miss. A store that fails
+        # leaves a key held wrongly, which only costs a lookup.
+        self.key_mirror.hold(call.scope, (call.key,))
         _spawn(self._store(call, prediction), self._stores)
 
     async def _store(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
@@ -723,8 +727,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             log.warning("cache store failed", extra={"status": err.code.name})
             return
         metrics.CACHE_STORES.labels("stored").inc()
-        if self.key_mirror.synced:  # before the cache's own event: the next repeat looks it up
-            self.key_mirror.hold(call.scope, (call.key,))
         self._keep_locally(call, prediction, time.time(), generation)
 
     def _keep_locally(

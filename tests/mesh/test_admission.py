@@ -31,7 +31,9 @@ def new_mesh(default_repo: Path, work: Path, **service_env: dict[str, str]) -> M
     repo = work / "models"
     repo.mkdir()
     shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
-    return Mesh(repo, work, service_env=service_env).start()
+    # These tests are about lookups: every miss sends one (no key mirror vouching for it).
+    gateway = {"HOPLINE_GATEWAY_KEY_MIRROR": "0", **service_env.pop("gateway", {})}
+    return Mesh(repo, work, service_env={**service_env, "gateway": gateway}).start()
 
 
 def metric(mesh: Mesh, service: str, name: str, **labels: str) -> float:

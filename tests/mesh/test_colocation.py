@@ -45,9 +45,9 @@ def test_the_gateway_alone_runs_every_stage_and_its_cache(one_process: Mesh) -> 
     first = _predict(one_process, "I forgot my password")
     assert first.prediction.label == "password_reset"
     assert first.cache.outcome == common_pb2.CACHE_OUTCOME_MISS
-    assert {"tokenize", "cache_lookup", "inference", "postprocess"} <= {
-        t.hop for t in first.timings
-    }
+    assert {"tokenize", "inference", "postprocess"} <= {t.hop for t in first.timings}
+    # The key mirror is fed over the in-process stream too: a known miss sends no lookup.
+    assert first.cache.detail.startswith("not held by the cache")
     one_process.settle()
     # The local exact tier is live over the in-process WatchInvalidations stream.
     assert one_process.gateway_counters()["local_exact_live"] == 1
@@ -60,6 +60,7 @@ def test_co_located_services_are_served_through_their_server_wrappers(one_proces
     """Each in-process call passed the service's server-side wrappers: its RPC metrics are on
     the gateway's /metrics, by the service's own method name."""
     _predict(one_process, "where is my parcel")
+    one_process.settle()  # the miss's Store reached the cache
     url = f"http://127.0.0.1:{one_process.metrics_ports['gateway']}/metrics"
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
@@ -68,7 +69,7 @@ def test_co_located_services_are_served_through_their_server_wrappers(one_proces
     ]
     for service, method in (
         ("hopline.tokenizer.v1.TokenizerService", "Tokenize"),
-        ("hopline.cache.v1.CacheService", "Lookup"),
+        ("hopline.cache.v1.CacheService", "Store"),
         ("hopline.inference.v1.InferenceService", "Infer"),
         ("hopline.postprocess.v1.PostprocessService", "Postprocess"),
     ):

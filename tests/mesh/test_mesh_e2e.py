@@ -62,13 +62,9 @@ def test_json_contract_and_exact_hit_scoped_by_tenant(mesh: Mesh) -> None:
     ):
         assert key in first
     assert first["cache"] == "MISS"
-    assert set(first["timings_ms"]) >= {
-        "tokenize",
-        "cache_lookup",
-        "inference",
-        "postprocess",
-        "total",
-    }
+    assert set(first["timings_ms"]) >= {"tokenize", "inference", "postprocess", "total"}
+    # A key the cache does not hold: the gateway's key mirror vouched for the miss, no lookup.
+    assert "cache_lookup" not in first["timings_ms"]
     assert len(first["trace_id"]) == 32
     assert int(first["trace_id"], 16)
 

@@ -69,13 +69,18 @@ def test_every_service_exports_rpc_latency_and_the_gateway_its_cache_outcomes(
     grew("gateway", "hopline_cache_outcomes_total", 1, model="support-intents", outcome="miss")
     grew("gateway", "hopline_cache_outcomes_total", 1, model="support-intents", outcome="exact")
     grew("gateway", "hopline_hop_duration_seconds_count", 1, hop="inference", code="OK")
-    # The repeat is answered by the gateway's local exact tier: one lookup hop, not two.
+    # The miss was vouched for by the key mirror and the repeat answered by the gateway's
+    # local exact tier: neither sent a lookup.
+    assert first.cache.detail.startswith("not held by the cache")
     assert second.cache.detail == "answered by the gateway's local exact tier"
-    grew("gateway", "hopline_hop_duration_seconds_count", 1, hop="cache_lookup", code="OK")
+    grew("gateway", "hopline_known_misses_total", 1)
+    grew("gateway", "hopline_hop_duration_seconds_count", 0, hop="cache_lookup", code="OK")
     assert value(after["gateway"], "hopline_local_exact_entries") >= 1
+    assert value(after["gateway"], "hopline_key_mirror_keys") >= 1
     grew("inference", "hopline_batch_size_count", 1, component="inference", model="support-intents")
-    grew("cache", "hopline_cache_lookups_total", 1, tier="miss")
-    grew("cache", "hopline_cache_lookups_total", 0, tier="exact")
+    grew("cache", "hopline_cache_lookups_total", 0, tier="miss")
+    svc = "hopline.cache.v1.CacheService"
+    grew("cache", rpc, 1, service=svc, method="Store", code="OK")
     svc = "hopline.inference.v1.InferenceService"
     grew("inference", rpc, 1, service=svc, method="Infer", code="OK")
     svc = "hopline.postprocess.v1.PostprocessService"
