@@ -104,10 +104,13 @@ class CacheConfig(ServerConfig):
     # Each batch costs a key query, an insert and a count in Milvus whatever its size, and
     # that CPU lands on the cores the model runs on. Misses one at a time (colocated, 2 cores,
     # two alternated rounds): 5 ms gave p50 10.7 and 7.8 ms, 30 ms 6.9-7.5, 100 ms 6.4 and 6.8;
-    # 32 callers: 244/274, 279-303 and 292/298 rps. What it costs: a store waits up to this
-    # long to be durable and visible to other replicas (this one serves it from the queue).
+    # 32 callers: 244/274, 279-303 and 292/298 rps. Later, with the key mirror (3 alternated
+    # rounds, twice): 100 -> 300 ms moved c=1 p50 6.75 -> 6.54 and 6.93 -> 6.71 ms, p99 13.2
+    # -> 12.3 and 13.6 -> 12.6 ms, c=32 218 -> 251 and 236 -> 249 rps; 1000 ms was no better
+    # (245 rps, a longer tail). What it costs: a store waits up to this long to be durable and
+    # visible to other replicas (this one serves it from the queue).
     flush_interval_ms: float = env_field(
-        "HOPLINE_CACHE_FLUSH_MS", 100.0, "how long stores gather before one batched write"
+        "HOPLINE_CACHE_FLUSH_MS", 300.0, "how long stores gather before one batched write"
     )
     max_pending: int = env_field(
         "HOPLINE_CACHE_MAX_PENDING", 10_000, "stores waiting for Milvus before new ones are refused"
