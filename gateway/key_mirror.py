@@ -15,7 +15,9 @@ Errors cost speed, never answers:
   is looked up as before and misses.
 - A key the cache holds but the mirror does not yet (another gateway's store, sent within
   cache/watch_feed.py's HELD_FLUSH_S) runs the model once more, as a miss at a cache replica
-  that has not seen the store would. This gateway's own stores are added when they return.
+  that has not seen the store would. This gateway's own stores are added when they are sent,
+  so a repeat that comes before the store returns is looked up (the cache's pending writes
+  answer it), never vouched a miss.
 
 Keys are kept as their first 64 bits (about 70 bytes an entry with the dict's slot, against
 about 180 for the hex string): two keys sharing them make one look held, which is the safe
