@@ -81,6 +81,7 @@ class PredictCall:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     tokenizing: asyncio.Future[tokenizer_pb2.TokenizeResponse] | None = None
     local: bool = False  # the gateway's local exact tier answered
+    known_miss: bool = False  # the key mirror vouched for the miss: no lookup was sent
     speculative: bool = False  # inference started beside the cache lookup
     fail_open_reason: str = ""  # the upstream status, or circuit_open
     verify_id: str = ""  # the cache wants the model's answer for this text (verified hits)

@@ -486,6 +486,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         ):
             return False
         metrics.KNOWN_MISSES.inc()
+        call.known_miss = True
         call.cache.outcome = common_pb2.CACHE_OUTCOME_MISS
         call.cache.detail = KNOWN_MISS_DETAIL
         return True
@@ -759,6 +760,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                     schema.CACHE_SIMILARITY: response.cache.similarity,
                     schema.CACHE_COALESCED: response.cache.coalesced,
                     schema.CACHE_LOCAL: call.local,
+                    schema.CACHE_KNOWN_MISS: call.known_miss,
                     schema.SPECULATIVE: call.speculative,
                 }
             )

@@ -17,6 +17,7 @@ CACHE_OUTCOME = "hopline.cache.outcome"
 CACHE_SIMILARITY = "hopline.cache.similarity"
 CACHE_COALESCED = "hopline.cache.coalesced"
 CACHE_LOCAL = "hopline.cache.local"
+CACHE_KNOWN_MISS = "hopline.cache.known_miss"
 SPECULATIVE = "hopline.speculative"
 CACHE_SKIP_REASON = "hopline.cache.skip_reason"
 ADMISSION_REFUSED = "hopline.admission.refused"
@@ -40,6 +41,7 @@ ATTRIBUTES: dict[str, str] = {
     CACHE_SIMILARITY: "cosine similarity of the entry a hit served (1 for exact)",
     CACHE_COALESCED: "this miss waited for another identical request's inference",
     CACHE_LOCAL: "the gateway's local exact tier answered: no hop to the cache",
+    CACHE_KNOWN_MISS: "the gateway's key mirror vouched for the miss: no lookup was sent",
     SPECULATIVE: "inference started beside the cache lookup (gateway/speculation.py)",
     CACHE_SKIP_REASON: "why the gateway skipped the cache lookup: deadline or overloaded",
     ADMISSION_REFUSED: "why the gateway refused the request at once: in_flight or deadline",
