@@ -125,7 +125,7 @@ def traced(
         HOPLINE_GATEWAY_BATCH_MAX_ROWS="1",
         HOPLINE_CACHE_BUDGET_MS="2000",
         # Every miss sends its lookup, so its trace shows all five services; a miss the key
-        # mirror vouches for has no cache hop (tests/mesh/test_key_mirror.py).
+        # mirror vouches for has no cache hop (tests/mesh/test_key_mirror_mesh.py).
         HOPLINE_GATEWAY_KEY_MIRROR="0",
     )
     try:

@@ -1,6 +1,6 @@
 """The key mirror on both ends: the cache's watch feed (listing, held keys, order) and the
 gateway's mirror of it (what it vouches for, and when it stops vouching). In-process; the
-real cache and gateway are in tests/mesh/test_key_mirror.py."""
+real cache and gateway are in tests/mesh/test_key_mirror_mesh.py."""
 
 from __future__ import annotations
 
