@@ -15,9 +15,10 @@ import pytest
 
 from conftest import DEFAULT_MODEL
 from harness import Mesh
+from hopline.gateway import client
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
-from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.protos.hopline.gateway.v1 import gateway_pb2
 
 EXACT = common_pb2.CACHE_OUTCOME_EXACT
 MISS = common_pb2.CACHE_OUTCOME_MISS
@@ -44,11 +45,7 @@ def kmesh(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def predict(mesh: Mesh, text: str, tenant: str) -> gateway_pb2.PredictResponse:
-    with grpc.insecure_channel(mesh.gateway) as channel:
-        reply: gateway_pb2.PredictResponse = gateway_pb2_grpc.GatewayServiceStub(channel).Predict(
-            gateway_pb2.PredictRequest(text=text, tenant=tenant), timeout=30
-        )
-    return reply
+    return client.predict(text, gateway=mesh.gateway, tenant=tenant, timeout_s=30)
 
 
 def hops(reply: gateway_pb2.PredictResponse) -> set[str]:
