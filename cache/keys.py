@@ -34,6 +34,12 @@ def scope_tuple(scope: common_pb2.Scope) -> tuple[str, str, str, str]:
     return scope.tenant, scope.model, scope.model_version, params
 
 
+def scope_matches(wanted: tuple[str, str, str], scope: tuple[str, ...]) -> bool:
+    """Whether `scope` (tenant, model, version, ...) is one an invalidation naming `wanted`
+    (tenant, model, version; an empty field names all) covers."""
+    return all(not want or want == got for want, got in zip(wanted, scope[:3], strict=True))
+
+
 def exact_key(scope: tuple[str, str, str, str], text: str) -> str:
     """SHA-256 over the scope and the normalised text, with unambiguous field separation."""
     doc = json.dumps([*scope, normalise_text(text)], separators=(",", ":"), ensure_ascii=False)

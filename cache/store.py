@@ -40,7 +40,7 @@ from hopline.cache.generations import (
     generation_name,
     generation_of,
 )
-from hopline.cache.keys import digest, scope_digest
+from hopline.cache.keys import digest, scope_digest, scope_matches
 
 log = logging.getLogger("hopline.cache.store")
 
@@ -108,8 +108,7 @@ class ScopeFilter:
 
     def matches(self, scope: Scope) -> bool:
         """Whether an entry of `scope` is one this filter names (empty fields match all)."""
-        wanted = (self.tenant, self.model, self.model_version)
-        return all(not want or want == got for want, got in zip(wanted, scope[:3], strict=True))
+        return scope_matches((self.tenant, self.model, self.model_version), scope)
 
     def expression(self) -> str:
         if self.model_version and not self.model:

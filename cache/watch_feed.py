@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 
 Event = cache_pb2.WatchInvalidationsResponse
 Scope = tuple[str, str, str, str]  # tenant, model, version, parameters (Entry.scope)
-Held = Iterable[tuple[str, Scope]]  # (exact key, its scope)
+Held = list[tuple[str, Scope]]  # (exact key, its scope)
 
 WATCH_QUEUE = 1024  # events a watcher may fall behind before its stream ends
 LISTING_CHUNK = 4096  # keys per listing message: about 280 KB, well under gRPC's 4 MiB
@@ -43,20 +43,18 @@ class WatchFeed:
     def __init__(self, queue_size: int = WATCH_QUEUE) -> None:
         self.queue_size = queue_size
         self._watchers: set[_Watcher] = set()
+        self.key_watchers = 0  # of them, those that asked for keys (read on every store)
         self._held: dict[Scope, list[str]] = {}  # stored since the last flush
         self._flush: asyncio.TimerHandle | None = None
 
-    @property
-    def key_watchers(self) -> int:
-        return sum(w.keys for w in self._watchers)
-
     async def stream(self, listing: Held | None) -> AsyncIterator[Event]:
         """One watcher's messages: `live`, the listing when given (None: the watcher gets
-        no keys), then every event, until the feed ends it."""
+        no keys), then every event, until the feed ends it. The caller copies the listing
+        in the loop step that starts this stream (no await between the two)."""
         watcher = _Watcher(asyncio.Queue(self.queue_size), keys=listing is not None)
         self._flush_held()  # stores before this point are in the listing, not in its queue
-        keys = list(listing) if listing is not None else None  # in the same loop step
-        self._watchers.add(watcher)
+        self._add(watcher)
+        keys = listing
         try:
             yield Event(live=True)
             if keys is not None:
@@ -66,7 +64,7 @@ class WatchFeed:
             while (event := await watcher.queue.get()) is not None:
                 yield event
         finally:
-            self._watchers.discard(watcher)
+            self._discard(watcher)
 
     def publish(self, event: Event) -> None:
         """An invalidation or eviction, to every watcher."""
@@ -113,8 +111,17 @@ class WatchFeed:
                 # which is always safe, where a lost event would not be.
                 self._end(watcher)
 
+    def _add(self, watcher: _Watcher) -> None:
+        self._watchers.add(watcher)
+        self.key_watchers += watcher.keys
+
+    def _discard(self, watcher: _Watcher) -> None:
+        if watcher in self._watchers:
+            self._watchers.discard(watcher)
+            self.key_watchers -= watcher.keys
+
     def _end(self, watcher: _Watcher) -> None:
-        self._watchers.discard(watcher)
+        self._discard(watcher)
         while not watcher.queue.empty():
             watcher.queue.get_nowait()
         watcher.queue.put_nowait(None)

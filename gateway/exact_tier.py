@@ -26,6 +26,7 @@ from collections.abc import AsyncIterable, Callable
 
 import grpc
 
+from hopline.cache.keys import scope_matches
 from hopline.gateway.key_mirror import KeyMirror
 from hopline.observability import metrics
 from hopline.protos.hopline.cache.v1 import cache_pb2
@@ -86,9 +87,7 @@ class LocalExactTier:
         if event.HasField("scope"):
             want = (event.scope.tenant, event.scope.model, event.scope.model_version)
             doomed = [
-                key
-                for key, entry in self._entries.items()
-                if all(not w or w == got for w, got in zip(want, entry.scope[:3], strict=True))
+                key for key, entry in self._entries.items() if scope_matches(want, entry.scope)
             ]
             for key in doomed:
                 del self._entries[key]

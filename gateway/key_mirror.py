@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from hopline.cache.keys import scope_matches
 from hopline.observability import metrics
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -99,11 +100,7 @@ class KeyMirror:
 
     def drop_scope(self, scope: common_pb2.Scope) -> None:
         want = (scope.tenant, scope.model, scope.model_version)
-        doomed = {
-            triple
-            for triple in self._scopes
-            if all(not w or w == got for w, got in zip(want, triple, strict=True))
-        }
+        doomed = {triple for triple in self._scopes if scope_matches(want, triple)}
         if doomed:
             self._keys = {k: s for k, s in self._keys.items() if s not in doomed}
             for triple in doomed:
