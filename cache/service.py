@@ -61,6 +61,8 @@ log = logging.getLogger("hopline.cache")
 SEMANTIC_CANDIDATES = 4  # nearest entries checked for verification and agreement
 RECENT_VECTORS = 4096  # 1.5 KiB each
 RECLAIM_CHECK_S = 5.0  # how often the store is asked whether deleted rows need reclaiming
+STORE_BATCH_MAX = 1024  # stores in one StoreBatch (cache.proto says so)
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
 class ExactFallback(enum.StrEnum):
@@ -660,27 +662,51 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         request: cache_pb2.StoreRequest,
         context: grpc.aio.ServicerContext[cache_pb2.StoreRequest, cache_pb2.StoreResponse],
     ) -> cache_pb2.StoreResponse:
+        result = await self._take(request)
+        if result.code:
+            await context.abort(grpc.StatusCode[_CODE_NAMES[result.code]], result.message)
+        return cache_pb2.StoreResponse(entry_id=result.entry_id)
+
+    async def StoreBatch(
+        self,
+        request: cache_pb2.StoreBatchRequest,
+        context: grpc.aio.ServicerContext[
+            cache_pb2.StoreBatchRequest, cache_pb2.StoreBatchResponse
+        ],
+    ) -> cache_pb2.StoreBatchResponse:
+        if len(request.stores) > STORE_BATCH_MAX:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(request.stores)} stores in one call; send at most {STORE_BATCH_MAX}",
+            )
+        # Together: semantic stores' embeddings share the encoder's batches.
+        results = await asyncio.gather(*(self._take(store) for store in request.stores))
+        return cache_pb2.StoreBatchResponse(results=results)
+
+    async def _take(self, request: cache_pb2.StoreRequest) -> cache_pb2.StoreResult:
+        """One store accepted into the pending buffer, or refused with the status and message
+        Store ends with."""
         try:
             scope = scope_tuple(request.scope)
         except ScopeError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return _refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not request.text.strip():
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
+            return _refused(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
         if request.ttl_s < 0 or request.max_entries < 0:
-            await context.abort(
+            return _refused(
                 grpc.StatusCode.INVALID_ARGUMENT, "ttl_s and max_entries must not be negative"
             )
         if not request.prediction.label:
-            await context.abort(
+            return _refused(
                 grpc.StatusCode.INVALID_ARGUMENT, "refusing to cache a prediction with no label"
             )
         if len(self._pending) >= self.config.max_pending:
-            await context.abort(
+            return _refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{len(self._pending)} stores are waiting for Milvus; retry later",
             )
         if request.mode not in ("", "exact", "semantic"):
-            await context.abort(
+            return _refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"mode must be 'exact' or 'semantic', got {request.mode!r}",
             )
@@ -696,7 +722,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             try:
                 vector = await self.embedder.embed(text)
             except QueueFullError as exc:
-                await context.abort(
+                return _refused(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, f"embedder overloaded: {exc}; retry later"
                 )
             self.counters["store_embeddings"] += 1
@@ -716,7 +742,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self._store_spans[key] = trace.get_current_span().get_span_context()
         self._flush_wake.set()
         self.counters["stores"] += 1
-        return cache_pb2.StoreResponse(entry_id=key)
+        return cache_pb2.StoreResult(entry_id=key)
 
     async def Invalidate(
         self,
@@ -896,3 +922,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 def _detach(task: asyncio.Task[Any]) -> None:
     """Let a task run on unawaited without an unretrieved-exception warning."""
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def _refused(code: grpc.StatusCode, message: str) -> cache_pb2.StoreResult:
+    return cache_pb2.StoreResult(code=code.value[0], message=message)

@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Coroutine, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from typing import Any, cast
 
 import grpc
@@ -271,6 +271,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         self.key_mirror = KeyMirror(config.key_mirror_keys)
         self._loops: set[asyncio.Task[None]] = set()  # run for the life of the process
         self._stores: set[asyncio.Task[None]] = set()  # awaited, briefly, at shutdown
+        self._unary_stores_until = 0.0  # monotonic; Store instead of StoreBatch before it
 
     def register(self, server: grpc.aio.Server) -> None:
         # Imported here: the KServe servicer builds on this module's GatewayService.
@@ -706,29 +707,50 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def _store(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
         generation = self.exact_tier.generation
-        policy, cache = call.info.cache, self.upstreams.cache
+        policy = call.info.cache
+        request = cache_pb2.StoreRequest(
+            scope=call.scope,
+            text=call.text,
+            prediction=prediction,
+            ttl_s=policy.ttl_s,
+            max_entries=policy.max_entries,
+            mode=policy.mode,
+        )
         try:
-            await call_hop(
-                schema.SPAN_CACHE_STORE,
-                cache.target,
-                cache.stub().Store,
-                cache_pb2.StoreRequest(
-                    scope=call.scope,
-                    text=call.text,
-                    prediction=prediction,
-                    ttl_s=policy.ttl_s,
-                    max_entries=policy.max_entries,
-                    mode=policy.mode,
-                ),
-                2.0,
-                {},
-            )
+            await self._send_store(request)
         except HopError as err:
             metrics.CACHE_STORES.labels("error").inc()
             log.warning("cache store failed", extra={"status": err.code.name})
             return
         metrics.CACHE_STORES.labels("stored").inc()
         self._keep_locally(call, prediction, time.time(), generation)
+
+    async def _send_store(self, request: cache_pb2.StoreRequest) -> None:
+        """One store: in a StoreBatch with the others waiting at the same moment when the
+        gateway batches its stages, else alone. Raises HopError when it was not accepted."""
+        cache = self.upstreams.cache
+        if self.stages is not None and time.monotonic() >= self._unary_stores_until:
+            try:
+                reply: cache_pb2.StoreBatchResponse = await call_hop(
+                    schema.SPAN_CACHE_STORE,
+                    cache.target,
+                    _old_cache_raises(self.stages.store),
+                    cache_pb2.StoreBatchRequest(stores=[request]),
+                    2.0,
+                    {},
+                )
+            except _OldCache:
+                # A cache from before StoreBatch (a rolling upgrade): one call per store for
+                # a while, then StoreBatch again.
+                log.info("the cache has no StoreBatch; storing one by one for a minute")
+                self._unary_stores_until = time.monotonic() + 60.0
+            else:
+                (result,) = reply.results
+                if result.code:
+                    code = _STATUS.get(result.code, grpc.StatusCode.UNKNOWN)
+                    raise HopError(schema.SPAN_CACHE_STORE, code, result.message, cache.target)
+                return
+        await call_hop(schema.SPAN_CACHE_STORE, cache.target, cache.stub().Store, request, 2.0, {})
 
     def _keep_locally(
         self,
@@ -785,6 +807,25 @@ def _outcome(outcome: common_pb2.CacheOutcome.ValueType) -> str:
 def _outcome_counter(model: str, outcome: str) -> Any:
     """The counter's child, resolved once per (model, outcome): labels() costs a lock."""
     return metrics.CACHE_OUTCOMES.labels(model, outcome)
+
+
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class _OldCache(Exception):
+    """The cache answered StoreBatch with UNIMPLEMENTED: it predates the method."""
+
+
+def _old_cache_raises(rpc: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def call(request: Any, **kwargs: Any) -> Any:
+        try:
+            return await rpc(request, **kwargs)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise _OldCache from None
+            raise
+
+    return call
 
 
 def _spawn(coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:

@@ -1,8 +1,9 @@
 """Gateway batching: misses waiting for the same stage at the same moment share one RPC.
 
-Each stage (tokenize, inference, postprocess) keeps at most `in_flight` RPCs on their way per
-batch key (model, version, and for postprocess top_k). A request that finds a free slot is
-sent at once, alone: a lone request waits for nothing. Requests that arrive while every slot
+Each stage (tokenize, inference, postprocess, and the cache stores after them) keeps at
+most `in_flight` RPCs on their way per batch key (model, version, and for postprocess
+top_k; one key for every store). A request that finds a free slot is sent at once, alone: a
+lone request waits for nothing. Requests that arrive while every slot
 is taken queue, and go together, up to `max_rows`, in the RPC that the next free slot sends
 (a lone request is sent from its caller's task: no task, future or shield of its own).
 So under load the per-RPC cost (serialisation, a round trip, a server's per-call work) is paid
@@ -38,6 +39,7 @@ from opentelemetry.trace import Link, SpanKind
 from hopline.gateway.upstream import GatewayUpstreams
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import in_context, outgoing_metadata, tracer, unsampled
+from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2
@@ -49,6 +51,7 @@ log = logging.getLogger("hopline.gateway.stage_batching")
 
 # Token lengths rows are grouped by for the inference stage: the models' default buckets.
 LENGTH_BUCKETS = DEFAULT_BUCKETS
+STORE_BATCH_ROWS = 256  # stores in one StoreBatch (the cache takes up to 1024)
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -401,15 +404,40 @@ def _row_slices(counts: Iterable[int]) -> list[slice]:
     return slices
 
 
+class StoreCodec(Codec[cache_pb2.StoreBatchRequest, cache_pb2.StoreBatchResponse]):
+    """Cache stores: any stores go together (each is accepted or refused on its own)."""
+
+    def key(self, request: cache_pb2.StoreBatchRequest) -> Hashable:
+        return "store"
+
+    def merge(self, requests: Sequence[cache_pb2.StoreBatchRequest]) -> cache_pb2.StoreBatchRequest:
+        return cache_pb2.StoreBatchRequest(stores=[s for r in requests for s in r.stores])
+
+    def split(
+        self,
+        requests: Sequence[cache_pb2.StoreBatchRequest],
+        reply: cache_pb2.StoreBatchResponse,
+    ) -> list[cache_pb2.StoreBatchResponse]:
+        counts = [len(r.stores) for r in requests]
+        if len(reply.results) != sum(counts):
+            raise ValueError(f"{len(reply.results)} results for {sum(counts)} stores")
+        return [
+            cache_pb2.StoreBatchResponse(results=reply.results[rows])
+            for rows in _row_slices(counts)
+        ]
+
+
 @dataclasses.dataclass(frozen=True)
 class GatewayStages:
-    """The three batched stages over the gateway's upstream pools."""
+    """The batched stages over the gateway's upstream pools: the three a miss goes through,
+    and the cache stores that follow it."""
 
     tokenize: BatchedStage[tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeResponse]
     infer: BatchedStage[inference_pb2.InferRequest, inference_pb2.InferResponse]
     postprocess: BatchedStage[
         postprocess_pb2.PostprocessRequest, postprocess_pb2.PostprocessResponse
     ]
+    store: BatchedStage[cache_pb2.StoreBatchRequest, cache_pb2.StoreBatchResponse]
 
     @classmethod
     def over(
@@ -446,8 +474,15 @@ class GatewayStages:
                 in_flight,
                 lambda _: max_rows,
             ),
+            store=BatchedStage(
+                schema.SPAN_CACHE_STORE,
+                lambda: upstreams.cache.stub().StoreBatch,
+                StoreCodec(),
+                in_flight,
+                lambda _: STORE_BATCH_ROWS,
+            ),
         )
 
     async def close(self) -> None:
-        for stage in (self.tokenize, self.infer, self.postprocess):
+        for stage in (self.tokenize, self.infer, self.postprocess, self.store):
             await stage.close()

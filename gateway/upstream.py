@@ -70,7 +70,8 @@ class HopError(StatusError):
 # - Tokenize, Infer, Postprocess: pure functions of the request and the model version named
 #   in it (immutable folders), so a second run answers the same and leaves nothing behind.
 # - Lookup, GetStats, ListModels: reads.
-# - Store: writes the entry under its exact key; a repeat writes the same entry over itself.
+# - Store, StoreBatch: write each entry under its exact key; a repeat writes the same entry
+#   over itself.
 # - Invalidate: deleting what is already deleted deletes nothing more.
 # - ReportVerification: an UNAVAILABLE or CANCELLED attempt never reached (or never finished
 #   in) a servicer, so the verify_id is still pending; on another replica it is unknown:
@@ -82,6 +83,7 @@ RETRY_METHODS: dict[str, tuple[str, ...]] = {
     "hopline.cache.v1.CacheService": (
         "Lookup",
         "Store",
+        "StoreBatch",
         "Invalidate",
         "GetStats",
         "ReportVerification",

@@ -154,6 +154,8 @@ class Cache:
         self.lookup_error: grpc.aio.AioRpcError | None = None
         self.store_gate: asyncio.Event | None = None  # when set, Store waits for it
         self.listing: list[str] | None = None  # exact keys listed to a watch that asks
+        self.store_batches: list[int] = []  # stores per StoreBatch call
+        self.store_batch_error: grpc.aio.AioRpcError | None = None  # StoreBatch raises it
 
     async def Lookup(
         self,
@@ -183,6 +185,22 @@ class Cache:
         self.stores.append(request)
         self.entries[request.text] = (request.prediction, EXACT)
         return cache_pb2.StoreResponse(entry_id="e-2")
+
+    async def StoreBatch(
+        self, request: cache_pb2.StoreBatchRequest, **_: Any
+    ) -> cache_pb2.StoreBatchResponse:
+        self.store_batches.append(len(request.stores))
+        if self.store_batch_error is not None:
+            raise self.store_batch_error
+        results = []
+        for store in request.stores:
+            if store.text.startswith("refuse"):  # refused alone, as the cache refuses a store
+                refused = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+                results.append(cache_pb2.StoreResult(code=refused, message="too many stores"))
+                continue
+            reply = await self.Store(store)
+            results.append(cache_pb2.StoreResult(entry_id=reply.entry_id))
+        return cache_pb2.StoreBatchResponse(results=results)
 
     async def WatchInvalidations(
         self, request: cache_pb2.WatchInvalidationsRequest
@@ -753,3 +771,44 @@ def test_without_a_listing_every_exact_only_miss_is_looked_up() -> None:
         assert len(m.cache.lookups) == 1
 
     run(scenario, key_mirror_keys=100)
+
+
+def test_stores_waiting_at_the_same_moment_go_in_one_store_batch() -> None:
+    """Two StoreBatch calls in flight (the stages' default); the stores that come while both
+    wait go together, each still accepted or refused on its own."""
+    texts = ["where is my parcel", "reset my password", "cancel my order", "refuse this one"]
+    texts += ["update my card", "talk to a human"]
+
+    async def scenario(m: Mesh) -> None:
+        m.cache.store_gate = asyncio.Event()
+        before = await m.counters()
+        replies = await asyncio.gather(*(m.predict(t, model=EXACT_ONLY) for t in texts))
+        assert {r.cache.outcome for r in replies} == {MISS}  # answered before any store
+        await until(lambda: sum(m.cache.store_batches) == 2)  # the two in flight, alone
+        m.cache.store_gate.set()
+        await m.settle()
+        assert m.cache.store_batches == [1, 1, len(texts) - 2]
+        assert sorted(s.text for s in m.cache.stores) == sorted(texts[:3] + texts[4:])
+        counts = changed(before, await m.counters())
+        assert (counts["stores"], counts["store_errors"]) == (5, 1)  # the refused one alone
+
+    run(scenario)
+
+
+def test_a_cache_without_store_batch_gets_one_store_call_each() -> None:
+    """A cache from before StoreBatch (a rolling upgrade) answers it UNIMPLEMENTED: the store
+    goes by Store instead, and so do the next ones for a while."""
+
+    async def scenario(m: Mesh) -> None:
+        m.cache.store_batch_error = rpc_error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        before = await m.counters()
+        await m.predict("where is my parcel", model=EXACT_ONLY)
+        await m.settle()
+        await m.predict("reset my password", model=EXACT_ONLY)
+        await m.settle()
+        assert m.cache.store_batches == [1]  # tried once
+        assert [s.text for s in m.cache.stores] == ["where is my parcel", "reset my password"]
+        counts = changed(before, await m.counters())
+        assert (counts["stores"], counts.get("store_errors", 0)) == (2, 0)
+
+    run(scenario)
