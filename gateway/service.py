@@ -730,16 +730,15 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         gateway batches its stages, else alone. Raises HopError when it was not accepted."""
         cache = self.upstreams.cache
         if self.stages is not None and time.monotonic() >= self._unary_stores_until:
-            try:
-                reply: cache_pb2.StoreBatchResponse = await call_hop(
-                    schema.SPAN_CACHE_STORE,
-                    cache.target,
-                    _old_cache_raises(self.stages.store),
-                    cache_pb2.StoreBatchRequest(stores=[request]),
-                    2.0,
-                    {},
-                )
-            except _OldCache:
+            reply: cache_pb2.StoreBatchResponse | None = await call_hop(
+                schema.SPAN_CACHE_STORE,
+                cache.target,
+                _none_if_unimplemented(self.stages.store),
+                cache_pb2.StoreBatchRequest(stores=[request]),
+                2.0,
+                {},
+            )
+            if reply is None:
                 # A cache from before StoreBatch (a rolling upgrade): one call per store for
                 # a while, then StoreBatch again.
                 log.info("the cache has no StoreBatch; storing one by one for a minute")
@@ -812,17 +811,15 @@ def _outcome_counter(model: str, outcome: str) -> Any:
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
-class _OldCache(Exception):
-    """The cache answered StoreBatch with UNIMPLEMENTED: it predates the method."""
+def _none_if_unimplemented(rpc: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """`rpc`, answering None where the upstream does not have the method (it predates it)."""
 
-
-def _old_cache_raises(rpc: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     async def call(request: Any, **kwargs: Any) -> Any:
         try:
             return await rpc(request, **kwargs)
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                raise _OldCache from None
+                return None
             raise
 
     return call
