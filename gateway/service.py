@@ -159,6 +159,13 @@ class GatewayConfig(ServerConfig):
         2,
         "RPCs per stage and model on their way before further misses queue into one batch",
     )
+    store_linger_ms: float = env_field(
+        "HOPLINE_GATEWAY_STORE_LINGER_MS",
+        50.0,
+        "how long a cache store waits for others to share its StoreBatch call (0: stores "
+        "share a call only while the last is on its way); answers are held by the gateway "
+        "meanwhile, so only other gateways see a store this much later",
+    )
     speculate: SpeculationMode = env_field(
         "HOPLINE_GATEWAY_SPECULATE",
         SpeculationMode.AUTO,
@@ -259,7 +266,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         self.speculation = Speculation(config.speculate, config.speculate_max_hit_rate)
         self.stages = (
             GatewayStages.over(
-                self.upstreams, config.batch_in_flight, config.batch_max_rows, self._model_rows
+                self.upstreams,
+                config.batch_in_flight,
+                config.batch_max_rows,
+                self._model_rows,
+                config.store_linger_ms / 1e3,
             )
             if config.batch_max_rows > 1
             else None
@@ -312,6 +323,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def stop(self) -> None:
         self.serving = False
+        if self.stages is not None:
+            self.stages.store.flush()  # lingering stores go now
         if self._stores:  # let pending cache writes land before the channels close
             await asyncio.wait(set(self._stores), timeout=2.0)
         for task in (*self._loops, *self._stores):
@@ -703,10 +716,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         # answers it from its pending writes), never vouched a miss. A store that fails
         # leaves a key held wrongly, which only costs a lookup.
         self.key_mirror.hold(call.scope, (call.key,))
+        # Kept from now too: a store lingers before it is sent (HOPLINE_GATEWAY_STORE_LINGER_MS),
+        # and a repeat meanwhile is this gateway's to answer. One the cache then refuses is
+        # still the model's answer for this scope, so it may be served until it expires.
+        self._keep_locally(call, prediction, time.time(), self.exact_tier.generation)
         _spawn(self._store(call, prediction), self._stores)
 
     async def _store(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
-        generation = self.exact_tier.generation
         policy = call.info.cache
         request = cache_pb2.StoreRequest(
             scope=call.scope,
@@ -723,7 +739,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             log.warning("cache store failed", extra={"status": err.code.name})
             return
         metrics.CACHE_STORES.labels("stored").inc()
-        self._keep_locally(call, prediction, time.time(), generation)
 
     async def _send_store(self, request: cache_pb2.StoreRequest) -> None:
         """One store: in a StoreBatch with the others waiting at the same moment when the

@@ -7,7 +7,9 @@ lone request waits for nothing. Requests that arrive while every slot
 is taken queue, and go together, up to `max_rows`, in the RPC that the next free slot sends
 (a lone request is sent from its caller's task: no task, future or shield of its own).
 So under load the per-RPC cost (serialisation, a round trip, a server's per-call work) is paid
-per batch, and at rest nothing changes.
+per batch, and at rest nothing changes. The store stage lingers instead (nobody waits for a
+store): a store waits up to HOPLINE_GATEWAY_STORE_LINGER_MS for others, so even one caller's
+stores share calls, and the cache process wakes once a window, not once a miss.
 
 Each request keeps its own hop span and timing (gateway/upstream.py:call_hop calls
 `BatchedStage` like a stub method), the batch RPC gets a span of its own linked to every
@@ -99,6 +101,7 @@ class BatchedStage(Generic[Req, Rep]):
         codec: Codec[Req, Rep],
         in_flight: int,
         max_rows: Callable[[Req], int],
+        linger_s: float = 0.0,
     ) -> None:
         self.hop = hop
         self._send = send  # the next stub method (a pool picks the channel per call)
@@ -108,6 +111,11 @@ class BatchedStage(Generic[Req, Rep]):
         self._busy: dict[Hashable, int] = {}
         self._queues: dict[Hashable, list[_Row[Req, Rep]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # With a linger, nothing goes alone: a queue waits `linger_s` from its first row (or
+        # until it is full) and is then "due", sent as slots free up.
+        self._linger_s = max(0.0, linger_s)
+        self._due: set[Hashable] = set()
+        self._timers: dict[Hashable, asyncio.TimerHandle] = {}
 
     async def __call__(
         self,
@@ -118,7 +126,8 @@ class BatchedStage(Generic[Req, Rep]):
         **_: Any,
     ) -> Rep:
         key = self._codec.key(request)
-        if key not in self._queues and self._busy.get(key, 0) < self._in_flight:
+        free = key not in self._queues and self._busy.get(key, 0) < self._in_flight
+        if free and not self._linger_s:
             return await self._send_alone(key, request, timeout, tuple(metadata))
         row: _Row[Req, Rep] = _Row(
             request,
@@ -126,7 +135,10 @@ class BatchedStage(Generic[Req, Rep]):
             tuple(metadata),
             asyncio.get_running_loop().create_future(),
         )
-        self._queues.setdefault(key, []).append(row)
+        queue = self._queues.setdefault(key, [])
+        queue.append(row)
+        if self._linger_s:
+            self._linger(key, queue)
         self._pump(key)
         try:
             async with asyncio.timeout(timeout):
@@ -157,9 +169,31 @@ class BatchedStage(Generic[Req, Rep]):
             del self._busy[key]
         self._pump(key)
 
+    def _linger(self, key: Hashable, queue: list[_Row[Req, Rep]]) -> None:
+        """A full queue is due now; the first row of a queue starts its linger."""
+        if len(queue) >= max(1, self._max_rows(queue[0].request)):
+            self._due.add(key)
+        elif key not in self._due and key not in self._timers:
+            loop = asyncio.get_running_loop()
+            self._timers[key] = loop.call_later(self._linger_s, self._lingered, key)
+
+    def _lingered(self, key: Hashable) -> None:
+        self._timers.pop(key, None)
+        self._due.add(key)
+        self._pump(key)
+
+    def flush(self) -> None:
+        """Every lingering queue is due now (at shutdown: nothing waits out its linger)."""
+        for key in list(self._queues):
+            self._due.add(key)
+            self._pump(key)
+
     def _pump(self, key: Hashable) -> None:
-        """Send what is queued for `key` while it has free slots."""
+        """Send what is queued for `key` while it has free slots (and, with a linger, once
+        the queue is due)."""
         queue = self._queues.get(key)
+        if self._linger_s and key not in self._due:
+            return
         while queue and self._busy.get(key, 0) < self._in_flight:
             live = [r for r in queue if not r.reply.done()]  # a waiter may have given up
             limit = max(1, self._max_rows(live[0].request)) if live else 1
@@ -175,6 +209,7 @@ class BatchedStage(Generic[Req, Rep]):
             task.add_done_callback(self._tasks.discard)
         if not queue:
             self._queues.pop(key, None)
+            self._due.discard(key)
 
     async def _run(self, key: Hashable, rows: list[_Row[Req, Rep]]) -> None:
         try:
@@ -231,6 +266,8 @@ class BatchedStage(Generic[Req, Rep]):
             raise _rpc_error(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}") from None
 
     async def close(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
         for task in list(self._tasks):
             task.cancel()
 
@@ -446,8 +483,10 @@ class GatewayStages:
         in_flight: int,
         max_rows: int,
         model_rows: Callable[[str, str], int],
+        store_linger_s: float = 0.0,
     ) -> GatewayStages:
-        """`model_rows(model, version)`: the most rows the model takes in one run (0: unknown)."""
+        """`model_rows(model, version)`: the most rows the model takes in one run (0: unknown);
+        `store_linger_s`: how long a store waits for others to share its StoreBatch."""
 
         def infer_rows(request: inference_pb2.InferRequest) -> int:
             return min(max_rows, model_rows(request.model, request.model_version) or max_rows)
@@ -480,6 +519,7 @@ class GatewayStages:
                 StoreCodec(),
                 in_flight,
                 lambda _: STORE_BATCH_ROWS,
+                store_linger_s,
             ),
         )
 

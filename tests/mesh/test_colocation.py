@@ -60,7 +60,7 @@ def test_co_located_services_are_served_through_their_server_wrappers(one_proces
     """Each in-process call passed the service's server-side wrappers: its RPC metrics are on
     the gateway's /metrics, by the service's own method name."""
     _predict(one_process, "where is my parcel")
-    one_process.settle()  # the miss's Store reached the cache
+    one_process.settle()  # the miss's StoreBatch reached the cache
     url = f"http://127.0.0.1:{one_process.metrics_ports['gateway']}/metrics"
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
@@ -69,7 +69,7 @@ def test_co_located_services_are_served_through_their_server_wrappers(one_proces
     ]
     for service, method in (
         ("hopline.tokenizer.v1.TokenizerService", "Tokenize"),
-        ("hopline.cache.v1.CacheService", "Store"),
+        ("hopline.cache.v1.CacheService", "StoreBatch"),
         ("hopline.inference.v1.InferenceService", "Infer"),
         ("hopline.postprocess.v1.PostprocessService", "Postprocess"),
     ):

@@ -80,7 +80,7 @@ def test_every_service_exports_rpc_latency_and_the_gateway_its_cache_outcomes(
     grew("inference", "hopline_batch_size_count", 1, component="inference", model="support-intents")
     grew("cache", "hopline_cache_lookups_total", 0, tier="miss")
     svc = "hopline.cache.v1.CacheService"
-    grew("cache", rpc, 1, service=svc, method="Store", code="OK")
+    grew("cache", rpc, 1, service=svc, method="StoreBatch", code="OK")
     svc = "hopline.inference.v1.InferenceService"
     grew("inference", rpc, 1, service=svc, method="Infer", code="OK")
     svc = "hopline.postprocess.v1.PostprocessService"

@@ -253,11 +253,12 @@ class Mesh:
         return dict((await self.stats()).counters)
 
     async def settle(self) -> None:
-        """Until the stores the gateway scheduled have landed (as tests/harness.py waits)."""
+        """Until the stores the gateway scheduled have landed (as tests/harness.py waits);
+        they linger HOPLINE_GATEWAY_STORE_LINGER_MS before they are sent."""
         for _ in range(1000):
             if not (await self.counters())["stores_in_flight"]:
                 return
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.002)
         raise AssertionError("stores still in flight")
 
 
@@ -773,26 +774,70 @@ def test_without_a_listing_every_exact_only_miss_is_looked_up() -> None:
     run(scenario, key_mirror_keys=100)
 
 
-def test_stores_waiting_at_the_same_moment_go_in_one_store_batch() -> None:
-    """Two StoreBatch calls in flight (the stages' default); the stores that come while both
-    wait go together, each still accepted or refused on its own."""
-    texts = ["where is my parcel", "reset my password", "cancel my order", "refuse this one"]
-    texts += ["update my card", "talk to a human"]
+STORED_TEXTS = [
+    "where is my parcel",
+    "reset my password",
+    "cancel my order",
+    "refuse this one",
+    "update my card",
+    "talk to a human",
+]
+
+
+def test_stores_that_linger_together_go_in_one_store_batch() -> None:
+    """Stores wait HOPLINE_GATEWAY_STORE_LINGER_MS for others, then go in one StoreBatch,
+    each still accepted or refused on its own."""
+
+    async def scenario(m: Mesh) -> None:
+        before = await m.counters()
+        replies = await asyncio.gather(*(m.predict(t, model=EXACT_ONLY) for t in STORED_TEXTS))
+        assert {r.cache.outcome for r in replies} == {MISS}  # answered before any store
+        assert m.cache.store_batches == []  # still lingering
+        await m.settle()
+        assert m.cache.store_batches == [len(STORED_TEXTS)]
+        assert sorted(s.text for s in m.cache.stores) == sorted(STORED_TEXTS[:3] + STORED_TEXTS[4:])
+        counts = changed(before, await m.counters())
+        assert (counts["stores"], counts["store_errors"]) == (5, 1)  # the refused one alone
+
+    run(scenario, store_linger_ms=30.0)
+
+
+def test_without_a_linger_stores_waiting_for_a_free_call_go_together() -> None:
+    """No linger: two StoreBatch calls in flight (the stages' default) go alone at once; the
+    stores that come while both wait go together."""
 
     async def scenario(m: Mesh) -> None:
         m.cache.store_gate = asyncio.Event()
         before = await m.counters()
-        replies = await asyncio.gather(*(m.predict(t, model=EXACT_ONLY) for t in texts))
-        assert {r.cache.outcome for r in replies} == {MISS}  # answered before any store
+        replies = await asyncio.gather(*(m.predict(t, model=EXACT_ONLY) for t in STORED_TEXTS))
+        assert {r.cache.outcome for r in replies} == {MISS}
         await until(lambda: sum(m.cache.store_batches) == 2)  # the two in flight, alone
         m.cache.store_gate.set()
         await m.settle()
-        assert m.cache.store_batches == [1, 1, len(texts) - 2]
-        assert sorted(s.text for s in m.cache.stores) == sorted(texts[:3] + texts[4:])
+        assert m.cache.store_batches == [1, 1, len(STORED_TEXTS) - 2]
+        assert sorted(s.text for s in m.cache.stores) == sorted(STORED_TEXTS[:3] + STORED_TEXTS[4:])
         counts = changed(before, await m.counters())
-        assert (counts["stores"], counts["store_errors"]) == (5, 1)  # the refused one alone
+        assert (counts["stores"], counts["store_errors"]) == (5, 1)
 
-    run(scenario)
+    run(scenario, store_linger_ms=0.0)
+
+
+def test_a_repeat_while_its_store_lingers_is_answered_by_the_gateway() -> None:
+    """The gateway keeps its own answer from the moment it schedules the store, so a repeat
+    that comes before the store is sent is an exact hit with no hop, not a second inference."""
+
+    async def scenario(m: Mesh) -> None:
+        await until(lambda: m.gateway.exact_tier.live)
+        miss = await m.predict("where is my parcel", model=EXACT_ONLY)
+        repeat = await m.predict("where is my parcel", model=EXACT_ONLY)
+        assert m.cache.store_batches == []  # the store had not gone yet
+        assert (miss.cache.outcome, repeat.cache.outcome) == (MISS, EXACT)
+        assert repeat.cache.detail == "answered by the gateway's local exact tier"
+        assert len(m.inference.requests) == 1
+        await m.settle()
+        assert [s.text for s in m.cache.stores] == ["where is my parcel"]
+
+    run(scenario, local_exact_entries=100, store_linger_ms=200.0)
 
 
 def test_a_cache_without_store_batch_gets_one_store_call_each() -> None:
