@@ -741,8 +741,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         metrics.CACHE_STORES.labels("stored").inc()
 
     async def _send_store(self, request: cache_pb2.StoreRequest) -> None:
-        """One store: in a StoreBatch with the others waiting at the same moment when the
-        gateway batches its stages, else alone. Raises HopError when it was not accepted."""
+        """One store: in a StoreBatch with the others of its linger window when the gateway
+        batches its stages, else alone. Raises HopError when it was not accepted."""
         cache = self.upstreams.cache
         if self.stages is not None and time.monotonic() >= self._unary_stores_until:
             reply: cache_pb2.StoreBatchResponse | None = await call_hop(
