@@ -321,6 +321,15 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
     return runs, result
 
 
+def bench_once(*argv: str) -> dict[str, Any]:
+    """`hopline bench ARGV` from Python (the suite's scenarios): its results, argv and ratios."""
+    parser = argparse.ArgumentParser()
+    add_bench_command(parser.add_subparsers(dest="command"))
+    sys.stderr.write(f"hopline bench {' '.join(argv)}\n")
+    _, result = asyncio.run(run_targets(parser.parse_args(["bench", *argv])))
+    return {"argv": list(argv), **result, "ratios": ratios(result["targets"])}
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.concurrency is None and args.rps is None:
         args.concurrency = 1

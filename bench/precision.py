@@ -13,15 +13,13 @@ because at batch 1 waking the second thread for each operator costs INT8 much of
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from hopline.bench.cli import add_bench_command, run_targets
+from hopline.bench.cli import bench_once
 from hopline.bench.compute import compare_compute
 from hopline.bench.mixes import make_mix
 from hopline.bench.report import model_ratios
@@ -55,21 +53,17 @@ def precision_scenario(
     (work / "mesh").mkdir(parents=True, exist_ok=True)
     mesh = Mesh.on_free_ports(repo, work / "mesh")
     mesh.start(timeout_s=180.0)
-    argv = [
-        "bench", "--target", mesh.addrs["gateway"], "--model-repo", str(repo),
-        "--models", f"{MODEL}:1,{MODEL}:2", "--baseline", "inprocess", "--mix", "miss",
-        "--concurrency", "1", "--rounds", str(rounds), "--duration", str(duration_s),
-        "--compute-iterations", str(iterations),
-    ]  # fmt: skip
-    parser = argparse.ArgumentParser()
-    add_bench_command(parser.add_subparsers())
     try:
-        _, result = asyncio.run(run_targets(parser.parse_args(argv)))
+        result = bench_once(
+            "--target", mesh.addrs["gateway"], "--model-repo", str(repo),
+            "--models", f"{MODEL}:1,{MODEL}:2", "--baseline", "inprocess", "--mix", "miss",
+            "--concurrency", "1", "--rounds", str(rounds), "--duration", str(duration_s),
+            "--compute-iterations", str(iterations),
+        )  # fmt: skip
     finally:
         mesh.stop()
     spinning = _compute_spinning(repo, iterations)
     return {
-        "argv": argv[1:],
         **result,
         "compute_spin_run": spinning,
         "ratios": {

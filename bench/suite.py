@@ -14,6 +14,8 @@ too (runtime/service_table.py:Topology). It measures, one scenario after the oth
    at the mesh's rps, compared with both meshes at cache BYPASS (the peer has no cache).
 7. FP32 against INT8 (bench/precision.py): an INT8 version built beside the default model,
    model compute alone at batch 1 and 32, in-process and mesh miss path, alternated rounds.
+8. Tracing exporting to Jaeger against no exporter (bench/tracing.py), both topologies, miss
+   at concurrency 1 and 32, alternated rounds.
 
 Each target is measured alone; targets share the 2 cores, so nothing runs beside them (the
 idle mesh waits with no traffic).
@@ -22,7 +24,6 @@ idle mesh waits with no traffic).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import importlib.util
 import json
@@ -36,10 +37,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hopline.bench.cli import add_bench_command, run_targets
+from hopline.bench.cli import bench_once as bench
 from hopline.bench.mixes import make_mix
 from hopline.bench.precision import precision_scenario
 from hopline.bench.report import ratios
+from hopline.bench.tracing import tracing_scenario, tracing_targets
 from hopline.runtime.launcher import Mesh, MeshError, free_ports
 from hopline.runtime.service_table import Topology
 
@@ -57,19 +59,6 @@ PROTO = (
     "--import-paths",
     str(ROOT / "protos"),
 )
-
-
-def _bench_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_bench_command(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["bench", *argv])
-
-
-def bench(*argv: str) -> dict[str, Any]:
-    args = _bench_args(*argv)
-    sys.stderr.write(f"hopline bench {' '.join(argv)}\n")
-    _, result = asyncio.run(run_targets(args))
-    return {"argv": list(argv), **result, "ratios": ratios(result["targets"])}
 
 
 def ghz(binary: Path, gateway: str, texts: list[str], cache: str, seconds: float) -> dict[str, Any]:
@@ -334,6 +323,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             proc.wait(timeout=60)
     # Issue 16: FP32 against INT8 on a mesh of its own, once the others have stopped.
     sc["precision_ab"] = precision_scenario(args.model_repo, work / "precision")
+    sc.update(tracing_scenario(args.model_repo, work / "tracing"))
     shutil.rmtree(work, ignore_errors=True)
     doc["targets_met"] = check_targets(sc)
     return doc
@@ -392,6 +382,7 @@ def check_targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
             g, h = sc[key]["ghz"]["p50_ms"], sc[key]["hopline_bench"]["p50_ms"]
             r = abs(h - g) / g
             row(f"{key}: |bench p50 - ghz p50| <= 10% of ghz", r, 0.10, r <= 0.10, "share")
+    rows += tracing_targets(sc)
     for key in ("peer_c32", "peer_open"):
         t = sc.get(key, {}).get("targets", {})
         if "peer_ray" not in t:

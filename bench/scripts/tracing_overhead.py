@@ -18,41 +18,20 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import numpy as np
 
+from hopline.observability.jaeger import LocalJaeger
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from hopline.runtime.launcher import Mesh, free_ports
+from hopline.runtime.launcher import Mesh
 from hopline.runtime.service_table import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
-JAEGER_CONFIG = """
-service:
-  extensions: [jaeger_storage, jaeger_query]
-  pipelines:
-    traces: {{receivers: [otlp], processors: [batch], exporters: [jaeger_storage_exporter]}}
-  telemetry: {{metrics: {{level: none}}, logs: {{level: warn}}}}
-extensions:
-  jaeger_query:
-    storage: {{traces: mem}}
-    http: {{endpoint: "127.0.0.1:{query}"}}
-    grpc: {{endpoint: "127.0.0.1:{query_grpc}"}}
-  jaeger_storage:
-    backends: {{mem: {{memory: {{max_traces: 200000}}}}}}
-receivers:
-  otlp: {{protocols: {{grpc: {{endpoint: "127.0.0.1:{otlp}"}}}}}}
-processors:
-  batch: {{}}
-exporters:
-  jaeger_storage_exporter: {{trace_storage: mem}}
-"""
 
 
 def start_mesh(repo: Path, work: Path, extra: dict[str, str], topology: Topology) -> Mesh:
@@ -113,23 +92,14 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    jaeger_bin = ROOT / ".tools" / "bin" / "jaeger"
     work = Path(tempfile.mkdtemp(prefix="hopline-trace-bench-"))
-    ports = dict(zip(("query", "query_grpc", "otlp"), free_ports(3), strict=True))
-    (work / "jaeger.yaml").write_text(JAEGER_CONFIG.format(**ports))
-    jaeger = subprocess.Popen(
-        [str(jaeger_bin), "--config", str(work / "jaeger.yaml")],
-        stdout=subprocess.DEVNULL,
-        stderr=(work / "jaeger.log").open("ab"),
-    )
     results: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
-    try:
-        time.sleep(2)
+    with LocalJaeger(work) as jaeger:
         for rnd in range(args.rounds):
             for variant in ("off", "on"):
                 extra = (
                     {
-                        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{ports['otlp']}",
+                        "OTEL_EXPORTER_OTLP_ENDPOINT": jaeger.otlp,
                         "OTEL_BSP_SCHEDULE_DELAY": str(args.bsp_delay_ms),
                         "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": str(args.bsp_batch),
                     }
@@ -178,13 +148,7 @@ def main() -> None:
                     f"Jaeger {row['jaeger_cpu_share']:.0%} of a core",
                     flush=True,
                 )
-        with urllib.request.urlopen(
-            f"http://127.0.0.1:{ports['query']}/api/v3/services", timeout=10
-        ) as reply:
-            services = json.loads(reply.read()).get("services", [])
-    finally:
-        jaeger.terminate()
-        jaeger.wait(timeout=20)
+        services = jaeger.services()
     summary = {
         v: {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
         for v, rows in results.items()

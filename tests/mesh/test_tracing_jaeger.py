@@ -12,7 +12,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -20,89 +19,25 @@ from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as parse_openmetrics,
 )
 
-from conftest import DEFAULT_MODEL, ROOT
-from harness import Mesh, free_port
+from conftest import DEFAULT_MODEL
+from harness import Mesh
 from hopline.gateway.client import predict
+from hopline.observability.jaeger import JaegerError, LocalJaeger, get_json
 from hopline.observability.report import Span, build_tree, parse_otlp
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-JAEGER = ROOT / ".tools" / "bin" / "jaeger"
-CONFIG = """
-service:
-  extensions: [jaeger_storage, jaeger_query]
-  pipelines:
-    traces:
-      receivers: [otlp]
-      processors: [batch]
-      exporters: [jaeger_storage_exporter]
-  telemetry:
-    metrics:
-      level: none
-    logs:
-      level: warn
-extensions:
-  jaeger_query:
-    storage:
-      traces: mem
-    http:
-      endpoint: 127.0.0.1:{query}
-    grpc:
-      endpoint: 127.0.0.1:{query_grpc}
-  jaeger_storage:
-    backends:
-      mem:
-        memory:
-          max_traces: 100000
-receivers:
-  otlp:
-    protocols:
-      grpc:
-        endpoint: 127.0.0.1:{otlp}
-processors:
-  batch:
-    timeout: 100ms
-exporters:
-  jaeger_storage_exporter:
-    trace_storage: mem
-"""
 DELAY_MS = 60  # on postprocess, normally the cheapest hop (about 1 ms)
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        return json.loads(reply.read())
 
 
 @pytest.fixture(scope="module")
 def jaeger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    if not JAEGER.is_file():
-        pytest.fail(f"{JAEGER} is missing: `make test` builds it (make .tools/bin/jaeger)")
-    work = tmp_path_factory.mktemp("jaeger")
-    ports = {"query": free_port(), "query_grpc": free_port(), "otlp": free_port()}
-    config = work / "jaeger.yaml"
-    config.write_text(CONFIG.format(**ports))
-    with (work / "jaeger.log").open("wb") as log:
-        proc = subprocess.Popen([str(JAEGER), "--config", str(config)], stdout=log, stderr=log)
-    base = f"http://127.0.0.1:{ports['query']}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                get_json(f"{base}/api/v3/services")
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert proc.poll() is None, (work / "jaeger.log").read_text()
-                assert time.monotonic() < deadline, "Jaeger did not answer within 60 s"
-                time.sleep(0.2)
-        yield {"query": base, "otlp": f"http://127.0.0.1:{ports['otlp']}"}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:  # seen once on a loaded machine; Jaeger's, not ours
-            proc.kill()
-            proc.wait()
+        local = LocalJaeger(tmp_path_factory.mktemp("jaeger"))
+    except JaegerError as exc:
+        pytest.fail(f"{exc} (`make test` builds it)")
+    with local:
+        yield {"query": local.query, "otlp": local.otlp}
 
 
 @pytest.fixture(scope="module")
