@@ -17,6 +17,10 @@ reference sentences, 2 shared cores at load ~2; bench/scripts/int8_methods.py re
     static QDQ u8/s8, per channel        0.9301 / 0.8048 (MinMax), 0.9371 / 0.8011 (Percentile)
     static QDQ s8/s8, per channel        0.8355 / 0.6895              0.4x / 0.8x
 
+The shipped build then merges each layer's Q, K and V projections into one MatMul
+(hopline.model.merge): the same figures, and in later alternated runs batch 1 went from 1.5x
+to 1.6x FP32 (batch 32: 2.3x either way).
+
 Static scales are fixed from calibration, and MiniLM's activations have a few outlier
 channels that a fixed per-tensor scale cannot cover; dynamic scales follow each batch.
 
@@ -65,11 +69,15 @@ class PrecisionCheckError(RuntimeError):
 
 def quantize_int8(model: onnx.ModelProto, out_path: Path, calibration: Iterable[Feed]) -> None:
     """Dynamic INT8 after the graph is rewritten to keep its outlier channels
-    (hopline.model.outliers, ranges from `calibration`)."""
+    (hopline.model.outliers, ranges from `calibration`) and each layer's Q, K and V
+    projections are merged into one (hopline.model.merge)."""
+    from hopline.model.merge import merge_sibling_projections
     from hopline.model.outliers import prepare_for_int8
 
     rewritten, fp32_nodes = prepare_for_int8(model, calibration)
-    quantize_dynamic_int8(rewritten, out_path, keep_fp32=fp32_nodes)
+    # Merged after the rewrites, which find the value projection by its own MatMul and bias.
+    merged, _ = merge_sibling_projections(rewritten)
+    quantize_dynamic_int8(merged, out_path, keep_fp32=fp32_nodes)
 
 
 def quantize_dynamic_int8(
