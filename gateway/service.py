@@ -24,11 +24,10 @@ them, so a scrape and GetStats cannot disagree.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any, cast
 
 import grpc
@@ -37,14 +36,16 @@ from prometheus_client import Counter
 
 from hopline.cache.keys import scope_tuple
 from hopline.gateway.admission import Admission
+from hopline.gateway.cache_writes import CacheWrites, spawn
 from hopline.gateway.call import PredictCall, check_cache_mode, discard
 from hopline.gateway.catalogue import ModelCatalogue
+from hopline.gateway.config import GatewayConfig
 from hopline.gateway.errors import RequestError
 from hopline.gateway.exact_tier import LocalEntry, LocalExactTier
 from hopline.gateway.identity import TenantResolver
 from hopline.gateway.key_mirror import KeyMirror
 from hopline.gateway.resilience import CircuitBreaker, CircuitState, Coalescer
-from hopline.gateway.speculation import Speculation, SpeculationMode
+from hopline.gateway.speculation import Speculation
 from hopline.gateway.stage_batching import GatewayStages
 from hopline.gateway.streaming import predict_stream
 from hopline.gateway.upstream import GatewayUpstreams, HopError, call_hop
@@ -55,13 +56,6 @@ from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
-from hopline.runtime.config import (
-    ServerConfig,
-    env_field,
-    listen_field,
-    metrics_port_field,
-    upstream_field,
-)
 from hopline.runtime.errors import ECHO_CHARS, StatusError, clip
 
 log = logging.getLogger("hopline.gateway")
@@ -70,155 +64,6 @@ KNOWN_MISS_DETAIL = "not held by the cache (the gateway's key mirror): no lookup
 EXACT, SEMANTIC = common_pb2.CACHE_OUTCOME_EXACT, common_pb2.CACHE_OUTCOME_SEMANTIC
 
 Context = grpc.aio.ServicerContext[gateway_pb2.PredictRequest, gateway_pb2.PredictResponse]
-
-
-@dataclasses.dataclass(frozen=True)
-class GatewayConfig(ServerConfig):
-    listen: str = listen_field("gateway")
-    metrics_port: int = metrics_port_field("gateway")
-    tokenizer_addr: str = upstream_field("tokenizer")
-    cache_addr: str = upstream_field("cache")
-    inference_addr: str = upstream_field("inference")
-    postprocess_addr: str = upstream_field("postprocess")
-    default_model: str = env_field(
-        "HOPLINE_DEFAULT_MODEL", "support-intents", "model used when a request names none"
-    )
-    local_exact_entries: int = env_field(
-        "HOPLINE_GATEWAY_EXACT_ENTRIES",
-        10_000,
-        "exact cache entries the gateway keeps to answer repeats without a hop (0: none); "
-        "served only while its invalidation watch on the cache is live",
-    )
-    key_mirror_keys: int = env_field(
-        "HOPLINE_GATEWAY_KEY_MIRROR",
-        2_000_000,
-        "exact keys the gateway mirrors from the cache (about 70 bytes each), so a miss of an "
-        "exact-only model skips the Lookup (0: always look up)",
-    )
-    channels_per_upstream: int = env_field(
-        "HOPLINE_CHANNELS_PER_UPSTREAM", 2, "connections the gateway keeps to each upstream"
-    )
-    # Measured through the gateway on 2 cores, full CLINC150 eval (15k entries, a store after
-    # every miss): semantic lookups p99 25 ms, p50 17 ms. 40 ms leaves room for a busier
-    # machine without letting a sick cache add more than a model run to every request.
-    cache_budget_ms: float = env_field(
-        "HOPLINE_CACHE_BUDGET_MS", 40.0, "a cache lookup slower than this fails open"
-    )
-    cache_breaker_failures: int = env_field(
-        "HOPLINE_CACHE_BREAKER_FAILURES", 5, "consecutive cache failures that open the circuit"
-    )
-    cache_breaker_cooldown_s: float = env_field(
-        "HOPLINE_CACHE_BREAKER_COOLDOWN_S", 5.0, "how long an open circuit skips the cache"
-    )
-    api_keys: str = env_field(
-        "HOPLINE_API_KEYS", "", "JSON file of API key -> tenant; when set, a key is required"
-    )
-    upstream_timeout_s: float = env_field(
-        "HOPLINE_UPSTREAM_TIMEOUT_S", 10.0, "per-hop timeout when the client sets no deadline"
-    )
-    max_text_bytes: int = env_field(
-        "HOPLINE_MAX_TEXT_BYTES", 16384, "longest text accepted, in UTF-8 bytes"
-    )
-    stream_max_in_flight: int = env_field(
-        "HOPLINE_STREAM_MAX_IN_FLIGHT",
-        64,
-        "requests of one PredictStream answered at once; past it the gateway stops reading",
-    )
-    model_refresh_s: float = env_field(
-        "HOPLINE_MODEL_REFRESH_S", 10.0, "how often the model list is re-read from inference"
-    )
-    upstream_retry_attempts: int = env_field(
-        "HOPLINE_UPSTREAM_RETRY_ATTEMPTS",
-        3,
-        "attempts per upstream call, the first included, when an attempt is UNAVAILABLE "
-        "(0 or 1: no retries; at most 5); each retry takes the next replica, within the "
-        "call's deadline",
-    )
-    upstream_retry_backoff_ms: float = env_field(
-        "HOPLINE_UPSTREAM_RETRY_BACKOFF_MS",
-        10.0,
-        "base of the randomised wait before the first retry; doubles per retry",
-    )
-    upstream_retry_max_backoff_ms: float = env_field(
-        "HOPLINE_UPSTREAM_RETRY_MAX_BACKOFF_MS", 100.0, "cap on the wait between retries"
-    )
-    upstream_retry_tokens: int = env_field(
-        "HOPLINE_UPSTREAM_RETRY_TOKENS",
-        20,
-        "retry budget per upstream: a failed attempt spends a token, retries stop while "
-        "fewer than half are left",
-    )
-    batch_max_rows: int = env_field(
-        "HOPLINE_GATEWAY_BATCH_MAX_ROWS",
-        32,
-        "misses that wait for a busy stage go to it together, up to this many rows per RPC "
-        "(1: one RPC per request); a lone request never waits (gateway/stage_batching.py)",
-    )
-    batch_in_flight: int = env_field(
-        "HOPLINE_GATEWAY_BATCH_IN_FLIGHT",
-        2,
-        "RPCs per stage and model on their way before further misses queue into one batch",
-    )
-    store_linger_ms: float = env_field(
-        "HOPLINE_GATEWAY_STORE_LINGER_MS",
-        50.0,
-        "how long a cache store waits for others to share its StoreBatch call (0: stores "
-        "share a call only while the last is on its way); answers are held by the gateway "
-        "meanwhile, so only other gateways see a store this much later",
-    )
-    speculate: SpeculationMode = env_field(
-        "HOPLINE_GATEWAY_SPECULATE",
-        SpeculationMode.AUTO,
-        "start inference beside the cache lookup: auto (while the model's recent lookups hit "
-        "less than HOPLINE_GATEWAY_SPECULATE_MAX_HIT_RATE), on, off",
-    )
-    speculate_max_hit_rate: float = env_field(
-        "HOPLINE_GATEWAY_SPECULATE_MAX_HIT_RATE",
-        0.2,
-        "with speculate=auto: share of cache-service lookups hitting above which a model's "
-        "misses wait for the lookup before inference (each hit wastes a started inference)",
-    )
-    upstream_retry_token_ratio: float = env_field(
-        "HOPLINE_UPSTREAM_RETRY_TOKEN_RATIO",
-        0.1,
-        "tokens a successful call gives back to the retry budget",
-    )
-    # The front door: tenants come from API keys, so no client certificate by default.
-    tls_peers: str = env_field(
-        "HOPLINE_GATEWAY_TLS_PEERS",
-        "",
-        "client certificate names the gateway requires (empty: none; API keys name tenants)",
-    )
-    # Admission control (gateway/admission.py).
-    max_in_flight: int = env_field(
-        "HOPLINE_GATEWAY_MAX_IN_FLIGHT",
-        256,
-        "requests worked on at once; past it RESOURCE_EXHAUSTED at once (0: no limit)",
-    )
-    cache_adaptive: bool = env_field(
-        "HOPLINE_CACHE_ADAPTIVE",
-        True,
-        "cut the lookup budget to what the deadline leaves, skip lookups while most overrun it",
-    )
-    # Ejection of a failing replica (gateway/resilience.py:ejection_service_config).
-    upstream_eject_failure_percent: int = env_field(
-        "HOPLINE_UPSTREAM_EJECT_FAILURE_PERCENT",
-        50,
-        "a replica whose calls fail this often over an interval is ejected (0: never)",
-    )
-    upstream_eject_min_requests: int = env_field(
-        "HOPLINE_UPSTREAM_EJECT_MIN_REQUESTS",
-        10,
-        "calls a replica needs in an interval (per gateway channel) to be judged",
-    )
-    upstream_eject_interval_s: float = env_field(
-        "HOPLINE_UPSTREAM_EJECT_INTERVAL_S", 1.0, "how often replicas are judged"
-    )
-    upstream_eject_base_s: float = env_field(
-        "HOPLINE_UPSTREAM_EJECT_BASE_S",
-        10.0,
-        "first ejection's length; each further ejection of a replica lasts longer",
-    )
 
 
 # GetStats counter -> the Prometheus counter it reads and the labels it is summed over.
@@ -281,8 +126,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         self.exact_tier = LocalExactTier(config.local_exact_entries)
         self.key_mirror = KeyMirror(config.key_mirror_keys)
         self._loops: set[asyncio.Task[None]] = set()  # run for the life of the process
-        self._stores: set[asyncio.Task[None]] = set()  # awaited, briefly, at shutdown
-        self._unary_stores_until = 0.0  # monotonic; Store instead of StoreBatch before it
+        self.writes = CacheWrites(self.upstreams.cache, self.stages)
 
     def register(self, server: grpc.aio.Server) -> None:
         # Imported here: the KServe servicer builds on this module's GatewayService.
@@ -307,9 +151,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 )
                 await asyncio.sleep(0.5)
         log.info("models", extra={"models": sorted(f"{n}/{v}" for n, v in self.models)})
-        _spawn(self.catalogue.follow(self.config.model_refresh_s), self._loops)
+        spawn(self.catalogue.follow(self.config.model_refresh_s), self._loops)
         if self.exact_tier.capacity > 0 or self.key_mirror.capacity > 0:
-            _spawn(self.exact_tier.follow(self._watch_cache, self.key_mirror), self._loops)
+            spawn(self.exact_tier.follow(self._watch_cache, self.key_mirror), self._loops)
         self.serving = True
 
     def _model_rows(self, name: str, version: str) -> int:
@@ -323,11 +167,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def stop(self) -> None:
         self.serving = False
-        if self.stages is not None:
-            self.stages.store.flush()  # lingering stores go now
-        if self._stores:  # let pending cache writes land before the channels close
-            await asyncio.wait(set(self._stores), timeout=2.0)
-        for task in (*self._loops, *self._stores):
+        await self.writes.close()  # pending cache writes land before the channels close
+        for task in self._loops:
             task.cancel()
         if self.stages is not None:
             await self.stages.close()
@@ -402,7 +243,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             counters={
                 **{name: metrics.count(c, **labels) for name, (c, labels) in COUNTS.items()},
                 "cache_circuit_opened": self.breaker.opened,
-                "stores_in_flight": len(self._stores),
+                "stores_in_flight": len(self.writes.tasks),
                 "coalescing_in_flight": len(self.coalescer),
                 "local_exact_entries": len(self.exact_tier),
                 "local_exact_live": int(self.exact_tier.live),
@@ -465,9 +306,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 prediction, ran_here = await (speculative or self._infer_once(call))
                 if ran_here and call.may_store:
                     self._store_later(call, prediction)
-                self._report_later(call, prediction)
+                self.writes.report(call, prediction)
             elif call.verify_id:  # the cache wants the model's answer too, after this reply
-                _spawn(self._verify(call, speculative), self._stores)
+                self.writes.spawn(self._verify(call, speculative))
             else:
                 call.drop_tokens()
                 if speculative is not None:
@@ -679,28 +520,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         except HopError as err:
             log.warning("verification inference failed", extra={"status": err.code.name})
             return
-        await self._report(call, prediction)
-
-    def _report_later(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
-        """A candidate the cache did not serve yet: the model's answer is its evidence."""
-        if call.verify_id:
-            _spawn(self._report(call, prediction), self._stores)
-
-    async def _report(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
-        cache = self.upstreams.cache
-        try:
-            await call_hop(
-                schema.SPAN_CACHE_VERIFY,
-                cache.target,
-                cache.stub().ReportVerification,
-                cache_pb2.ReportVerificationRequest(
-                    verify_id=call.verify_id, prediction=prediction
-                ),
-                2.0,
-                {},
-            )
-        except HopError as err:
-            log.warning("verification report failed", extra={"status": err.code.name})
+        await self.writes.send_report(call, prediction)
 
     def _store_later(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
         """Write the answer to the cache off the reply's path, if the model's policy wants it."""
@@ -720,51 +540,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         # and a repeat meanwhile is this gateway's to answer. One the cache then refuses is
         # still the model's answer for this scope, so it may be served until it expires.
         self._keep_locally(call, prediction, time.time(), self.exact_tier.generation)
-        _spawn(self._store(call, prediction), self._stores)
-
-    async def _store(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
-        policy = call.info.cache
-        request = cache_pb2.StoreRequest(
-            scope=call.scope,
-            text=call.text,
-            prediction=prediction,
-            ttl_s=policy.ttl_s,
-            max_entries=policy.max_entries,
-            mode=policy.mode,
-        )
-        try:
-            await self._send_store(request)
-        except HopError as err:
-            metrics.CACHE_STORES.labels("error").inc()
-            log.warning("cache store failed", extra={"status": err.code.name})
-            return
-        metrics.CACHE_STORES.labels("stored").inc()
-
-    async def _send_store(self, request: cache_pb2.StoreRequest) -> None:
-        """One store: in a StoreBatch with the others of its linger window when the gateway
-        batches its stages, else alone. Raises HopError when it was not accepted."""
-        cache = self.upstreams.cache
-        if self.stages is not None and time.monotonic() >= self._unary_stores_until:
-            reply: cache_pb2.StoreBatchResponse | None = await call_hop(
-                schema.SPAN_CACHE_STORE,
-                cache.target,
-                _none_if_unimplemented(self.stages.store),
-                cache_pb2.StoreBatchRequest(stores=[request]),
-                2.0,
-                {},
-            )
-            if reply is None:
-                # A cache from before StoreBatch (a rolling upgrade): one call per store for
-                # a while, then StoreBatch again.
-                log.info("the cache has no StoreBatch; storing one by one for a minute")
-                self._unary_stores_until = time.monotonic() + 60.0
-            else:
-                (result,) = reply.results
-                if result.code:
-                    code = _STATUS.get(result.code, grpc.StatusCode.UNKNOWN)
-                    raise HopError(schema.SPAN_CACHE_STORE, code, result.message, cache.target)
-                return
-        await call_hop(schema.SPAN_CACHE_STORE, cache.target, cache.stub().Store, request, 2.0, {})
+        self.writes.store(call, prediction)
 
     def _keep_locally(
         self,
@@ -821,26 +597,3 @@ def _outcome(outcome: common_pb2.CacheOutcome.ValueType) -> str:
 def _outcome_counter(model: str, outcome: str) -> Any:
     """The counter's child, resolved once per (model, outcome): labels() costs a lock."""
     return metrics.CACHE_OUTCOMES.labels(model, outcome)
-
-
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def _none_if_unimplemented(rpc: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """`rpc`, answering None where the upstream does not have the method (it predates it)."""
-
-    async def call(request: Any, **kwargs: Any) -> Any:
-        try:
-            return await rpc(request, **kwargs)
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return None
-            raise
-
-    return call
-
-
-def _spawn(coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
-    task = asyncio.create_task(coro)
-    tasks.add(task)
-    task.add_done_callback(tasks.discard)

@@ -41,7 +41,7 @@ from hopline.runtime.service_table import ServiceName, spec
 from hopline.runtime.tls import ClientTls, TlsFiles, aio_channel, client_tls
 
 if TYPE_CHECKING:
-    from hopline.gateway.service import GatewayConfig
+    from hopline.gateway.config import GatewayConfig
 
 log = logging.getLogger("hopline.gateway.upstream")
 

@@ -30,7 +30,7 @@ class ServiceName(enum.StrEnum):
 @dataclasses.dataclass(frozen=True)
 class ServiceSpec:
     name: ServiceName
-    module: str  # where the servicer and its config class live
+    module: str  # the servicer's module; its config class is importable from it too
     servicer: str
     config: str
     default_addr: str

@@ -12,7 +12,8 @@ from typing import Any
 
 import grpc
 
-from hopline.cache.service import CacheConfig, CacheService
+from hopline.cache.config import CacheConfig
+from hopline.cache.service import CacheService
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 

@@ -16,7 +16,8 @@ import grpc
 import pytest
 from cache_service import cache, lookup, run, scope, store, written
 
-from hopline.cache.service import CacheService, ExactFallback
+from hopline.cache.config import ExactFallback
+from hopline.cache.service import CacheService
 from hopline.cache.store import CacheStoreError, MilvusStore
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2

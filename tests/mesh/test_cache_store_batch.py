@@ -11,8 +11,8 @@ import grpc
 import pytest
 from cache_service import cache, lookup, run, scope, store, written
 
+from hopline.cache.config import ExactFallback
 from hopline.cache.keys import exact_key, scope_tuple
-from hopline.cache.service import ExactFallback
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 

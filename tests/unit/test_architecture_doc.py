@@ -203,13 +203,31 @@ def test_every_service_in_the_table_has_its_folder_and_classes() -> None:
         assert folder.name == row.name, f"{row.name} lives in {row.folder}/"
         module = folder / "service.py"
         assert module.is_file(), f"{row.name}: no {row.folder}/service.py"
+        tree = parse(module)
         classes = {
             name
-            for name, node in defined_names(parse(module).body).items()
+            for name, node in defined_names(tree.body).items()
             if isinstance(node, ast.ClassDef)
         }
-        for cls in (row.servicer, row.config):
-            assert cls in classes, f"{row.name}: {row.folder}/service.py defines no class {cls}"
+        assert row.servicer in classes, f"{row.name}: service.py defines no class {row.servicer}"
+        if row.config in classes:
+            continue
+        # Or its config.py beside it does, and service.py imports it from there (the launcher
+        # finds both classes in the service's module).
+        config = folder / "config.py"
+        assert config.is_file(), f"{row.name}: no class {row.config} in service.py, no config.py"
+        assert row.config in {
+            name
+            for name, node in defined_names(parse(config).body).items()
+            if isinstance(node, ast.ClassDef)
+        }, f"{row.name}: {row.folder}/config.py defines no class {row.config}"
+        source = "hopline." + row.folder.replace("/", ".") + ".config"
+        assert any(
+            isinstance(node, ast.ImportFrom)
+            and node.module == source
+            and row.config in {a.name for a in node.names}
+            for node in tree.body
+        ), f"{row.name}: service.py does not import {row.config} from {source}"
 
 
 def test_the_table_matches_the_runtime_service_table() -> None:

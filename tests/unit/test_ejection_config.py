@@ -10,8 +10,8 @@ from typing import Any
 
 import grpc
 
+from hopline.gateway.config import GatewayConfig
 from hopline.gateway.resilience import ejection_service_config, with_ejection
-from hopline.gateway.service import GatewayConfig
 from hopline.gateway.upstream import Upstream, config_retry_policy
 
 

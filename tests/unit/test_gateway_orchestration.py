@@ -22,7 +22,8 @@ import pytest
 
 from conftest import until
 from hopline.cache.keys import exact_key, scope_tuple
-from hopline.gateway.service import GatewayConfig, GatewayService
+from hopline.gateway.config import GatewayConfig
+from hopline.gateway.service import GatewayService
 from hopline.gateway.speculation import Speculation, SpeculationMode
 from hopline.gateway.upstream import GatewayUpstreams, HopError
 from hopline.observability import metrics

@@ -21,8 +21,9 @@ import grpc
 import pytest
 
 from hopline.gateway.call import check_cache_mode
+from hopline.gateway.config import GatewayConfig
 from hopline.gateway.errors import RequestError
-from hopline.gateway.service import GatewayConfig, GatewayService
+from hopline.gateway.service import GatewayService
 from hopline.gateway.upstream import GatewayUpstreams, HopError, call_hop, caller_details
 from hopline.observability import metrics
 from hopline.protos.hopline.common.v1 import common_pb2

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from hopline.gateway.service import GatewayConfig
+from hopline.gateway.config import GatewayConfig
 from hopline.gateway.upstream import (
     RETRY_METHODS,
     Upstream,

@@ -1,0 +1,135 @@
+"""The cache service's settings, read once at start-up from HOPLINE_CACHE_* variables and
+flags (hopline.runtime.config; `hopline serve cache --help` and README.md's table list them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from pathlib import Path
+
+from hopline.cache.store import LookupConsistency, is_local
+from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
+
+
+class ExactFallback(enum.StrEnum):
+    """Which lookups read Milvus by key when the in-memory exact index has no entry."""
+
+    OFF = "off"
+    SEMANTIC = "semantic"  # semantic-policy lookups, beside their embedding
+    ALL = "all"  # exact-only ones too
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig(ServerConfig):
+    listen: str = listen_field("cache")
+    metrics_port: int = metrics_port_field("cache")
+    uri: str = env_field(
+        "HOPLINE_CACHE_URI",
+        ".hopline/cache.db",
+        "Milvus: a file path runs embedded milvus-lite, http(s)://host:port a Milvus server",
+    )
+    work_dir: str = env_field(
+        "HOPLINE_CACHE_DIR", ".hopline", "where the built embedding encoder is kept"
+    )
+    index_type: str = env_field(
+        "HOPLINE_CACHE_INDEX",
+        "AUTOINDEX",
+        "Milvus vector index for a new collection (AUTOINDEX: exact on milvus-lite 2.5, the "
+        "server's choice on a Milvus server)",
+    )
+    milvus_timeout_s: float = env_field(
+        "HOPLINE_CACHE_MILVUS_TIMEOUT_S", 5.0, "bound on each Milvus call, connecting included"
+    )
+    max_entries: int = env_field(
+        "HOPLINE_CACHE_MAX_ENTRIES", 1_000_000, "bound per (tenant, model) when a model sets none"
+    )
+    default_ttl_s: float = env_field(
+        "HOPLINE_CACHE_TTL_S", 3600.0, "time to live when a store names none"
+    )
+    sweep_interval_s: float = env_field(
+        "HOPLINE_CACHE_SWEEP_S", 30.0, "how often expired entries are deleted"
+    )
+    # Each batch costs a key query, an insert and a count in Milvus whatever its size, and
+    # that CPU lands on the cores the model runs on. Misses one at a time (colocated, 2 cores,
+    # two alternated rounds): 5 ms gave p50 10.7 and 7.8 ms, 30 ms 6.9-7.5, 100 ms 6.4 and 6.8;
+    # 32 callers: 244/274, 279-303 and 292/298 rps. Later, with the key mirror (3 alternated
+    # rounds, twice): 100 -> 300 ms moved c=1 p50 6.75 -> 6.54 and 6.93 -> 6.71 ms, p99 13.2
+    # -> 12.3 and 13.6 -> 12.6 ms, c=32 218 -> 251 and 236 -> 249 rps; 1000 ms was no better
+    # (245 rps, a longer tail). What it costs: a store waits up to this long to be durable and
+    # visible to other replicas (this one serves it from the queue).
+    flush_interval_ms: float = env_field(
+        "HOPLINE_CACHE_FLUSH_MS", 300.0, "how long stores gather before one batched write"
+    )
+    max_pending: int = env_field(
+        "HOPLINE_CACHE_MAX_PENDING", 10_000, "stores waiting for Milvus before new ones are refused"
+    )
+    agreement_margin: float = env_field(
+        "HOPLINE_CACHE_AGREEMENT_MARGIN",
+        0.05,
+        "a semantic hit is refused when an entry within this much below the threshold "
+        "carries another answer",
+    )
+    exact_index: bool = env_field(
+        "HOPLINE_CACHE_EXACT_INDEX",
+        True,
+        "answer exact lookups from an in-memory index rebuilt from Milvus at start-up "
+        "(false: read Milvus by key on every exact lookup, for several cache replicas over one "
+        "Milvus server that must see each other's invalidations)",
+    )
+    exact_index_max_entries: int = env_field(
+        "HOPLINE_CACHE_EXACT_INDEX_MAX_ENTRIES",
+        2_000_000,
+        "bound on the exact index as a whole (about 1 KiB an entry); past it the entries put "
+        "longest ago leave the index, not Milvus",
+    )
+    exact_fallback: ExactFallback = env_field(
+        "HOPLINE_CACHE_EXACT_FALLBACK",
+        ExactFallback.SEMANTIC,
+        "on an exact-index miss, also read Milvus by key: 'semantic' (semantic-policy lookups, "
+        "at the same time as their embedding), 'all' (exact-only ones too) or 'off'",
+    )
+    embed_threads: int = env_field(
+        "HOPLINE_CACHE_EMBED_THREADS", 0, "ONNX Runtime threads for the embedder (0: all cores)"
+    )
+    verify_state: str = env_field(
+        "HOPLINE_CACHE_VERIFY_STATE",
+        "",
+        "SQLite file of verified-hit evidence (default: beside a milvus-lite file, else "
+        "cache-verify.sqlite in HOPLINE_CACHE_DIR)",
+    )
+
+    def verify_state_path(self) -> Path:
+        if self.verify_state:
+            return Path(self.verify_state)
+        if is_local(self.uri):
+            return Path(self.uri).with_suffix(".verify.sqlite")
+        return Path(self.work_dir) / "cache-verify.sqlite"
+
+    reclaim_ratio: float = env_field(
+        "HOPLINE_CACHE_RECLAIM_RATIO",
+        1.0,
+        "milvus-lite keeps deleted rows in memory: once they reach this many times the live "
+        "ones (and 1000), the live rows are copied to a fresh collection and the old one "
+        "dropped (docs/cache.md); 0: never. A Milvus server compacts by itself",
+    )
+    lookup_consistency: LookupConsistency = env_field(
+        "HOPLINE_CACHE_LOOKUP_CONSISTENCY",
+        LookupConsistency.BOUNDED,
+        "how lookups read Milvus: 'bounded' (no wait for a server's time tick; entries deleted "
+        "within HOPLINE_CACHE_TOMBSTONE_S are hidden from the results) or 'strong' (waits for "
+        "the server's next tick, proxy.timeTickInterval)",
+    )
+    tombstone_s: float = env_field(
+        "HOPLINE_CACHE_TOMBSTONE_S",
+        10.0,
+        "how long a deleted entry or scope stays hidden from lookups' Milvus reads; keep it "
+        "above the Milvus server's common.gracefulTime (5 s by default), the staleness bound "
+        "of a bounded read",
+    )
+    peer_poll_ms: float = env_field(
+        "HOPLINE_CACHE_PEER_POLL_MS",
+        100.0,
+        "with a Milvus server, how often this replica applies the other replicas' "
+        "invalidations (cache/shared_invalidations.py: the bound on how stale they can be); "
+        "while on, every exact-index miss reads Milvus (another replica's stores); 0: off",
+    )

@@ -1,0 +1,146 @@
+"""The gateway's writes to the cache, off each reply's path: stores and verification reports.
+
+A store goes in one StoreBatch with the others of its linger window when the gateway batches
+its stages (gateway/stage_batching.py, HOPLINE_GATEWAY_STORE_LINGER_MS), else alone; a cache
+from before StoreBatch gets Store calls for a minute at a time. Every write is a task the
+gateway waits for, briefly, when it stops, so a draining gateway's answers still reach the
+cache. Which answers are stored, and what the gateway keeps itself meanwhile, is the
+gateway's decision (GatewayService._store_later); this module only sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import grpc
+
+from hopline.gateway.call import PredictCall
+from hopline.gateway.stage_batching import GatewayStages
+from hopline.gateway.upstream import HopError, Pool, call_hop
+from hopline.observability import metrics, schema
+from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.common.v1 import common_pb2
+
+log = logging.getLogger("hopline.gateway")
+
+WRITE_TIMEOUT_S = 2.0  # per write; a write is never on a reply's path
+DRAIN_WAIT_S = 2.0  # how long a stopping gateway waits for its writes
+UNARY_FALLBACK_S = 60.0  # Store calls this long after a cache answered StoreBatch UNIMPLEMENTED
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class CacheWrites:
+    def __init__(
+        self, cache: Pool[cache_pb2_grpc.CacheServiceAsyncStub], stages: GatewayStages | None
+    ) -> None:
+        self.cache = cache
+        self.stages = stages
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._unary_until = 0.0  # monotonic; Store instead of StoreBatch before it
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` off the reply's path, as one of the writes a stopping gateway waits for."""
+        spawn(coro, self.tasks)
+
+    def store(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
+        self.spawn(self._store(call, prediction))
+
+    def report(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
+        """A candidate the cache did not serve yet: the model's answer is its evidence."""
+        if call.verify_id:
+            self.spawn(self.send_report(call, prediction))
+
+    async def send_report(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
+        try:
+            await call_hop(
+                schema.SPAN_CACHE_VERIFY,
+                self.cache.target,
+                self.cache.stub().ReportVerification,
+                cache_pb2.ReportVerificationRequest(
+                    verify_id=call.verify_id, prediction=prediction
+                ),
+                WRITE_TIMEOUT_S,
+                {},
+            )
+        except HopError as err:
+            log.warning("verification report failed", extra={"status": err.code.name})
+
+    async def close(self) -> None:
+        """Send what lingers, give the writes on their way a moment, cancel the rest."""
+        if self.stages is not None:
+            self.stages.store.flush()
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=DRAIN_WAIT_S)
+        for task in self.tasks:
+            task.cancel()
+
+    async def _store(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
+        policy = call.info.cache
+        request = cache_pb2.StoreRequest(
+            scope=call.scope,
+            text=call.text,
+            prediction=prediction,
+            ttl_s=policy.ttl_s,
+            max_entries=policy.max_entries,
+            mode=policy.mode,
+        )
+        try:
+            await self._send_store(request)
+        except HopError as err:
+            metrics.CACHE_STORES.labels("error").inc()
+            log.warning("cache store failed", extra={"status": err.code.name})
+            return
+        metrics.CACHE_STORES.labels("stored").inc()
+
+    async def _send_store(self, request: cache_pb2.StoreRequest) -> None:
+        """One store: in a StoreBatch with the others of its linger window when the gateway
+        batches its stages, else alone. Raises HopError when it was not accepted."""
+        cache = self.cache
+        if self.stages is not None and time.monotonic() >= self._unary_until:
+            reply: cache_pb2.StoreBatchResponse | None = await call_hop(
+                schema.SPAN_CACHE_STORE,
+                cache.target,
+                _none_if_unimplemented(self.stages.store),
+                cache_pb2.StoreBatchRequest(stores=[request]),
+                WRITE_TIMEOUT_S,
+                {},
+            )
+            if reply is None:
+                # A cache from before StoreBatch (a rolling upgrade): one call per store for
+                # a while, then StoreBatch again.
+                log.info("the cache has no StoreBatch; storing one by one for a minute")
+                self._unary_until = time.monotonic() + UNARY_FALLBACK_S
+            else:
+                (result,) = reply.results
+                if result.code:
+                    code = _STATUS.get(result.code, grpc.StatusCode.UNKNOWN)
+                    raise HopError(schema.SPAN_CACHE_STORE, code, result.message, cache.target)
+                return
+        await call_hop(
+            schema.SPAN_CACHE_STORE, cache.target, cache.stub().Store, request, WRITE_TIMEOUT_S, {}
+        )
+
+
+def _none_if_unimplemented(rpc: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """`rpc`, answering None where the upstream does not have the method (it predates it)."""
+
+    async def call(request: Any, **kwargs: Any) -> Any:
+        try:
+            return await rpc(request, **kwargs)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise
+
+    return call
+
+
+def spawn(coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
+    """A task kept in `tasks` until it is done (asyncio holds only weak references)."""
+    task = asyncio.create_task(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
