@@ -17,6 +17,7 @@ too (runtime/service_table.py:Topology). It measures, one scenario after the oth
 8. Tracing exporting to Jaeger against no exporter (bench/tracing.py), both topologies, miss
    at concurrency 1 and 32, alternated rounds.
 
+Scenarios 1-3 take their targets in turn over ROUNDS rounds, the same measured seconds in all.
 Each target is measured alone; targets share the 2 cores, so nothing runs beside them (the
 idle mesh waits with no traffic).
 """
@@ -47,6 +48,7 @@ from hopline.runtime.service_table import Topology
 
 COLOCATED = "colocated"  # the co-located mesh's name as a bench peer: peer_colocated
 ONE_PROCESS = "one_process"  # the one-process mesh's: peer_one_process
+ROUNDS = 3
 
 ROOT = Path(__file__).resolve().parents[1]
 GHZ_DEFAULT = ROOT / ".tools" / "bin" / "ghz"
@@ -183,6 +185,15 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"mesh did not start; logs in {work}: {exc}") from exc
     gw, colo, one = (m.addrs["gateway"] for m in meshes)
     common_peer = [*common, "--peer", f"{COLOCATED}={colo}", "--peer", f"{ONE_PROCESS}={one}"]
+    # The c=1 and c=32 scenarios' targets take turns, ROUNDS windows each, so a slow minute
+    # on a shared machine hits each target alike (argparse keeps the last --duration).
+    alternated = [
+        *common_peer,
+        "--rounds",
+        str(ROUNDS),
+        "--duration",
+        f"{args.duration / ROUNDS:g}",
+    ]
     try:
         sc["miss_c1"] = bench(
             "--target",
@@ -193,7 +204,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             "miss",
             "--baseline",
             "echo,inprocess",
-            *common_peer,
+            *alternated,
         )
         sc["exact_c1"] = bench(
             "--target",
@@ -204,7 +215,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             "exact",
             "--baseline",
             "echo",
-            *common_peer,
+            *alternated,
         )
         sc["miss_c32"] = bench(
             "--target",
@@ -215,7 +226,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             "miss",
             "--baseline",
             "inprocess,inprocess_batched",
-            *common_peer,
+            *alternated,
         )
         saturation = sc["miss_c32"]["targets"]
         for key, target, name in (
