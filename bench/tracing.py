@@ -19,7 +19,7 @@ from typing import Any
 
 from hopline.bench.cli import bench_once
 from hopline.observability.jaeger import LocalJaeger
-from hopline.observability.report import GATEWAY_SERVICE
+from hopline.observability.trace_cli import GATEWAY_SERVICE
 from hopline.runtime.launcher import Mesh
 from hopline.runtime.service_table import Topology
 

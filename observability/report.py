@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-GATEWAY_SERVICE = "gateway"
+from hopline.observability.trace_cli import GATEWAY_SERVICE
 
 
 @dataclasses.dataclass
