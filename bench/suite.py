@@ -122,6 +122,10 @@ def ghz(binary: Path, gateway: str, texts: list[str], cache: str, seconds: float
         "throughput_rps": report["rps"],
         "requests": report["count"],
         "errors": sum(report.get("errorDistribution", {}).values()),
+        # What the errors were, by message, and every status ghz saw: a count alone does not
+        # say whether the mesh refused a call or ghz cut one off at the end of its window.
+        "error_messages": report.get("errorDistribution", {}),
+        "status_codes": report.get("statusCodeDistribution", {}),
     }
 
 
