@@ -12,6 +12,7 @@ end shows the spans arrived; without them the "exporting" figures would measure 
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,22 +25,26 @@ from hopline.runtime.launcher import Mesh
 from hopline.runtime.service_table import Topology
 
 TOPOLOGIES = (Topology.COLOCATED, Topology.FIVE_PROCESS)
-OFF, ON = "off", "exporting"
 
 
-def peer_name(topology: Topology, variant: str) -> str:
+class Export(enum.StrEnum):
+    OFF = "off"
+    EXPORTING = "exporting"
+
+
+def peer_name(topology: Topology, variant: Export) -> str:
     """The bench peer's name (reported as peer_<name>)."""
-    return f"{topology.value.replace('-', '_')}_{variant}"
+    return f"{topology.value.replace('-', '_')}_{variant.value}"
 
 
-def variant_env(variant: str, jaeger: LocalJaeger) -> dict[str, str]:
-    # OTEL_SDK_DISABLED is not set for "off": the mesh as `make run` starts it is the baseline.
-    return {"OTEL_EXPORTER_OTLP_ENDPOINT": jaeger.otlp} if variant == ON else {}
+def variant_env(variant: Export, jaeger: LocalJaeger) -> dict[str, str]:
+    # OTEL_SDK_DISABLED is not set for OFF: the mesh as `make run` starts it is the baseline.
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": jaeger.otlp} if variant is Export.EXPORTING else {}
 
 
-def variants() -> Iterator[tuple[Topology, str]]:
+def variants() -> Iterator[tuple[Topology, Export]]:
     for topology in TOPOLOGIES:
-        for variant in (OFF, ON):
+        for variant in Export:
             yield topology, variant
 
 
@@ -86,7 +91,8 @@ def tracing_scenario(
 def _pairs() -> Iterator[tuple[Topology, str, str]]:
     """Each topology with its two targets' names in the bench's results: off, exporting."""
     for topology in TOPOLOGIES:
-        yield topology, f"peer_{peer_name(topology, OFF)}", f"peer_{peer_name(topology, ON)}"
+        off, on = (f"peer_{peer_name(topology, v)}" for v in Export)
+        yield topology, off, on
 
 
 def tracing_targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
