@@ -51,7 +51,7 @@ from hopline.observability.tracing import child_span, tracer
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.runtime.batching import QueueFullError
-from hopline.runtime.errors import clip
+from hopline.runtime.errors import clip, status_code
 
 log = logging.getLogger("hopline.cache")
 
@@ -59,7 +59,6 @@ SEMANTIC_CANDIDATES = 4  # nearest entries checked for verification and agreemen
 RECENT_VECTORS = 4096  # 1.5 KiB each
 RECLAIM_CHECK_S = 5.0  # how often the store is asked whether deleted rows need reclaiming
 STORE_BATCH_MAX = 1024  # stores in one StoreBatch (cache.proto says so)
-_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
 def _weights_dir() -> Path:
@@ -537,7 +536,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     ) -> cache_pb2.StoreResponse:
         result = await self._take(request)
         if result.code:
-            await context.abort(grpc.StatusCode[_CODE_NAMES[result.code]], result.message)
+            await context.abort(status_code(result.code), result.message)
         return cache_pb2.StoreResponse(entry_id=result.entry_id)
 
     async def StoreBatch(

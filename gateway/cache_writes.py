@@ -24,13 +24,13 @@ from hopline.gateway.upstream import HopError, Pool, call_hop
 from hopline.observability import metrics, schema
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.runtime.errors import status_code
 
 log = logging.getLogger("hopline.gateway")
 
 WRITE_TIMEOUT_S = 2.0  # per write; a write is never on a reply's path
 DRAIN_WAIT_S = 2.0  # how long a stopping gateway waits for its writes
 UNARY_FALLBACK_S = 60.0  # Store calls this long after a cache answered StoreBatch UNIMPLEMENTED
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class CacheWrites:
@@ -117,7 +117,7 @@ class CacheWrites:
             else:
                 (result,) = reply.results
                 if result.code:
-                    code = _STATUS.get(result.code, grpc.StatusCode.UNKNOWN)
+                    code = status_code(result.code)
                     raise HopError(schema.SPAN_CACHE_STORE, code, result.message, cache.target)
                 return
         await call_hop(

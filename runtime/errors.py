@@ -32,6 +32,15 @@ class StatusError(Exception):
 ECHO_CHARS = 64
 
 
+_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The status a message's status number names (StoreResult.code, PredictStream replies);
+    UNKNOWN for a number gRPC does not define."""
+    return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
 def clip(text: str, limit: int = ECHO_CHARS) -> str:
     """`text` as an error message may echo it: at most `limit` characters, `…` marking a cut."""
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
