@@ -48,6 +48,7 @@ from hopline.model.head import (
 from hopline.model.outliers import calibration_feeds
 from hopline.model.providers import ProviderSpec, parse_providers
 from hopline.model.quantize import (
+    FORMATS,
     CheckLimits,
     Outputs,
     Precision,
@@ -338,7 +339,7 @@ def _convert_and_check(
     convert(graph, precision, staging / "model.onnx", calibration)
     result = _check_precision(precision, reference, staging / "model.onnx", data)
     reference.unlink()
-    check = result.to_json(limits)
+    check = {"format": FORMATS[precision], **result.to_json(limits)}
     log.info("precision check", extra=check)
     failures = result.failures(limits)
     if failures:

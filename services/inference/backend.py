@@ -14,7 +14,9 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from hopline.model.int8_kernels import warn_if_saturating
 from hopline.model.providers import session_providers
+from hopline.model.quantize import Precision
 from hopline.model.repository import ModelConfig
 from hopline.model.session import Spin, make_session
 
@@ -36,6 +38,8 @@ class OnnxRuntimeBackend:
         )
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.providers = tuple(self.session.get_providers())
+        if config.precision is Precision.INT8 and self.providers[0] == "CPUExecutionProvider":
+            warn_if_saturating(config.key, config.file("model"))
 
     def run(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
         names = list(outputs) or self.output_names
