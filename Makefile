@@ -109,13 +109,14 @@ $(GHZ):
 	@mkdir -p .tools/bin
 	$(GOENV) GOBIN=$(CURDIR)/.tools/bin go install github.com/bojand/ghz/cmd/ghz@$(GHZ_VERSION)
 
-# The standard suite (its own mesh on free ports; Ray Serve from the bench extra, only here):
+# The standard suite (its own mesh on free ports; Ray Serve from the bench extra, only here;
+# Jaeger for its tracing scenario):
 # bench/results/<date>-<host>.json and .md.
 $(STAMPS)/bench-extra: $(STAMPS)/install
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	@touch $@
 
-bench: model $(GHZ) $(STAMPS)/bench-extra
+bench: model $(GHZ) $(JAEGER) $(STAMPS)/bench-extra
 	HOPLINE_MODEL_REPO=$(MODEL_REPO) $(PY) -m hopline.bench.suite
 
 # Foreground, loopback only, in-memory storage: OTLP gRPC on 4317, query API on 16686.
