@@ -25,7 +25,7 @@ Static scales are fixed from calibration, and MiniLM's activations have a few ou
 channels that a fixed per-tensor scale cannot cover; dynamic scales follow each batch.
 
 The figures above came from a CPU with VNNI. **Weights are quantized to 7 bits**
-(`reduce_range`, [-64, 63]) since a stop on an AMD EPYC (Zen 3, AVX2, no VNNI) found the
+(`reduce_range`, [-64, 64]) since a stop on an AMD EPYC (Zen 3, AVX2, no VNNI) found the
 8-bit build broken there: ONNX Runtime's u8s8 kernel on such CPUs multiplies with
 vpmaddubsw, which adds each pair of u8 x s8 products into a saturating int16, and
 255 x 127 x 2 overflows it. The same full-range model gave cosine 0.9450 mean / 0.8921 worst
