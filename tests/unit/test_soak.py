@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from hopline.bench.soak import RSS_GROWTH_TARGET, RssSpread, service_rss, summarise
@@ -129,11 +131,19 @@ def test_errors_miss_the_target() -> None:
 def test_a_services_children_are_measured_too() -> None:
     """The cache's milvus-lite is a child process: its memory must show up beside the
     service's own."""
-    child = subprocess.Popen(["sleep", "30"])
-    try:
-        rss = service_rss({"me": os.getpid()})
-    finally:
-        child.kill()
-        child.wait()
+    # The child says when it has started: measured between fork and the loaded program, a
+    # child's RSS rounds to 0.0 MB (seen once on a slow machine with `sleep`).
+    with subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as child:
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline() == "up\n"
+            comm = Path(f"/proc/{child.pid}/comm").read_text().strip()
+            rss = service_rss({"me": os.getpid()})
+        finally:
+            child.kill()
     assert rss["me"] > 0
-    assert rss["me/sleep"] > 0
+    assert rss[f"me/{comm}"] > 0
