@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from hopline.model.int8_kernels import SAFE_WEIGHT_MAGNITUDE
 from hopline.model.limits import CheckLimits
 
 if TYPE_CHECKING:
@@ -143,8 +144,9 @@ def convert_fp16(model: onnx.ModelProto, out_path: Path) -> None:
 # What each conversion stores, written into the version's config beside its check figures.
 FORMATS = {
     Precision.INT8: (
-        "weights int8 per output channel in 7 bits, [-64, 64] (no int16 saturation on CPUs "
-        "without VNNI); activations uint8 per tensor, scaled at run time"
+        f"weights int8 per output channel in 7 bits, [-{SAFE_WEIGHT_MAGNITUDE}, "
+        f"{SAFE_WEIGHT_MAGNITUDE}] (no int16 saturation on CPUs without VNNI); activations "
+        "uint8 per tensor, scaled at run time"
     ),
     Precision.FP16: "weights and compute float16; inputs and outputs float32",
 }
