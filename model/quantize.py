@@ -24,25 +24,26 @@ to 1.6x FP32 (batch 32: 2.3x either way).
 Static scales are fixed from calibration, and MiniLM's activations have a few outlier
 channels that a fixed per-tensor scale cannot cover; dynamic scales follow each batch.
 
-The figures above came from a CPU with VNNI. **Weights are quantized to 7 bits**
-(`reduce_range`, [-64, 64]) since a stop on an AMD EPYC (Zen 3, AVX2, no VNNI) found the
-8-bit build broken there: ONNX Runtime's u8s8 kernel on such CPUs multiplies with
-vpmaddubsw, which adds each pair of u8 x s8 products into a saturating int16, and
-255 x 127 x 2 overflows it. The same full-range model gave cosine 0.9450 mean / 0.8921 worst
-and 16 held-out flips there (VNNI's vpdpbusd adds in int32 and never saturates; OpenVINO
-documents the same 7-bit workaround). With 7-bit weights 255 x 64 x 2 = 32640 fits, so the
-model computes the same on every x86 CPU, and its check holds wherever it is served. On that
-AVX2 CPU (one build each, then 600 / 60 alternated runs at batch 1 / 32):
+The figures above came from a CPU with VNNI and plain 8-bit weights. A stop on an AMD EPYC
+(Zen 3, AVX2, no VNNI) found that build broken there: ONNX Runtime's u8s8 kernel on such
+CPUs multiplies with vpmaddubsw, which adds each pair of u8 x s8 products along K into a
+saturating int16, and 255 x 127 x 2 overflows it (cosine 0.9450 mean / 0.8921 worst, 16
+held-out flips; VNNI's vpdpbusd adds in int32 and never saturates). A same-sign pair whose
+magnitudes sum to at most 128 fits, so each channel's weights are requantized at the finest
+scale that keeps every such pair within 128 (hopline.model.int8_kernels.pair_safe_int8):
+the model computes the same on every x86 CPU, and its check holds wherever it is served. On
+that AVX2 CPU (one build each; speed from 600 / 60 alternated runs at batch 1 / 32):
 
     weights                          cosine mean / worst    held-out flips   speed-up b1 / b32
     int8, 8-bit                      0.9450 / 0.8921        16               1.39x / 1.33x
-    int8, 7-bit (shipped)            0.9968 / 0.9852        3                1.40x / 1.32x
+    int8, 7-bit (every channel)      0.9968 / 0.9852        3                1.40x / 1.32x
+    int8, pair-safe (shipped)        0.9978 / 0.9910        2                same kernels
     uint8, 8-bit (u8u8 kernels)      0.9980 / 0.9918        1 (smoothing 0.6) 1.36x / 1.13x
 
-7-bit weights run the same kernels as 8-bit ones, so a VNNI CPU keeps its speed-up; u8u8
-would give back the accuracy bit but runs slower kernels on both kinds of CPU. The worst
-sentences are the shortest ("?" and ""), whose pooling averages two or three tokens; keeping
-any one layer or projection in FP32 lifts "?" by at most 0.007.
+Pair-safe and 7-bit weights run the same kernels as 8-bit ones, so a VNNI CPU keeps its
+speed-up; u8u8 gives the accuracy back too but runs slower kernels on both kinds of CPU. The
+worst sentences are the shortest ("?" and ""), whose pooling averages two or three tokens;
+keeping any one layer or projection in FP32 lifted "?" by at most 0.007 with 7-bit weights.
 
 FP16 (onnxruntime.transformers.float16, inputs and outputs kept FP32) is for accelerators:
 on the CPU provider ONNX Runtime inserts casts to FP32 around the kernels it lacks in FP16,
@@ -64,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from hopline.model.int8_kernels import SAFE_WEIGHT_MAGNITUDE
+from hopline.model.int8_kernels import PAIR_LIMIT, pair_safe_int8
 from hopline.model.limits import CheckLimits
 
 if TYPE_CHECKING:
@@ -104,9 +105,10 @@ def quantize_int8(model: onnx.ModelProto, out_path: Path, calibration: Iterable[
 def quantize_dynamic_int8(
     model: onnx.ModelProto, out_path: Path, keep_fp32: Sequence[str] = ()
 ) -> None:
-    """ONNX Runtime's dynamic INT8: constant-weight MatMuls quantized per channel to 7 bits
-    (module doc: no int16 saturation on CPUs without VNNI), except the nodes named in
-    `keep_fp32`. Alone (no rewrite) this is the plain INT8 the rewrites beat."""
+    """ONNX Runtime's dynamic INT8 on constant-weight MatMuls, except the nodes named in
+    `keep_fp32`, with each weight then requantized per channel by
+    `hopline.model.int8_kernels.pair_safe_int8` (module doc: no int16 saturation on CPUs
+    without VNNI). Alone (no rewrite) this is the plain INT8 the rewrites beat."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     weights = {init.name for init in model.graph.initializer}
@@ -126,10 +128,48 @@ def quantize_dynamic_int8(
             op_types_to_quantize=["MatMul"],
             nodes_to_exclude=activation_only + list(keep_fp32),
             per_channel=True,
+            # 7 bits: safe everywhere, and what a weight keeps if requantizing misses it.
             reduce_range=True,
         )
     finally:
         logging.disable(logging.NOTSET)
+    _requantize_pair_safe(out_path, model)
+
+
+def _requantize_pair_safe(path: Path, source: onnx.ModelProto) -> None:
+    """Each MatMulInteger's int8 weight and its per-channel scale, recomputed from the FP32
+    weight the quantizer read (`source`) with `pair_safe_int8`."""
+    import onnx
+    from onnx import numpy_helper
+
+    quantized = onnx.load(str(path))
+    fp32 = {init.name: init for init in source.graph.initializer}
+    stored = {init.name: init for init in quantized.graph.initializer}
+    for node in quantized.graph.node:
+        if node.op_type != "MatMulInteger" or node.input[1] not in stored:
+            continue
+        name = node.input[1].removesuffix("_quantized")
+        scale = stored.get(f"{name}_scale")
+        w = _source_weight(fp32, name)
+        q_init = stored[node.input[1]]
+        if w is None or scale is None or list(w.shape) != list(q_init.dims):
+            raise ValueError(f"cannot requantize {node.input[1]}: its FP32 weight is not found")
+        q, scales = pair_safe_int8(w)
+        q_init.CopyFrom(numpy_helper.from_array(q, q_init.name))
+        scale.CopyFrom(numpy_helper.from_array(scales, scale.name))
+    onnx.save(quantized, str(path))
+
+
+def _source_weight(fp32: Mapping[str, onnx.TensorProto], name: str) -> F32 | None:
+    """The FP32 weight a quantized one came from; the quantizer stores some transposed."""
+    from onnx import numpy_helper
+
+    if name in fp32:
+        return numpy_helper.to_array(fp32[name]).astype(np.float32)
+    original = name.removesuffix("_Transposed")
+    if original != name and original in fp32:
+        return np.ascontiguousarray(numpy_helper.to_array(fp32[original]).astype(np.float32).T)
+    return None
 
 
 def convert_fp16(model: onnx.ModelProto, out_path: Path) -> None:
@@ -144,9 +184,9 @@ def convert_fp16(model: onnx.ModelProto, out_path: Path) -> None:
 # What each conversion stores, written into the version's config beside its check figures.
 FORMATS = {
     Precision.INT8: (
-        f"weights int8 per output channel in 7 bits, [-{SAFE_WEIGHT_MAGNITUDE}, "
-        f"{SAFE_WEIGHT_MAGNITUDE}] (no int16 saturation on CPUs without VNNI); activations "
-        "uint8 per tensor, scaled at run time"
+        "weights int8 per output channel, each channel's scale the finest at which no two "
+        f"same-sign neighbours along K sum past {PAIR_LIMIT} (no int16 saturation on CPUs "
+        "without VNNI); activations uint8 per tensor, scaled at run time"
     ),
     Precision.FP16: "weights and compute float16; inputs and outputs float32",
 }

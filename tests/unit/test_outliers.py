@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from onnx import numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from hopline.model.build import DEFAULT_TRAIN_FILE, default_weights_dir, load_examples
 from hopline.model.encoder import build_encoder_graph
-from hopline.model.int8_kernels import SAFE_WEIGHT_MAGNITUDE, widest_int8_weight
+from hopline.model.int8_kernels import INT8_MAX, PAIR_LIMIT, widest_int8_pair
 from hopline.model.limits import CheckLimits
 from hopline.model.outliers import (
     SPLIT_CHANNELS,
@@ -31,6 +31,8 @@ from hopline.model.session import embed_texts, make_session
 from hopline.model.tokenizer import DEFAULT_MAX_LENGTH, load_tokenizer
 
 LAYERS = 6
+# Issue 16's bar for the reference sentences, above the build's own limit (CheckLimits).
+ISSUE_MIN_COSINE = 0.99
 
 
 @pytest.fixture(scope="module")
@@ -117,16 +119,20 @@ def test_int8_holds_the_reference_sentences_where_plain_int8_does_not(
     reference: list[dict[str, Any]],
     tmp_path: Path,
 ) -> None:
-    """The figures hold on any x86 CPU: 7-bit weights never saturate (test_int8_kernels.py).
-    Measured on an AVX2 CPU: mean 0.9968, worst 0.9852 ("?"); plain 7-bit INT8's worst is
-    below the build's 0.98 limit."""
+    """The figures hold on any x86 CPU: pair-safe weights never saturate
+    (test_int8_kernels.py). Measured on an AVX2 CPU: mean 0.9978, worst 0.9910 ("?"), where
+    7-bit weights gave 0.9968 / 0.9852; plain INT8's worst is below the build's 0.98 limit."""
     sentences = [r["text"] for r in reference]
     fp32 = _embed(graph, tokenizer, sentences, tmp_path)
     quantize_int8(graph, tmp_path / "int8.onnx", feeds)
     kept = onnx.load(str(tmp_path / "int8.onnx"))
     # Per layer: Q, K and V merged (hopline.model.merge), the attention output, FFN up, down.
     assert sum(n.op_type == "MatMulInteger" for n in kept.graph.node) == 4 * LAYERS
-    assert widest_int8_weight(tmp_path / "int8.onnx") == SAFE_WEIGHT_MAGNITUDE
+    assert widest_int8_pair(tmp_path / "int8.onnx") <= PAIR_LIMIT
+    int8_weights = [
+        numpy_helper.to_array(i) for i in kept.graph.initializer if i.data_type == TensorProto.INT8
+    ]
+    assert max(int(np.abs(w).max()) for w in int8_weights) == INT8_MAX  # wider than 7 bits
     shipped = cosines(_embed(tmp_path / "int8.onnx", tokenizer, sentences, tmp_path), fp32)
 
     quantize_dynamic_int8(graph, tmp_path / "plain.onnx")  # the same INT8, no rewrites
@@ -134,6 +140,7 @@ def test_int8_holds_the_reference_sentences_where_plain_int8_does_not(
     limits = CheckLimits()
     assert shipped.mean() >= limits.min_cosine_mean
     assert shipped.min() >= limits.min_cosine, sentences[int(shipped.argmin())]
+    assert shipped.min() >= ISSUE_MIN_COSINE, sentences[int(shipped.argmin())]
     assert plain.min() < limits.min_cosine  # what the rewrites are for
     assert shipped.mean() > plain.mean()
 
