@@ -166,6 +166,14 @@ def config_retry_policy(config: GatewayConfig) -> dict[str, Any] | None:
     )
 
 
+# The longest a channel waits between attempts to reach a replica that went away (gRPC adds up
+# to 20% jitter). A replica back on the same address is in every channel's picks only after
+# this, so a rollout keeps the next replica up that long after the new one is ready
+# (minReadySeconds in deploy/k8s; tests/mesh/test_rolling_replacement.py).
+MAX_RECONNECT_BACKOFF_MS = 2_000
+RECONNECT_JITTER = 0.2
+
+
 def channel_options(
     index: int, max_message_bytes: int, service_config: dict[str, Any] | None = None
 ) -> list[tuple[str, Any]]:
@@ -189,7 +197,7 @@ def channel_options(
         ("grpc.max_send_message_length", max_message_bytes),
         # Fail fast while a peer restarts instead of backing off for up to two minutes.
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 2_000),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
 
 
