@@ -197,7 +197,7 @@ def _model_spec(spec: str) -> tuple[str, str]:
 def _inprocess(name: str, args: argparse.Namespace, spec: str = "") -> InProcessTarget:
     from hopline.model.repository import ModelRepository
     from hopline.runtime import config as cfg
-    from hopline.services.inference.service import InferenceConfig
+    from hopline.services.inference.service import InferenceConfig, run_slots
 
     model, version = _model_spec(spec) if spec else (args.model, "")
     model = model or os.environ.get("HOPLINE_DEFAULT_MODEL", "support-intents")
@@ -217,7 +217,7 @@ def _inprocess(name: str, args: argparse.Namespace, spec: str = "") -> InProcess
     return InProcessTarget(
         config,
         batched=True,
-        workers=max(1, service.workers),
+        workers=run_slots(service.workers),
         threads=service.threads,
         spin=service.spin,
         suffix=suffix,

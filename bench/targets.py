@@ -21,7 +21,7 @@ from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.runtime.tls import ClientTls, aio_channel
-from hopline.services.inference.backend import OnnxRuntimeBackend
+from hopline.services.inference.backend import create_backend
 from hopline.services.inference.batched_model import BatchedModel, ModelRequest
 from hopline.services.postprocess.logic import predictions
 
@@ -145,7 +145,7 @@ class InProcessTarget:
         self.config = config
         self.top_k = top_k
         self.tokenizer = load_tokenizer(config.file("tokenizer"), config.max_sequence_length)
-        self.backend = OnnxRuntimeBackend(config, threads, spin=spin)
+        self.backend = create_backend(config, threads, spin=spin)
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="inprocess")
         self.model = BatchedModel(self.backend, self.executor, workers) if batched else None
         self.settings = {

@@ -30,6 +30,7 @@ from hopline.runtime.config import ServerConfig, env_field, listen_field, metric
 from hopline.runtime.tensors import TensorError, dtype_name, from_tensor, to_tensor
 from hopline.services.inference.backend import (
     Array,
+    cores,
     create_backend,
     expected_providers,
     warm_up,
@@ -44,13 +45,17 @@ class InferenceConfig(ServerConfig):
     listen: str = listen_field("inference")
     metrics_port: int = metrics_port_field("inference")
     model_repo: str = env_field("HOPLINE_MODEL_REPO", "models", "model repository directory")
-    # Measured through the mesh on 2 cores (with a script `hopline bench` has replaced): the
-    # inference hop's p50 was 4.5 ms with threads=0/workers=1 and 7.0 ms with threads=1, so
-    # all cores per run is the default; parallel runs and batching are tuned with bench.
+    # 0/0: a run alone gets every core, runs side by side one each, as many as cores
+    # (services/inference/backend.py:SideBySideBackend has the figures).
     threads: int = env_field(
-        "HOPLINE_INFERENCE_THREADS", 0, "ONNX Runtime intra-op threads per run (0: all cores)"
+        "HOPLINE_INFERENCE_THREADS",
+        0,
+        "ONNX Runtime intra-op threads per run (0: every core for a run alone, one core each "
+        "for runs side by side)",
     )
-    workers: int = env_field("HOPLINE_INFERENCE_WORKERS", 1, "model runs in parallel")
+    workers: int = env_field(
+        "HOPLINE_INFERENCE_WORKERS", 0, "model runs in parallel (0: one per core)"
+    )
     # Measured co-located on 2 cores (miss, 3 alternated rounds): 'run' against 'off' moved
     # c=1 p50 11.71 -> 10.85 ms but p99 18.6 -> 23.1 ms (the cache process, working beside
     # the model, lost its core to the spinning thread), and c=32 166 -> 141 rps. 'run' pays
@@ -61,6 +66,11 @@ class InferenceConfig(ServerConfig):
         "what ONNX Runtime's threads do between operators: 'off' (sleep), 'run' (spin until "
         "the run ends) or 'always' (spin between runs too: only on cores nothing else needs)",
     )
+
+
+def run_slots(workers: int) -> int:
+    """Model runs in parallel: `workers`, or one per core for 0."""
+    return workers if workers > 0 else cores()
 
 
 def _validate(cfg: ModelConfig, request: inference_pb2.InferRequest) -> dict[str, Array]:
@@ -142,13 +152,13 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             ModelRepository(Path(config.model_repo)), self._load
         )
         self.executor = ThreadPoolExecutor(
-            max_workers=max(1, config.workers), thread_name_prefix="model"
+            max_workers=run_slots(config.workers), thread_name_prefix="model"
         )
 
     def _load(self, cfg: ModelConfig) -> BatchedModel:
         backend = create_backend(cfg, self.config.threads, spin=self.config.spin)
         warm_up(backend)
-        return BatchedModel(backend, self.executor, max(1, self.config.workers))
+        return BatchedModel(backend, self.executor, run_slots(self.config.workers))
 
     def register(self, server: grpc.aio.Server) -> None:
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(self, server)
