@@ -33,10 +33,22 @@ class Backend(Protocol):
 
 
 class OnnxRuntimeBackend:
-    def __init__(self, config: ModelConfig, threads: int, *, spin: Spin = Spin.OFF) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        threads: int,
+        *,
+        spin: Spin = Spin.OFF,
+        providers: Sequence[str] = (),
+    ) -> None:
+        """`providers` (ONNX Runtime names) replaces the config's list: a second session of
+        a version asks for what the first one runs, so a fallback is reported once."""
         self.config = config
         self.session = make_session(
-            config.file("model"), threads=threads, providers=config.providers, spin=spin
+            config.file("model"),
+            threads=threads,
+            providers=providers or config.providers,
+            spin=spin,
         )
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.providers = tuple(self.session.get_providers())
@@ -67,7 +79,7 @@ class SideBySideBackend:
     def __init__(self, config: ModelConfig, *, spin: Spin = Spin.OFF) -> None:
         self.config = config
         self.wide = OnnxRuntimeBackend(config, 0, spin=spin)
-        self.narrow = OnnxRuntimeBackend(config, 1)
+        self.narrow = OnnxRuntimeBackend(config, 1, providers=self.wide.providers)
         self.providers = self.wide.providers
         self._lock = threading.Lock()
         self._running = 0
