@@ -68,9 +68,10 @@ class SideBySideBackend:
     2-thread run takes 5.9 ms at batch 1 and 78.5 ms at batch 32, a 1-thread run 6.2 and
     111.8 ms, so two 1-thread runs side by side do 1.42x the rows of one 2-thread run (the
     threads of one run wait for each other at every operator). Under a closed loop of 32
-    through the co-located mesh, two 1-thread runs gave 172-176 rps against 129-149 for one
-    2-thread run. A lone request still gets every core, where a second thread pays at low
-    load on CPUs whose threads wake fast (4.5 vs 7.0 ms on an earlier stop's machine).
+    through the co-located mesh, 158-176 rps in six windows against 129-163 in four for one
+    run at a time over every core (means 166 and 143); c=1 unchanged within the noise. A
+    lone request still gets every core, where a second thread pays at low load on CPUs whose
+    threads wake fast (4.5 vs 7.0 ms on an earlier stop's machine).
 
     Two sessions of the version, so twice its weights in memory. A run takes the wide one
     when no other run of this version is in progress, else the narrow one; a run that starts
