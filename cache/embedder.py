@@ -23,7 +23,7 @@ import numpy.typing as npt
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from hopline.model.encoder import build_encoder
+from hopline.model.encoder import ENCODER_NAME, build_encoder, encoder_identity
 from hopline.model.session import embed_texts, make_session
 from hopline.model.tokenizer import DEFAULT_MAX_LENGTH, load_tokenizer
 from hopline.observability import metrics
@@ -46,6 +46,11 @@ class EmbeddingModel:
     dim: int
 
     @property
+    def identity(self) -> str:
+        """What a model's head_embedder names when it takes this space's vectors."""
+        return encoder_identity(self.digest)
+
+    @property
     def collection(self) -> str:
         # Milvus names: letters, digits and underscores.
         return f"hopline_cache_{self.name.replace('-', '_').lower()}_{self.digest[:12]}"
@@ -60,7 +65,7 @@ def _digest(path: Path) -> str:
 
 
 def embedding_model(weights_dir: Path) -> EmbeddingModel:
-    return EmbeddingModel("all-MiniLM-L6-v2", _digest(weights_dir / "model.safetensors"), 384)
+    return EmbeddingModel(ENCODER_NAME, _digest(weights_dir / "model.safetensors"), 384)
 
 
 def encoder_file(weights_dir: Path, work_dir: Path) -> tuple[Path, EmbeddingModel]:

@@ -52,12 +52,14 @@ from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.runtime.batching import QueueFullError
 from hopline.runtime.errors import clip, status_code
+from hopline.runtime.tensors import to_tensor
 
 log = logging.getLogger("hopline.cache")
 
 SEMANTIC_CANDIDATES = 4  # nearest entries checked for verification and agreement
 RECENT_VECTORS = 4096  # 1.5 KiB each
 RECLAIM_CHECK_S = 5.0  # how often the store is asked whether deleted rows need reclaiming
+QUERY_EMBEDDING = "sentence_embedding"  # the input name a model's head takes
 STORE_BATCH_MAX = 1024  # stores in one StoreBatch (cache.proto says so)
 
 
@@ -402,6 +404,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             if embedding is None:
                 embedding = asyncio.create_task(self._embed_timed(normalised))
             vector, response.embed_ms = await embedding
+            # The caller may run the model's head on it rather than a second encoder run.
+            response.query_embedding.CopyFrom(to_tensor(QUERY_EMBEDDING, vector[np.newaxis]))
+            assert self.embedder is not None  # _embed_timed ran
+            response.embedder = self.embedder.model.identity
             t2 = time.perf_counter()
             with child_span(schema.SPAN_CACHE_SEARCH) as span:
                 found = await self._io_call(store.search, vector, scope, now, SEMANTIC_CANDIDATES)

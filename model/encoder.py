@@ -29,6 +29,7 @@ IR_VERSION = 8  # the IR that goes with opset 17; older runtimes refuse newer IR
 MASK_BIAS = -10000.0  # the additive mask value of the original BERT export
 META_HEADS = "hopline.num_attention_heads"
 META_HIDDEN = "hopline.hidden_size"
+ENCODER_NAME = "all-MiniLM-L6-v2"
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ def build_encoder_graph(model_dir: Path, head: ClassifierHead | None = None) -> 
         )
     graph = helper.make_graph(
         g.nodes,
-        "all-MiniLM-L6-v2",
+        ENCODER_NAME,
         [
             helper.make_tensor_value_info(n, TensorProto.INT64, batch_seq)
             for n in ("input_ids", "attention_mask")
@@ -290,6 +291,41 @@ def optimize_for_cpu(model: onnx.ModelProto, out_path: Path) -> None:
             return
     out_path.unlink(missing_ok=True)
     raise RuntimeError(f"optimised encoder disagrees with the unoptimised graph by {worst}")
+
+
+def encoder_identity(digest: str) -> str:
+    """Names the vector space of this builder's unit-length embeddings for weights whose
+    model.safetensors has this sha256: the cache's embedder and a model's head meet on it."""
+    return f"{ENCODER_NAME}@sha256:{digest}"
+
+
+def build_head_graph(head: ClassifierHead) -> onnx.ModelProto:
+    """The classifier head alone: `sentence_embedding` [batch, hidden] -> `logits`, the same
+    Gemm the full graph ends with, so a caller that already holds a text's embedding (the
+    cache computed it for its lookup) pays for the head, not a second encoder run."""
+    weight = np.asarray(head.weight, dtype=np.float32)
+    bias = np.asarray(head.bias, dtype=np.float32)
+    classes, hidden = weight.shape
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "Gemm", ["sentence_embedding", "head.weight", "head.bias"], ["logits"], transB=1
+            )
+        ],
+        "classifier-head",
+        [helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, ["batch", hidden])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
+        [
+            numpy_helper.from_array(weight, "head.weight"),
+            numpy_helper.from_array(bias, "head.bias"),
+        ],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="hopline.model.encoder"
+    )
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model)
+    return model
 
 
 def build_encoder(model_dir: Path, out_path: Path, head: ClassifierHead | None = None) -> None:

@@ -70,6 +70,8 @@ class ModelConfig:
     batching: BatchingPolicy
     files: dict[str, str]
     build: dict[str, Any]
+    # The encoder whose embeddings the "head" file takes in place of tokens ("": none).
+    head_embedder: str = ""
 
     @property
     def key(self) -> str:
@@ -118,6 +120,7 @@ def load_config(path: Path) -> ModelConfig:
             ),
             files=dict(raw["files"]),
             build=dict(raw.get("build", {})),
+            head_embedder=str(raw.get("head_embedder", "")),
         )
     except (OSError, KeyError, TypeError, ValueError) as exc:
         raise InvalidModelError(f"{path}: unreadable model config: {exc!r}") from exc
@@ -136,6 +139,8 @@ def load_config(path: Path) -> ModelConfig:
         raise InvalidModelError(
             f"{path}: cache needs 0 <= verify_target < 1 and 0 < verify_confidence < 1"
         )
+    if cfg.head_embedder and "head" not in cfg.files:
+        raise InvalidModelError(f"{path}: head_embedder is set but files has no head")
     for role in cfg.files:
         if not cfg.file(role).is_file():
             raise InvalidModelError(f"{path}: missing {role} file {cfg.files[role]}")

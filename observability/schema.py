@@ -19,6 +19,8 @@ CACHE_COALESCED = "hopline.cache.coalesced"
 CACHE_LOCAL = "hopline.cache.local"
 CACHE_KNOWN_MISS = "hopline.cache.known_miss"
 SPECULATIVE = "hopline.speculative"
+CACHE_EMBEDDING_USED = "hopline.cache.embedding_used"
+HEAD_ONLY = "hopline.head_only"
 CACHE_SKIP_REASON = "hopline.cache.skip_reason"
 ADMISSION_REFUSED = "hopline.admission.refused"
 CACHE_CANDIDATES = "hopline.cache.candidates"
@@ -43,6 +45,9 @@ ATTRIBUTES: dict[str, str] = {
     CACHE_LOCAL: "the gateway's local exact tier answered: no hop to the cache",
     CACHE_KNOWN_MISS: "the gateway's key mirror vouched for the miss: no lookup was sent",
     SPECULATIVE: "inference started beside the cache lookup (gateway/speculation.py)",
+    CACHE_EMBEDDING_USED: "the model ran its head on the cache lookup's embedding: one encoder "
+    "run for the miss, not two",
+    HEAD_ONLY: "the run was the classifier head alone, on embeddings the caller sent",
     CACHE_SKIP_REASON: "why the gateway skipped the cache lookup: deadline or overloaded",
     ADMISSION_REFUSED: "why the gateway refused the request at once: in_flight or deadline",
     CACHE_CANDIDATES: "entries the Milvus search returned for verification and agreement",

@@ -4,6 +4,7 @@ folder per mesh, quick start-up settings, and reads of the gateway's and cache's
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -215,3 +216,13 @@ def beside_faulty_inference(
         mesh.stop()
         faulty.kill()
         faulty.wait()
+
+
+def add_model(repo: Path, source: Path, name: str, version: str, **cache: Any) -> None:
+    """A copy of `source` published as name/version with its own cache policy."""
+    target = repo / name / version
+    shutil.copytree(source, target)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["name"], cfg["version"] = name, version
+    cfg["cache"].update(cache)
+    (target / "config.json").write_text(json.dumps(cfg))

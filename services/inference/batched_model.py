@@ -17,6 +17,7 @@ from concurrent.futures import Executor
 import numpy as np
 
 from hopline.model.repository import ModelConfig
+from hopline.model.session import make_session
 from hopline.observability import metrics
 from hopline.runtime.batching import BatchInfo, DynamicBatcher
 from hopline.services.inference.backend import Array, Backend
@@ -43,12 +44,32 @@ def _stack(arrays: Sequence[Array], length: int) -> Array:
     return out
 
 
+class EmbeddingHead:
+    """The version's classifier head alone, for callers that hold a text's embedding from
+    the encoder the version names (`head_embedder`: the cache computed it for its lookup).
+
+    A [rows, 384] x [384, classes] product takes microseconds, so it runs on the calling
+    thread: an executor hand-off would cost more than the run, and it never waits behind
+    the encoder runs in the batcher."""
+
+    INPUT = "sentence_embedding"
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.session = make_session(config.file("head"), threads=1)
+        self.dim = int(self.session.get_inputs()[0].shape[1])
+
+    def run(self, embeddings: Array) -> Array:
+        logits: Array = self.session.run(["logits"], {self.INPUT: embeddings})[0]
+        return logits
+
+
 class BatchedModel:
-    """One model version: its backend, and the batcher that feeds it."""
+    """One model version: its backend, the batcher that feeds it, and its head if it has one."""
 
     def __init__(self, backend: Backend, executor: Executor, max_in_flight: int) -> None:
         self.backend = backend
         self.config: ModelConfig = backend.config
+        self.head = EmbeddingHead(self.config) if self.config.head_embedder else None
         # Outputs with a dynamic second axis are per token: cut back to each request's length.
         self._per_token = {
             o.name for o in self.config.outputs if len(o.shape) >= 2 and o.shape[1] == -1

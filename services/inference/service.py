@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,7 +36,7 @@ from hopline.services.inference.backend import (
     expected_providers,
     warm_up,
 )
-from hopline.services.inference.batched_model import BatchedModel, ModelRequest
+from hopline.services.inference.batched_model import BatchedModel, EmbeddingHead, ModelRequest
 
 log = logging.getLogger("hopline.inference")
 
@@ -140,6 +141,7 @@ def _model_info(cfg: ModelConfig, providers: Sequence[str]) -> inference_pb2.Mod
         ready=True,
         precision=cfg.precision.value,
         providers=list(providers),
+        head_embedder=cfg.head_embedder,
     )
 
 
@@ -184,10 +186,6 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             cfg, model = self.models.get(request.model, request.model_version)
         except ModelNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        try:
-            inputs = _validate(cfg, request)
-        except TensorError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         known = [o.name for o in cfg.outputs]
         missing = [name for name in request.outputs if name not in known]
         if missing:
@@ -195,6 +193,15 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{cfg.key} has no output(s) {missing}; has {known}",
             )
+        if [t.name for t in request.inputs] == [EmbeddingHead.INPUT]:
+            try:
+                return self._infer_from_embedding(cfg, model, request)
+            except TensorError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            inputs = _validate(cfg, request)
+        except TensorError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         batch, seq = next(iter(inputs.values())).shape[:2]
         try:
             outputs, run = await model.infer(
@@ -224,6 +231,51 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             outputs=[to_tensor(name, np.asarray(value)) for name, value in outputs.items()],
             queue_ms=(run.started_ns - run.enqueued_ns) / 1e6,
             compute_ms=(run.finished_ns - run.started_ns) / 1e6,
+        )
+
+    def _infer_from_embedding(
+        self, cfg: ModelConfig, model: BatchedModel, request: inference_pb2.InferRequest
+    ) -> inference_pb2.InferResponse:
+        """The head alone on embeddings the caller holds (gateway: the cache lookup's)."""
+        if model.head is None:
+            raise TensorError(
+                f"{cfg.key} takes token ids ({', '.join(s.name for s in cfg.inputs)}), not "
+                f"{EmbeddingHead.INPUT}: it names no head_embedder (an FP32 build has one; a "
+                "converted encoder's embeddings are not the cache's)"
+            )
+        embeddings = from_tensor(request.inputs[0])
+        if embeddings.dtype != np.float32 or embeddings.ndim != 2:
+            raise TensorError(
+                f"{EmbeddingHead.INPUT} must be FP32 [rows, {model.head.dim}], got "
+                f"{dtype_name(request.inputs[0].dtype)} {list(embeddings.shape)}"
+            )
+        rows, dim = embeddings.shape
+        if dim != model.head.dim or not 1 <= rows <= cfg.max_batch_size:
+            raise TensorError(
+                f"{EmbeddingHead.INPUT} must be [1..{cfg.max_batch_size}, {model.head.dim}], "
+                f"got {list(embeddings.shape)}"
+            )
+        started = time.time_ns()
+        logits = model.head.run(embeddings)
+        finished = time.time_ns()
+        if trace.get_current_span().is_recording():
+            tracer().start_span(
+                schema.SPAN_INFERENCE_RUN,
+                start_time=started,
+                attributes={
+                    schema.MODEL: cfg.name,
+                    schema.MODEL_VERSION: cfg.version,
+                    schema.BATCH_SIZE: rows,
+                    schema.HEAD_ONLY: True,
+                },
+            ).end(end_time=finished)
+        produced = {"logits": logits, EmbeddingHead.INPUT: embeddings}
+        names = list(request.outputs) or [o.name for o in cfg.outputs]
+        return inference_pb2.InferResponse(
+            model=cfg.name,
+            model_version=cfg.version,
+            outputs=[to_tensor(name, produced[name]) for name in names],
+            compute_ms=(finished - started) / 1e6,
         )
 
     async def ListModels(

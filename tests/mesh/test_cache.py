@@ -6,8 +6,6 @@ config.json (policy lives in the model's config, as an operator would change it)
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +16,7 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import Mesh
+from harness import Mesh, add_model
 from hopline.gateway.client import predict
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -28,16 +26,6 @@ EXACT = common_pb2.CACHE_OUTCOME_EXACT
 SEMANTIC = common_pb2.CACHE_OUTCOME_SEMANTIC
 MISS = common_pb2.CACHE_OUTCOME_MISS
 FAIL_OPEN = common_pb2.CACHE_OUTCOME_FAIL_OPEN
-
-
-def add_model(repo: Path, source: Path, name: str, version: str, **cache: Any) -> None:
-    """A copy of `source` published as name/version with its own cache policy."""
-    target = repo / name / version
-    shutil.copytree(source, target)
-    cfg = json.loads((target / "config.json").read_text())
-    cfg["name"], cfg["version"] = name, version
-    cfg["cache"].update(cache)
-    (target / "config.json").write_text(json.dumps(cfg))
 
 
 def make_repo(default_repo: Path, work: Path) -> Path:
