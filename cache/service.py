@@ -465,7 +465,12 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             # index: every index miss reads Milvus, whatever HOPLINE_CACHE_EXACT_FALLBACK says.
             return True
         fallback = self.config.exact_fallback
-        return fallback is ExactFallback.ALL or (fallback is ExactFallback.SEMANTIC and semantic)
+        if fallback is ExactFallback.ALL:
+            return True
+        # A milvus-lite file has one writer, this process, so the index holds all it wrote
+        # but the index bound's drops, which the semantic search may still find (the same
+        # text, cosine ~1.0). The read ran beside the encoder, on its cores (docs/cache.md).
+        return fallback is ExactFallback.SEMANTIC and semantic and not is_local(self.config.uri)
 
     async def _embed_timed(self, text: str) -> tuple[Vector, float]:
         """The text's vector (remembered for the store a miss sends) and the ms it took."""

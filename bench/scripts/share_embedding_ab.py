@@ -29,22 +29,22 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = "support-intents"
 
 
-def semantic_repo(source: Path, work: Path) -> Path:
+def semantic_repo(source: Path, work: Path, threshold: float) -> Path:
     repo = work / "models"
     target = repo / MODEL / "1"
     shutil.copytree(source / MODEL / "1", target)
     cfg = json.loads((target / "config.json").read_text())
     if not cfg.get("head_embedder"):
         raise SystemExit(f"{source} has no head: rebuild it (`rm -r models; make model`)")
-    cfg["cache"].update(mode="semantic", threshold=0.95)
+    cfg["cache"].update(mode="semantic", threshold=threshold)
     (target / "config.json").write_text(json.dumps(cfg))
     return repo
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
     return {
-        name: {k: round(t[k], 2) for k in ("rps", "p50_ms", "p99_ms") if k in t}
-        | {"errors": t.get("errors", 0)}
+        name: {k: round(t[k], 2) for k in ("throughput_rps", "p50_ms", "p99_ms")}
+        | {"errors": t["errors"], "outcomes": t["cache_outcomes"]}
         for name, t in result["targets"].items()
     }
 
@@ -55,9 +55,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--json", type=Path)
+    # 1.0: every lookup embeds and searches, and only an identical vector hits: the miss
+    # path of a semantic policy (the miss mix's texts are templated, so 0.9 would hit).
+    parser.add_argument("--threshold", type=float, default=1.0)
+    parser.add_argument(
+        "--budget-ms", type=float, help="HOPLINE_CACHE_BUDGET_MS for both (default: its own)"
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hopline-share-ab-"))
-    repo = semantic_repo(args.model_repo, work)
+    repo = semantic_repo(args.model_repo, work, args.threshold)
+    budget = {"HOPLINE_CACHE_BUDGET_MS": f"{args.budget_ms:g}"} if args.budget_ms else {}
     meshes: dict[str, Mesh] = {}
     try:
         for name, share in (("shared", "true"), ("unshared", "false")):
@@ -66,7 +73,7 @@ def main() -> None:
                 repo,
                 work / name,
                 addrs=Topology.COLOCATED.addrs(),
-                env={"HOPLINE_GATEWAY_SHARE_EMBEDDINGS": share},
+                env={"HOPLINE_GATEWAY_SHARE_EMBEDDINGS": share, **budget},
             ).start(timeout_s=180.0)
         common = [
             "--target",

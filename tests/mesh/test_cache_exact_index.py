@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import grpc
-import pytest
 from cache_service import cache, lookup, run, scope, store, written
 
 from hopline.cache.config import ExactFallback
@@ -59,12 +57,12 @@ def test_exact_hits_are_answered_from_memory_without_milvus(tmp_path: Path) -> N
             assert asked == []
             assert service.counters["index_hits"] == before["index_hits"] + 1
             assert service.counters["exact_reads"] == before["exact_reads"]
-            # A semantic-policy miss still reads Milvus by key (the multi-replica fallback):
-            # with Milvus down it fails, where the exact-only lookups above did not.
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await lookup(stub, "not stored either", mode="semantic", threshold=0.9)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert len(asked) == 1
+            # Nor a semantic-policy one on milvus-lite, one writer per file: the fallback read
+            # is for a Milvus server, where another replica may have written the key.
+            missed = await lookup(stub, "not stored either", mode="semantic", threshold=0.9)
+            assert missed.outcome == MISS
+            assert asked == []
+            assert service.counters["exact_reads"] == before["exact_reads"]
 
     run(body)
 
