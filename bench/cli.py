@@ -314,6 +314,8 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
                 if echo_proc is not None:
                     echo_proc.terminate()
                     echo_proc.wait(timeout=10)
+                    if echo_proc.stdout is not None:
+                        echo_proc.stdout.close()  # the READY pipe
     records = {name: summarise(run, describe[name]) for name, run in runs.items()}
     result: dict[str, Any] = {"targets": records, "settings": settings}
     if len(specs) > 1 and args.compute_iterations > 0:

@@ -38,6 +38,7 @@ def summarise(run: Run, describe: Describe) -> dict[str, Any]:
                 "p50": float(np.percentile(v, 50)),
                 "p99": float(np.percentile(v, 99)),
                 "mean": float(np.mean(v)),
+                "count": len(v),  # replies that went through this hop
             }
             for hop, v in hops.items()
         },

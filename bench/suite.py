@@ -16,6 +16,8 @@ too (runtime/service_table.py:Topology). It measures, one scenario after the oth
    model compute alone at batch 1 and 32, in-process and mesh miss path, alternated rounds.
 8. Tracing exporting to Jaeger against no exporter (bench/tracing.py), both topologies, miss
    at concurrency 1 and 32, alternated rounds.
+9. A semantic policy's misses with the cache lookup's embedding shared with the model's head
+   against not (bench/shared_embedding.py), co-located, concurrency 1 and 32, alternated.
 
 Scenarios 1-3 take their targets in turn over ROUNDS rounds, the same measured seconds in all.
 Each target is measured alone; targets share the 2 cores, so nothing runs beside them (the
@@ -42,6 +44,7 @@ from hopline.bench.cli import bench_once as bench
 from hopline.bench.mixes import make_mix
 from hopline.bench.precision import precision_scenario
 from hopline.bench.report import ratios
+from hopline.bench.shared_embedding import shared_embedding_scenario, shared_embedding_targets
 from hopline.bench.tracing import tracing_scenario, tracing_targets
 from hopline.runtime.launcher import Mesh, MeshError, free_ports
 from hopline.runtime.service_table import Topology
@@ -339,6 +342,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     # Issue 16: FP32 against INT8 on a mesh of its own, once the others have stopped.
     sc["precision_ab"] = precision_scenario(args.model_repo, work / "precision")
     sc.update(tracing_scenario(args.model_repo, work / "tracing"))
+    sc.update(shared_embedding_scenario(args.model_repo, work / "shared-embedding"))
     shutil.rmtree(work, ignore_errors=True)
     doc["targets_met"] = check_targets(sc)
     return doc
@@ -398,6 +402,7 @@ def check_targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
             r = abs(h - g) / g
             row(f"{key}: |bench p50 - ghz p50| <= 10% of ghz", r, 0.10, r <= 0.10, "share")
     rows += tracing_targets(sc)
+    rows += shared_embedding_targets(sc)
     for key in ("peer_c32", "peer_open"):
         t = sc.get(key, {}).get("targets", {})
         if "peer_ray" not in t:
