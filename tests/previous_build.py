@@ -53,6 +53,11 @@ class PreviousBuild:
     files: tuple[str, ...]  # those protos, as registered (hopline/cache/v1/cache.proto)
     pythonpath: Path  # holds `hopline/`, the old package; first on PYTHONPATH for its services
 
+    def files_of(self, service: ServiceName) -> tuple[str, ...]:
+        """The changed files a replica of `service` serves: its own proto and the shared
+        common one (a change may touch several services' protos; each serves only its own)."""
+        return tuple(f for f in self.files if f.split("/")[1] in (service.value, "common"))
+
     def env(self) -> dict[str, str]:
         """What a service's environment adds so that it runs the old build."""
         return {"PYTHONPATH": str(self.pythonpath)}
