@@ -257,6 +257,7 @@ def build_model(
                 precision,
                 check_limits or CheckLimits(),
                 _CheckData(tokenizer, texts, x, y, head, folds, check_sentences),
+                provider_specs,
             )
         del graph
 
@@ -350,15 +351,16 @@ def _convert_and_check(
     precision: Precision,
     limits: CheckLimits,
     data: _CheckData,
+    providers: tuple[ProviderSpec, ...],
 ) -> dict[str, Any]:
     """Replace staging's FP32 model.onnx with its conversion, if the conversion passes."""
     reference = (staging / "model.onnx").rename(staging / "fp32-reference.onnx")
     log.info("converting", extra={"precision": precision.value})
     calibration = calibration_feeds(data.tokenizer, data.texts)
     convert(graph, precision, staging / "model.onnx", calibration)
-    result = _check_precision(precision, reference, staging / "model.onnx", data)
+    result, ran_on = _check_precision(precision, reference, staging / "model.onnx", data, providers)
     reference.unlink()
-    check = {"format": FORMATS[precision], **result.to_json(limits)}
+    check = {"format": FORMATS[precision], "providers": ran_on, **result.to_json(limits)}
     log.info("precision check", extra=check)
     failures = result.failures(limits)
     if failures:
@@ -371,9 +373,16 @@ def _convert_and_check(
 
 
 def _check_precision(
-    precision: Precision, reference_path: Path, candidate_path: Path, data: _CheckData
-) -> PrecisionCheck:
-    """The converted graph's answers against the FP32 graph's on the same texts."""
+    precision: Precision,
+    reference_path: Path,
+    candidate_path: Path,
+    data: _CheckData,
+    providers: tuple[ProviderSpec, ...],
+) -> tuple[PrecisionCheck, list[str]]:
+    """The converted graph's answers against the FP32 graph's on the same texts, and the
+    providers they came from. The candidate runs on what its version asks for (FP16 on CUDA
+    where the machine has it), since a GPU's FP16 kernels round differently from the CPU's;
+    the reference stays the CPU's FP32."""
     sentences_file = data.sentences_file or (
         DEFAULT_CHECK_SENTENCES if DEFAULT_CHECK_SENTENCES.is_file() else None
     )
@@ -387,7 +396,7 @@ def _check_precision(
         train_labels=(x @ head.weight.T + head.bias).argmax(axis=1),
         sentence_embeddings=embed_texts(make_session(reference_path), tokenizer, sentences),
     )
-    session = make_session(candidate_path)
+    session = make_session(candidate_path, providers=providers)
     emb, logits = run_texts(session, tokenizer, data.texts, ["sentence_embedding", "logits"])
     candidate = Outputs(
         train_embeddings=emb,
@@ -395,7 +404,8 @@ def _check_precision(
         sentence_embeddings=embed_texts(session, tokenizer, sentences),
     )
     heldout = (heldout_labels(x, data.folds), heldout_labels(emb, data.folds))
-    return compare(precision, reference, candidate, heldout, data.y, sentences, source)
+    check = compare(precision, reference, candidate, heldout, data.y, sentences, source)
+    return check, session.get_providers()
 
 
 def _config(

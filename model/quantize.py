@@ -150,9 +150,14 @@ def _requantize_pair_safe(path: Path, source: onnx.ModelProto) -> None:
             continue
         name = node.input[1].removesuffix("_quantized")
         scale = stored.get(f"{name}_scale")
-        w = _source_weight(fp32, name)
         q_init = stored[node.input[1]]
-        if w is None or scale is None or list(w.shape) != list(q_init.dims):
+        w = None
+        if scale is not None:
+            dequantized = numpy_helper.to_array(q_init).astype(np.float32) * (
+                numpy_helper.to_array(scale).astype(np.float32).reshape(1, -1)
+            )
+            w = _source_weight(fp32, name, dequantized)
+        if w is None or scale is None:
             raise ValueError(f"cannot requantize {node.input[1]}: its FP32 weight is not found")
         q, scales = pair_safe_int8(w)
         q_init.CopyFrom(numpy_helper.from_array(q, q_init.name))
@@ -160,16 +165,22 @@ def _requantize_pair_safe(path: Path, source: onnx.ModelProto) -> None:
     onnx.save(quantized, str(path))
 
 
-def _source_weight(fp32: Mapping[str, onnx.TensorProto], name: str) -> F32 | None:
-    """The FP32 weight a quantized one came from; the quantizer stores some transposed."""
+def _source_weight(fp32: Mapping[str, onnx.TensorProto], name: str, quantized: F32) -> F32 | None:
+    """The FP32 weight that `quantized` (dequantized, the quantizer's layout) came from. The
+    quantizer stores a Gemm's transB weight transposed: under a `_Transposed` name (ONNX
+    Runtime 1.32) or under its own name (1.30). So the layout is the one closer to what the
+    quantizer stored, which also tells a square weight from its transpose."""
     from onnx import numpy_helper
 
-    if name in fp32:
-        return numpy_helper.to_array(fp32[name]).astype(np.float32)
     original = name.removesuffix("_Transposed")
-    if original != name and original in fp32:
-        return np.ascontiguousarray(numpy_helper.to_array(fp32[original]).astype(np.float32).T)
-    return None
+    if original not in fp32:
+        return None
+    w = numpy_helper.to_array(fp32[original]).astype(np.float32)
+    layouts = [c for c in (w, w.T) if c.shape == quantized.shape]
+    if not layouts:
+        return None
+    best = min(layouts, key=lambda c: float(np.abs(c - quantized).max()))
+    return np.ascontiguousarray(best)
 
 
 def convert_fp16(model: onnx.ModelProto, out_path: Path) -> None:

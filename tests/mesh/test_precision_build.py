@@ -22,6 +22,8 @@ import pytest
 from conftest import DEFAULT_MODEL
 from harness import Mesh
 from hopline.gateway.client import predict
+from hopline.model.providers import parse_providers
+from hopline.model.session import make_session
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 
@@ -110,6 +112,10 @@ def test_an_fp16_build_holds_fp16_weights_and_asks_for_gpus(repo: Path) -> None:
         "cpu",
     ]
     _check_figures(cfg)
+    # The check ran where the version runs (CPU here; CUDA on a GPU machine), not on CPU always.
+    path = repo / DEFAULT_MODEL / "3" / "model.onnx"
+    runs = make_session(path, providers=parse_providers(cfg["providers"])).get_providers()
+    assert cfg["build"]["precision_check"]["providers"] == runs
     model = onnx.load(str(repo / DEFAULT_MODEL / "3" / "model.onnx"))
     kinds = [init.data_type for init in model.graph.initializer]
     assert kinds.count(onnx.TensorProto.FLOAT16) > kinds.count(onnx.TensorProto.FLOAT)
