@@ -59,7 +59,7 @@ def make_session(
     specs = as_specs(providers)
     chosen = session_providers(specs, ort.get_available_providers(), path.parent)
     session = ort.InferenceSession(str(path), sess_options=options, providers=chosen)
-    report_fallback(str(path.parent), specs, session.get_providers())
+    report_fallback(str(path.parent), specs, session.get_providers(), ort.get_available_providers())
     return session
 
 

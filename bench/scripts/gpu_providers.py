@@ -16,10 +16,12 @@ then reports, in one JSON document and a table:
   sentences (the sentence-transformers reference file) and labels changed on the training
   texts;
 - model compute alone (bench/compute.py: the inference service's backend, versions
-  alternated call by call) at batch 1, 32 and 128.
+  alternated call by call) at batch 1, 32 and 128;
+- with --mesh: the miss path through a co-located mesh on free ports (`hopline bench --models`
+  over every version, in-process baseline beside it, rounds alternated), at each --concurrency.
 
 Usage: python bench/scripts/gpu_providers.py --work DIR --reference minilm_reference.json
-       [--iterations 200] [--int8] [--out FILE]
+       [--iterations 200] [--int8] [--mesh] [--concurrency 1,32] [--out FILE]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 import onnxruntime as ort
 
 from hopline.bench.compute import compare_compute, compute_table
+from hopline.bench.report import model_ratios
 from hopline.model.build import (
     DEFAULT_MODEL_NAME,
     DEFAULT_TRAIN_FILE,
@@ -123,6 +126,31 @@ def agreement(
     return out
 
 
+def through_mesh(
+    repo: Path, work: Path, versions: list[str], concurrency: list[int], duration_s: float
+) -> dict[str, Any]:
+    """`hopline bench --mix miss` over every version through one co-located mesh."""
+    from hopline.bench.cli import bench_once
+    from hopline.runtime.launcher import Mesh
+
+    (work / "mesh").mkdir(parents=True, exist_ok=True)
+    mesh = Mesh.on_free_ports(repo, work / "mesh")
+    mesh.start(timeout_s=300.0)
+    models = ",".join(f"{DEFAULT_MODEL_NAME}:{v}" for v in versions)
+    out: dict[str, Any] = {}
+    try:
+        for c in concurrency:
+            out[f"c{c}"] = bench_once(
+                "--target", mesh.addrs["gateway"], "--model-repo", str(repo),
+                "--models", models, "--baseline", "inprocess", "--mix", "miss",
+                "--concurrency", str(c), "--rounds", "2", "--duration", str(duration_s),
+                "--compute-iterations", "50",
+            )  # fmt: skip
+    finally:
+        mesh.stop()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, required=True)
@@ -130,6 +158,9 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--batches", default="1,32,128")
     parser.add_argument("--int8", action="store_true")
+    parser.add_argument("--mesh", action="store_true")
+    parser.add_argument("--concurrency", default="1,32")
+    parser.add_argument("--duration", type=float, default=4.0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -163,15 +194,29 @@ def main() -> None:
         spin=Spin.OFF,
     )
     print(compute_table(compute), flush=True)
-    doc = {
+    doc: dict[str, Any] = {
         "environment": env,
         "builds_s": builds,
         "precision_checks": checks,
         "agreement": agree,
         "compute": compute,
     }
-    if args.out:
+    if args.out:  # kept if the mesh part fails
         args.out.write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    if args.mesh:
+        concurrency = [int(c) for c in args.concurrency.split(",")]
+        doc["mesh"] = through_mesh(repo, args.work, versions, concurrency, args.duration)
+        for c, result in doc["mesh"].items():
+            for name, t in result["targets"].items():
+                print(
+                    f"{c} {name:<32} p50 {t['p50_ms']:.2f} p99 {t['p99_ms']:.2f} ms "
+                    f"{t['throughput_rps']:.1f} rps errors {t['errors']}",
+                    flush=True,
+                )
+            ratios = model_ratios(result["targets"], result.get("compute"))
+            print(c, json.dumps(ratios, indent=1), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(doc, indent=1), encoding="utf-8")
 
 
 if __name__ == "__main__":

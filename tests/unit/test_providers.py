@@ -16,8 +16,11 @@ from hopline.model.providers import (
     Provider,
     ProviderConfigError,
     ProviderSpec,
+    elf_needed,
+    fallback_reasons,
     parse_providers,
     session_providers,
+    unloadable,
 )
 from hopline.model.repository import ModelRepository
 from hopline.model.session import make_session
@@ -91,6 +94,56 @@ def test_asking_for_gpus_without_one_runs_on_cpu_with_one_log_line(
     assert lines[0].levelno == logging.WARNING
     assert lines[0].__dict__["asked"] == [TRT, CUDA, CPU]
     assert lines[0].__dict__["running"] == [CPU]
+    why = lines[0].__dict__["why"]
+    assert set(why) == {TRT, CUDA}
+    assert why[CUDA].startswith("not in this ONNX Runtime build (it has ")
+
+
+ORT_CAPI = Path(ort.__file__).parent / "capi"
+
+
+def test_elf_needed_reads_a_plugins_dependencies_without_loading_it(tmp_path: Path) -> None:
+    needed = elf_needed(ORT_CAPI / "libonnxruntime_providers_shared.so")
+    assert "libc.so.6" in needed
+    assert all(".so" in name for name in needed)
+    text = tmp_path / "not-elf.so"
+    text.write_text("#!/bin/sh\n", encoding="utf-8")
+    assert elf_needed(text) == []
+
+
+def _plugin_needing(capi: Path, provider: Provider, missing: bytes) -> None:
+    """A real shared object (ONNX Runtime's providers_shared, which every wheel has) saved as
+    `provider`'s plug-in, with one needed library renamed to `missing` (same length): what a
+    GPU wheel's TensorRT plug-in looks like on a machine without TensorRT."""
+    data = (ORT_CAPI / "libonnxruntime_providers_shared.so").read_bytes()
+    assert data.count(b"libm.so.6\0") == 1
+    capi.mkdir()
+    name = {Provider.TENSORRT: "tensorrt", Provider.CUDA: "cuda"}[provider]
+    plugin = capi / f"libonnxruntime_providers_{name}.so"
+    plugin.write_bytes(data.replace(b"libm.so.6\0", missing + b"\0"))
+
+
+def test_a_gpu_provider_whose_libraries_do_not_load_is_left_out_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    capi = tmp_path / "capi"
+    _plugin_needing(capi, Provider.TENSORRT, b"libq.so.6")
+    reason = unloadable(Provider.TENSORRT, capi)
+    assert reason.startswith("libonnxruntime_providers_tensorrt.so needs libq.so.6, which does")
+    assert unloadable(Provider.CUDA, capi) == ""  # no plug-in file to read: ONNX Runtime decides
+    specs = parse_providers(GPU_CONFIG)
+    chosen = session_providers(specs, [TRT, CUDA, CPU], tmp_path, capi=capi)
+    assert [name for name, _ in chosen] == [CUDA, CPU]
+    assert chosen[0][1] == {"device_id": "0"}  # the options asked for survive the fallback
+    assert fallback_reasons(specs, [CUDA, CPU], [TRT, CUDA, CPU], capi) == {TRT: reason}
+
+
+def test_a_plugin_whose_libraries_load_is_kept(tmp_path: Path) -> None:
+    capi = tmp_path / "capi"
+    _plugin_needing(capi, Provider.CUDA, b"libm.so.6")
+    assert unloadable(Provider.CUDA, capi) == ""
+    chosen = session_providers(parse_providers(["cuda"]), [CUDA, CPU], tmp_path, capi=capi)
+    assert [name for name, _ in chosen] == [CUDA, CPU]
 
 
 def test_a_cpu_config_logs_nothing(default_repo: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -116,6 +169,8 @@ def test_gpu_provider_runs_and_agrees_with_cpu(
             f"{provider} is not in this ONNX Runtime ({ort.get_available_providers()}): "
             "no GPU here, or the `gpu` extra (onnxruntime-gpu, tensorrt) is not installed"
         )
+    if reason := unloadable(Provider(provider), ORT_CAPI):
+        pytest.skip(f"{provider} is built in but cannot load here: {reason}")
     path = _model_file(default_repo)
     name = "tensorrt" if provider == TRT else "cuda"
     spec: object = {"name": name, "engine_cache_dir": str(tmp_path)} if provider == TRT else name
