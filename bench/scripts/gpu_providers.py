@@ -8,8 +8,6 @@ It builds the default model as the README's commands do, into a scratch reposito
     version 3  FP16, FP16's default providers             (`--precision fp16`: tensorrt, cuda, cpu;
                                                            its build check runs on what loads)
     version 4  INT8, CPU                                  (with --int8)
-    version 5  FP16 converted from version 1's fused graph (with --fp16-fused: an A/B for
-               the build, which converts the unfused graph)
 
 then reports, in one JSON document and a table:
 - what each version asked for and what its session runs (a provider that cannot load falls
@@ -67,21 +65,6 @@ def gpu_name() -> str:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"nvidia-smi failed: {exc}"
     return done.stdout.strip() or done.stderr.strip()
-
-
-def fp16_from_fused(repo: Path) -> None:
-    """Version 5: version 3 (FP16) with its graph converted from version 1's fused FP32 one."""
-    import onnx
-
-    from hopline.model.quantize import convert_fp16
-
-    name = DEFAULT_MODEL_NAME
-    target = repo / name / "5"
-    shutil.copytree(repo / name / "3", target)
-    convert_fp16(onnx.load(str(repo / name / "1" / "model.onnx")), target / "model.onnx")
-    config = json.loads((target / "config.json").read_text(encoding="utf-8"))
-    config["version"] = "5"
-    (target / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
 
 
 def build_versions(repo: Path, reference: Path, int8: bool) -> dict[str, float]:
@@ -175,7 +158,6 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--batches", default="1,32,128")
     parser.add_argument("--int8", action="store_true")
-    parser.add_argument("--fp16-fused", action="store_true")
     parser.add_argument("--mesh", action="store_true")
     parser.add_argument("--concurrency", default="1,32")
     parser.add_argument("--duration", type=float, default=4.0)
@@ -194,11 +176,9 @@ def main() -> None:
     shutil.rmtree(repo, ignore_errors=True)
     builds = build_versions(repo, args.reference, args.int8)
     print("builds (s):", json.dumps(builds), flush=True)
-    if args.fp16_fused:
-        fp16_from_fused(repo)
 
     models = ModelRepository(repo)
-    versions = ["1", "2", "3"] + (["4"] if args.int8 else []) + (["5"] if args.fp16_fused else [])
+    versions = ["1", "2", "3"] + (["4"] if args.int8 else [])
     configs = [models.resolve(DEFAULT_MODEL_NAME, v) for v in versions]
     checks = {c.key: c.build.get("precision_check", {}) for c in configs}
     texts = [t for t, _ in load_examples(DEFAULT_TRAIN_FILE)]
