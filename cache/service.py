@@ -45,6 +45,7 @@ from hopline.cache.tombstones import Tombstones
 from hopline.cache.verifier import Verifier, policy_of
 from hopline.cache.verify import VerifyPolicy
 from hopline.cache.watch_feed import WatchFeed
+from hopline.model.repository import SENTENCE_EMBEDDING
 from hopline.model.tokenizer import unseen
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import child_span, tracer
@@ -59,7 +60,6 @@ log = logging.getLogger("hopline.cache")
 SEMANTIC_CANDIDATES = 4  # nearest entries checked for verification and agreement
 RECENT_VECTORS = 4096  # 1.5 KiB each
 RECLAIM_CHECK_S = 5.0  # how often the store is asked whether deleted rows need reclaiming
-QUERY_EMBEDDING = "sentence_embedding"  # the input name a model's head takes
 STORE_BATCH_MAX = 1024  # stores in one StoreBatch (cache.proto says so)
 
 
@@ -405,7 +405,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 embedding = asyncio.create_task(self._embed_timed(normalised))
             vector, response.embed_ms = await embedding
             # The caller may run the model's head on it rather than a second encoder run.
-            response.query_embedding.CopyFrom(to_tensor(QUERY_EMBEDDING, vector[np.newaxis]))
+            response.query_embedding.CopyFrom(to_tensor(SENTENCE_EMBEDDING, vector[np.newaxis]))
             assert self.embedder is not None  # _embed_timed ran
             response.embedder = self.embedder.model.identity
             t2 = time.perf_counter()

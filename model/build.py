@@ -61,6 +61,7 @@ from hopline.model.quantize import (
 )
 from hopline.model.repository import (
     CONFIG_FILE,
+    SENTENCE_EMBEDDING,
     ModelRepository,
     load_config,
     validate_name,
@@ -316,7 +317,7 @@ def _check_graph(
     batch = encode(tokenizer, texts)
     session = make_session(path)
     emb, logits = session.run(
-        ["sentence_embedding", "logits"],
+        [SENTENCE_EMBEDDING, "logits"],
         {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask},
     )
     expected = softmax((x @ w.T + b).astype(np.float32))
@@ -326,7 +327,7 @@ def _check_graph(
 
 def _check_head(path: Path, x: np.ndarray, w: np.ndarray, b: np.ndarray) -> None:
     """The head file alone must give the trained head's logits for the same embeddings."""
-    alone = make_session(path).run(["logits"], {"sentence_embedding": x})[0]
+    alone = make_session(path).run(["logits"], {SENTENCE_EMBEDDING: x})[0]
     if not np.allclose(alone, x @ w.T + b, atol=1e-4):
         raise RuntimeError(f"{path}: head graph disagrees with the trained head")
 
@@ -397,7 +398,7 @@ def _check_precision(
         sentence_embeddings=embed_texts(make_session(reference_path), tokenizer, sentences),
     )
     session = make_session(candidate_path, providers=providers)
-    emb, logits = run_texts(session, tokenizer, data.texts, ["sentence_embedding", "logits"])
+    emb, logits = run_texts(session, tokenizer, data.texts, [SENTENCE_EMBEDDING, "logits"])
     candidate = Outputs(
         train_embeddings=emb,
         train_labels=logits.argmax(axis=1),
@@ -433,7 +434,7 @@ def _config(
         ],
         "outputs": [
             {"name": "logits", "dtype": "FP32", "shape": [-1, classes]},
-            {"name": "sentence_embedding", "dtype": "FP32", "shape": [-1, EMBEDDING_DIM]},
+            {"name": SENTENCE_EMBEDDING, "dtype": "FP32", "shape": [-1, EMBEDDING_DIM]},
         ],
         "max_batch_size": 64,
         "max_sequence_length": DEFAULT_MAX_LENGTH,

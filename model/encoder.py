@@ -24,6 +24,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from safetensors.numpy import load_file
 
+from hopline.model.repository import SENTENCE_EMBEDDING
+
 OPSET = 17
 IR_VERSION = 8  # the IR that goes with opset 17; older runtimes refuse newer IR numbers
 MASK_BIAS = -10000.0  # the additive mask value of the original BERT export
@@ -162,13 +164,11 @@ def build_encoder_graph(model_dir: Path, head: ClassifierHead | None = None) -> 
     mean = g.op("Div", summed, count)
     norm = g.op("Sqrt", g.op("ReduceSumSquare", mean, axes=[1], keepdims=1))
     norm = g.op("Max", norm, g.const(1e-12, "min_norm"))
-    g.nodes.append(
-        helper.make_node("Div", [mean, norm], ["sentence_embedding"], name="l2_normalise")
-    )
+    g.nodes.append(helper.make_node("Div", [mean, norm], [SENTENCE_EMBEDDING], name="l2_normalise"))
 
     batch_seq = ["batch", "sequence"]
     outputs = [
-        helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, ["batch", hidden])
+        helper.make_tensor_value_info(SENTENCE_EMBEDDING, TensorProto.FLOAT, ["batch", hidden])
     ]
     if head is not None:
         weight = np.asarray(head.weight, dtype=np.float32)
@@ -180,7 +180,7 @@ def build_encoder_graph(model_dir: Path, head: ClassifierHead | None = None) -> 
         head_w, head_b = g.const(weight, "head.weight"), g.const(bias, "head.bias")
         g.nodes.append(
             helper.make_node(
-                "Gemm", ["sentence_embedding", head_w, head_b], ["logits"], name="head", transB=1
+                "Gemm", [SENTENCE_EMBEDDING, head_w, head_b], ["logits"], name="head", transB=1
             )
         )
         outputs.append(
@@ -309,11 +309,11 @@ def build_head_graph(head: ClassifierHead) -> onnx.ModelProto:
     graph = helper.make_graph(
         [
             helper.make_node(
-                "Gemm", ["sentence_embedding", "head.weight", "head.bias"], ["logits"], transB=1
+                "Gemm", [SENTENCE_EMBEDDING, "head.weight", "head.bias"], ["logits"], transB=1
             )
         ],
         "classifier-head",
-        [helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, ["batch", hidden])],
+        [helper.make_tensor_value_info(SENTENCE_EMBEDDING, TensorProto.FLOAT, ["batch", hidden])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
         [
             numpy_helper.from_array(weight, "head.weight"),

@@ -18,6 +18,9 @@ from hopline.model.quantize import Precision
 from hopline.runtime.batching import BatchingPolicy
 
 CONFIG_FILE = "config.json"
+# The unit-length embedding every classify graph outputs and its head takes in place of tokens
+# (the cache's query vector is one: cache/service.py, services/inference/batched_model.py).
+SENTENCE_EMBEDDING = "sentence_embedding"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 
 

@@ -17,6 +17,7 @@ from hopline.model.providers import (
     report_fallback,
     session_providers,
 )
+from hopline.model.repository import SENTENCE_EMBEDDING
 from hopline.model.tokenizer import encode
 
 
@@ -96,7 +97,7 @@ def embed_texts(
     texts: Sequence[str],
     *,
     batch_size: int = 64,
-    output: str = "sentence_embedding",
+    output: str = SENTENCE_EMBEDDING,
 ) -> npt.NDArray[np.float32]:
     """One output of `texts` (the sentence embeddings by default); see run_texts."""
     (result,) = run_texts(session, tokenizer, texts, [output], batch_size=batch_size)

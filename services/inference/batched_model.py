@@ -16,7 +16,7 @@ from concurrent.futures import Executor
 
 import numpy as np
 
-from hopline.model.repository import ModelConfig
+from hopline.model.repository import SENTENCE_EMBEDDING, ModelConfig
 from hopline.model.session import make_session
 from hopline.observability import metrics
 from hopline.runtime.batching import BatchInfo, DynamicBatcher
@@ -52,7 +52,7 @@ class EmbeddingHead:
     thread: an executor hand-off would cost more than the run, and it never waits behind
     the encoder runs in the batcher."""
 
-    INPUT = "sentence_embedding"
+    INPUT = SENTENCE_EMBEDDING
 
     def __init__(self, config: ModelConfig) -> None:
         self.session = make_session(config.file("head"), threads=1)

@@ -11,7 +11,12 @@ import numpy as np
 
 from hopline.model.head import F32
 from hopline.model.registry import ModelRegistry
-from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
+from hopline.model.repository import (
+    SENTENCE_EMBEDDING,
+    ModelConfig,
+    ModelNotFoundError,
+    ModelRepository,
+)
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
 from hopline.runtime.tensors import TensorError, from_tensor
@@ -65,10 +70,10 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
         try:
             tensors = {t.name: from_tensor(t) for t in request.outputs}
             logits = tensors.get("logits")
-            embeddings = tensors.get("sentence_embedding") if request.include_embedding else None
+            embeddings = tensors.get(SENTENCE_EMBEDDING) if request.include_embedding else None
             if logits is None and embeddings is None:
                 raise TensorError("needs a 'logits' or 'sentence_embedding' output")
-            for name, array in (("logits", logits), ("sentence_embedding", embeddings)):
+            for name, array in (("logits", logits), (SENTENCE_EMBEDDING, embeddings)):
                 if array is not None and (array.ndim != 2 or array.dtype != np.float32):
                     raise TensorError(
                         f"{name} must be FP32 [batch, n], got {array.dtype} {list(array.shape)}"
