@@ -18,6 +18,9 @@ too (runtime/service_table.py:Topology). It measures, one scenario after the oth
    at concurrency 1 and 32, alternated rounds.
 9. A semantic policy's misses with the cache lookup's embedding shared with the model's head
    against not (bench/shared_embedding.py), co-located, concurrency 1 and 32, alternated.
+10. Where ONNX Runtime runs CUDA (the `gpu` extra on a GPU machine): CPU against CUDA, FP32
+    against FP16 and INT8 (bench/providers.py), model compute and the co-located mesh's miss
+    path at concurrency 1 and 32; elsewhere the document says why it was not measured.
 
 Scenarios 1-3 take their targets in turn over ROUNDS rounds, the same measured seconds in all.
 Each target is measured alone; targets share the 2 cores, so nothing runs beside them (the
@@ -43,9 +46,11 @@ from typing import Any
 from hopline.bench.cli import bench_once as bench
 from hopline.bench.mixes import make_mix
 from hopline.bench.precision import precision_scenario
+from hopline.bench.providers import cuda_unavailable, providers_scenario, providers_targets
 from hopline.bench.report import ratios
 from hopline.bench.shared_embedding import shared_embedding_scenario, shared_embedding_targets
 from hopline.bench.tracing import tracing_scenario, tracing_targets
+from hopline.model.build import DEFAULT_CHECK_SENTENCES
 from hopline.runtime.launcher import Mesh, MeshError, free_ports
 from hopline.runtime.service_table import Topology
 
@@ -343,6 +348,13 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     sc["precision_ab"] = precision_scenario(args.model_repo, work / "precision")
     sc.update(tracing_scenario(args.model_repo, work / "tracing"))
     sc.update(shared_embedding_scenario(args.model_repo, work / "shared-embedding"))
+    if why := cuda_unavailable():
+        doc["not_measured"] = {"gpu_providers": why}
+    else:
+        reference = DEFAULT_CHECK_SENTENCES if DEFAULT_CHECK_SENTENCES.is_file() else None
+        sc["gpu_providers"] = providers_scenario(
+            work / "gpu", reference, int8=True, concurrency=(1, 32)
+        )
     shutil.rmtree(work, ignore_errors=True)
     doc["targets_met"] = check_targets(sc)
     return doc
@@ -403,6 +415,7 @@ def check_targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
             row(f"{key}: |bench p50 - ghz p50| <= 10% of ghz", r, 0.10, r <= 0.10, "share")
     rows += tracing_targets(sc)
     rows += shared_embedding_targets(sc)
+    rows += providers_targets(sc)
     for key in ("peer_c32", "peer_open"):
         t = sc.get(key, {}).get("targets", {})
         if "peer_ray" not in t:
@@ -441,6 +454,8 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {r['target']} | {r['value']:.3f} ({r['how']}) | {r['limit']:.3f} | "
             f"{'yes' if r['met'] else 'no'} |"
         )
+    for name, why in doc.get("not_measured", {}).items():
+        lines.append(f"\n{name}: not measured: {why}")
     for name, s in doc["scenarios"].items():
         if s.get("ratios"):
             ratios = ", ".join(f"{k} {v:.3f}" for k, v in s["ratios"].items())

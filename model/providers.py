@@ -187,7 +187,7 @@ def unloadable(provider: Provider, capi: Path) -> str:
     return ""
 
 
-def _capi() -> Path:
+def capi_folder() -> Path:
     import onnxruntime as ort
 
     return Path(ort.__file__).parent / "capi"
@@ -207,7 +207,7 @@ def session_providers(
     those with a Python warning per session instead of a decision, and unloadable ones with
     an error block and a retry that drops the options asked for."""
     have = set(available)
-    folder = capi or _capi()
+    folder = capi or capi_folder()
     chosen = [
         (s.provider.value, _ort_options(s, base))
         for s in specs
@@ -225,7 +225,7 @@ def fallback_reasons(
     capi: Path | None = None,
 ) -> dict[str, str]:
     """Why each asked provider that does not run was left out."""
-    folder = capi or _capi()
+    folder = capi or capi_folder()
     out = {}
     for spec in specs:
         name = spec.provider.value
