@@ -46,7 +46,7 @@ from hopline.model.build import (
 )
 from hopline.model.providers import Provider, capi_folder, unloadable
 from hopline.model.quantize import Precision, cosines
-from hopline.model.repository import ModelConfig, ModelRepository
+from hopline.model.repository import SENTENCE_EMBEDDING, ModelConfig, ModelRepository
 from hopline.model.session import Spin, make_session, run_texts
 from hopline.model.tokenizer import load_tokenizer
 
@@ -100,7 +100,7 @@ def agreement(
     for cfg in configs:
         session = make_session(cfg.file("model"), providers=cfg.providers)
         emb, logits = run_texts(
-            session, tokenizer, sentences + texts, ["sentence_embedding", "logits"]
+            session, tokenizer, sentences + texts, [SENTENCE_EMBEDDING, "logits"]
         )
         sent, labels = emb[: len(sentences)], logits[len(sentences) :].argmax(axis=1)
         row: dict[str, Any] = {

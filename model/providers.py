@@ -133,10 +133,8 @@ def elf_needed(path: Path) -> list[str]:
         ident = f.read(64)
         if len(ident) < 64 or ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1:
             return []
-        phoff, phentsize, phnum = (
-            struct.unpack_from("<Q", ident, 32)[0],
-            *struct.unpack_from("<HH", ident, 54),
-        )
+        (phoff,) = struct.unpack_from("<Q", ident, 32)
+        phentsize, phnum = struct.unpack_from("<HH", ident, 54)
         f.seek(phoff)
         table = f.read(phentsize * phnum)
         loads, dynamic = [], None
