@@ -133,3 +133,9 @@ class CacheConfig(ServerConfig):
         "invalidations (cache/shared_invalidations.py: the bound on how stale they can be); "
         "while on, every exact-index miss reads Milvus (another replica's stores); 0: off",
     )
+    search_batch_rows: int = env_field(
+        "HOPLINE_CACHE_SEARCH_BATCH_ROWS",
+        64,
+        "semantic searches of one scope that wait while Milvus is busy go as one call of up "
+        "to this many vectors (cache/search_batching.py); 1: each alone",
+    )

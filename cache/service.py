@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +32,14 @@ from hopline.cache.config import CacheConfig, ExactFallback
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
+from hopline.cache.search_batching import SearchBatcher
 from hopline.cache.shared_invalidations import SharedInvalidations, follow
 from hopline.cache.store import (
     CacheStore,
     CacheStoreError,
     Entry,
     MilvusStore,
+    Scope,
     ScopeFilter,
     is_local,
 )
@@ -58,6 +60,8 @@ from hopline.runtime.tensors import to_tensor
 log = logging.getLogger("hopline.cache")
 
 SEMANTIC_CANDIDATES = 4  # nearest entries checked for verification and agreement
+# Milvus calls block: two threads so a batched write never stalls every lookup.
+IO_THREADS = 2
 RECENT_VECTORS = 4096  # 1.5 KiB each
 RECLAIM_CHECK_S = 5.0  # how often the store is asked whether deleted rows need reclaiming
 STORE_BATCH_MAX = 1024  # stores in one StoreBatch (cache.proto says so)
@@ -114,8 +118,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         # Embeddings of recent semantic lookups: the store that follows a miss reuses the
         # lookup's vector instead of running the encoder a second time for the same text.
         self._recent: OrderedDict[str, Vector] = OrderedDict()
-        # Milvus calls block: two threads so a batched write never stalls every lookup.
-        self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="milvus")
+        self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="milvus")
+        # Concurrent semantic searches of one scope share Milvus calls (search_batching.py).
+        self.searches = SearchBatcher(
+            self._search_store, max_in_flight=IO_THREADS, max_rows=config.search_batch_rows
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._placeholder: Vector = np.zeros(1, dtype=np.float32)  # sized at start
         self.feed = WatchFeed()  # WatchInvalidations' streams
@@ -211,6 +218,14 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     async def _io_call(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    async def _search_store(
+        self, vectors: Sequence[Vector], scope: Scope, now: float, limit: int
+    ) -> list[list[tuple[Entry, float]]]:
+        found: list[list[tuple[Entry, float]]] = await self._io_call(
+            self._require_store().search, vectors, scope, now, limit
+        )
+        return found
 
     def _require_store(self) -> CacheStore:
         if self.store is None:
@@ -410,7 +425,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             response.embedder = self.embedder.model.identity
             t2 = time.perf_counter()
             with child_span(schema.SPAN_CACHE_SEARCH) as span:
-                found = await self._io_call(store.search, vector, scope, now, SEMANTIC_CANDIDATES)
+                found = await self.searches.search(vector, scope, now, SEMANTIC_CANDIDATES)
                 found = [(e, similarity) for e, similarity in found if self._unburied(e)]
                 span.set_attribute(schema.CACHE_CANDIDATES, len(found))
             response.search_ms = (time.perf_counter() - t2) * 1e3

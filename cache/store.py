@@ -132,9 +132,10 @@ class CacheStore(Protocol):
         """Every entry not expired at `now`, read in pages of `page` rows."""
 
     def search(
-        self, vector: Vector, scope: Scope, now: float, limit: int
-    ) -> list[tuple[Entry, float]]:
-        """Live entries of `scope`, nearest first, with their cosine similarity."""
+        self, vectors: Sequence[Vector], scope: Scope, now: float, limit: int
+    ) -> list[list[tuple[Entry, float]]]:
+        """For each vector, live entries of `scope`, nearest first, with their cosine
+        similarity: one call for them all (cache/search_batching.py)."""
 
     def upsert(self, rows: Sequence[tuple[Entry, Vector]]) -> None: ...
 
@@ -351,23 +352,18 @@ class MilvusStore:
         return found
 
     def search(
-        self, vector: Vector, scope: Scope, now: float, limit: int
-    ) -> list[tuple[Entry, float]]:
+        self, vectors: Sequence[Vector], scope: Scope, now: float, limit: int
+    ) -> list[list[tuple[Entry, float]]]:
         hits = self._call(
             "search",
-            data=[vector.astype(np.float32).tolist()],
+            data=[v.astype(np.float32).tolist() for v in vectors],
             limit=limit,
             filter=f'scope_key == "{scope_digest(scope)}" and expires_at > {now!r}',
             output_fields=list(_SCALARS),
             search_params={"metric_type": "COSINE"},
             consistency_level=self.lookup_level,
         )
-        found = []
-        for hit in hits[0]:
-            row = dict(hit["entity"])
-            row["id"] = hit["id"]
-            found.append((_entry(row), float(hit["distance"])))
-        return found
+        return [[_found(hit) for hit in per_query] for per_query in hits]
 
     def count(self, tenant: str = "", model: str = "") -> int:
         expression = ScopeFilter(tenant, model).expression()
@@ -596,6 +592,12 @@ def _row(entry: Entry, vector: Vector) -> dict[str, Any]:
         "created_at": entry.created_at,
         "expires_at": entry.expires_at,
     }
+
+
+def _found(hit: Any) -> tuple[Entry, float]:
+    row = dict(hit["entity"])
+    row["id"] = hit["id"]
+    return _entry(row), float(hit["distance"])
 
 
 def _entry(row: dict[str, Any]) -> Entry:

@@ -88,9 +88,12 @@ def test_a_reclaim_keeps_every_live_entry_and_drops_the_old_generation(tmp_path:
             assert got.response == (b"second" if i < live.start + 100 else b"first")
             assert got.text == f"text {i}"
         assert all(s.get(key(i), now) is None for i in (0, 1999, 5000))
-        nearest = s.search(vector(live.start + 7), entry(0).scope, now, 1)
+        (nearest, other) = s.search(
+            [vector(live.start + 7), vector(live.start + 9)], entry(0).scope, now, 1
+        )
         assert nearest[0][0].key == key(live.start + 7)
         assert nearest[0][1] == pytest.approx(1.0, abs=1e-5)
+        assert other[0][0].key == key(live.start + 9)  # one call, each vector its own answer
         assert s.count() == 300
         assert s.reclaim(time.time()) is None  # nothing deleted since
     with opened(db) as s:  # a restart opens the new generation
