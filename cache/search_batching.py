@@ -36,6 +36,15 @@ class _Waiting:
     nows: list[float] = dataclasses.field(default_factory=list)
     answers: list[asyncio.Future[Found]] = dataclasses.field(default_factory=list)
 
+    def subset(self, rows: list[int]) -> _Waiting:
+        return _Waiting(
+            self.scope,
+            self.limit,
+            [self.vectors[i] for i in rows],
+            [self.nows[i] for i in rows],
+            [self.answers[i] for i in rows],
+        )
+
 
 class SearchBatcher:
     def __init__(self, search: Search, *, max_in_flight: int, max_rows: int = 64) -> None:
@@ -77,32 +86,15 @@ class SearchBatcher:
             self._send_waiting(key)
 
     def _send_waiting(self, key: tuple[str, int]) -> None:
-        waiting = self._waiting.get(key)
+        waiting = self._waiting.pop(key, None)
         if waiting is None:
             return
         # Callers that gave up while waiting are not searched for.
         keep = [i for i, a in enumerate(waiting.answers) if not a.done()]
-        taken = keep[: self._max_rows]
-        rest = keep[self._max_rows :]
-        if rest:
-            self._waiting[key] = _Waiting(
-                waiting.scope,
-                waiting.limit,
-                [waiting.vectors[i] for i in rest],
-                [waiting.nows[i] for i in rest],
-                [waiting.answers[i] for i in rest],
-            )
-        else:
-            del self._waiting[key]
-        if taken:
-            batch = _Waiting(
-                waiting.scope,
-                waiting.limit,
-                [waiting.vectors[i] for i in taken],
-                [waiting.nows[i] for i in taken],
-                [waiting.answers[i] for i in taken],
-            )
-            task = asyncio.get_running_loop().create_task(self._send(key, batch))
+        if rest := keep[self._max_rows :]:
+            self._waiting[key] = waiting.subset(rest)
+        if taken := keep[: self._max_rows]:
+            task = asyncio.get_running_loop().create_task(self._send(key, waiting.subset(taken)))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
 
