@@ -16,7 +16,7 @@ handles hopline's errors unchanged:
   RESOURCE_EXHAUSTED, a missing or wrong API key UNAUTHENTICATED or PERMISSION_DENIED, a failing
   hop its own status.
 ModelReady answers ready=false for an unknown model, as Triton does: it is a question, not a
-mistake.
+mistake. ModelConfig, Triton's extension, reports what runs a version (gateway/model_config.py).
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 
 from hopline.gateway.client import CACHE_MODES, outcome_name
 from hopline.gateway.errors import RequestError
+from hopline.gateway.model_config import Tensor, triton_config
 from hopline.gateway.service import GatewayService
 from hopline.observability import metrics
 from hopline.observability.tracing import current_trace_id
@@ -123,6 +125,13 @@ OUTPUTS = {
         ),
     )
 }
+
+
+def tensors(info: inference_pb2.ModelInfo) -> tuple[list[Tensor], list[Tensor]]:
+    """The version's inputs and outputs, with whole shapes (-1: the number of texts)."""
+    classes = len(info.labels)
+    outputs = [Tensor(o.name, o.datatype, o.shape(-1, classes)) for o in OUTPUTS.values()]
+    return [Tensor(TEXT_INPUT, "BYTES", [-1])], outputs
 
 
 def _invalid(message: str) -> RequestError:
@@ -316,18 +325,27 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
             info = await self.gateway.resolve_model(request.name, request.version)
         except RequestError as err:
             await context.abort(err.code, err.message)
-        classes = len(info.labels)
         versions = sorted((v for n, v in self.gateway.models if n == info.name), key=int)
+        inputs, outputs = tensors(info)
         return pb.ModelMetadataResponse(
             name=info.name,
             versions=versions,
             platform=PLATFORM,
-            inputs=[TENSOR_META(name=TEXT_INPUT, datatype="BYTES", shape=[-1])],
-            outputs=[
-                TENSOR_META(name=o.name, datatype=o.datatype, shape=o.shape(-1, classes))
-                for o in OUTPUTS.values()
-            ],
+            inputs=[TENSOR_META(**t._asdict()) for t in inputs],
+            outputs=[TENSOR_META(**t._asdict()) for t in outputs],
         )
+
+    async def ModelConfig(
+        self,
+        request: pb.ModelConfigRequest,
+        context: grpc.aio.ServicerContext[pb.ModelConfigRequest, pb.ModelConfigResponse],
+    ) -> pb.ModelConfigResponse:
+        try:
+            info = await self.gateway.resolve_model(request.name, request.version)
+        except RequestError as err:
+            await context.abort(err.code, err.message)
+        config = triton_config(info, PLATFORM, *tensors(info))
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, pb.ModelConfig()))
 
     async def ModelInfer(
         self,

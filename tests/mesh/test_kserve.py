@@ -35,6 +35,7 @@ from harness import TOPOLOGIES, Mesh
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 
 # Every test here passes with the stateless stages in their own processes and in the gateway.
 MESH_TOPOLOGIES = TOPOLOGIES
@@ -174,6 +175,43 @@ def test_model_metadata_describes_inputs_and_outputs(
     status, message = rejection(client.get_model_metadata, "no-such-model")
     assert status == "StatusCode.NOT_FOUND"
     assert "no-such-model" in message
+    assert f"{DEFAULT_MODEL}/1" in message  # says what is served
+
+
+def test_model_config_says_what_runs_the_version(
+    omesh: Mesh, client: triton.InferenceServerClient
+) -> None:
+    """Triton's ModelConfig extension: the tensors agree with the metadata, and the device,
+    accelerators, precision and providers are what the inference service runs the version on
+    (on this CPU-only ONNX Runtime: the CPU provider alone)."""
+    with grpc.insecure_channel(omesh.addrs["inference"]) as channel:
+        listed = inference_pb2_grpc.InferenceServiceStub(channel).ListModels(
+            inference_pb2.ListModelsRequest(), timeout=10
+        )
+    (served,) = [m for m in listed.models if m.name == DEFAULT_MODEL]
+    config = client.get_model_config(DEFAULT_MODEL, as_json=True)["config"]
+    meta = client.get_model_metadata(DEFAULT_MODEL)
+    assert config["name"] == DEFAULT_MODEL
+    assert config["backend"] == "onnxruntime"
+    assert "max_batch_size" not in config  # 0: the dims are whole shapes, as in the metadata
+    shapes = [(t["name"], t["data_type"], t["dims"]) for t in config["input"] + config["output"]]
+    datatypes = {"BYTES": "TYPE_STRING", "FP32": "TYPE_FP32", "BOOL": "TYPE_BOOL"}
+    assert shapes == [
+        (t.name, datatypes[t.datatype], [str(d) for d in t.shape])
+        for t in [*meta.inputs, *meta.outputs]
+    ]
+    gpu = {"CUDAExecutionProvider", "TensorrtExecutionProvider"} & set(served.providers)
+    assert [g["kind"] for g in config["instance_group"]] == ["KIND_GPU" if gpu else "KIND_CPU"]
+    assert ("optimization" in config) == bool(gpu)
+    parameters = {k: v["string_value"] for k, v in config["parameters"].items()}
+    assert parameters == {
+        "precision": served.precision,
+        "providers": ",".join(served.providers),
+        "max_texts_per_request": str(served.max_batch_size),
+    }
+    assert served.providers[-1] == "CPUExecutionProvider"
+    status, message = rejection(client.get_model_config, DEFAULT_MODEL, "9")
+    assert status == "StatusCode.NOT_FOUND"
     assert f"{DEFAULT_MODEL}/1" in message  # says what is served
 
 
