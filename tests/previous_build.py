@@ -30,8 +30,15 @@ from hopline.runtime.service_table import SERVICES, ServiceName
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTOS = "protos"
-# protos/hopline/<service>/v1/<service>.proto: a file's service is its third path part.
+# protos/hopline/<service>/v1/<service>.proto: a file's service is its third path part,
+# except the KServe v2 contract (protos/hopline/kserve/v2/), which the gateway serves.
 _PROTO_SERVICE = re.compile(r"^protos/hopline/([a-z0-9_]+)/v[0-9]+/[^/]+\.proto$")
+_SERVED_BY = {"kserve": ServiceName.GATEWAY.value}
+
+
+def _service_of(folder: str) -> str:
+    """The service that serves the protos of protos/hopline/<folder>/ ("common": every one)."""
+    return _SERVED_BY.get(folder, folder)
 
 
 class HistoryMissing(RuntimeError):
@@ -56,7 +63,9 @@ class PreviousBuild:
     def files_of(self, service: ServiceName) -> tuple[str, ...]:
         """The changed files a replica of `service` serves: its own proto and the shared
         common one (a change may touch several services' protos; each serves only its own)."""
-        return tuple(f for f in self.files if f.split("/")[1] in (service.value, "common"))
+        return tuple(
+            f for f in self.files if _service_of(f.split("/")[1]) in (service.value, "common")
+        )
 
     def env(self) -> dict[str, str]:
         """What a service's environment adds so that it runs the old build."""
@@ -77,10 +86,15 @@ def previous_proto_commit() -> tuple[str, tuple[ServiceName, ...], tuple[str, ..
     if not parent:
         raise HistoryMissing(f"{newest[:10]} has no parent in this clone (shallow?)")
     paths = _git("diff", "--name-only", parent, newest, "--", PROTOS).split()
-    changed = {match.group(1) for path in paths if (match := _PROTO_SERVICE.match(path))}
+    changed = {
+        _service_of(match.group(1)) for path in paths if (match := _PROTO_SERVICE.match(path))
+    }
     # `common` is shared by every service; the order is the service table's.
     services = tuple(s.name for s in SERVICES if s.name in changed or "common" in changed)
-    files = tuple(str(Path(path).relative_to(PROTOS)) for path in paths)
+    # Contracts only: a commit may change protos/buf.yaml too.
+    files = tuple(
+        str(Path(path).relative_to(PROTOS)) for path in paths if _PROTO_SERVICE.match(path)
+    )
     return parent, services, files
 
 

@@ -209,7 +209,10 @@ def replica_sets(default_repo: Path, tmp_path: Path) -> Iterator[ReplicaSets]:
         if name != ServiceName.GATEWAY
     }
     for mesh in meshes:
-        mesh.service_env["gateway"] = {**lane_env(server.kind), **dial}
+        # Added to, not replaced: the gateway may be the service on the previous build.
+        mesh.service_env.setdefault(ServiceName.GATEWAY, {}).update(
+            {**lane_env(server.kind), **dial}
+        )
     upstreams = [name for name in ORDER if name != ServiceName.GATEWAY]
     try:
         server.start()
