@@ -18,8 +18,10 @@ the shared embedding, so a run where it was not taken cannot pass for one where 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,25 @@ def semantic_repo(source: Path, work: Path, threshold: float = THRESHOLD) -> Pat
     return repo
 
 
+@contextlib.contextmanager
+def colocated_meshes(
+    repo: Path, work: Path, envs: Mapping[str, Mapping[str, str]]
+) -> Iterator[dict[str, Mesh]]:
+    """One co-located mesh over `repo` per entry of `envs` (its name and extra environment),
+    each in `work/<name>`, all stopped on exit."""
+    meshes: dict[str, Mesh] = {}
+    try:
+        for name, env in envs.items():
+            (work / name).mkdir(exist_ok=True)
+            meshes[name] = Mesh.on_free_ports(
+                repo, work / name, addrs=Topology.COLOCATED.addrs(), env=dict(env)
+            ).start(timeout_s=180.0)
+        yield meshes
+    finally:
+        for mesh in meshes.values():
+            mesh.stop()
+
+
 def shared_embedding_scenario(
     model_repo: Path,
     work: Path,
@@ -58,17 +79,12 @@ def shared_embedding_scenario(
 ) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     repo = semantic_repo(model_repo, work)
-    meshes: dict[str, Mesh] = {}
-    try:
-        for name, share in ((SHARED, "true"), (UNSHARED, "false")):
-            (work / name).mkdir(exist_ok=True)
-            env = {
-                "HOPLINE_GATEWAY_SHARE_EMBEDDINGS": share,
-                "HOPLINE_CACHE_BUDGET_MS": f"{budget_ms:g}",
-            }
-            meshes[name] = Mesh.on_free_ports(
-                repo, work / name, addrs=Topology.COLOCATED.addrs(), env=env
-            ).start(timeout_s=180.0)
+    budget = {"HOPLINE_CACHE_BUDGET_MS": f"{budget_ms:g}"}
+    envs = {
+        SHARED: {"HOPLINE_GATEWAY_SHARE_EMBEDDINGS": "true", **budget},
+        UNSHARED: {"HOPLINE_GATEWAY_SHARE_EMBEDDINGS": "false", **budget},
+    }
+    with colocated_meshes(repo, work, envs) as meshes:
         common = [
             "--target",
             meshes[SHARED].gateway,
@@ -93,9 +109,6 @@ def shared_embedding_scenario(
                 *common, "--concurrency", "32", "--baseline", "inprocess_batched"
             ),
         }
-    finally:
-        for mesh in meshes.values():
-            mesh.stop()
     for result in sc.values():
         result["shared_share"] = {
             name: shared_share(target) for name, target in result["targets"].items()

@@ -19,13 +19,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
+from typing import NamedTuple
 
 from hopline.cache.embedder import Vector
 from hopline.cache.keys import scope_digest
 from hopline.cache.store import Entry, Scope
+from hopline.observability import metrics
 
 Found = list[tuple[Entry, float]]
 Search = Callable[[Sequence[Vector], Scope, float, int], Awaitable[list[Found]]]
+
+
+class Searched(NamedTuple):
+    found: Found
+    rows: int  # searches the Milvus call answered, this one included (1: it went alone)
 
 
 @dataclasses.dataclass
@@ -34,7 +41,7 @@ class _Waiting:
     limit: int
     vectors: list[Vector] = dataclasses.field(default_factory=list)
     nows: list[float] = dataclasses.field(default_factory=list)
-    answers: list[asyncio.Future[Found]] = dataclasses.field(default_factory=list)
+    answers: list[asyncio.Future[Searched]] = dataclasses.field(default_factory=list)
 
     def subset(self, rows: list[int]) -> _Waiting:
         return _Waiting(
@@ -59,13 +66,13 @@ class SearchBatcher:
         self.calls = 0  # Milvus calls made
         self.searches = 0  # searches answered through them
 
-    async def search(self, vector: Vector, scope: Scope, now: float, limit: int) -> Found:
+    async def search(self, vector: Vector, scope: Scope, now: float, limit: int) -> Searched:
         key = (scope_digest(scope), limit)
         if self._in_flight.get(key, 0) < self._max_in_flight:
             (found,) = await self._call(key, scope, [vector], now, limit)
-            return found
+            return Searched(found, 1)
         waiting = self._waiting.setdefault(key, _Waiting(scope, limit))
-        answer: asyncio.Future[Found] = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[Searched] = asyncio.get_running_loop().create_future()
         waiting.vectors.append(vector)
         waiting.nows.append(now)
         waiting.answers.append(answer)
@@ -77,6 +84,7 @@ class SearchBatcher:
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
         self.calls += 1
         self.searches += len(vectors)
+        metrics.CACHE_SEARCH_ROWS.observe(len(vectors))
         try:
             return await self._search(vectors, scope, now, limit)
         finally:
@@ -114,4 +122,4 @@ class SearchBatcher:
             raise
         for answer, found in zip(batch.answers, results, strict=True):
             if not answer.done():
-                answer.set_result(found)
+                answer.set_result(Searched(found, len(results)))

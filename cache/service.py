@@ -425,9 +425,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             response.embedder = self.embedder.model.identity
             t2 = time.perf_counter()
             with child_span(schema.SPAN_CACHE_SEARCH) as span:
-                found = await self.searches.search(vector, scope, now, SEMANTIC_CANDIDATES)
-                found = [(e, similarity) for e, similarity in found if self._unburied(e)]
+                searched = await self.searches.search(vector, scope, now, SEMANTIC_CANDIDATES)
+                found = [(e, similarity) for e, similarity in searched.found if self._unburied(e)]
                 span.set_attribute(schema.CACHE_CANDIDATES, len(found))
+                span.set_attribute(schema.CACHE_SEARCH_ROWS, searched.rows)
             response.search_ms = (time.perf_counter() - t2) * 1e3
             # The query's unseen parts only matter against a candidate: no search result, no
             # tokenizer run.

@@ -165,6 +165,12 @@ BATCH_SIZE = Histogram(
     ("component", "model"),
     buckets=BATCH_BUCKETS,
 )
+CACHE_SEARCH_ROWS = Histogram(
+    "hopline_cache_search_rows",
+    "Semantic searches answered by one Milvus call (cache/search_batching.py): the count is "
+    "the calls, the sum the searches",
+    buckets=BATCH_BUCKETS,
+)
 QUEUE_DEPTH = Gauge(
     "hopline_queue_depth",
     "Requests waiting for a model or embedder run",

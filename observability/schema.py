@@ -24,6 +24,7 @@ HEAD_ONLY = "hopline.head_only"
 CACHE_SKIP_REASON = "hopline.cache.skip_reason"
 ADMISSION_REFUSED = "hopline.admission.refused"
 CACHE_CANDIDATES = "hopline.cache.candidates"
+CACHE_SEARCH_ROWS = "hopline.cache.search_rows"
 CACHE_VERIFY_DECISION = "hopline.cache.verify.decision"
 CACHE_VERIFY_THRESHOLD = "hopline.cache.verify.threshold"
 CACHE_VERIFY_AGREED = "hopline.cache.verify.agreed"
@@ -51,6 +52,7 @@ ATTRIBUTES: dict[str, str] = {
     CACHE_SKIP_REASON: "why the gateway skipped the cache lookup: deadline or overloaded",
     ADMISSION_REFUSED: "why the gateway refused the request at once: in_flight or deadline",
     CACHE_CANDIDATES: "entries the Milvus search returned for verification and agreement",
+    CACHE_SEARCH_ROWS: "searches that shared this one's Milvus call, itself included (1: alone)",
     CACHE_VERIFY_DECISION: "a verified-hit rule's decision: serve, serve_and_verify, "
     "verify_first or miss (cache/verify.py)",
     CACHE_VERIFY_THRESHOLD: "the threshold the rule applied to this candidate's answer",

@@ -17,9 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hopline.bench.cli import bench_once
-from hopline.bench.shared_embedding import semantic_repo
-from hopline.runtime.launcher import Mesh
-from hopline.runtime.service_table import Topology
+from hopline.bench.shared_embedding import colocated_meshes, semantic_repo
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,18 +33,13 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hopline-search-batch-ab-"))
     repo = semantic_repo(args.model_repo, work)
-    meshes: dict[str, Mesh] = {}
+    budget = {"HOPLINE_CACHE_BUDGET_MS": f"{args.budget_ms:g}"}
+    envs = {
+        "batched": {"HOPLINE_CACHE_SEARCH_BATCH_ROWS": "64", **budget},
+        "alone": {"HOPLINE_CACHE_SEARCH_BATCH_ROWS": "1", **budget},
+    }
     out: dict[str, Any] = {}
-    try:
-        for name, rows in (("batched", "64"), ("alone", "1")):
-            (work / name).mkdir()
-            env = {
-                "HOPLINE_CACHE_SEARCH_BATCH_ROWS": rows,
-                "HOPLINE_CACHE_BUDGET_MS": f"{args.budget_ms:g}",
-            }
-            meshes[name] = Mesh.on_free_ports(
-                repo, work / name, addrs=Topology.COLOCATED.addrs(), env=env
-            ).start(timeout_s=180.0)
+    with colocated_meshes(repo, work, envs) as meshes:
         for c in args.concurrency.split(","):
             out[f"c{c}"] = bench_once(
                 "--target", meshes["batched"].gateway,
@@ -55,9 +48,6 @@ def main() -> None:
                 "--concurrency", c, "--rounds", str(args.rounds),
                 "--duration", f"{args.duration / args.rounds:g}", "--warmup", "3",
             )  # fmt: skip
-    finally:
-        for mesh in meshes.values():
-            mesh.stop()
     path = args.json or work / "bench.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     for key, result in out.items():

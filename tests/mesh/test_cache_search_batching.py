@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cache_service import cache, lookup, run, store, written
 
+from hopline.observability import metrics
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 
@@ -32,6 +33,12 @@ ASKED = [
 ] * 3
 
 
+def exported() -> tuple[float, float]:
+    """(calls, searches) as /metrics exports them: hopline_cache_search_rows' count and sum."""
+    samples = {s.name: s.value for f in metrics.CACHE_SEARCH_ROWS.collect() for s in f.samples}
+    return samples["hopline_cache_search_rows_count"], samples["hopline_cache_search_rows_sum"]
+
+
 def test_concurrent_lookups_share_searches_and_get_their_own_answers(tmp_path: Path) -> None:
     async def main() -> None:
         async with cache(tmp_path / "c.db") as (service, stub):
@@ -48,6 +55,7 @@ def test_concurrent_lookups_share_searches_and_get_their_own_answers(tmp_path: P
                 alone.append(answer(reply))
             calls, searches = service.searches.calls, service.searches.searches
             assert calls == searches == len(ASKED)
+            metric_calls, metric_searches = exported()
             together = await asyncio.gather(
                 *(lookup(stub, t, mode="semantic", threshold=0.7) for t in ASKED)
             )
@@ -56,6 +64,7 @@ def test_concurrent_lookups_share_searches_and_get_their_own_answers(tmp_path: P
             new_searches = service.searches.searches - searches
             assert new_searches == len(ASKED)
             assert new_calls < new_searches  # some searches shared a call
+            assert exported() == (metric_calls + new_calls, metric_searches + new_searches)
             hits = [a for a in alone if a[0] == common_pb2.CACHE_OUTCOME_SEMANTIC]
             assert len(hits) >= len(ASKED) // 2  # the paraphrases hit
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hopline.cache.embedder import Vector
-from hopline.cache.search_batching import Found, SearchBatcher
+from hopline.cache.search_batching import Found, SearchBatcher, Searched
 from hopline.cache.store import Entry, Scope
 
 A: Scope = ("t", "m", "1", "top_k=1")
@@ -62,7 +62,8 @@ def test_a_lone_search_goes_at_once_and_later_ones_share_the_next_call() -> None
         assert len(milvus.calls) == 1  # they wait while the first is out
         milvus.release.set()
         answers = await asyncio.gather(first, *rest)
-        assert [a[0][0].key for a in answers] == ["1.0", "2.0", "3.0", "4.0"]
+        assert [a.found[0][0].key for a in answers] == ["1.0", "2.0", "3.0", "4.0"]
+        assert [a.rows for a in answers] == [1, 3, 3, 3]  # what each search's span reports
         assert [c[1] for c in milvus.calls] == [[1.0], [2.0, 3.0, 4.0]]
         assert milvus.calls[1][2] == 14.0  # the batch filters on its latest `now`
         assert (batcher.calls, batcher.searches) == (2, 4)
@@ -98,7 +99,9 @@ def test_a_caller_that_gave_up_is_not_searched_and_rows_are_capped() -> None:
         await first
         done = await asyncio.gather(*waiting, return_exceptions=True)
         assert isinstance(done[0], asyncio.CancelledError)
-        assert [d[0][0].key for d in done[1:] if isinstance(d, list)] == ["3.0", "4.0", "5.0"]
+        searched = [d for d in done[1:] if isinstance(d, Searched)]
+        assert [d.found[0][0].key for d in searched] == ["3.0", "4.0", "5.0"]
+        assert [d.rows for d in searched] == [2, 2, 1]
         assert [c[1] for c in milvus.calls] == [[1.0], [3.0, 4.0], [5.0]]
 
     asyncio.run(main())
@@ -118,6 +121,6 @@ def test_a_failed_call_fails_every_search_in_it_and_the_next_ones_still_go() -> 
             with pytest.raises(RuntimeError, match="milvus is down"):
                 await task
         milvus.fail = None
-        assert (await batcher.search(v(7), A, 0.0, 4))[0][0].key == "7.0"
+        assert (await batcher.search(v(7), A, 0.0, 4)).found[0][0].key == "7.0"
 
     asyncio.run(main())
