@@ -53,6 +53,20 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 TEST_DEFAULTS = {"HOPLINE_LOG_FORMAT": "text", "HOPLINE_DRAIN_DELAY_S": "0.2"}
 
 
+def served_ok(metrics_port: int, method: str = "") -> float:
+    """RPCs a service process answered OK (of `method` only, if given), from its /metrics."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("hopline_rpc_duration_seconds_count{")
+        and 'code="OK"' in line
+        and (not method or f'method="{method}"' in line)
+    )
+
+
 def free_port() -> int:
     """A loopback port free now and never handed out before in this test session."""
     return free_ports(1)[0]

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import SERVING, Mesh, free_port, health
+from harness import SERVING, Mesh, free_port, health, served_ok
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime.service_table import spec
@@ -55,22 +54,6 @@ def repo(default_repo: Path, tmp_path: Path) -> Path:
     models = tmp_path / "models"
     shutil.copytree(default_repo / DEFAULT_MODEL, models / DEFAULT_MODEL)
     return models
-
-
-def served_ok(metrics_port: int, method: str) -> float:
-    """RPCs of `method` a service answered OK, from its /metrics."""
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        text = reply.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if (
-            line.startswith("hopline_rpc_duration_seconds_count{")
-            and f'method="{method}"' in line
-            and 'code="OK"' in line
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ import re
 import shutil
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from milvus_server import MilvusKind, MilvusServer, lane_env
 from previous_build import PreviousBuild, build_previous, current_proto, served_proto
 
 from conftest import BATCH_TEXTS, DEFAULT_MODEL, ROOT
-from harness import Mesh
+from harness import Mesh, served_ok
 from hopline.gateway.upstream import MAX_RECONNECT_BACKOFF_MS, RECONNECT_JITTER
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime.service_table import SERVICES, ServiceName
@@ -126,18 +125,6 @@ class Load:
     def total(self) -> int:
         with self.lock:
             return sum(self.outcomes.values())
-
-
-def served_ok(metrics_port: int) -> float:
-    """RPCs a process answered OK, from its /metrics (all methods)."""
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        text = reply.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("hopline_rpc_duration_seconds_count{") and 'code="OK"' in line
-    )
 
 
 def wait_taking_traffic(

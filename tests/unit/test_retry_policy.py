@@ -18,6 +18,7 @@ from hopline.gateway.upstream import (
     channel_options,
     config_retry_policy,
     retry_service_config,
+    upstream_service_config,
 )
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
@@ -85,6 +86,20 @@ def test_one_attempt_or_fewer_turns_retries_off(attempts: int) -> None:
     assert "grpc.enable_retries" not in options
 
 
+@pytest.mark.parametrize("attempts", [1, 3])
+def test_upstream_channels_pick_only_replicas_whose_health_says_serving(attempts: int) -> None:
+    """With or without retries: gRPC's client-side health checking on the server's overall
+    status (""), which a hopline service sets SERVING once ready and NOT_SERVING on SIGTERM
+    (tests/mesh/test_upstream_health.py shows the picks follow it)."""
+    config = dataclasses.replace(GatewayConfig(), upstream_retry_attempts=attempts)
+    parsed = json.loads(
+        dict(channel_options(0, 1024, upstream_service_config(config)))["grpc.service_config"]
+    )
+    assert parsed["healthCheckConfig"] == {"serviceName": ""}
+    assert ("methodConfig" in parsed) == (attempts > 1)
+    assert "loadBalancingConfig" in parsed  # ejection is kept beside it
+
+
 def test_values_are_clamped_to_what_grpc_accepts() -> None:
     config = retry_service_config(
         attempts=9, initial_backoff_ms=0, max_backoff_ms=0, budget_tokens=5000, token_ratio=0
@@ -122,7 +137,10 @@ def test_grpc_accepts_the_service_config() -> None:
             lambda channel: channel,
             2,
             1024,
-            policy(upstream_retry_attempts=5),
+            # What the gateway's channels carry: health checking, retries and ejection.
+            upstream_service_config(
+                dataclasses.replace(GatewayConfig(), upstream_retry_attempts=5)
+            ),
         )
         try:
             return [c.get_state(try_to_connect=False) for c in upstream.channels]

@@ -1,0 +1,101 @@
+"""The gateway calls only replicas whose health says SERVING (gRPC's client-side health
+checking, gateway/upstream.py:HEALTH_CHECKED).
+
+A replica reports NOT_SERVING while it still accepts calls in two moments of a rollout: from
+binding its port until its models are loaded (it answers "starting up", UNAVAILABLE), and for
+HOPLINE_DRAIN_DELAY_S after SIGTERM. The second is held open here for long enough to measure:
+one of two inference replicas is told to stop with a 60 s drain delay, and while it says
+NOT_SERVING (but would answer) the gateway's traffic must all go to the other one.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+
+from conftest import DEFAULT_MODEL
+from harness import NOT_SERVING, SERVING, Mesh, free_port, health, served_ok
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+REQUESTS = 60
+LEAN = {"HOPLINE_INFERENCE_THREADS": "1"}
+
+
+def predict_all(gateway: str, count: int) -> list[str]:
+    """`count` Predicts that each reach inference (new texts, cache bypassed); their labels."""
+    labels = []
+    with grpc.insecure_channel(gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        for _ in range(count):
+            reply = stub.Predict(
+                gateway_pb2.PredictRequest(
+                    text=f"where is my order {uuid.uuid4()}",
+                    cache_mode=common_pb2.CACHE_MODE_BYPASS,
+                ),
+                timeout=10,
+            )
+            labels.append(reply.prediction.label)
+    return labels
+
+
+def test_a_replica_that_says_not_serving_gets_no_calls(default_repo: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    own, other, other_metrics = free_port(), free_port(), free_port()
+    addrs = f"127.0.0.1:{own},127.0.0.1:{other}"
+    mesh = Mesh(
+        repo,
+        tmp_path,
+        addrs={"inference": f"127.0.0.1:{own}"},
+        service_env={"gateway": {"HOPLINE_INFERENCE_ADDR": f"ipv4:{addrs}"}},
+        **LEAN,
+    )
+    env = {
+        **mesh.env,
+        "HOPLINE_INFERENCE_ADDR": f"127.0.0.1:{other}",
+        "HOPLINE_METRICS_PORT": str(other_metrics),
+        "HOPLINE_DRAIN_DELAY_S": "60",  # NOT_SERVING yet accepting, for the whole test
+    }
+    with (tmp_path / "inference-2.log").open("ab") as log:
+        second = subprocess.Popen(
+            [sys.executable, "-m", "hopline", "serve", "inference"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while health(f"127.0.0.1:{other}") != SERVING:
+            assert second.poll() is None, (tmp_path / "inference-2.log").read_text()
+            assert time.monotonic() < deadline, "second inference replica not SERVING"
+            time.sleep(0.1)
+        mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
+        predict_all(mesh.gateway, REQUESTS)
+        assert served_ok(other_metrics, "Infer") > 0, "the second replica took no calls at all"
+
+        second.send_signal(signal.SIGTERM)
+        while health(f"127.0.0.1:{other}") != NOT_SERVING:
+            assert time.monotonic() < deadline, "the second replica never said NOT_SERVING"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the gateway's health watches hear it
+        before = served_ok(other_metrics, "Infer")
+        labels = predict_all(mesh.gateway, REQUESTS)
+        assert len(labels) == REQUESTS
+        assert all(labels)
+        assert second.poll() is None, "the replica stopped accepting before the test ended"
+        assert served_ok(other_metrics, "Infer") == before, (
+            "the gateway called a replica whose health said NOT_SERVING"
+        )
+    finally:
+        mesh.stop()
+        second.kill()
+        second.wait()
