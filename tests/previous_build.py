@@ -14,7 +14,7 @@ Needs a clone with history (as `make test`'s `buf breaking` does).
 
 from __future__ import annotations
 
-import importlib
+import ast
 import io
 import re
 import subprocess
@@ -142,7 +142,19 @@ def served_proto(address: str, filename: str) -> descriptor_pb2.FileDescriptorPr
 
 
 def current_proto(filename: str) -> descriptor_pb2.FileDescriptorProto:
-    """The proto file `filename` as today's stubs were generated from it."""
-    module = "hopline.protos." + filename.removesuffix(".proto").replace("/", ".") + "_pb2"
-    serialized: bytes = importlib.import_module(module).DESCRIPTOR.serialized_pb
-    return descriptor_pb2.FileDescriptorProto.FromString(serialized)
+    """The proto file `filename` as today's stubs were generated from it.
+
+    Read from the generated module's source, not imported: importing it would add its
+    symbols to this process's default descriptor pool, where the KServe contract's
+    (package `inference`) collide with tritonclient's own stubs once tests/mesh/test_kserve.py
+    has loaded them in the same `make test` run."""
+    module = ROOT / "protos" / filename.replace(".proto", "_pb2.py")
+    for node in ast.walk(ast.parse(module.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "AddSerializedFile"
+        ):
+            serialized = ast.literal_eval(node.args[0])
+            return descriptor_pb2.FileDescriptorProto.FromString(serialized)
+    raise LookupError(f"{module} adds no serialized file: regenerate it with `make protos`")
