@@ -36,7 +36,9 @@ __all__ = [
     "free_port",
     "health",
     "rpcs_answered",
+    "served_ok",
     "spawn_faulty_replica",
+    "spawn_replica",
 ]
 
 # A test module that must pass in every placement says `MESH_TOPOLOGIES = TOPOLOGIES`
@@ -51,20 +53,6 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 # Drain quickly (tests stop many meshes) and log for people reading a failure.
 TEST_DEFAULTS = {"HOPLINE_LOG_FORMAT": "text", "HOPLINE_DRAIN_DELAY_S": "0.2"}
-
-
-def served_ok(metrics_port: int, method: str = "") -> float:
-    """RPCs a service process answered OK (of `method` only, if given), from its /metrics."""
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        text = reply.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("hopline_rpc_duration_seconds_count{")
-        and 'code="OK"' in line
-        and (not method or f'method="{method}"' in line)
-    )
 
 
 def free_port() -> int:
@@ -157,23 +145,21 @@ class Mesh(launcher.Mesh):
         raise AssertionError(f"cache stores did not land within {timeout_s} s")
 
 
-def spawn_faulty_replica(
-    mesh: Mesh, name: str, port: int, metrics_port: int, code: str
+def spawn_replica(
+    mesh: Mesh, name: str, port: int, metrics_port: int, env: dict[str, str], label: str
 ) -> subprocess.Popen[bytes]:
-    """A replica of `name` on `port` whose every service RPC fails with `code`
-    (HOPLINE_TEST_FAULT, test-only), returned once its health says SERVING, as a replica with
-    a broken model, or one stopping, would. Its log is `mesh.workdir/<name>-faulty.log`."""
-    env = {
-        **mesh.env,
-        f"HOPLINE_{name.upper()}_ADDR": f"127.0.0.1:{port}",
-        "HOPLINE_METRICS_PORT": str(metrics_port),
-        "HOPLINE_TEST_FAULT": code,
-    }
-    log_path = mesh.workdir / f"{name}-faulty.log"
+    """Another replica of `name` on `port`, with `mesh`'s environment plus `env`, returned once
+    its health says SERVING. Its log is `mesh.workdir/<name>-<label>.log`."""
+    log_path = mesh.workdir / f"{name}-{label}.log"
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "hopline", "serve", name],
-            env=env,
+            env={
+                **mesh.env,
+                f"HOPLINE_{name.upper()}_ADDR": f"127.0.0.1:{port}",
+                "HOPLINE_METRICS_PORT": str(metrics_port),
+                **env,
+            },
             stdout=log,
             stderr=subprocess.STDOUT,
             process_group=0,
@@ -183,20 +169,37 @@ def spawn_faulty_replica(
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             proc.wait()
-            raise AssertionError(f"the faulty {name} never said SERVING: {log_path.read_text()}")
+            raise AssertionError(f"the {label} {name} never said SERVING: {log_path.read_text()}")
         time.sleep(0.1)
     return proc
 
 
-def rpcs_answered(metrics_port: int, method: str) -> float:
-    """RPCs of `method` a process has answered, whatever their status (from its /metrics)."""
+def spawn_faulty_replica(
+    mesh: Mesh, name: str, port: int, metrics_port: int, code: str
+) -> subprocess.Popen[bytes]:
+    """A replica of `name` whose every service RPC fails with `code` (HOPLINE_TEST_FAULT,
+    test-only), SERVING all the same, as a replica with a broken model, or one stopping,
+    would be."""
+    return spawn_replica(mesh, name, port, metrics_port, {"HOPLINE_TEST_FAULT": code}, "faulty")
+
+
+def rpcs_answered(metrics_port: int, method: str = "", code: str = "") -> float:
+    """RPCs a service process has answered (of `method`, with status `code`, where given),
+    from its /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
         text = r.read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("hopline_rpc_duration_seconds_count{") and f'method="{method}"' in line
+        if line.startswith("hopline_rpc_duration_seconds_count{")
+        and (not method or f'method="{method}"' in line)
+        and (not code or f'code="{code}"' in line)
     )
+
+
+def served_ok(metrics_port: int, method: str = "") -> float:
+    """RPCs a service process answered OK (of `method` only, where given)."""
+    return rpcs_answered(metrics_port, method, "OK")
 
 
 @contextlib.contextmanager

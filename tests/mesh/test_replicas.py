@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -24,7 +23,7 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import SERVING, Mesh, free_port, health, served_ok
+from harness import Mesh, free_port, served_ok, spawn_replica
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime.service_table import spec
@@ -135,25 +134,8 @@ def run_with_replicas(
         },
         **LEAN,
     )
-    env = {
-        **mesh.env,
-        spec(service).addr_env: f"127.0.0.1:{ports[1]}",
-        "HOPLINE_METRICS_PORT": str(survivor_metrics),
-    }
-    with (tmp_path / f"{service}-2.log").open("ab") as log:
-        state["proc"] = proc = subprocess.Popen(
-            [sys.executable, "-m", "hopline", "serve", service],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            process_group=0,
-        )
+    state["proc"] = spawn_replica(mesh, service, ports[1], survivor_metrics, {}, "second")
     try:
-        deadline = time.monotonic() + 120
-        while health(f"127.0.0.1:{ports[1]}") != SERVING:
-            assert proc.poll() is None, (tmp_path / f"{service}-2.log").read_text()
-            assert time.monotonic() < deadline, f"second {service} replica not SERVING"
-            time.sleep(0.1)
         # No cache: BYPASS requests never call it, and the test is about the other hops.
         mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
         run = Run()

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -21,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from conftest import DEFAULT_MODEL
-from harness import NOT_SERVING, SERVING, Mesh, free_port, health, served_ok
+from harness import NOT_SERVING, Mesh, free_port, health, served_ok, spawn_replica
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -58,31 +56,16 @@ def test_a_replica_that_says_not_serving_gets_no_calls(default_repo: Path, tmp_p
         service_env={"gateway": {"HOPLINE_INFERENCE_ADDR": f"ipv4:{addrs}"}},
         **LEAN,
     )
-    env = {
-        **mesh.env,
-        "HOPLINE_INFERENCE_ADDR": f"127.0.0.1:{other}",
-        "HOPLINE_METRICS_PORT": str(other_metrics),
-        "HOPLINE_DRAIN_DELAY_S": "60",  # NOT_SERVING yet accepting, for the whole test
-    }
-    with (tmp_path / "inference-2.log").open("ab") as log:
-        second = subprocess.Popen(
-            [sys.executable, "-m", "hopline", "serve", "inference"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            process_group=0,
-        )
+    # NOT_SERVING yet accepting, once told to stop, for the rest of the test.
+    drain = {"HOPLINE_DRAIN_DELAY_S": "60"}
+    second = spawn_replica(mesh, "inference", other, other_metrics, drain, "second")
     try:
-        deadline = time.monotonic() + 120
-        while health(f"127.0.0.1:{other}") != SERVING:
-            assert second.poll() is None, (tmp_path / "inference-2.log").read_text()
-            assert time.monotonic() < deadline, "second inference replica not SERVING"
-            time.sleep(0.1)
         mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
         predict_all(mesh.gateway, REQUESTS)
         assert served_ok(other_metrics, "Infer") > 0, "the second replica took no calls at all"
 
         second.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
         while health(f"127.0.0.1:{other}") != NOT_SERVING:
             assert time.monotonic() < deadline, "the second replica never said NOT_SERVING"
             time.sleep(0.05)
