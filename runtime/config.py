@@ -137,6 +137,12 @@ class ServerConfig:
     max_message_bytes: int = env_field(
         "HOPLINE_MAX_MESSAGE_BYTES", 4 * 1024 * 1024, "largest gRPC message accepted or sent"
     )
+    max_connection_age_s: float = env_field(
+        "HOPLINE_MAX_CONNECTION_AGE_S",
+        60.0,
+        "seconds before a client connection is asked to reconnect (GOAWAY; its streams finish "
+        "first), so callers resolve DNS again and find replicas added since (0: never)",
+    )
     log_level: str = env_field("HOPLINE_LOG_LEVEL", "info", "debug, info, warning or error")
     log_format: str = env_field("HOPLINE_LOG_FORMAT", "json", "json (structured) or text")
     metrics_host: str = env_field(

@@ -109,8 +109,11 @@ class FaultInjection(RpcWrapper):
         return failing
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
+def server_options(
+    max_message_bytes: int, max_connection_age_s: float = 0.0
+) -> list[tuple[str, int]]:
+    """`max_connection_age_s`: 0 keeps a connection for as long as its client does."""
+    options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         # Let clients keep idle connections alive with pings without being sent GOAWAY.
@@ -121,6 +124,15 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
         # start fine and silently receive part of the first one's connections. Fail instead.
         ("grpc.so_reuseport", 0),
     ]
+    if max_connection_age_s > 0:
+        # A gRPC client resolves a dns:/// name again only when a connection ends, so without
+        # this a replica added after the callers connected (a scale-out, a rollout's surge)
+        # would get no calls from them. gRPC adds +-10% jitter to the age, so replicas'
+        # callers do not reconnect all at once. No grace: a stream (a gateway's invalidation
+        # watch, a PredictStream) keeps its old connection until it ends; the age only moves
+        # new calls to a new connection.
+        options.append(("grpc.max_connection_age_ms", int(max_connection_age_s * 1e3)))
+    return options
 
 
 def role_of(service: object) -> str:
@@ -145,7 +157,9 @@ async def serve(service: Service, config: ServerConfig) -> int:
     """Run `service` until SIGTERM/SIGINT, then drain. Returns the process exit code."""
     gate = ReadinessGate()
     tls = TlsFiles.of(config, role_of(service))
-    server = grpc.aio.server(options=server_options(config.max_message_bytes))
+    server = grpc.aio.server(
+        options=server_options(config.max_message_bytes, config.max_connection_age_s)
+    )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     # Each method's handler is wrapped once here, not per call (see hopline.runtime.interceptors).

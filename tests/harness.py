@@ -146,17 +146,24 @@ class Mesh(launcher.Mesh):
 
 
 def spawn_replica(
-    mesh: Mesh, name: str, port: int, metrics_port: int, env: dict[str, str], label: str
+    mesh: Mesh,
+    name: str,
+    port: int,
+    metrics_port: int,
+    env: dict[str, str],
+    label: str,
+    host: str = "127.0.0.1",
 ) -> subprocess.Popen[bytes]:
-    """Another replica of `name` on `port`, with `mesh`'s environment plus `env`, returned once
-    its health says SERVING. Its log is `mesh.workdir/<name>-<label>.log`."""
+    """Another replica of `name` on `host:port` (any 127.x.y.z is loopback too), with
+    `mesh`'s environment plus `env`, returned once its health says SERVING. Its log is
+    `mesh.workdir/<name>-<label>.log`."""
     log_path = mesh.workdir / f"{name}-{label}.log"
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "hopline", "serve", name],
             env={
                 **mesh.env,
-                f"HOPLINE_{name.upper()}_ADDR": f"127.0.0.1:{port}",
+                f"HOPLINE_{name.upper()}_ADDR": f"{host}:{port}",
                 "HOPLINE_METRICS_PORT": str(metrics_port),
                 **env,
             },
@@ -165,7 +172,7 @@ def spawn_replica(
             process_group=0,
         )
     deadline = time.monotonic() + 120
-    while health(f"127.0.0.1:{port}") != SERVING:
+    while health(f"{host}:{port}") != SERVING:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             proc.wait()
