@@ -9,7 +9,8 @@ too (runtime/service_table.py:Topology). It measures, one scenario after the oth
 2. exact, concurrency 1: echo, the meshes (every text already cached).
 3. saturation, concurrency 32, miss: in-process plain and batched, the meshes.
 4. open loop at 70% of each mesh's own saturation throughput.
-5. ghz against the five-process gateway's Predict beside `hopline bench` (c=1).
+5. ghz against the five-process gateway's Predict beside `hopline bench` (c=1), taking turns
+   (bench/ghz.py).
 6. the Ray Serve peer (bench extra), once the meshes are idle: concurrency 32 and open loop
    at the mesh's rps, compared with both meshes at cache BYPASS (the peer has no cache).
 7. FP32 against INT8 (bench/precision.py): an INT8 version built beside the default model,
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from hopline.bench.cli import bench_once as bench
+from hopline.bench.ghz import GHZ_DEFAULT, ghz_beside_bench
 from hopline.bench.mixes import make_mix
 from hopline.bench.precision import precision_scenario
 from hopline.bench.providers import cuda_unavailable, providers_scenario, providers_targets
@@ -59,82 +61,7 @@ ONE_PROCESS = "one_process"  # the one-process mesh's: peer_one_process
 ROUNDS = 3
 
 ROOT = Path(__file__).resolve().parents[1]
-GHZ_DEFAULT = ROOT / ".tools" / "bin" / "ghz"
 PEER_SCRIPT = ROOT / "bench" / "peers" / "ray_serve.py"
-# ghz 0.121's reflection client finds no symbols on grpcio's reflection service ("Symbol not
-# found" even for grpc.health.v1.Health.Check), so it reads the .proto files instead.
-PROTO = (
-    "--proto",
-    str(ROOT / "protos/hopline/gateway/v1/gateway.proto"),
-    "--import-paths",
-    str(ROOT / "protos"),
-)
-
-
-def ghz(binary: Path, gateway: str, texts: list[str], cache: str, seconds: float) -> dict[str, Any]:
-    """ghz over reflection, round-robin over `texts`, one connection, concurrency 1."""
-    mode = {"use": "CACHE_MODE_USE", "bypass": "CACHE_MODE_BYPASS"}[cache]
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as data:
-        json.dump([{"text": t, "cacheMode": mode} for t in texts], data)
-    try:
-        for text in texts:  # the exact mix's texts must be cached before the window
-            subprocess.run(
-                [
-                    str(binary),
-                    "--insecure",
-                    *PROTO,
-                    "--call",
-                    "hopline.gateway.v1.GatewayService.Predict",
-                    "-d",
-                    json.dumps({"text": text}),
-                    "-n",
-                    "1",
-                    "-c",
-                    "1",
-                    gateway,
-                ],
-                check=True,
-                capture_output=True,
-            )
-        out = subprocess.run(
-            [
-                str(binary),
-                "--insecure",
-                *PROTO,
-                "--call",
-                "hopline.gateway.v1.GatewayService.Predict",
-                "-D",
-                data.name,
-                "-c",
-                "1",
-                "--connections",
-                "1",
-                "-z",
-                f"{seconds}s",
-                "--format",
-                "json",
-                gateway,
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-    finally:
-        os.unlink(data.name)
-    report = json.loads(out.stdout)
-    dist = {int(d["percentage"]): d["latency"] / 1e6 for d in report["latencyDistribution"]}
-    return {
-        "p50_ms": dist[50],
-        "p90_ms": dist[90],
-        "p99_ms": dist[99],
-        "throughput_rps": report["rps"],
-        "requests": report["count"],
-        "errors": sum(report.get("errorDistribution", {}).values()),
-        # What the errors were, by message, and every status ghz saw: a count alone does not
-        # say whether the mesh refused a call or ghz cut one off at the end of its window.
-        "error_messages": report.get("errorDistribution", {}),
-        "status_codes": report.get("statusCodeDistribution", {}),
-    }
 
 
 def start_peer(model_repo: Path) -> tuple[subprocess.Popen[str], str]:
@@ -260,36 +187,29 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             )
         if args.ghz.is_file():
             texts = [make_mix("exact").text(i) for i in range(64)]
-            sc["ghz_exact_c1"] = {
-                "ghz": ghz(args.ghz, gw, texts, "use", args.duration),
-                "hopline_bench": bench(
-                    "--target",
-                    gw,
-                    "--concurrency",
-                    "1",
-                    "--mix",
-                    "exact",
-                    "--baseline",
-                    "none",
-                    *common,
-                )["targets"]["mesh"],
-            }
-            sc["ghz_bypass_c1"] = {
-                "ghz": ghz(args.ghz, gw, texts, "bypass", args.duration),
-                "hopline_bench": bench(
-                    "--target",
-                    gw,
-                    "--concurrency",
-                    "1",
-                    "--mix",
-                    "exact",
-                    "--cache",
-                    "bypass",
-                    "--baseline",
-                    "none",
-                    *common,
-                )["targets"]["mesh"],
-            }
+            for key, cache in (("ghz_exact_c1", "use"), ("ghz_bypass_c1", "bypass")):
+
+                def bench_window(seconds: float, cache: str = cache) -> dict[str, Any]:
+                    figures: dict[str, Any] = bench(
+                        "--target",
+                        gw,
+                        "--concurrency",
+                        "1",
+                        "--mix",
+                        "exact",
+                        "--cache",
+                        cache,
+                        "--baseline",
+                        "none",
+                        *common,
+                        "--duration",
+                        f"{seconds:g}",
+                    )["targets"]["mesh"]
+                    return figures
+
+                sc[key] = ghz_beside_bench(
+                    args.ghz, gw, texts, cache, args.duration, ROUNDS, bench_window
+                )
         else:
             doc["ghz_missing"] = f"{args.ghz} not found (make bench installs it)"
         if args.peer:
