@@ -51,16 +51,19 @@ def semantic_repo(source: Path, work: Path, threshold: float = THRESHOLD) -> Pat
 
 @contextlib.contextmanager
 def colocated_meshes(
-    repo: Path, work: Path, envs: Mapping[str, Mapping[str, str]]
+    repo: Path,
+    work: Path,
+    envs: Mapping[str, Mapping[str, str]],
+    topology: Topology = Topology.COLOCATED,
 ) -> Iterator[dict[str, Mesh]]:
-    """One co-located mesh over `repo` per entry of `envs` (its name and extra environment),
-    each in `work/<name>`, all stopped on exit."""
+    """One mesh over `repo` per entry of `envs` (its name and extra environment), co-located
+    unless `topology` says otherwise, each in `work/<name>`, all stopped on exit."""
     meshes: dict[str, Mesh] = {}
     try:
         for name, env in envs.items():
             (work / name).mkdir(exist_ok=True)
             meshes[name] = Mesh.on_free_ports(
-                repo, work / name, addrs=Topology.COLOCATED.addrs(), env=dict(env)
+                repo, work / name, addrs=topology.addrs(), env=dict(env)
             ).start(timeout_s=180.0)
         yield meshes
     finally:

@@ -804,18 +804,18 @@ def test_stores_that_linger_together_go_in_one_store_batch() -> None:
 
 
 def test_without_a_linger_stores_waiting_for_a_free_call_go_together() -> None:
-    """No linger: two StoreBatch calls in flight (the stages' default) go alone at once; the
-    stores that come while both wait go together."""
+    """No linger: one StoreBatch call in flight (the stages' default) goes alone at once; the
+    stores that come while it waits go together in the next."""
 
     async def scenario(m: Mesh) -> None:
         m.cache.store_gate = asyncio.Event()
         before = await m.counters()
         replies = await asyncio.gather(*(m.predict(t, model=EXACT_ONLY) for t in STORED_TEXTS))
         assert {r.cache.outcome for r in replies} == {MISS}
-        await until(lambda: sum(m.cache.store_batches) == 2)  # the two in flight, alone
+        await until(lambda: sum(m.cache.store_batches) == 1)  # the one in flight, alone
         m.cache.store_gate.set()
         await m.settle()
-        assert m.cache.store_batches == [1, 1, len(STORED_TEXTS) - 2]
+        assert m.cache.store_batches == [1, len(STORED_TEXTS) - 1]
         assert sorted(s.text for s in m.cache.stores) == sorted(STORED_TEXTS[:3] + STORED_TEXTS[4:])
         counts = changed(before, await m.counters())
         assert (counts["stores"], counts["store_errors"]) == (5, 1)
