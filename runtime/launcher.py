@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Self
@@ -93,6 +94,21 @@ def health_status(target: str, timeout_s: float = 1.0, tls: ClientTls | None = N
 
 def is_serving(target: str, timeout_s: float = 1.0, tls: ClientTls | None = None) -> bool:
     return health_status(target, timeout_s, tls) == SERVING
+
+
+def rpcs_answered(metrics_port: int, method: str = "", code: str = "") -> float:
+    """RPCs a service process has answered (of `method`, with status `code`, where given),
+    from its /metrics on loopback."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("hopline_rpc_duration_seconds_count{")
+        and (not method or f'method="{method}"' in line)
+        and (not code or f'code="{code}"' in line)
+    )
 
 
 def _die_with_parent() -> None:

@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Self
@@ -21,7 +20,7 @@ from milvus_server import MilvusKind, MilvusServer, chosen_kind, lane_env
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime import launcher
-from hopline.runtime.launcher import ALL, free_ports
+from hopline.runtime.launcher import ALL, free_ports, rpcs_answered
 from hopline.runtime.launcher import health_status as health
 from hopline.runtime.service_table import Topology
 
@@ -188,20 +187,6 @@ def spawn_faulty_replica(
     test-only), SERVING all the same, as a replica with a broken model, or one stopping,
     would be."""
     return spawn_replica(mesh, name, port, metrics_port, {"HOPLINE_TEST_FAULT": code}, "faulty")
-
-
-def rpcs_answered(metrics_port: int, method: str = "", code: str = "") -> float:
-    """RPCs a service process has answered (of `method`, with status `code`, where given),
-    from its /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("hopline_rpc_duration_seconds_count{")
-        and (not method or f'method="{method}"' in line)
-        and (not code or f'code="{code}"' in line)
-    )
 
 
 def served_ok(metrics_port: int, method: str = "") -> float:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import urllib.request
 from pathlib import Path
 
 from hopline.bench.cli import bench_once
 from hopline.bench.shared_embedding import colocated_meshes
-from hopline.runtime.launcher import Mesh
+from hopline.runtime.launcher import Mesh, rpcs_answered
 from hopline.runtime.service_table import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,15 +26,8 @@ STAGES = {"tokenizer": "Tokenize", "inference": "Infer", "postprocess": "Postpro
 
 
 def answered(mesh: Mesh, service: str, method: str) -> float:
-    """RPCs of `method` the mesh's `service` process has answered, from its /metrics."""
-    url = f"http://127.0.0.1:{mesh.metrics_ports[service]}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        text = reply.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("hopline_rpc_duration_seconds_count{") and f'method="{method}"' in line
-    )
+    """RPCs of `method` the mesh's `service` process has answered."""
+    return rpcs_answered(mesh.metrics_ports[service], method)
 
 
 def main() -> None:
