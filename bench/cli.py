@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,17 @@ as raw bytes; responses are decoded after the window; latencies go into an HDR h
 afterwards. It reports its own CPU share (`loadgen CPU`, of one core) for every target, and
 how busy the machine was, so a saturated load generator is visible rather than hidden.
 """
+
+
+def round_robin(queue: Sequence[str], rounds: int) -> Iterator[str]:
+    """The targets to measure, `rounds` times over, every other round backwards.
+
+    On a shared machine a window's neighbours shape it (a target measured right after
+    another's load runs on warm caches and a busier scheduler), so a fixed order favours one
+    side of an A/B: the reversed rounds give each target each position.
+    """
+    for round_no in range(max(1, rounds)):
+        yield from queue if round_no % 2 == 0 else reversed(queue)
 
 
 def add_bench_command(sub: Any) -> None:
@@ -94,7 +106,7 @@ def add_bench_command(sub: Any) -> None:
         type=int,
         default=1,
         help="measure the whole list of targets this many times in turn, pooling each "
-        "target's windows (alternates A/B on a shared machine)",
+        "target's windows; every other round runs the list backwards (A/B on a shared machine)",
     )
     p.add_argument("--compute-batches", default="1,32", help="batch sizes for --models compute")
     p.add_argument(
@@ -278,44 +290,43 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
         queue += [f"mesh{m}" for m in per_model]
     queue += [f"peer_{p.split('=', 1)[0]}{m}" for p in args.peer for m in per_model]
     peers = dict(p.split("=", 1) for p in args.peer)
-    for _ in range(max(1, args.rounds)):
-        for name in queue:
-            base, _, spec = name.partition("@")
-            mix = make_mix(args.mix, args.clinc)
-            echo_proc = None
-            target: Target
-            if base == "echo":
-                echo_proc, address = _start_echo()
-                target = EchoTarget(address)
-            elif base.startswith("inprocess"):
-                target = _inprocess(base, args, spec)
-                settings[name] = target.settings
-            else:
-                address = gateway_address(args.target) if base == "mesh" else peers[base[5:]]
-                model, version = _model_spec(spec) if spec else (args.model, "")
-                target = PredictTarget(
-                    name,
-                    address,
-                    model=model,
-                    model_version=version,
-                    tenant=args.tenant,
-                    cache_mode=cache_mode,
-                    timeout_s=args.timeout,
-                    # The mesh over TLS when HOPLINE_TLS_CA is set, as `hopline predict` does.
-                    tls=operator_tls("gateway") if base == "mesh" else None,
-                )
-            try:
-                sys.stderr.write(f"measuring {name} ({args.mix}) ...\n")
-                run = await measure(target, mix, args)
-                runs[name] = _pool(runs[name], run) if name in runs else run
-                describe[name] = target.describe
-            finally:
-                await target.close()
-                if echo_proc is not None:
-                    echo_proc.terminate()
-                    echo_proc.wait(timeout=10)
-                    if echo_proc.stdout is not None:
-                        echo_proc.stdout.close()  # the READY pipe
+    for name in round_robin(queue, args.rounds):
+        base, _, spec = name.partition("@")
+        mix = make_mix(args.mix, args.clinc)
+        echo_proc = None
+        target: Target
+        if base == "echo":
+            echo_proc, address = _start_echo()
+            target = EchoTarget(address)
+        elif base.startswith("inprocess"):
+            target = _inprocess(base, args, spec)
+            settings[name] = target.settings
+        else:
+            address = gateway_address(args.target) if base == "mesh" else peers[base[5:]]
+            model, version = _model_spec(spec) if spec else (args.model, "")
+            target = PredictTarget(
+                name,
+                address,
+                model=model,
+                model_version=version,
+                tenant=args.tenant,
+                cache_mode=cache_mode,
+                timeout_s=args.timeout,
+                # The mesh over TLS when HOPLINE_TLS_CA is set, as `hopline predict` does.
+                tls=operator_tls("gateway") if base == "mesh" else None,
+            )
+        try:
+            sys.stderr.write(f"measuring {name} ({args.mix}) ...\n")
+            run = await measure(target, mix, args)
+            runs[name] = _pool(runs[name], run) if name in runs else run
+            describe[name] = target.describe
+        finally:
+            await target.close()
+            if echo_proc is not None:
+                echo_proc.terminate()
+                echo_proc.wait(timeout=10)
+                if echo_proc.stdout is not None:
+                    echo_proc.stdout.close()  # the READY pipe
     records = {name: summarise(run, describe[name]) for name, run in runs.items()}
     result: dict[str, Any] = {"targets": records, "settings": settings}
     if len(specs) > 1 and args.compute_iterations > 0:
