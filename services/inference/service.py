@@ -57,15 +57,18 @@ class InferenceConfig(ServerConfig):
     workers: int = env_field(
         "HOPLINE_INFERENCE_WORKERS", 0, "model runs in parallel (0: one per core)"
     )
-    # Measured co-located on 2 cores (miss, 3 alternated rounds): 'run' against 'off' moved
-    # c=1 p50 11.71 -> 10.85 ms but p99 18.6 -> 23.1 ms (the cache process, working beside
-    # the model, lost its core to the spinning thread), and c=32 166 -> 141 rps. 'run' pays
-    # where the inference service has cores of its own.
+    # 'run' with threads that spin at most model/session.py:RUN_SPIN_US per wait, against
+    # 'off', meshes side by side on 2 shared cores, miss, alternated rounds (stop 35):
+    # five processes c=1 p50 16.80 -> 14.65 ms (unbounded spin), c=32 163.6 vs 162.6 rps,
+    # open loop 100 rps p50 93.8 -> 83.2 ms, p99 357 -> 283; co-located c=1 p50 12.77 ->
+    # 11.44 ms, p99 24.9 -> 23.2, c=32 172.2 -> 182.6 rps, open loop 120 rps p99 189 -> 185.
+    # (An unbounded spin had cost the co-located mesh c=1 p99 and c=32 rps in earlier stops.)
     spin: Spin = env_field(
         "HOPLINE_INFERENCE_SPIN",
-        Spin.OFF,
-        "what ONNX Runtime's threads do between operators: 'off' (sleep), 'run' (spin until "
-        "the run ends) or 'always' (spin between runs too: only on cores nothing else needs)",
+        Spin.RUN,
+        "what ONNX Runtime's threads do between operators: 'off' (sleep), 'run' (spin a "
+        "little while a run is in progress) or 'always' (spin between runs too: only on "
+        "cores nothing else needs)",
     )
 
 

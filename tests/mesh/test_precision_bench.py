@@ -54,7 +54,7 @@ def test_bench_measures_each_model_version_in_one_run(mesh: Mesh, tmp_path: Path
     for key in (f"mesh@{b}_p50_over_first_model", f"inprocess@{b}_p50_over_first_model"):
         assert doc["ratios"][key] > 0
     # Run as the inference service runs them: its thread and spin settings, from the env.
-    assert doc["compute"]["spin"] == "off"
+    assert doc["compute"]["spin"] == "run"
     models = doc["compute"]["models"]
     assert list(models) == [f"{DEFAULT_MODEL}/1 (fp32)", f"{DEFAULT_MODEL}/2 (fp32)"]
     for by_batch in models.values():

@@ -50,9 +50,9 @@ def test_the_service_reads_its_spin_setting_from_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("HOPLINE_INFERENCE_SPIN", raising=False)
-    assert cfg.load(InferenceConfig, []).spin is Spin.OFF
-    monkeypatch.setenv("HOPLINE_INFERENCE_SPIN", "run")
     assert cfg.load(InferenceConfig, []).spin is Spin.RUN
+    monkeypatch.setenv("HOPLINE_INFERENCE_SPIN", "off")
+    assert cfg.load(InferenceConfig, []).spin is Spin.OFF
     monkeypatch.setenv("HOPLINE_INFERENCE_SPIN", "fast")
     with pytest.raises(
         SystemExit, match=r"HOPLINE_INFERENCE_SPIN='fast'.*not one of: off, run, always"
