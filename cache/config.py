@@ -8,6 +8,7 @@ import enum
 from pathlib import Path
 
 from hopline.cache.store import LookupConsistency, is_local
+from hopline.model.session import Spin
 from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
 
 
@@ -90,6 +91,12 @@ class CacheConfig(ServerConfig):
     )
     embed_threads: int = env_field(
         "HOPLINE_CACHE_EMBED_THREADS", 0, "ONNX Runtime threads for the embedder (0: all cores)"
+    )
+    embed_spin: Spin = env_field(
+        "HOPLINE_CACHE_EMBED_SPIN",
+        Spin.RUN,
+        "what the embedder's ONNX Runtime threads do between operators (as "
+        "HOPLINE_INFERENCE_SPIN): 'off', 'run' or 'always'",
     )
     verify_state: str = env_field(
         "HOPLINE_CACHE_VERIFY_STATE",

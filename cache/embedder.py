@@ -24,7 +24,7 @@ import onnxruntime as ort
 from tokenizers import Tokenizer
 
 from hopline.model.encoder import ENCODER_NAME, build_encoder, encoder_identity
-from hopline.model.session import embed_texts, make_session
+from hopline.model.session import Spin, embed_texts, make_session
 from hopline.model.tokenizer import DEFAULT_MAX_LENGTH, load_tokenizer
 from hopline.observability import metrics
 from hopline.runtime.batching import BatchingPolicy, DynamicBatcher
@@ -107,10 +107,12 @@ class Embedder:
         )
 
     @classmethod
-    def load(cls, weights_dir: Path, work_dir: Path, *, threads: int = 0) -> Embedder:
+    def load(
+        cls, weights_dir: Path, work_dir: Path, *, threads: int = 0, spin: Spin = Spin.OFF
+    ) -> Embedder:
         path, model = encoder_file(weights_dir, work_dir)
         tokenizer = load_tokenizer(weights_dir / "tokenizer.json", DEFAULT_MAX_LENGTH)
-        return cls(make_session(path, threads=threads), tokenizer, model)
+        return cls(make_session(path, threads=threads, spin=spin), tokenizer, model)
 
     def embed_many(self, texts: Sequence[str], batch_size: int = 64) -> Vector:
         """Blocking bulk embedding (calibration, evaluation); shares the batching code."""

@@ -136,7 +136,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         work = Path(self.config.work_dir)
         self.embedder = await loop.run_in_executor(
             None,
-            lambda: Embedder.load(_weights_dir(), work, threads=self.config.embed_threads),
+            lambda: Embedder.load(
+                _weights_dir(), work, threads=self.config.embed_threads, spin=self.config.embed_spin
+            ),
         )
         model = self.embedder.model
         self._placeholder = np.zeros(model.dim, dtype=np.float32)

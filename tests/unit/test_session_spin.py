@@ -1,7 +1,7 @@
 """What ONNX Runtime's threads do between operators (`model/session.py:Spin`), as the inference
-service reads it from HOPLINE_INFERENCE_SPIN. The CPU a session burns is read from the
-process's CPU clock, which counts ORT's pool threads: a spinning thread is on it, a sleeping
-one is not."""
+service reads it from HOPLINE_INFERENCE_SPIN and the cache's embedder from
+HOPLINE_CACHE_EMBED_SPIN. The CPU a session burns is read from the process's CPU clock, which
+counts ORT's pool threads: a spinning thread is on it, a sleeping one is not."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import DEFAULT_MODEL
+from hopline.cache.config import CacheConfig
 from hopline.model.repository import ModelRepository
 from hopline.model.session import Spin, make_session
 from hopline.runtime import config as cfg
@@ -58,3 +59,12 @@ def test_the_service_reads_its_spin_setting_from_the_environment(
         SystemExit, match=r"HOPLINE_INFERENCE_SPIN='fast'.*not one of: off, run, always"
     ):
         cfg.load(InferenceConfig, [])
+
+
+def test_the_cache_reads_its_embedder_spin_setting_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("HOPLINE_CACHE_EMBED_SPIN", raising=False)
+    assert cfg.load(CacheConfig, []).embed_spin is Spin.RUN
+    monkeypatch.setenv("HOPLINE_CACHE_EMBED_SPIN", "off")
+    assert cfg.load(CacheConfig, []).embed_spin is Spin.OFF
