@@ -16,6 +16,7 @@ from hopline.cache.config import CacheConfig
 from hopline.model.repository import ModelRepository
 from hopline.model.session import Spin, make_session
 from hopline.runtime import config as cfg
+from hopline.runtime.config import ServerConfig
 from hopline.services.inference.service import InferenceConfig
 
 CYCLES = 25
@@ -47,24 +48,20 @@ def test_run_spins_only_while_a_run_is_in_progress(default_repo: Path) -> None:
     assert run - off < (always - off) / 4, figures
 
 
-def test_the_service_reads_its_spin_setting_from_the_environment(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("HOPLINE_INFERENCE_SPIN", raising=False)
-    assert cfg.load(InferenceConfig, []).spin is Spin.RUN
-    monkeypatch.setenv("HOPLINE_INFERENCE_SPIN", "off")
-    assert cfg.load(InferenceConfig, []).spin is Spin.OFF
-    monkeypatch.setenv("HOPLINE_INFERENCE_SPIN", "fast")
-    with pytest.raises(
-        SystemExit, match=r"HOPLINE_INFERENCE_SPIN='fast'.*not one of: off, run, always"
-    ):
-        cfg.load(InferenceConfig, [])
+SETTINGS: list[tuple[type[ServerConfig], str, str]] = [
+    (InferenceConfig, "spin", "HOPLINE_INFERENCE_SPIN"),
+    (CacheConfig, "embed_spin", "HOPLINE_CACHE_EMBED_SPIN"),
+]
 
 
-def test_the_cache_reads_its_embedder_spin_setting_from_the_environment(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(("config", "field", "env"), SETTINGS)
+def test_each_session_owner_reads_its_spin_setting_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, config: type[ServerConfig], field: str, env: str
 ) -> None:
-    monkeypatch.delenv("HOPLINE_CACHE_EMBED_SPIN", raising=False)
-    assert cfg.load(CacheConfig, []).embed_spin is Spin.RUN
-    monkeypatch.setenv("HOPLINE_CACHE_EMBED_SPIN", "off")
-    assert cfg.load(CacheConfig, []).embed_spin is Spin.OFF
+    monkeypatch.delenv(env, raising=False)
+    assert getattr(cfg.load(config, []), field) is Spin.RUN
+    monkeypatch.setenv(env, "off")
+    assert getattr(cfg.load(config, []), field) is Spin.OFF
+    monkeypatch.setenv(env, "fast")
+    with pytest.raises(SystemExit, match=rf"{env}='fast'.*not one of: off, run, always"):
+        cfg.load(config, [])
