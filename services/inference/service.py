@@ -60,8 +60,9 @@ class InferenceConfig(ServerConfig):
     # 'run' with threads that spin at most model/session.py:RUN_SPIN_US per wait, against
     # 'off', meshes side by side on 2 shared cores, miss, alternated rounds (stop 35):
     # five processes c=1 p50 16.80 -> 14.65 ms (unbounded spin), and bounded in three runs
-    # 18.13 -> 15.25, 19.57 -> 16.53, 18.37 -> 16.93 ms with p99 32.6 -> 63.1, 37.7 -> 49.1,
-    # 44.4 -> 42.9 ms (the c=1 tail moves by more than that between runs here), c=32 163.6
+    # 18.13 -> 15.25, 19.57 -> 16.53, 18.37 -> 16.93, 16.89 -> 15.05 ms with p99 32.6 -> 63.1,
+    # 37.7 -> 49.1, 44.4 -> 42.9, 31.9 -> 30.0 ms (the c=1 tail moves by more than that
+    # between runs here), c=32 163.6
     # vs 162.6 rps, open loop 100 rps p50 93.8 -> 83.2 ms, p99 357 -> 283; co-located c=1
     # p50 12.77 -> 11.44 ms, p99 24.9 -> 23.2, c=32 172.2 -> 182.6 rps, open loop 120 rps p99
     # 189 -> 185.
