@@ -31,11 +31,13 @@ import onnx
 
 from hopline.model.encoder import (
     ClassifierHead,
+    GraphForm,
     build_encoder,
     build_encoder_graph,
     build_head_graph,
     encoder_identity,
-    optimize_for_cpu,
+    graph_form,
+    optimize_graph,
 )
 from hopline.model.head import (
     Fold,
@@ -239,7 +241,11 @@ def build_model(
             },
         )
         graph = build_encoder_graph(weights, ClassifierHead(head.weight, head.bias))
-        optimize_for_cpu(graph, staging / "model.onnx")
+        # INT8 is a CPU format, and its quantizer matches the unfused graph's weights.
+        form = GraphForm.REWRITTEN if precision is Precision.INT8 else graph_form(provider_specs)
+        optimize_graph(graph, staging / "model.onnx", form)
+        if form is GraphForm.FUSED:  # converted from the form it runs in
+            graph = onnx.load(str(staging / "model.onnx"))
         _check_graph(staging / "model.onnx", tokenizer, texts[:16], x[:16], head.weight, head.bias)
         # FP32's encoder is the cache's, so the cache's query vector can feed the head alone.
         # A converted encoder computes other vectors: its versions take tokens only.
@@ -286,6 +292,7 @@ def build_model(
             build={
                 "weights": WEIGHTS_PACKAGE,
                 "weights_sha256": _sha256(weights / "model.safetensors"),
+                "graph": form.value,
                 "train_file": str(train_file),
                 "train_split": split,
                 "train_examples": len(texts),

@@ -8,11 +8,12 @@ session run per batch and no numpy post-processing.
 
 from __future__ import annotations
 
-import importlib.util
+import enum
 import json
 import logging
 import math
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from safetensors.numpy import load_file
 
+from hopline.model.providers import Provider, ProviderSpec
 from hopline.model.repository import SENTENCE_EMBEDDING
 
 OPSET = 17
@@ -205,18 +207,36 @@ def build_encoder_graph(model_dir: Path, head: ClassifierHead | None = None) -> 
     return model
 
 
-def _fuse_transformer(model: onnx.ModelProto, out_path: Path) -> bool:
-    """ORT's offline BERT fusions (Attention, SkipLayerNormalization, BiasGelu, ...). They need
-    sympy for symbolic shape inference, which hopline does not depend on: False without it."""
-    # Checked up front: optimize_model fails on the missing import only after creating a
-    # temporary directory it never removes (a ResourceWarning in every caller).
-    if importlib.util.find_spec("sympy") is None:
-        return False
-    try:
-        from onnxruntime.transformers.fusion_options import FusionOptions
-        from onnxruntime.transformers.optimizer import optimize_model
-    except ImportError:
-        return False
+class GraphForm(enum.StrEnum):
+    """How a version's encoder graph is optimised before it is saved: by where it runs.
+
+    Measured on an H100 (ONNX Runtime 1.31.1 CUDA, support-intents, forms alternated call by
+    call; bench/results/2026-11-26-h100-graph-forms.json): a MiniLM run on a GPU is kernel
+    launches more than arithmetic, so fewer nodes is faster at every batch size. FP32 p50 at
+    batch 1 / 32 / 128: rewritten 1.39 / 1.67 / 1.88 ms, fused 0.86 / 0.99 / 1.23 ms; FP16
+    converted from the unfused graph 1.28 / 1.69 / 1.68 ms, from the fused one 0.77 / 1.01 /
+    1.00 ms. On this project's 2-core CPU the fused graph is faster at batch 1 and slower at
+    batch 32 (3.3 vs 3.8 ms, 134 vs 117 ms; stop 30: 1.04x and 0.95x), so CPU versions keep
+    the rewritten form."""
+
+    REWRITTEN = "rewritten"  # ORT's extended rewrites from a CPU session: 194 nodes
+    FUSED = "fused"  # ORT's offline BERT fusions into its own contrib ops: 64 nodes
+
+
+def graph_form(providers: Sequence[ProviderSpec]) -> GraphForm:
+    """FUSED when the version asks for a GPU first. TensorRT's ONNX parser does not take ORT's
+    contrib ops, so under TensorRT those nodes would run on CUDA beside its engines: not
+    measured, since TensorRT's libraries are out of reach of every machine this was built on."""
+    first = providers[0].provider if providers else Provider.CPU
+    return GraphForm.FUSED if first in (Provider.CUDA, Provider.TENSORRT) else GraphForm.REWRITTEN
+
+
+def _fuse_transformer(model: onnx.ModelProto, out_path: Path) -> None:
+    """ORT's offline BERT fusions (Attention, SkipLayerNormalization, EmbedLayerNormalization,
+    BiasGelu): 64 nodes where the rewritten graph has 194."""
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
     props = {p.key: p.value for p in model.metadata_props}
     options = FusionOptions("bert")
     # A raw 2-D mask keeps any padding layout correct; the default mask index assumes right padding.
@@ -234,17 +254,14 @@ def _fuse_transformer(model: onnx.ModelProto, out_path: Path) -> bool:
             hidden_size=int(props.get(META_HIDDEN, 0)),
             optimization_options=options,
             opt_level=0,
-            use_gpu=False,
+            use_gpu=True,
         )
-    except ImportError:
-        return False
     finally:
         quiet.setLevel(level)
     fused.save_model_to_file(str(out_path))
-    return True
 
 
-def _optimise_with_session(model: onnx.ModelProto, out_path: Path) -> bool:
+def _optimise_with_session(model: onnx.ModelProto, out_path: Path) -> None:
     """ORT's extended rewrites saved from a throwaway session. Extended, not all: the `all`
     level adds layout transforms chosen for this machine's CPU."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -262,7 +279,6 @@ def _optimise_with_session(model: onnx.ModelProto, out_path: Path) -> bool:
     del saved.opset_import[:]
     saved.opset_import.extend(kept)
     onnx.save(saved, str(out_path))
-    return True
 
 
 def _run(model: str | bytes, feed: dict[str, npt.NDArray[np.int64]]) -> list[Any]:
@@ -273,24 +289,24 @@ def _run(model: str | bytes, feed: dict[str, npt.NDArray[np.int64]]) -> list[Any
     return outputs
 
 
-def optimize_for_cpu(model: onnx.ModelProto, out_path: Path) -> None:
-    """Save a fused graph so serving sessions start from fewer, larger kernels. A padded probe
-    batch must agree with the unfused graph, so a bad rewrite fails the build rather than the
-    first request; the portable session-level rewrite is the fallback."""
+def optimize_graph(
+    model: onnx.ModelProto, out_path: Path, form: GraphForm = GraphForm.REWRITTEN
+) -> None:
+    """Save the graph in `form`. A padded probe batch must agree with the unoptimised graph,
+    so a bad rewrite fails the build rather than the first request."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     ids = np.array([[101, 7592, 2088, 102, 0, 0], [101, 2023, 2003, 1037, 3231, 102]], np.int64)
     feed = {"input_ids": ids, "attention_mask": (ids != 0).astype(np.int64)}
     want = _run(model.SerializeToString(), feed)
-    worst = float("nan")
-    for optimise in (_fuse_transformer, _optimise_with_session):
-        if not optimise(model, out_path):
-            continue
-        got = _run(str(out_path), feed)
-        worst = max(float(np.abs(a - b).max()) for a, b in zip(want, got, strict=True))
-        if worst <= 1e-4:
-            return
-    out_path.unlink(missing_ok=True)
-    raise RuntimeError(f"optimised encoder disagrees with the unoptimised graph by {worst}")
+    if form is GraphForm.FUSED:
+        _fuse_transformer(model, out_path)
+    else:
+        _optimise_with_session(model, out_path)
+    got = _run(str(out_path), feed)
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(want, got, strict=True))
+    if worst > 1e-4:
+        out_path.unlink(missing_ok=True)
+        raise RuntimeError(f"{form.value} encoder disagrees with the unoptimised one by {worst}")
 
 
 def encoder_identity(digest: str) -> str:
@@ -330,4 +346,4 @@ def build_head_graph(head: ClassifierHead) -> onnx.ModelProto:
 
 def build_encoder(model_dir: Path, out_path: Path, head: ClassifierHead | None = None) -> None:
     """The one call the model build needs: an optimised ONNX file straight from the weights."""
-    optimize_for_cpu(build_encoder_graph(model_dir, head), out_path)
+    optimize_graph(build_encoder_graph(model_dir, head), out_path)

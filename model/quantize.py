@@ -45,9 +45,10 @@ speed-up; u8u8 gives the accuracy back too but runs slower kernels on both kinds
 worst sentences are the shortest ("?" and ""), whose pooling averages two or three tokens;
 keeping any one layer or projection in FP32 lifted "?" by at most 0.007 with 7-bit weights.
 
-FP16 (onnxruntime.transformers.float16, inputs and outputs kept FP32) is for accelerators:
-on the CPU provider ONNX Runtime inserts casts to FP32 around the kernels it lacks in FP16,
-so the check runs here but its speed means nothing here.
+FP16 (ONNX Runtime's transformer model converter, inputs and outputs kept FP32) is for
+accelerators: on the CPU provider ONNX Runtime inserts casts to FP32 around the kernels it lacks
+in FP16, so the check runs here but its speed means nothing here. A GPU version converts the
+fused graph (model/encoder.py:GraphForm).
 
 Imported by every service through the repository (for `Precision`): ONNX and ONNX Runtime
 are imported inside the functions that convert.
@@ -185,11 +186,15 @@ def _source_weight(fp32: Mapping[str, onnx.TensorProto], name: str, quantized: F
 
 def convert_fp16(model: onnx.ModelProto, out_path: Path) -> None:
     """FP16 weights and compute; the graph's inputs and outputs keep their FP32/INT64 types so
-    callers and the cache see the same tensors at every precision."""
+    callers and the cache see the same tensors at every precision. Through OnnxModel, whose
+    converter infers every tensor's type first: the plain one left a fused graph's Max with
+    one FP32 input, which ONNX Runtime 1.30's CUDA build refused to load (stop 32)."""
     import onnx
-    from onnxruntime.transformers.float16 import convert_float_to_float16
+    from onnxruntime.transformers.onnx_model import OnnxModel
 
-    onnx.save(convert_float_to_float16(model, keep_io_types=True), str(out_path))
+    converted = OnnxModel(onnx.ModelProto.FromString(model.SerializeToString()))
+    converted.convert_float_to_float16(keep_io_types=True)
+    converted.save_model_to_file(str(out_path))
 
 
 # What each conversion stores, written into the version's config beside its check figures.

@@ -95,6 +95,7 @@ def test_an_int8_build_is_quantized_checked_and_published(repo: Path) -> None:
     assert check["heldout_labels_changed"] < check["texts"]  # a count, not a placeholder
     version = repo / DEFAULT_MODEL / "2"
     assert {"MatMulInteger", "DynamicQuantizeLinear"} <= _op_types(version / "model.onnx")
+    assert cfg["build"]["graph"] == "rewritten"  # a CPU format, quantized from the unfused graph
     assert sorted(p.name for p in version.iterdir()) == [
         "config.json",
         "labels.json",
@@ -121,6 +122,9 @@ def test_an_fp16_build_holds_fp16_weights_and_asks_for_gpus(repo: Path) -> None:
     assert kinds.count(onnx.TensorProto.FLOAT16) > kinds.count(onnx.TensorProto.FLOAT)
     # Callers see the same tensors at every precision.
     assert {o.type.tensor_type.elem_type for o in model.graph.output} == {onnx.TensorProto.FLOAT}
+    # A GPU version runs ORT's fused graph: a third of the kernel launches (GraphForm).
+    assert cfg["build"]["graph"] == "fused"
+    assert {"Attention", "SkipLayerNormalization"} <= _op_types(path)
 
 
 def test_a_build_that_misses_its_check_is_refused_and_publishes_nothing(repo: Path) -> None:
