@@ -52,7 +52,7 @@ def _ops(path: Path) -> list[str]:
 
 def test_the_fused_form_has_a_third_of_the_nodes(graphs: dict[str, Path]) -> None:
     fused, rewritten = _ops(graphs["fused"]), _ops(graphs["rewritten"])
-    assert FUSED_OPS <= set(fused)
+    assert set(fused) >= FUSED_OPS
     assert not FUSED_OPS & set(rewritten)
     assert len(fused) * 2 < len(rewritten) < len(_ops(graphs["raw"]))
 
@@ -80,4 +80,4 @@ def test_fp16_from_the_fused_graph_holds_fp16_weights(graphs: dict[str, Path]) -
     model = onnx.load(str(graphs["fp16"]))
     kinds = [init.data_type for init in model.graph.initializer]
     assert kinds.count(onnx.TensorProto.FLOAT16) > kinds.count(onnx.TensorProto.FLOAT)
-    assert FUSED_OPS <= {n.op_type for n in model.graph.node}
+    assert {n.op_type for n in model.graph.node} >= FUSED_OPS
