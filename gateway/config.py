@@ -23,6 +23,14 @@ class GatewayConfig(ServerConfig):
     cache_addr: str = upstream_field("cache")
     inference_addr: str = upstream_field("inference")
     postprocess_addr: str = upstream_field("postprocess")
+    # A field of this name makes `hopline serve` a supervisor of that many processes.
+    worker_processes: int = env_field(
+        "HOPLINE_GATEWAY_WORKERS",
+        1,
+        "gateway processes sharing its port (SO_REUSEPORT, Linux), each with its own event "
+        "loop: for machines with cores to spare, where one loop is the limit; worker i serves "
+        "/metrics on HOPLINE_METRICS_PORT + i",
+    )
     default_model: str = env_field(
         "HOPLINE_DEFAULT_MODEL", "support-intents", "model used when a request names none"
     )

@@ -111,7 +111,7 @@ def rpcs_answered(metrics_port: int, method: str = "", code: str = "") -> float:
     )
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -212,7 +212,7 @@ class Mesh:
                     env=env,
                     stdout=out,
                     stderr=subprocess.STDOUT if out else None,
-                    preexec_fn=_die_with_parent if self.die_with_parent else None,
+                    preexec_fn=die_with_parent if self.die_with_parent else None,
                     process_group=0,  # a Ctrl-C reaches the launcher, which stops them in order
                 )
             finally:

@@ -24,7 +24,14 @@ from hopline.runtime.interceptors import (
     WrappingRegistrar,
 )
 from hopline.runtime.service_table import SERVICES
-from hopline.runtime.tls import TlsConfigError, TlsFiles, peer_check, server_credentials
+from hopline.runtime.tls import (
+    PeerCheck,
+    TlsConfigError,
+    TlsFiles,
+    peer_check,
+    server_credentials,
+)
+from hopline.runtime.workers import worker_index
 
 log = logging.getLogger("hopline.runtime.server")
 
@@ -110,9 +117,10 @@ class FaultInjection(RpcWrapper):
 
 
 def server_options(
-    max_message_bytes: int, max_connection_age_s: float = 0.0
+    max_message_bytes: int, max_connection_age_s: float = 0.0, *, reuse_port: bool = False
 ) -> list[tuple[str, int]]:
-    """`max_connection_age_s`: 0 keeps a connection for as long as its client does."""
+    """`max_connection_age_s`: 0 keeps a connection for as long as its client does.
+    `reuse_port`: the port is shared with the service's other workers (runtime/workers.py)."""
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -121,8 +129,9 @@ def server_options(
         ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ("grpc.http2.max_pings_without_data", 0),
         # grpc turns SO_REUSEPORT on by default: a second server on a taken port would then
-        # start fine and silently receive part of the first one's connections. Fail instead.
-        ("grpc.so_reuseport", 0),
+        # start fine and silently receive part of the first one's connections. Fail instead,
+        # unless this is one of several workers, whose supervisor checked the port was free.
+        ("grpc.so_reuseport", int(reuse_port)),
     ]
     if max_connection_age_s > 0:
         # A gRPC client resolves a dns:/// name again only when a connection ends, so without
@@ -153,12 +162,37 @@ def _bind(server: grpc.aio.Server, config: ServerConfig, tls: TlsFiles) -> int |
         return None
 
 
+async def _listen(
+    server: grpc.aio.Server, config: ServerConfig, tls: TlsFiles, peers: PeerCheck | None
+) -> bool:
+    """Bind and start accepting; False when the port cannot be bound."""
+    port = _bind(server, config, tls)
+    if port is None:
+        return False
+    await server.start()
+    log.info(
+        "listening",
+        extra={
+            "listen": config.listen,
+            "port": port,
+            "tls": bool(tls.cert),
+            "peers": sorted(peers.allowed) if peers else [],
+            "worker": worker_index(),
+        },
+    )
+    return True
+
+
 async def serve(service: Service, config: ServerConfig) -> int:
     """Run `service` until SIGTERM/SIGINT, then drain. Returns the process exit code."""
     gate = ReadinessGate()
     tls = TlsFiles.of(config, role_of(service))
     server = grpc.aio.server(
-        options=server_options(config.max_message_bytes, config.max_connection_age_s)
+        options=server_options(
+            config.max_message_bytes,
+            config.max_connection_age_s,
+            reuse_port=worker_index() is not None,
+        )
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -182,19 +216,12 @@ async def serve(service: Service, config: ServerConfig) -> int:
     for name in ("", *service.service_names):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    port = _bind(server, config, tls)
-    if port is None:
+    # A worker binds only once it is ready: the kernel hands connections only to bound
+    # listeners, so none lands on a worker still loading. A lone process binds first, so
+    # probes can see NOT_SERVING while it starts.
+    late_bind = worker_index() is not None
+    if not late_bind and not await _listen(server, config, tls, peers):
         return 2
-    await server.start()
-    log.info(
-        "listening",
-        extra={
-            "listen": config.listen,
-            "port": port,
-            "tls": bool(tls.cert),
-            "peers": sorted(peers.allowed) if peers else [],
-        },
-    )
     start_metrics_server(config.metrics_host, config.metrics_port)
 
     stop = asyncio.Event()
@@ -211,6 +238,9 @@ async def serve(service: Service, config: ServerConfig) -> int:
             log.error("start-up failed", extra={"error": f"{type(failure).__name__}: {failure}"})
             await server.stop(0)
             return 1
+        if late_bind and not await _listen(server, config, tls, peers):
+            await service.stop()
+            return 2
         gate.ready = True
         for name in ("", *service.service_names):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)

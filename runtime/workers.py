@@ -1,0 +1,110 @@
+"""Several processes of one service on one port (`HOPLINE_GATEWAY_WORKERS`).
+
+A grpc.aio service is one event loop, so it keeps at most about one core busy, however many
+the machine has. On a lent H100 machine (16 cores) the co-located mesh served 585 rps of CUDA
+misses at c=32 while its model did 3386 rps in one process; the gateway's own hop timings
+summed to 17 ms of the 50 ms p50 the client saw, and the rest was requests waiting for the
+gateway's loop (bench/results/2026-11-26-h100-fused-cuda-fp16-int8-mesh.json).
+
+`hopline serve gateway` with N > 1 workers becomes a supervisor: it starts N copies of itself,
+each a full gateway with its own loop, channels and local exact tier, all bound to the same
+address with SO_REUSEPORT, so the kernel spreads incoming connections over them (a connection
+stays with one worker). A worker binds only once it is ready (runtime/server.py), so no
+connection lands on one still starting. SIGTERM or SIGINT to the supervisor drains every
+worker; a worker that exits on its own stops the rest and the supervisor exits with its code,
+for the orchestrator to restart the whole gateway, as it would a single process. Linux only
+(SO_REUSEPORT's balancing); on two cores there are no spare cores for a second loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+log = logging.getLogger("hopline.runtime.workers")
+
+# Set in each worker's environment (its index): it serves, and binds with SO_REUSEPORT.
+WORKER_ENV = "HOPLINE_WORKER_INDEX"
+POLL_S = 0.1
+
+
+class WorkersConfigError(ValueError):
+    """Settings several workers cannot serve with."""
+
+
+def worker_index() -> int | None:
+    """This process's index among its service's workers; None when it is no worker."""
+    raw = os.environ.get(WORKER_ENV)
+    return int(raw) if raw is not None and raw.isdigit() else None
+
+
+def check(listen: str, workers: int, setting: str) -> None:
+    """WorkersConfigError when `workers` processes cannot share `listen`."""
+    if workers < 1:
+        raise WorkersConfigError(f"{setting}={workers}: at least 1 process must serve")
+    _, _, port = listen.rpartition(":")
+    if listen.startswith("unix:") or not port.isdigit() or int(port) == 0:
+        raise WorkersConfigError(
+            f"{setting}={workers} needs a fixed TCP port to share, not {listen!r}: each worker "
+            "binding port 0 or a Unix socket path would get an address of its own"
+        )
+    from hopline.runtime.launcher import address_in_use  # the supervisor's import only
+
+    if address_in_use(listen):
+        raise WorkersConfigError(
+            f"address in use: {listen}. Another process listens there; the workers would "
+            "share its connections (SO_REUSEPORT) instead of failing"
+        )
+
+
+def worker_env(index: int, metrics_port: int) -> dict[str, str]:
+    """Worker `index`'s environment: its index, and /metrics on a port of its own."""
+    env = {**os.environ, WORKER_ENV: str(index)}
+    env["HOPLINE_METRICS_PORT"] = str(metrics_port + index if metrics_port else 0)
+    return env
+
+
+def supervise(name: str, argv: Sequence[str], workers: int, metrics_port: int) -> int:
+    """Run `workers` copies of `hopline serve name argv` until they all exit; their exit code
+    (the first failure's, if one exited on its own)."""
+    from hopline.runtime.launcher import die_with_parent
+
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "hopline", "serve", name, *argv],
+            env=worker_env(i, metrics_port),
+            preexec_fn=die_with_parent,  # a supervisor killed outright takes its workers along
+        )
+        for i in range(workers)
+    ]
+    log.info("workers started", extra={"service": name, "pids": [p.pid for p in procs]})
+    stopping = False
+    failed = 0
+
+    def stop_all() -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+        stop_all()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while any(proc.poll() is None for proc in procs):
+        exited = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode is not None]
+        if exited and not stopping:
+            index, code = exited[0]
+            log.error("worker exited; stopping the others", extra={"worker": index, "code": code})
+            stopping, failed = True, code or 1
+            stop_all()
+        time.sleep(POLL_S)
+    return failed or max(proc.returncode for proc in procs)

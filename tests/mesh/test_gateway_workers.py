@@ -1,0 +1,142 @@
+"""Several gateway processes on one port (HOPLINE_GATEWAY_WORKERS, runtime/workers.py): the
+kernel spreads connections over them and each answers as the one gateway would; SIGTERM to
+the gateway drains them all; a worker that dies takes the gateway down with it, so its
+orchestrator restarts it; settings that cannot work are refused by name. Two workers on this
+2-core machine prove the behaviour, not a speed-up (that needs spare cores)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from harness import Mesh, served_ok
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+WORKERS = 2
+
+
+def _free_pair() -> int:
+    """A loopback port p with p + 1 free too: worker i serves /metrics on p + i."""
+    for _ in range(100):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise AssertionError("no two adjacent free ports")
+
+
+def _workers(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes: it serves nothing.
+    return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+
+
+def _start(repo: Path, work: Path) -> Mesh:
+    metrics = _free_pair()
+    mesh = Mesh(repo, work, service_env={"gateway": {"HOPLINE_GATEWAY_WORKERS": str(WORKERS)}})
+    mesh.metrics_ports["gateway"] = metrics
+    return mesh.start()
+
+
+@pytest.fixture
+def mesh(default_repo: Path, tmp_path: Path) -> Iterator[Mesh]:
+    m = _start(default_repo, tmp_path)
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def _predict(target: str, text: str) -> gateway_pb2.PredictResponse:
+    with grpc.insecure_channel(target) as channel:  # a connection of its own
+        reply: gateway_pb2.PredictResponse = gateway_pb2_grpc.GatewayServiceStub(channel).Predict(
+            gateway_pb2.PredictRequest(text=text), timeout=30
+        )
+        return reply
+
+
+def test_every_worker_answers_on_the_one_port(mesh: Mesh) -> None:
+    workers = _workers(mesh.procs["gateway"].pid)
+    assert len(workers) == WORKERS
+    answers = {_predict(mesh.gateway, "i forgot my password").prediction.label}
+    # Connections are spread by a hash of their addresses: in 24 fresh ones, each of two
+    # workers gets some unless the kernel stopped spreading (a chance of 2 in 2**24).
+    for _ in range(24):
+        answers.add(_predict(mesh.gateway, "i forgot my password").prediction.label)
+    assert len(answers) == 1  # one model, one answer, whichever worker gave it
+    base = mesh.metrics_ports["gateway"]
+    served = [served_ok(base + i, "Predict") for i in range(WORKERS)]
+    assert sum(served) == 25
+    assert all(n > 0 for n in served), served
+
+
+def test_sigterm_drains_every_worker(mesh: Mesh) -> None:
+    workers = _workers(mesh.procs["gateway"].pid)
+    assert _predict(mesh.gateway, "where is my order").prediction.label
+    assert mesh.terminate("gateway") == 0
+    assert not [pid for pid in workers if _alive(pid)]
+
+
+def test_a_worker_that_dies_takes_the_gateway_down(mesh: Mesh) -> None:
+    gateway = mesh.procs["gateway"]
+    first, second = _workers(gateway.pid)
+    os.kill(first, signal.SIGKILL)
+    assert gateway.wait(timeout=30) != 0
+    deadline = time.monotonic() + 10
+    while _alive(second) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(second)
+    assert "worker exited; stopping the others" in mesh.log("gateway")
+
+
+@pytest.mark.parametrize(
+    ("addr", "says"),
+    [
+        ("127.0.0.1:0", "needs a fixed TCP port to share"),
+        ("unix:/tmp/hopline-gateway.sock", "needs a fixed TCP port to share"),
+        ("taken", "address in use"),
+    ],
+)
+def test_settings_workers_cannot_share_are_refused(addr: str, says: str) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        if addr == "taken":
+            addr = f"127.0.0.1:{holder.getsockname()[1]}"
+        env = {
+            **os.environ,
+            "HOPLINE_GATEWAY_ADDR": addr,
+            "HOPLINE_GATEWAY_WORKERS": str(WORKERS),
+            "HOPLINE_LOG_FORMAT": "text",
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "hopline", "serve", "gateway"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2
+    assert says in done.stdout + done.stderr
