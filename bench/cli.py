@@ -102,6 +102,13 @@ def add_bench_command(sub: Any) -> None:
         "and each model's compute alone at --compute-batches; ratios are over the first",
     )
     p.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="gRPC connections to each mesh or peer target, calls spread over them in turn "
+        "(a gateway with HOPLINE_GATEWAY_WORKERS gives each connection to one worker)",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -314,6 +321,7 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
                 timeout_s=args.timeout,
                 # The mesh over TLS when HOPLINE_TLS_CA is set, as `hopline predict` does.
                 tls=operator_tls("gateway") if base == "mesh" else None,
+                connections=args.connections,
             )
         try:
             sys.stderr.write(f"measuring {name} ({args.mix}) ...\n")

@@ -8,6 +8,7 @@ after the window says what a response was (`describe`: cache outcome and per-hop
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +47,9 @@ class Target(Protocol):
 
 
 class PredictTarget:
-    """hopline's gateway, or a peer that speaks its Predict, over one gRPC connection.
+    """hopline's gateway, or a peer that speaks its Predict, over `connections` gRPC
+    connections, calls spread over them in turn (a server's SO_REUSEPORT workers share out
+    connections, not calls, so one connection reaches one worker).
 
     The method is called with raw bytes (no serialiser): requests are serialised before the
     window and responses decoded after it, so the load generator does no protobuf work while
@@ -66,6 +69,7 @@ class PredictTarget:
         timeout_s: float = 30.0,
         method: str = PREDICT,
         tls: ClientTls | None = None,
+        connections: int = 1,
     ) -> None:
         self.name = name
         self.address = address
@@ -75,8 +79,11 @@ class PredictTarget:
         self.cache_mode = cache_mode
         self.metadata = tuple(metadata)
         self.timeout_s = timeout_s
-        self.channel = aio_channel(address, tls, CHANNEL_OPTIONS)
-        self._call = self.channel.unary_unary(method, None, None)
+        # A subchannel pool per channel: by default gRPC shares one connection between
+        # channels to the same address with the same arguments.
+        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        self.channels = [aio_channel(address, tls, options) for _ in range(max(1, connections))]
+        self._calls = itertools.cycle([c.unary_unary(method, None, None) for c in self.channels])
 
     def payload(self, text: str) -> bytes:
         return gateway_pb2.PredictRequest(
@@ -88,7 +95,8 @@ class PredictTarget:
         ).SerializeToString()
 
     async def call(self, payload: bytes) -> bytes:
-        reply: bytes = await self._call(payload, timeout=self.timeout_s, metadata=self.metadata)
+        call = next(self._calls)
+        reply: bytes = await call(payload, timeout=self.timeout_s, metadata=self.metadata)
         return reply
 
     def describe(self, response: bytes) -> tuple[str | None, dict[str, float]]:
@@ -97,7 +105,8 @@ class PredictTarget:
         return outcome.lower(), {t.hop: t.ms for t in reply.timings}
 
     async def close(self) -> None:
-        await self.channel.close(None)
+        for channel in self.channels:
+            await channel.close(None)
 
 
 class EchoTarget(PredictTarget):

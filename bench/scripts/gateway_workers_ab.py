@@ -1,10 +1,12 @@
 """Gateway workers (HOPLINE_GATEWAY_WORKERS) against one gateway process: co-located meshes side
-by side, one per worker count, over the same model, measured by one `hopline bench --mix miss`
-run whose rounds alternate between them. For machines with cores to spare (runtime/workers.py);
-on a GPU machine pass --providers cuda,cpu so the model is not what limits the mesh.
+by side, one per worker count, over the same model, measured by one `hopline bench` run whose
+rounds alternate between them, over several connections (each reaches one worker). For
+machines with cores to spare (runtime/workers.py); on a GPU machine pass --providers cuda,cpu
+so the model is not what limits the mesh.
 
 Usage: python bench/scripts/gateway_workers_ab.py --work DIR [--workers 1,4,8]
-       [--providers cuda,cpu] [--concurrency 64] [--rounds 3] [--duration 6] [--out FILE]
+       [--providers cuda,cpu] [--concurrency 64] [--connections 16] [--mix miss]
+       [--rounds 3] [--duration 6] [--out FILE]
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def main() -> None:
     parser.add_argument("--workers", default="1,4,8")
     parser.add_argument("--providers", default="cpu")
     parser.add_argument("--concurrency", default="64")
+    parser.add_argument("--connections", default="16")
+    parser.add_argument("--mix", default="miss")
     parser.add_argument("--rounds", default="3")
     parser.add_argument("--duration", default="6")
     parser.add_argument("--out", type=Path)
@@ -54,7 +58,8 @@ def main() -> None:
         for name in names[1:]:
             argv += ["--peer", f"{name}={meshes[name].gateway}"]
         result: dict[str, Any] = bench_once(
-            *argv, "--concurrency", args.concurrency, "--mix", "miss", "--baseline", "none",
+            *argv, "--concurrency", args.concurrency, "--mix", args.mix, "--baseline", "none",
+            "--connections", args.connections,
             "--rounds", args.rounds, "--duration", args.duration, "--warmup", "2",
             "--model-repo", str(repo),
         )  # fmt: skip

@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from harness import Mesh, served_ok
+from hopline.bench.cli import bench_once
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 WORKERS = 2
@@ -90,6 +91,14 @@ def test_every_worker_answers_on_the_one_port(mesh: Mesh) -> None:
     served = [served_ok(base + i, "Predict") for i in range(WORKERS)]
     assert sum(served) == 25
     assert all(n > 0 for n in served), served
+    # `hopline bench --connections` spreads its calls the same way.
+    run = bench_once(
+        "--target", mesh.gateway, "--connections", "16", "--concurrency", "4",
+        "--duration", "1", "--warmup", "0", "--mix", "exact", "--baseline", "none",
+    )  # fmt: skip
+    assert run["targets"]["mesh"]["errors"] == 0
+    after = [served_ok(base + i, "Predict") for i in range(WORKERS)]
+    assert all(a > b for a, b in zip(after, served, strict=True)), (served, after)
 
 
 def test_sigterm_drains_every_worker(mesh: Mesh) -> None:
