@@ -215,9 +215,11 @@ class GraphForm(enum.StrEnum):
     launches more than arithmetic, so fewer nodes is faster at every batch size. FP32 p50 at
     batch 1 / 32 / 128: rewritten 1.39 / 1.67 / 1.88 ms, fused 0.86 / 0.99 / 1.23 ms; FP16
     converted from the unfused graph 1.28 / 1.69 / 1.68 ms, from the fused one 0.77 / 1.01 /
-    1.00 ms. On this project's 2-core CPU the fused graph is faster at batch 1 and slower at
-    batch 32 (3.3 vs 3.8 ms, 134 vs 117 ms; stop 30: 1.04x and 0.95x), so CPU versions keep
-    the rewritten form."""
+    1.00 ms. On this project's 2-core CPU (the service's spinning threads, alternated, two
+    runs) the fused graph is faster at batch 1 and slower from batch 16 on: 2 threads b1
+    4.13 -> 3.85 and 4.48 -> 4.02 ms, b32 114.4 -> 117.6 and 114.0 -> 115.7 ms; 1 thread (the
+    side-by-side sessions under load) b1 6.25 -> 6.12, b16 92.5 -> 97.1, b32 195.6 -> 210.7 ms.
+    Load is where the CPU is short, so CPU versions keep the rewritten form."""
 
     REWRITTEN = "rewritten"  # ORT's extended rewrites from a CPU session: 194 nodes
     FUSED = "fused"  # ORT's offline BERT fusions into its own contrib ops: 64 nodes
