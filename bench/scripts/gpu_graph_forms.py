@@ -46,11 +46,10 @@ from hopline.model.build import (
     load_sentences,
 )
 from hopline.model.encoder import (
-    META_HEADS,
-    META_HIDDEN,
     ClassifierHead,
     GraphForm,
     build_encoder_graph,
+    fuse_transformer,
     optimize_graph,
 )
 from hopline.model.quantize import convert_fp16, cosines
@@ -60,36 +59,14 @@ from hopline.model.tokenizer import encode, load_tokenizer
 OUTPUTS = ["sentence_embedding", "logits"]
 
 
-def _fused(model: onnx.ModelProto, out: Path, *, use_gpu: bool, fp16: bool = False) -> None:
-    """The fusions as measured on the H100, with ORT's use_gpu flag either way."""
-    from onnxruntime.transformers.fusion_options import FusionOptions
-    from onnxruntime.transformers.optimizer import optimize_model
-
-    props = {p.key: p.value for p in model.metadata_props}
-    options = FusionOptions("bert")
-    options.use_raw_attention_mask(True)
-    fused = optimize_model(
-        onnx.ModelProto.FromString(model.SerializeToString()),
-        model_type="bert",
-        num_heads=int(props.get(META_HEADS, 0)),
-        hidden_size=int(props.get(META_HIDDEN, 0)),
-        optimization_options=options,
-        opt_level=0,
-        use_gpu=use_gpu,
-    )
-    if fp16:
-        fused.convert_float_to_float16(keep_io_types=True)
-    fused.save_model_to_file(str(out))
-
-
 def build_forms(raw: onnx.ModelProto, folder: Path) -> dict[str, Any]:
     makers: dict[str, Callable[[Path], None]] = {
         "fp32_raw": lambda p: onnx.save(raw, str(p)),
         "fp32_session": lambda p: optimize_graph(raw, p, GraphForm.REWRITTEN),
-        "fp32_fused_cpu": lambda p: _fused(raw, p, use_gpu=False),
+        "fp32_fused_cpu": lambda p: fuse_transformer(raw, p, use_gpu=False),
         "fp32_fused_gpu": lambda p: optimize_graph(raw, p, GraphForm.FUSED),
         "fp16_raw": lambda p: convert_fp16(raw, p),
-        "fp16_fused_gpu": lambda p: _fused(raw, p, use_gpu=True, fp16=True),
+        "fp16_fused_gpu": lambda p: convert_fp16(onnx.load(str(folder / "fp32_fused_gpu.onnx")), p),
     }
     forms: dict[str, Any] = {}
     for name, make in makers.items():
