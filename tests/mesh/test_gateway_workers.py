@@ -121,14 +121,15 @@ def test_a_worker_that_dies_takes_the_gateway_down(mesh: Mesh) -> None:
 
 
 @pytest.mark.parametrize(
-    ("addr", "says"),
+    ("addr", "workers", "says"),
     [
-        ("127.0.0.1:0", "needs a fixed TCP port to share"),
-        ("unix:/tmp/hopline-gateway.sock", "needs a fixed TCP port to share"),
-        ("taken", "address in use"),
+        ("127.0.0.1:0", WORKERS, "needs a fixed TCP port to share"),
+        ("unix:/tmp/hopline-gateway.sock", WORKERS, "needs a fixed TCP port to share"),
+        ("taken", WORKERS, "address in use"),
+        ("taken", 0, "HOPLINE_GATEWAY_WORKERS=0: at least 1 process must serve"),
     ],
 )
-def test_settings_workers_cannot_share_are_refused(addr: str, says: str) -> None:
+def test_settings_workers_cannot_share_are_refused(addr: str, workers: int, says: str) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
@@ -137,7 +138,7 @@ def test_settings_workers_cannot_share_are_refused(addr: str, says: str) -> None
         env = {
             **os.environ,
             "HOPLINE_GATEWAY_ADDR": addr,
-            "HOPLINE_GATEWAY_WORKERS": str(WORKERS),
+            "HOPLINE_GATEWAY_WORKERS": str(workers),
             "HOPLINE_LOG_FORMAT": "text",
         }
         done = subprocess.run(
