@@ -29,14 +29,22 @@ def _serve(name: str, argv: Sequence[str]) -> int:
     from hopline.observability.logs import setup_logging
     from hopline.observability.tracing import setup_tracing
     from hopline.runtime.server import serve
-    from hopline.runtime.workers import WorkersConfigError, check, supervise, worker_index
+    from hopline.runtime.workers import (
+        WorkersConfigError,
+        check,
+        follow_supervisor,
+        supervise,
+        worker_index,
+    )
 
     # Only this service's module is imported: `serve gateway` loads no ONNX Runtime or Milvus.
     config_cls, service_cls = spec(name).load()
     config = cfg.load(config_cls, argv, prog=f"hopline serve {name}")
     setup_logging(name, config.log_level, config.log_format)
     workers = getattr(config, "worker_processes", 1)
-    if workers != 1 and worker_index() is None:
+    if worker_index() is not None:
+        follow_supervisor()
+    elif workers != 1:
         try:
             check(config.listen, workers, "HOPLINE_GATEWAY_WORKERS")
         except WorkersConfigError as exc:

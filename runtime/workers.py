@@ -12,7 +12,8 @@ address with SO_REUSEPORT, so the kernel spreads incoming connections over them 
 stays with one worker). A worker binds only once it is ready (runtime/server.py), so no
 connection lands on one still starting. SIGTERM or SIGINT to the supervisor drains every
 worker; a worker that exits on its own stops the rest and the supervisor exits with its code,
-for the orchestrator to restart the whole gateway, as it would a single process. Linux only
+for the orchestrator to restart the whole gateway, as it would a single process; a supervisor
+killed outright (SIGKILL) takes its workers along (each asked for PR_SET_PDEATHSIG). Linux only
 (SO_REUSEPORT's balancing); on two cores there are no spare cores for a second loop.
 """
 
@@ -31,6 +32,7 @@ log = logging.getLogger("hopline.runtime.workers")
 
 # Set in each worker's environment (its index): it serves, and binds with SO_REUSEPORT.
 WORKER_ENV = "HOPLINE_WORKER_INDEX"
+SUPERVISOR_ENV = "HOPLINE_WORKER_SUPERVISOR"  # the supervisor's pid
 POLL_S = 0.1
 
 
@@ -42,6 +44,18 @@ def worker_index() -> int | None:
     """This process's index among its service's workers; None when it is no worker."""
     raw = os.environ.get(WORKER_ENV)
     return int(raw) if raw is not None and raw.isdigit() else None
+
+
+def follow_supervisor() -> None:
+    """A worker gets SIGTERM (and drains) when its supervisor dies, even by SIGKILL. Asked
+    for here, after exec, rather than between fork and exec in the supervisor, which has
+    threads by then (the gateway's imports start one); a supervisor that died before this
+    call is caught by comparing the parent's pid."""
+    from hopline.runtime.launcher import die_with_parent
+
+    die_with_parent()
+    if str(os.getppid()) != os.environ.get(SUPERVISOR_ENV):
+        raise SystemExit("the gateway's supervisor exited before this worker started")
 
 
 def check(listen: str, workers: int, setting: str) -> None:
@@ -65,7 +79,7 @@ def check(listen: str, workers: int, setting: str) -> None:
 
 def worker_env(index: int, metrics_port: int) -> dict[str, str]:
     """Worker `index`'s environment: its index, and /metrics on a port of its own."""
-    env = {**os.environ, WORKER_ENV: str(index)}
+    env = {**os.environ, WORKER_ENV: str(index), SUPERVISOR_ENV: str(os.getpid())}
     env["HOPLINE_METRICS_PORT"] = str(metrics_port + index if metrics_port else 0)
     return env
 
@@ -73,13 +87,10 @@ def worker_env(index: int, metrics_port: int) -> dict[str, str]:
 def supervise(name: str, argv: Sequence[str], workers: int, metrics_port: int) -> int:
     """Run `workers` copies of `hopline serve name argv` until they all exit; their exit code
     (the first failure's, if one exited on its own)."""
-    from hopline.runtime.launcher import die_with_parent
-
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "hopline", "serve", name, *argv],
             env=worker_env(i, metrics_port),
-            preexec_fn=die_with_parent,  # a supervisor killed outright takes its workers along
         )
         for i in range(workers)
     ]

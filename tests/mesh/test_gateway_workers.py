@@ -120,6 +120,17 @@ def test_a_worker_that_dies_takes_the_gateway_down(mesh: Mesh) -> None:
     assert "worker exited; stopping the others" in mesh.log("gateway")
 
 
+def test_a_supervisor_killed_outright_takes_its_workers_along(mesh: Mesh) -> None:
+    gateway = mesh.procs["gateway"]
+    workers = _workers(gateway.pid)
+    gateway.kill()
+    gateway.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in workers if _alive(pid)]
+
+
 @pytest.mark.parametrize(
     ("addr", "workers", "says"),
     [
