@@ -173,6 +173,16 @@ def is_local(uri: str) -> bool:
     return "://" not in uri
 
 
+def _stop_lite_server(path: str) -> None:
+    """Stop the milvus-lite server process that opening `path` started. milvus-lite would stop
+    it only at interpreter teardown, which a service's exit skips (runtime/server.py), and the
+    process would outlive the service holding the file's lock."""
+    with contextlib.suppress(ImportError):
+        from milvus_lite.server_manager import server_manager_instance
+
+        server_manager_instance.release_server(path)
+
+
 def _milvus_lite_logs_beside(db: Path) -> None:
     """milvus-lite's server (a child pymilvus starts with this process's environment) logs
     through glog, which writes a file into /tmp at every start unless told a folder: each
@@ -537,6 +547,8 @@ class MilvusStore:
                 client.close()
             except Exception:  # closing a broken client must not mask the cause
                 log.debug("closing the Milvus client failed", exc_info=True)
+            if is_local(self.uri):
+                _stop_lite_server(self.uri)
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """The client's `method(<generation in use>, *args, ...)`; a reclaim's switch waits."""

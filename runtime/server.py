@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 from collections.abc import AsyncIterator
-from typing import Any, Protocol, cast
+from typing import Any, NoReturn, Protocol, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -56,32 +58,74 @@ class Service(Protocol):
 
 
 NOT_READY = "starting up: not ready yet, retry"
+DRAINING = "shutting down: retry on another replica"
+REPLY_FLUSH_S = 0.05
 
 
 class ReadinessGate(RpcWrapper):
-    """Refuses service RPCs with UNAVAILABLE until start-up has finished.
+    """Refuses service RPCs with UNAVAILABLE while starting up and while draining, and
+    counts the ones in flight so a drain knows when they have finished.
 
     The port is bound before models load (so health probes can see NOT_SERVING); without
-    this gate an early caller would get answers from a half-loaded service.
+    this gate an early caller would get answers from a half-loaded service. While draining,
+    the gate refuses new calls itself (see `_end_process` for why grpc's shutdown does not).
     """
 
     def __init__(self) -> None:
         self.ready = False
+        self.draining = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def _refusal(self) -> str | None:
+        if self.draining:
+            return DRAINING
+        return None if self.ready else NOT_READY
+
+    def _enter(self) -> None:
+        self._in_flight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+
+    async def settle(self, timeout_s: float) -> bool:
+        """Wait until no admitted RPC is in flight; False when `timeout_s` ran out first."""
+        if self._idle.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=max(timeout_s, 0.0))
+        except TimeoutError:
+            return False
+        return True
 
     def wrap(self, method: str, inner: Behaviour) -> Behaviour:
         async def gated(request: Any, context: Context) -> Any:
-            if not self.ready:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
-            return await inner(request, context)
+            refusal = self._refusal()
+            if refusal is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
+            self._enter()
+            try:
+                return await inner(request, context)
+            finally:
+                self._leave()
 
         return gated
 
     def wrap_stream(self, method: str, inner: StreamBehaviour) -> StreamBehaviour:
         async def gated(request: Any, context: Context) -> AsyncIterator[Any]:
-            if not self.ready:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
-            async for reply in inner(request, context):
-                yield reply
+            refusal = self._refusal()
+            if refusal is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
+            self._enter()
+            try:
+                async for reply in inner(request, context):
+                    yield reply
+            finally:
+                self._leave()
 
         return gated
 
@@ -184,7 +228,9 @@ async def _listen(
 
 
 async def serve(service: Service, config: ServerConfig) -> int:
-    """Run `service` until SIGTERM/SIGINT, then drain. Returns the process exit code."""
+    """Run `service` until SIGTERM/SIGINT, then drain and end the process (exit code 0).
+
+    Returns an exit code only when the service could not start."""
     gate = ReadinessGate()
     tls = TlsFiles.of(config, role_of(service))
     server = grpc.aio.server(
@@ -249,16 +295,53 @@ async def serve(service: Service, config: ServerConfig) -> int:
     else:
         starting.cancel()
 
-    # Drain: report NOT_SERVING first (balancers and probes move away), keep accepting for a
-    # moment, then refuse new RPCs and give in-flight ones the grace period to finish.
-    log.info("draining", extra={"delay_s": config.drain_delay_s, "grace_s": config.drain_grace_s})
-    await health.enter_graceful_shutdown()
-    await asyncio.sleep(config.drain_delay_s)
-    drain = getattr(service, "drain", None)  # optional: end streams held open indefinitely
-    if drain is not None:
-        await drain()
-    await server.stop(config.drain_grace_s)
+    await _drain(server, service, config, health, gate)
     await service.stop()
     shutdown_tracing()
     log.info("stopped")
-    return 0
+    _end_process(0)
+
+
+async def _drain(
+    server: grpc.aio.Server,
+    service: Service,
+    config: ServerConfig,
+    health: HealthServicer,
+    gate: ReadinessGate,
+) -> None:
+    """Report NOT_SERVING first (balancers and probes move away) and keep answering for the
+    delay; then refuse new RPCs with UNAVAILABLE and give in-flight ones the grace period to
+    finish. The server is stopped (which cancels what still runs) only when the grace ran out."""
+    log.info("draining", extra={"delay_s": config.drain_delay_s, "grace_s": config.drain_grace_s})
+    await health.enter_graceful_shutdown()
+    await asyncio.sleep(config.drain_delay_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + config.drain_grace_s
+    gate.draining = True
+    drain = getattr(service, "drain", None)  # optional: end streams held open indefinitely
+    if drain is not None:
+        await drain()
+    if await gate.settle(deadline - loop.time()):
+        # The replies of the last calls to finish are written by grpc after their handlers
+        # return; give them a moment to reach the socket before the process ends.
+        await asyncio.sleep(REPLY_FLUSH_S)
+    else:
+        log.warning("grace period over: cancelling the RPCs still in flight")
+        await server.stop(0)
+
+
+def _end_process(code: int) -> NoReturn:
+    """End the process without grpc's server shutdown.
+
+    grpc's shutdown fails the calls that have reached the process but that no handler has
+    taken yet with CANCELLED (grpc/grpc#41785), and callers rightly do not retry CANCELLED.
+    Callers that ignore health keep sending until their connection ends, so some of their
+    calls are always in that state at the moment of a shutdown. Ending the process closes the
+    connections instead: those calls fail with UNAVAILABLE, which callers retry elsewhere.
+    (asyncio.run's teardown would run grpc's shutdown, hence os._exit; services release what
+    outlives the process in their stop(), e.g. the milvus-lite server the cache started.)
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

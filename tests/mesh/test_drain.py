@@ -1,4 +1,5 @@
-"""SIGTERM under a trickle of requests: NOT_SERVING first, in-flight work finishes, exit 0."""
+"""SIGTERM under load: NOT_SERVING first, in-flight work finishes, callers are refused with
+UNAVAILABLE (never CANCELLED), exit 0."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 from conftest import DEFAULT_MODEL
 from harness import NOT_SERVING, SERVING, Mesh, health
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.runtime.server import DRAINING
 from hopline.runtime.tensors import to_tensor
 
 
@@ -85,3 +87,53 @@ def test_sigterm_drains_in_flight_requests(default_repo: Path, tmp_path: Path) -
     assert set(outcomes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, set(outcomes)
     assert "draining" in mesh.log("inference")
     assert "stopped" in mesh.log("inference")
+
+
+def test_callers_that_ignore_health_are_refused_never_cancelled(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """Eight callers call back to back on their own connections through a drain, as clients
+    behind an L4 balancer keep doing on an open connection. grpc's server shutdown fails the
+    calls that have arrived but that no handler has taken with CANCELLED (grpc/grpc#41785),
+    and with callers this busy some always have: before the drain refused calls itself and
+    the process ended without that shutdown, 3 of 5 such drains cancelled calls (10 in all)."""
+    repo = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    mesh = Mesh(repo, tmp_path, HOPLINE_DRAIN_DELAY_S="0.5", HOPLINE_DRAIN_GRACE_S="60")
+    mesh.start(("inference",))
+    target = mesh.addrs["inference"]
+    outcomes: list[tuple[grpc.StatusCode, str]] = []
+    stop = threading.Event()
+
+    def caller() -> None:
+        with grpc.insecure_channel(target) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            while not stop.is_set():
+                try:
+                    stub.Infer(_request(1, 12), timeout=30)
+                    outcomes.append((grpc.StatusCode.OK, ""))
+                except grpc.RpcError as err:
+                    outcomes.append((err.code(), err.details() or ""))
+
+    callers = [threading.Thread(target=caller) for _ in range(8)]
+    for t in callers:
+        t.start()
+    time.sleep(0.5)
+    with grpc.insecure_channel(target) as channel:
+        big = inference_pb2_grpc.InferenceServiceStub(channel).Infer.future(
+            _request(64, 256), timeout=60
+        )
+        time.sleep(0.1)  # the big batch is now running
+        code = mesh.terminate("inference", timeout_s=60)
+        assert len(big.result(timeout=60).outputs) == 2
+    time.sleep(0.3)  # and the callers meet the closed port for a while
+    stop.set()
+    for t in callers:
+        t.join(timeout=30)
+
+    assert code == 0, mesh.log("inference")
+    codes = {c for c, _ in outcomes}
+    assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
+    assert sum(c == grpc.StatusCode.OK for c, _ in outcomes) >= 8
+    # The drain refused calls itself, telling the caller what to do.
+    assert any(DRAINING in details for _, details in outcomes)
