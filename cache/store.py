@@ -174,9 +174,9 @@ def is_local(uri: str) -> bool:
 
 
 def _stop_lite_server(path: str) -> None:
-    """Stop the milvus-lite server process that opening `path` started. milvus-lite would stop
-    it only at interpreter teardown, which a service's exit skips (runtime/server.py), and the
-    process would outlive the service holding the file's lock."""
+    """Stop the milvus-lite server process that opening `path` started, gracefully (SIGTERM,
+    then wait). milvus-lite does that only at interpreter teardown, which a service's exit
+    skips (runtime/server.py:_end_process); left alone it exits on finding its parent gone."""
     with contextlib.suppress(ImportError):
         from milvus_lite.server_manager import server_manager_instance
 
