@@ -26,27 +26,45 @@ def _request(batch: int, seq: int) -> inference_pb2.InferRequest:
     )
 
 
-def test_sigterm_drains_in_flight_requests(default_repo: Path, tmp_path: Path) -> None:
+Outcome = tuple[grpc.StatusCode, str]
+
+
+def _keep_calling(
+    target: str, stop: threading.Event, outcomes: list[Outcome], pause_s: float
+) -> None:
+    """Infer on a connection of its own until `stop`, ignoring health as a naive client does;
+    records each call's status and details."""
+    with grpc.insecure_channel(target) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        while not stop.is_set():
+            try:
+                stub.Infer(_request(1, 12), timeout=30)
+                outcomes.append((grpc.StatusCode.OK, ""))
+            except grpc.RpcError as err:
+                outcomes.append((err.code(), err.details() or ""))
+            time.sleep(pause_s)
+
+
+def _inference_alone(default_repo: Path, tmp_path: Path, drain_delay_s: float) -> tuple[Mesh, str]:
+    """An inference service on the default model, and its address."""
     repo = tmp_path / "models"
     shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
     # A generous grace: the 64x256 batch must finish, however loaded the machine is.
-    mesh = Mesh(repo, tmp_path, HOPLINE_DRAIN_DELAY_S="1.0", HOPLINE_DRAIN_GRACE_S="60")
+    mesh = Mesh(
+        repo, tmp_path, HOPLINE_DRAIN_DELAY_S=str(drain_delay_s), HOPLINE_DRAIN_GRACE_S="60"
+    )
     mesh.start(("inference",))
-    target = mesh.addrs["inference"]
-    outcomes: list[grpc.StatusCode] = []
+    return mesh, mesh.addrs["inference"]
+
+
+def test_sigterm_drains_in_flight_requests(default_repo: Path, tmp_path: Path) -> None:
+    mesh, target = _inference_alone(default_repo, tmp_path, drain_delay_s=1.0)
+    outcomes: list[Outcome] = []
     statuses: list[int | None] = []
     stop = threading.Event()
 
     def trickle() -> None:
-        with grpc.insecure_channel(target) as channel:
-            stub = inference_pb2_grpc.InferenceServiceStub(channel)
-            while not stop.is_set():
-                try:
-                    stub.Infer(_request(1, 12), timeout=20)
-                    outcomes.append(grpc.StatusCode.OK)
-                except grpc.RpcError as err:
-                    outcomes.append(err.code())
-                time.sleep(0.02)
+        _keep_calling(target, stop, outcomes, pause_s=0.02)
 
     def watch() -> None:
         while not stop.is_set():
@@ -83,8 +101,9 @@ def test_sigterm_drains_in_flight_requests(default_repo: Path, tmp_path: Path) -
     assert all(s == SERVING for s in statuses[:first_not_serving])
     # Requests succeeded before and during the drain; afterwards they are refused, never
     # cut off half-way (no CANCELLED/INTERNAL/UNKNOWN).
-    assert outcomes.count(grpc.StatusCode.OK) >= 5
-    assert set(outcomes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, set(outcomes)
+    codes = [code for code, _ in outcomes]
+    assert codes.count(grpc.StatusCode.OK) >= 5
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, set(codes)
     assert "draining" in mesh.log("inference")
     assert "stopped" in mesh.log("inference")
 
@@ -97,25 +116,12 @@ def test_callers_that_ignore_health_are_refused_never_cancelled(
     calls that have arrived but that no handler has taken with CANCELLED (grpc/grpc#41785),
     and with callers this busy some always have: before the drain refused calls itself and
     the process ended without that shutdown, 3 of 5 such drains cancelled calls (10 in all)."""
-    repo = tmp_path / "models"
-    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
-    mesh = Mesh(repo, tmp_path, HOPLINE_DRAIN_DELAY_S="0.5", HOPLINE_DRAIN_GRACE_S="60")
-    mesh.start(("inference",))
-    target = mesh.addrs["inference"]
-    outcomes: list[tuple[grpc.StatusCode, str]] = []
+    mesh, target = _inference_alone(default_repo, tmp_path, drain_delay_s=0.5)
+    outcomes: list[Outcome] = []
     stop = threading.Event()
-
-    def caller() -> None:
-        with grpc.insecure_channel(target) as channel:
-            stub = inference_pb2_grpc.InferenceServiceStub(channel)
-            while not stop.is_set():
-                try:
-                    stub.Infer(_request(1, 12), timeout=30)
-                    outcomes.append((grpc.StatusCode.OK, ""))
-                except grpc.RpcError as err:
-                    outcomes.append((err.code(), err.details() or ""))
-
-    callers = [threading.Thread(target=caller) for _ in range(8)]
+    callers = [
+        threading.Thread(target=_keep_calling, args=(target, stop, outcomes, 0.0)) for _ in range(8)
+    ]
     for t in callers:
         t.start()
     time.sleep(0.5)

@@ -9,28 +9,14 @@ from typing import Any, cast
 
 import grpc
 import pytest
+from servicer_context import Aborted, AbortingContext
 
 from hopline.runtime.interceptors import Context
 from hopline.runtime.server import DRAINING, NOT_READY, ReadinessGate
 
 
-class Aborted(Exception):
-    pass
-
-
-class AbortingContext:
-    """What the gate uses of a grpc.aio ServicerContext; abort raises, as grpc's does."""
-
-    def __init__(self) -> None:
-        self.aborted: tuple[grpc.StatusCode, str] | None = None
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.aborted = (code, details)
-        raise Aborted(details)
-
-
 def context() -> Context:
-    return cast(Context, AbortingContext())
+    return AbortingContext().as_context()
 
 
 async def refused(call: Any) -> tuple[grpc.StatusCode, str] | None:

@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import grpc
 import pytest
+from servicer_context import Aborted, AbortingContext
 
 from conftest import until
 from hopline.cache.keys import exact_key, scope_tuple
@@ -520,27 +521,6 @@ def test_an_upstream_error_ends_the_request_with_its_mapped_status(
         assert context.aborted == (status, message)
 
     run(scenario)
-
-
-class Aborted(Exception):
-    pass
-
-
-class AbortingContext:
-    """The bits of a grpc.aio ServicerContext Predict uses; abort raises, as grpc's does."""
-
-    def __init__(self) -> None:
-        self.aborted: tuple[grpc.StatusCode, str] | None = None
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ()
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.aborted = (code, details)
-        raise Aborted
 
 
 def test_identical_concurrent_misses_share_one_inference() -> None:

@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import grpc
 import pytest
+from servicer_context import Aborted, AbortingContext
 
 from hopline.gateway.call import check_cache_mode
 from hopline.gateway.config import GatewayConfig
@@ -48,30 +49,6 @@ BAD_UTF8 = b"\x0a\x02\xff\xfe"
 CORRUPT = b"\xff\xff\xff\xff"
 TRUNCATED = VALID[:5]  # the text's length prefix promises more than follows
 REPLY = gateway_pb2.PredictResponse(model="m")
-
-
-class Aborted(Exception):
-    pass
-
-
-class FakeContext:
-    """What the wrappers use of a grpc.aio ServicerContext; abort raises, as grpc's does."""
-
-    def __init__(self) -> None:
-        self.aborted: tuple[grpc.StatusCode, str] | None = None
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.aborted = (code, details)
-        raise Aborted(details)
-
-    def code(self) -> grpc.StatusCode | None:
-        return self.aborted[0] if self.aborted else None
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ()
-
-    def time_remaining(self) -> float | None:
-        return None
 
 
 class Recorder(RpcWrapper):
@@ -121,8 +98,8 @@ def unary_handler(method: str = PREDICT, *wrappers: RpcWrapper) -> tuple[Any, li
     return wrap_handler(method, handler, wrappers), got
 
 
-def call(handler: Any, data: bytes) -> tuple[Any, FakeContext]:
-    context = FakeContext()
+def call(handler: Any, data: bytes) -> tuple[Any, AbortingContext]:
+    context = AbortingContext()
 
     async def main() -> Any:
         try:
@@ -235,7 +212,7 @@ def test_a_request_stream_is_decoded_message_by_message() -> None:
     )
     assert handler.request_deserializer is None
     first = gateway_pb2.PredictStreamRequest(id="a").SerializeToString()
-    context = FakeContext()
+    context = AbortingContext()
     replies: list[str] = []
 
     async def answer() -> None:
@@ -271,14 +248,14 @@ def test_unary_stream_and_stream_unary_decode_too() -> None:
     one = gateway_pb2.PredictRequest(text="x").SerializeToString()
 
     async def main() -> None:
-        assert [t async for t in watching.unary_stream(one, FakeContext())] == ["x"]
-        context = FakeContext()
+        assert [t async for t in watching.unary_stream(one, AbortingContext())] == ["x"]
+        context = AbortingContext()
         with pytest.raises(Aborted):
             _ = [t async for t in watching.unary_stream(BAD_UTF8, context)]
         assert context.aborted is not None
         assert context.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
-        assert await collecting.stream_unary(feed(one, one), FakeContext()) == "x,x"
-        context = FakeContext()
+        assert await collecting.stream_unary(feed(one, one), AbortingContext()) == "x,x"
+        context = AbortingContext()
         with pytest.raises(Aborted):
             await collecting.stream_unary(feed(one, CORRUPT), context)
         assert context.aborted is not None
