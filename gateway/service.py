@@ -166,6 +166,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             cache_pb2.WatchInvalidationsRequest(keys=self.key_mirror.capacity > 0)
         )
 
+    def begin_drain(self) -> None:
+        """SIGTERM: KServe's ServerReady and ModelReady answer false from now on, as health
+        does, while calls are still served for the drain delay (runtime/server.py)."""
+        self.serving = False
+
     async def stop(self) -> None:
         self.serving = False
         await self.writes.close()  # pending cache writes land before the channels close

@@ -56,6 +56,10 @@ class Service(Protocol):
     async def stop(self) -> None:
         """Release resources after in-flight RPCs have finished."""
 
+    # Optional, looked up with getattr: `begin_drain()` when SIGTERM arrives (a readiness probe
+    # of the service's own API turns false with health), `async drain()` once the drain delay
+    # is over (end streams held open indefinitely).
+
 
 NOT_READY = "starting up: not ready yet, retry"
 DRAINING = "shutting down: retry on another replica"
@@ -314,6 +318,9 @@ async def _drain(
     finish. The server is stopped (which cancels what still runs) only when the grace ran out."""
     log.info("draining", extra={"delay_s": config.drain_delay_s, "grace_s": config.drain_grace_s})
     await health.enter_graceful_shutdown()
+    begin_drain = getattr(service, "begin_drain", None)  # optional: readiness in its own API
+    if begin_drain is not None:
+        begin_drain()
     await asyncio.sleep(config.drain_delay_s)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + config.drain_grace_s

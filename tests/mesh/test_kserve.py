@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import queue
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -499,3 +500,31 @@ def test_live_but_not_ready_while_the_gateway_starts(default_repo: Path, tmp_pat
         c.close()
     finally:
         alone.stop()
+
+
+def test_not_ready_while_the_gateway_drains(default_repo: Path, tmp_path: Path) -> None:
+    """SIGTERM: ServerReady and ModelReady turn false with health, while the gateway still
+    answers calls for its drain delay; then it exits 0."""
+    repo = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    mesh = Mesh(repo, tmp_path, HOPLINE_DRAIN_DELAY_S="3.0")
+    mesh.start()
+    c = triton.InferenceServerClient(url=mesh.gateway)
+    try:
+        assert c.is_server_ready() is True
+        assert c.is_model_ready(DEFAULT_MODEL) is True
+        gateway = mesh.procs["gateway"]
+        gateway.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 2.0
+        while c.is_server_ready() is True:
+            assert time.monotonic() < deadline, mesh.log("gateway")
+            time.sleep(0.05)
+        assert c.is_server_live() is True
+        assert c.is_model_ready(DEFAULT_MODEL) is False
+        # Still in the delay: a call is answered, not refused.
+        answer = c.infer(DEFAULT_MODEL, [text_input(["please cancel my subscription"])])
+        assert answer.as_numpy("label") is not None
+        assert gateway.wait(timeout=30) == 0, mesh.log("gateway")
+    finally:
+        c.close()
+        mesh.stop()
