@@ -50,7 +50,7 @@ def _serve(name: str, argv: Sequence[str]) -> int:
         except WorkersConfigError as exc:
             logging.getLogger("hopline").error("cannot start workers", extra={"error": str(exc)})
             return 2
-        return supervise(name, argv, workers, config.metrics_port)
+        return supervise(name, argv, workers, config.metrics_host, config.metrics_port)
     setup_tracing(name)
     logging.getLogger("hopline").info("config", extra={"config": vars(config)})
 

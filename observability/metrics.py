@@ -11,7 +11,14 @@ from __future__ import annotations
 import logging
 
 from opentelemetry import trace
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 
 log = logging.getLogger("hopline.metrics")
 
@@ -198,12 +205,14 @@ def count(metric: Counter, **labels: str) -> int:
     return int(total)
 
 
-def start_metrics_server(host: str, port: int) -> int | None:
+def start_metrics_server(
+    host: str, port: int, registry: CollectorRegistry = REGISTRY
+) -> int | None:
     """Serve /metrics on host:port from a daemon thread; 0 disables it. Returns the port."""
     if port <= 0:
         return None
     try:
-        server, _ = start_http_server(port, addr=host)
+        server, _ = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
         # A taken metrics port must not take the service down with it: say so and go on.
         log.error("cannot serve metrics", extra={"host": host, "port": port, "error": str(exc)})

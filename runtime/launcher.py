@@ -96,9 +96,9 @@ def is_serving(target: str, timeout_s: float = 1.0, tls: ClientTls | None = None
     return health_status(target, timeout_s, tls) == SERVING
 
 
-def rpcs_answered(metrics_port: int, method: str = "", code: str = "") -> float:
-    """RPCs a service process has answered (of `method`, with status `code`, where given),
-    from its /metrics on loopback."""
+def rpcs_answered(metrics_port: int, method: str = "", code: str = "", worker: str = "") -> float:
+    """RPCs a service process has answered (of `method`, with status `code`, by worker
+    `worker` of several (runtime/workers.py), where given), from its /metrics on loopback."""
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as reply:
         text = reply.read().decode()
@@ -108,6 +108,7 @@ def rpcs_answered(metrics_port: int, method: str = "", code: str = "") -> float:
         if line.startswith("hopline_rpc_duration_seconds_count{")
         and (not method or f'method="{method}"' in line)
         and (not code or f'code="{code}"' in line)
+        and (not worker or f'worker="{worker}"' in line)
     )
 
 

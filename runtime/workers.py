@@ -77,16 +77,27 @@ def check(listen: str, workers: int, setting: str) -> None:
         )
 
 
+def worker_metrics_port(index: int, metrics_port: int) -> int:
+    """Where worker `index` serves its own /metrics: the ports after the service's, which
+    the supervisor serves with every worker's metrics merged (0: none)."""
+    return metrics_port + 1 + index if metrics_port else 0
+
+
 def worker_env(index: int, metrics_port: int) -> dict[str, str]:
     """Worker `index`'s environment: its index, and /metrics on a port of its own."""
     env = {**os.environ, WORKER_ENV: str(index), SUPERVISOR_ENV: str(os.getpid())}
-    env["HOPLINE_METRICS_PORT"] = str(metrics_port + index if metrics_port else 0)
+    env["HOPLINE_METRICS_PORT"] = str(worker_metrics_port(index, metrics_port))
     return env
 
 
-def supervise(name: str, argv: Sequence[str], workers: int, metrics_port: int) -> int:
+def supervise(
+    name: str, argv: Sequence[str], workers: int, metrics_host: str, metrics_port: int
+) -> int:
     """Run `workers` copies of `hopline serve name argv` until they all exit; their exit code
-    (the first failure's, if one exited on its own)."""
+    (the first failure's, if one exited on its own). Meanwhile serve their metrics, merged,
+    on the service's metrics port."""
+    from hopline.observability.worker_metrics import serve_workers_metrics
+
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "hopline", "serve", name, *argv],
@@ -95,6 +106,9 @@ def supervise(name: str, argv: Sequence[str], workers: int, metrics_port: int) -
         for i in range(workers)
     ]
     log.info("workers started", extra={"service": name, "pids": [p.pid for p in procs]})
+    serve_workers_metrics(
+        metrics_host, metrics_port, [worker_metrics_port(i, metrics_port) for i in range(workers)]
+    )
     stopping = False
     failed = 0
 

@@ -6,38 +6,42 @@ orchestrator restarts it; settings that cannot work are refused by name. Two wor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from harness import Mesh, served_ok
+from harness import Mesh, rpcs_answered, served_ok
 from hopline.bench.cli import bench_once
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 WORKERS = 2
 
 
-def _free_pair() -> int:
-    """A loopback port p with p + 1 free too: worker i serves /metrics on p + i."""
+def _free_run(count: int) -> int:
+    """A loopback port p with p + 1 .. p + count - 1 free too: the supervisor serves /metrics
+    on p, worker i on p + 1 + i."""
     for _ in range(100):
-        with socket.socket() as first:
+        with contextlib.ExitStack() as held:
+            first = held.enter_context(socket.socket())
             first.bind(("127.0.0.1", 0))
             port = int(first.getsockname()[1])
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
+            try:
+                for offset in range(1, count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port + offset))
+            except OSError:
+                continue
         return port
-    raise AssertionError("no two adjacent free ports")
+    raise AssertionError(f"no {count} adjacent free ports")
 
 
 def _workers(pid: int) -> list[int]:
@@ -55,7 +59,7 @@ def _alive(pid: int) -> bool:
 
 
 def _start(repo: Path, work: Path) -> Mesh:
-    metrics = _free_pair()
+    metrics = _free_run(1 + WORKERS)
     mesh = Mesh(repo, work, service_env={"gateway": {"HOPLINE_GATEWAY_WORKERS": str(WORKERS)}})
     mesh.metrics_ports["gateway"] = metrics
     return mesh.start()
@@ -68,6 +72,12 @@ def mesh(default_repo: Path, tmp_path: Path) -> Iterator[Mesh]:
         yield m
     finally:
         m.stop()
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text: str = reply.read().decode()
+        return text
 
 
 def _predict(target: str, text: str) -> gateway_pb2.PredictResponse:
@@ -88,16 +98,22 @@ def test_every_worker_answers_on_the_one_port(mesh: Mesh) -> None:
         answers.add(_predict(mesh.gateway, "i forgot my password").prediction.label)
     assert len(answers) == 1  # one model, one answer, whichever worker gave it
     base = mesh.metrics_ports["gateway"]
-    served = [served_ok(base + i, "Predict") for i in range(WORKERS)]
+    served = [served_ok(base + 1 + i, "Predict") for i in range(WORKERS)]
     assert sum(served) == 25
     assert all(n > 0 for n in served), served
+    # The gateway's own metrics port: every worker's series, each labelled with its worker.
+    assert served_ok(base, "Predict") == 25
+    merged = _metrics(base)
+    for i, n in enumerate(served):
+        assert f'hopline_worker_up{{worker="{i}"}} 1.0' in merged
+        assert rpcs_answered(base, "Predict", "OK", worker=str(i)) == n
     # `hopline bench --connections` spreads its calls the same way.
     run = bench_once(
         "--target", mesh.gateway, "--connections", "16", "--concurrency", "4",
         "--duration", "1", "--warmup", "0", "--mix", "exact", "--baseline", "none",
     )  # fmt: skip
     assert run["targets"]["mesh"]["errors"] == 0
-    after = [served_ok(base + i, "Predict") for i in range(WORKERS)]
+    after = [served_ok(base + 1 + i, "Predict") for i in range(WORKERS)]
     assert all(a > b for a, b in zip(after, served, strict=True)), (served, after)
 
 
