@@ -32,10 +32,10 @@ WORKER_LABEL = "worker"
 SCRAPE_TIMEOUT_S = 2.0
 
 
-def read_worker(port: int, timeout_s: float = SCRAPE_TIMEOUT_S) -> list[Metric]:
-    """The families a worker serves on loopback `port`, in OpenMetrics (exemplars kept)."""
+def read_worker(host: str, port: int, timeout_s: float = SCRAPE_TIMEOUT_S) -> list[Metric]:
+    """The families a worker serves on host:port, in OpenMetrics (exemplars kept)."""
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/metrics", headers={"Accept": OPENMETRICS}
+        f"http://{host}:{port}/metrics", headers={"Accept": OPENMETRICS}
     )
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
         return parse_openmetrics(reply.read().decode())
@@ -52,8 +52,14 @@ class WorkersCollector(Collector):
     """A prometheus_client collector over the workers' endpoints (`ports[i]` is worker i's)."""
 
     def __init__(
-        self, ports: Sequence[int], read: Callable[[int], list[Metric]] = read_worker
+        self,
+        host: str,
+        ports: Sequence[int],
+        read: Callable[[str, int], list[Metric]] = read_worker,
     ) -> None:
+        # Workers bind the metrics host the supervisor was given; a wildcard is reached on
+        # loopback.
+        self.host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
         self.ports = tuple(ports)
         self.read = read
 
@@ -65,7 +71,7 @@ class WorkersCollector(Collector):
         for index, port in enumerate(self.ports):
             worker = str(index)
             try:
-                families = self.read(port)
+                families = self.read(self.host, port)
             except (OSError, ValueError) as exc:  # down, starting, or a torn reply
                 log.debug("worker metrics unreadable", extra={"worker": index, "error": str(exc)})
                 up.add_metric([worker], 0)
@@ -87,5 +93,5 @@ def _labelled(sample: Sample, worker: str) -> Sample:
 def serve_workers_metrics(host: str, port: int, worker_ports: Sequence[int]) -> int | None:
     """Serve the workers' merged metrics on host:port (0 disables it). Returns the port."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(WorkersCollector(worker_ports))
+    registry.register(WorkersCollector(host, worker_ports))
     return start_metrics_server(host, port, registry)

@@ -62,7 +62,19 @@ def _start(repo: Path, work: Path) -> Mesh:
     metrics = _free_run(1 + WORKERS)
     mesh = Mesh(repo, work, service_env={"gateway": {"HOPLINE_GATEWAY_WORKERS": str(WORKERS)}})
     mesh.metrics_ports["gateway"] = metrics
-    return mesh.start()
+    mesh.start()
+    # The mesh is up once one worker serves the port (health answers from it); each worker
+    # binds once it is ready, so the others may still be loading. The tests want them all.
+    deadline = time.monotonic() + 60
+    while not all(f"worker={i}" in _listening(mesh) for i in range(WORKERS)):
+        assert time.monotonic() < deadline, mesh.log("gateway")
+        time.sleep(0.1)
+    return mesh
+
+
+def _listening(mesh: Mesh) -> str:
+    """The gateway log's lines saying a worker bound the port."""
+    return "\n".join(line for line in mesh.log("gateway").splitlines() if "listening" in line)
 
 
 @pytest.fixture

@@ -28,13 +28,14 @@ def worker_registry(served: int, trace_id: str) -> CollectorRegistry:
 
 
 def merged(registries: dict[int, CollectorRegistry]) -> CollectorRegistry:
-    def read(port: int) -> list[Metric]:
+    def read(host: str, port: int) -> list[Metric]:
+        assert host == "127.0.0.1"  # the supervisor's host, a wildcard, is reached on loopback
         if port not in registries:
             raise ConnectionRefusedError(f"nothing on {port}")
         return parse_openmetrics(openmetrics(registries[port]))
 
     out = CollectorRegistry(auto_describe=False)
-    out.register(WorkersCollector([9101, 9102, 9103], read=read))
+    out.register(WorkersCollector("0.0.0.0", [9101, 9102, 9103], read=read))
     return out
 
 
