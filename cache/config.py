@@ -7,7 +7,8 @@ import dataclasses
 import enum
 from pathlib import Path
 
-from hopline.cache.store import LookupConsistency, is_local
+from hopline.cache.milvus_lite import is_local
+from hopline.cache.store import LookupConsistency
 from hopline.model.session import Spin
 from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
 
@@ -39,7 +40,10 @@ class CacheConfig(ServerConfig):
         "server's choice on a Milvus server)",
     )
     milvus_timeout_s: float = env_field(
-        "HOPLINE_CACHE_MILVUS_TIMEOUT_S", 5.0, "bound on each Milvus call, connecting included"
+        "HOPLINE_CACHE_MILVUS_TIMEOUT_S",
+        5.0,
+        "bound on each Milvus call, connecting included (a milvus-lite file's server gets 30 s "
+        "to start)",
     )
     max_entries: int = env_field(
         "HOPLINE_CACHE_MAX_ENTRIES", 1_000_000, "bound per (tenant, model) when a model sets none"

@@ -32,6 +32,7 @@ from hopline.cache.config import CacheConfig, ExactFallback
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
+from hopline.cache.milvus_lite import is_local
 from hopline.cache.search_batching import SearchBatcher
 from hopline.cache.shared_invalidations import SharedInvalidations, follow
 from hopline.cache.store import (
@@ -41,7 +42,6 @@ from hopline.cache.store import (
     MilvusStore,
     Scope,
     ScopeFilter,
-    is_local,
 )
 from hopline.cache.tombstones import Tombstones
 from hopline.cache.verifier import Verifier, policy_of

@@ -17,7 +17,6 @@ import dataclasses
 import enum
 import json
 import logging
-import os
 import threading
 import time
 import warnings
@@ -29,6 +28,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
+from hopline.cache import milvus_lite as lite
 from hopline.cache.generations import (
     CATCH_UP_ROUNDS,
     HELD_REPLAY_MAX,
@@ -41,6 +41,7 @@ from hopline.cache.generations import (
     generation_of,
 )
 from hopline.cache.keys import digest, scope_digest, scope_matches
+from hopline.cache.milvus_lite import is_local
 
 log = logging.getLogger("hopline.cache.store")
 
@@ -53,7 +54,6 @@ _MAX_TEXT = 65_535  # Milvus VARCHAR limit, in bytes
 CONSISTENCY = "Strong"
 RECLAIM_MIN_DEAD = 1000  # below this many deleted rows a reclaim is not worth its copy
 LIVE_PAGE = 2000  # rows per page when the exact index is rebuilt (Milvus caps one at 16384)
-_SQLITE_HEADER = b"SQLite format 3\x00"  # milvus-lite keeps its data in SQLite
 _SCALARS = (
     "scope_key",
     "tenant_key",
@@ -169,30 +169,6 @@ def _quiet_imports() -> Any:
     return pymilvus
 
 
-def is_local(uri: str) -> bool:
-    return "://" not in uri
-
-
-def _stop_lite_server(path: str) -> None:
-    """Stop the milvus-lite server process that opening `path` started, gracefully (SIGTERM,
-    then wait). milvus-lite does that only at interpreter teardown, which a service's exit
-    skips (runtime/server.py:_end_process); left alone it exits on finding its parent gone."""
-    with contextlib.suppress(ImportError):
-        from milvus_lite.server_manager import server_manager_instance
-
-        server_manager_instance.release_server(path)
-
-
-def _milvus_lite_logs_beside(db: Path) -> None:
-    """milvus-lite's server (a child pymilvus starts with this process's environment) logs
-    through glog, which writes a file into /tmp at every start unless told a folder: each
-    cache start left one there. Its logs go beside the database file instead, unless the
-    operator set GLOG_log_dir."""
-    logs = db.resolve().parent / f"{db.name}.logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("GLOG_log_dir", str(logs))
-
-
 class MilvusStore:
     def __init__(
         self,
@@ -204,8 +180,10 @@ class MilvusStore:
         timeout_s: float = 5.0,
         reclaim_ratio: float = 0.0,
         lookup_consistency: LookupConsistency = LookupConsistency.STRONG,
+        start_timeout_s: float = lite.START_TIMEOUT_S,
     ) -> None:
         self.uri = uri
+        self.start_timeout_s = start_timeout_s  # milvus-lite's server start, by file only
         self.lookup_level = lookup_consistency.milvus_level
         self.base = collection
         self.collection = collection  # the generation in use (cache/generations.py)
@@ -237,31 +215,38 @@ class MilvusStore:
             raise CacheStoreError(f"Milvus at {uri}: {_reason(exc)}") from exc
 
     def _connect(self, pymilvus: Any) -> Any:
-        if is_local(self.uri):
-            path = Path(self.uri)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.exists():
-                if not path.is_file():
-                    raise CacheStoreError(f"{path} is not a milvus-lite database file")
-                with path.open("rb") as f:
-                    header = f.read(len(_SQLITE_HEADER))
-                if header != _SQLITE_HEADER:
-                    raise CacheStoreError(
-                        f"{path} is not a milvus-lite database (no SQLite header): it is "
-                        "damaged or another kind of file; move it away to start an empty cache"
-                    )
-            _milvus_lite_logs_beside(path)  # only once the path is known to be a database's
+        if not is_local(self.uri):
+            try:
+                return pymilvus.MilvusClient(self.uri, timeout=self.timeout_s)
+            except Exception as exc:  # pymilvus raises many kinds here
+                hint = f"no Milvus answered within {self.timeout_s:g}s (HOPLINE_CACHE_URI)"
+                raise CacheStoreError(
+                    f"cannot open Milvus at {self.uri}: {hint} ({_reason(exc)})"
+                ) from exc
+        path = Path(self.uri)
+        path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            return pymilvus.MilvusClient(self.uri, timeout=self.timeout_s)
-        except Exception as exc:  # pymilvus raises many kinds here
-            hint = (
-                "another process holds it (milvus-lite allows one process per database file: "
-                "is a second cache service running?) or it is damaged"
-                if is_local(self.uri)
-                else f"no Milvus answered within {self.timeout_s:g}s (HOPLINE_CACHE_URI)"
-            )
-            reason = _reason(exc)
-            raise CacheStoreError(f"cannot open Milvus at {self.uri}: {hint} ({reason})") from exc
+            lite.check_database_file(path)
+        except lite.NotADatabase as exc:
+            raise CacheStoreError(str(exc)) from exc
+        lite.logs_beside(path)  # only once the path is known to be a database's
+        # milvus-lite gives its server 0.5 s, then pymilvus fails at once if the socket is not
+        # there yet: on a loaded machine the server binds later (CI: one cache start failed so).
+        # Its server keeps starting, so the client is asked again until the start budget ends.
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            try:
+                return pymilvus.MilvusClient(self.uri, timeout=self.timeout_s)
+            except Exception as exc:  # pymilvus raises many kinds here
+                if lite.starting(path) and time.monotonic() < deadline:
+                    time.sleep(lite.START_POLL_S)
+                    continue
+                reason = _reason(exc)
+                hint = lite.start_failure(path, reason, self.start_timeout_s)
+                lite.stop_server(path)
+                raise CacheStoreError(
+                    f"cannot open Milvus at {self.uri}: {hint} ({reason})"
+                ) from exc
 
     def _open_generation(self) -> str:
         """The lowest generation present; copies above it are unfinished reclaims: dropped."""
@@ -548,7 +533,7 @@ class MilvusStore:
             except Exception:  # closing a broken client must not mask the cause
                 log.debug("closing the Milvus client failed", exc_info=True)
             if is_local(self.uri):
-                _stop_lite_server(self.uri)
+                lite.stop_server(Path(self.uri))
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """The client's `method(<generation in use>, *args, ...)`; a reclaim's switch waits."""

@@ -1,0 +1,103 @@
+"""Embedded milvus-lite: what opening a database file involves besides pymilvus's client.
+
+pymilvus starts milvus-lite's server (a child process on a Unix socket) when it is given a
+file path. This module checks the file before that, sends the server's logs beside it, says
+why a start failed, and stops the server when the store closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+# Starting milvus-lite's server is a process start, not a call, so it is not bound by the
+# per-call timeout (HOPLINE_CACHE_MILVUS_TIMEOUT_S, 5 s by default): on an idle 2-core
+# machine the socket answers 0.6 s after the start (1.6 s with the page cache dropped).
+START_TIMEOUT_S = 30.0
+START_POLL_S = 0.05  # between connection attempts while the server starts
+
+_SQLITE_HEADER = b"SQLite format 3\x00"  # milvus-lite keeps its data in SQLite
+_GLOG_DIR = "GLOG_log_dir"  # glog's spelling, not upper case
+
+
+class NotADatabase(ValueError):
+    """The path exists but is not a milvus-lite database."""
+
+
+def is_local(uri: str) -> bool:
+    return "://" not in uri
+
+
+def check_database_file(path: Path) -> None:
+    """Refuse to hand milvus-lite a path that is not its database (it would fail obscurely)."""
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise NotADatabase(f"{path} is not a milvus-lite database file")
+    with path.open("rb") as f:
+        header = f.read(len(_SQLITE_HEADER))
+    if header != _SQLITE_HEADER:
+        raise NotADatabase(
+            f"{path} is not a milvus-lite database (no SQLite header): it is "
+            "damaged or another kind of file; move it away to start an empty cache"
+        )
+
+
+def logs_beside(db: Path) -> Path:
+    """milvus-lite's server (a child pymilvus starts with this process's environment) logs
+    through glog, which writes a file into /tmp at every start unless told a folder: each
+    cache start left one there. Its logs go beside the database file instead, unless the
+    operator set GLOG_log_dir. Returns the folder they go to."""
+    logs = db.resolve().parent / f"{db.name}.logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return Path(os.environ.setdefault(_GLOG_DIR, str(logs)))
+
+
+def start_failure(db: Path, reason: str, waited_s: float) -> str:
+    """Why opening `db` failed, for the operator: call before `stop_server`."""
+    if "Open local milvus failed" in reason:
+        # milvus-lite's own start check: its server exited within 0.5 s or the lock is held.
+        return (
+            "another process holds it (milvus-lite allows one process per database file: "
+            "is a second cache service running?) or it is damaged"
+        )
+    logs = os.environ.get(_GLOG_DIR, "/tmp")
+    process = _server_process(db)
+    if process is None:
+        return f"milvus-lite's server is not running (its logs: {logs})"
+    code = process.poll()
+    if code is None:
+        return f"milvus-lite's server did not answer within {waited_s:g}s (its logs: {logs})"
+    return f"milvus-lite's server exited with code {code} while starting (its logs: {logs})"
+
+
+def starting(db: Path) -> bool:
+    """milvus-lite started a server for `db` and it is still running."""
+    process = _server_process(db)
+    return process is not None and process.poll() is None
+
+
+def _server_process(db: Path) -> subprocess.Popen[bytes] | None:
+    """The server process milvus-lite started for `db`, if any. milvus-lite (pinned at 2.5.1)
+    keeps it in its server registry only, so this reads that registry's private fields."""
+    try:
+        from milvus_lite.server_manager import server_manager_instance
+    except ImportError:
+        return None
+    server = getattr(server_manager_instance, "_servers", {}).get(str(db.absolute().resolve()))
+    process = getattr(server, "_p", None)
+    return process if isinstance(process, subprocess.Popen) else None
+
+
+def stop_server(db: Path) -> None:
+    """Stop the milvus-lite server process that opening `db` started, gracefully (its lock is
+    released, then it is waited for, killed after 2 s). milvus-lite does that only at
+    interpreter teardown, which a service's exit skips (runtime/server.py:_end_process), and
+    not at all after a failed open."""
+    with contextlib.suppress(ImportError):
+        from milvus_lite.server_manager import server_manager_instance
+
+        if str(db.absolute().resolve()) in getattr(server_manager_instance, "_servers", {}):
+            server_manager_instance.release_server(str(db))
