@@ -1,7 +1,10 @@
 """One /metrics for a service run as several worker processes (runtime/workers.py).
 
-Each worker keeps its own registry and serves it on a port of its own; the supervisor serves
-the service's metrics port and, on every scrape, reads each worker's endpoint and answers
+Each worker keeps its own registry and serves it on a loopback port the kernel picks, which it
+writes to a file named by its index in a folder the supervisor made (`serve_worker_metrics`):
+fixed ports after the service's would run into the next service's ports on one host (the 9th
+gateway worker of `make run` was on the tokenizer's 8011). The supervisor serves the
+service's metrics port and, on every scrape, reads each worker's endpoint and answers
 their families merged, each sample labelled with its `worker`. So one scrape target sees the
 whole gateway, as it does a single process, and sums over `worker` give the same series a
 single process would export. Exemplars (trace ids) come through in the OpenMetrics format;
@@ -16,8 +19,9 @@ from __future__ import annotations
 import logging
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -30,6 +34,41 @@ log = logging.getLogger("hopline.observability.worker_metrics")
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 WORKER_LABEL = "worker"
 SCRAPE_TIMEOUT_S = 2.0
+# Workers' endpoints are for their supervisor only, on the same host.
+LOOPBACK = "127.0.0.1"
+
+
+def serve_worker_metrics(directory: Path, index: int) -> int | None:
+    """Serve this worker's registry on a loopback port the kernel picks and announce it in
+    `directory/<index>`; the port, or None when it could not bind (said in the log)."""
+    try:
+        server, _ = start_http_server(0, addr=LOOPBACK)
+    except OSError as exc:
+        log.error("cannot serve worker metrics", extra={"worker": index, "error": str(exc)})
+        return None
+    port = int(server.server_port)
+    # Written whole, then renamed: a scrape never reads half a port number.
+    partial = directory / f".{index}.partial"
+    partial.write_text(str(port))
+    partial.replace(directory / str(index))
+    return port
+
+
+class AnnouncedPorts:
+    """The ports workers 0..count-1 announced in `directory` (None: not yet, or not at all)."""
+
+    def __init__(self, directory: Path, count: int) -> None:
+        self.directory = directory
+        self.count = count
+
+    def __call__(self) -> list[int | None]:
+        ports: list[int | None] = []
+        for index in range(self.count):
+            try:
+                ports.append(int((self.directory / str(index)).read_text()))
+            except (OSError, ValueError):
+                ports.append(None)
+        return ports
 
 
 def read_worker(host: str, port: int, timeout_s: float = SCRAPE_TIMEOUT_S) -> list[Metric]:
@@ -49,18 +88,15 @@ def parse_openmetrics(text: str) -> list[Metric]:
 
 
 class WorkersCollector(Collector):
-    """A prometheus_client collector over the workers' endpoints (`ports[i]` is worker i's)."""
+    """A prometheus_client collector over the workers' loopback endpoints (`ports()[i]` is
+    worker i's, None where it has none yet)."""
 
     def __init__(
         self,
-        host: str,
-        ports: Sequence[int],
+        ports: Callable[[], Sequence[int | None]],
         read: Callable[[str, int], list[Metric]] = read_worker,
     ) -> None:
-        # Workers bind the metrics host the supervisor was given; a wildcard is reached on
-        # loopback.
-        self.host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
-        self.ports = tuple(ports)
+        self.ports = ports
         self.read = read
 
     def collect(self) -> Iterator[Metric]:
@@ -68,10 +104,12 @@ class WorkersCollector(Collector):
         up = GaugeMetricFamily(
             "hopline_worker_up", "Whether the worker answered this scrape", labels=[WORKER_LABEL]
         )
-        for index, port in enumerate(self.ports):
+        for index, port in enumerate(self.ports()):
             worker = str(index)
             try:
-                families = self.read(self.host, port)
+                if port is None:
+                    raise ConnectionRefusedError("no port announced yet")
+                families = self.read(LOOPBACK, port)
             except (OSError, ValueError) as exc:  # down, starting, or a torn reply
                 log.debug("worker metrics unreadable", extra={"worker": index, "error": str(exc)})
                 up.add_metric([worker], 0)
@@ -90,8 +128,10 @@ def _labelled(sample: Sample, worker: str) -> Sample:
     return sample._replace(labels={**sample.labels, WORKER_LABEL: worker})
 
 
-def serve_workers_metrics(host: str, port: int, worker_ports: Sequence[int]) -> int | None:
+def serve_workers_metrics(
+    host: str, port: int, worker_ports: Callable[[], Sequence[int | None]]
+) -> int | None:
     """Serve the workers' merged metrics on host:port (0 disables it). Returns the port."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(WorkersCollector(host, worker_ports))
+    registry.register(WorkersCollector(worker_ports))
     return start_metrics_server(host, port, registry)

@@ -33,7 +33,7 @@ from hopline.runtime.tls import (
     peer_check,
     server_credentials,
 )
-from hopline.runtime.workers import worker_index
+from hopline.runtime.workers import serve_own_metrics, worker_index
 
 log = logging.getLogger("hopline.runtime.server")
 
@@ -269,10 +269,14 @@ async def serve(service: Service, config: ServerConfig) -> int:
     # A worker binds only once it is ready: the kernel hands connections only to bound
     # listeners, so none lands on a worker still loading. A lone process binds first, so
     # probes can see NOT_SERVING while it starts.
-    late_bind = worker_index() is not None
+    index = worker_index()
+    late_bind = index is not None
     if not late_bind and not await _listen(server, config, tls, peers):
         return 2
-    start_metrics_server(config.metrics_host, config.metrics_port)
+    if index is None:
+        start_metrics_server(config.metrics_host, config.metrics_port)
+    else:  # the supervisor serves the service's port, every worker's metrics merged
+        serve_own_metrics(index)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

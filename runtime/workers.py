@@ -24,8 +24,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
 log = logging.getLogger("hopline.runtime.workers")
@@ -33,6 +35,9 @@ log = logging.getLogger("hopline.runtime.workers")
 # Set in each worker's environment (its index): it serves, and binds with SO_REUSEPORT.
 WORKER_ENV = "HOPLINE_WORKER_INDEX"
 SUPERVISOR_ENV = "HOPLINE_WORKER_SUPERVISOR"  # the supervisor's pid
+# The folder where each worker announces its own /metrics port (observability/worker_metrics.py);
+# unset when the service serves no metrics.
+METRICS_DIR_ENV = "HOPLINE_WORKER_METRICS_DIR"
 POLL_S = 0.1
 
 
@@ -77,17 +82,23 @@ def check(listen: str, workers: int, setting: str) -> None:
         )
 
 
-def worker_metrics_port(index: int, metrics_port: int) -> int:
-    """Where worker `index` serves its own /metrics: the ports after the service's, which
-    the supervisor serves with every worker's metrics merged (0: none)."""
-    return metrics_port + 1 + index if metrics_port else 0
-
-
-def worker_env(index: int, metrics_port: int) -> dict[str, str]:
-    """Worker `index`'s environment: its index, and /metrics on a port of its own."""
+def worker_env(index: int, metrics_dir: Path | None) -> dict[str, str]:
+    """Worker `index`'s environment: its index, and where it announces its /metrics port
+    (None: it serves none)."""
     env = {**os.environ, WORKER_ENV: str(index), SUPERVISOR_ENV: str(os.getpid())}
-    env["HOPLINE_METRICS_PORT"] = str(worker_metrics_port(index, metrics_port))
+    env.pop(METRICS_DIR_ENV, None)
+    if metrics_dir is not None:
+        env[METRICS_DIR_ENV] = str(metrics_dir)
     return env
+
+
+def serve_own_metrics(index: int) -> None:
+    """A worker's /metrics, on the port it announces to its supervisor (if it asked for them)."""
+    directory = os.environ.get(METRICS_DIR_ENV)
+    if directory:
+        from hopline.observability.worker_metrics import serve_worker_metrics
+
+        serve_worker_metrics(Path(directory), index)
 
 
 def supervise(
@@ -96,19 +107,26 @@ def supervise(
     """Run `workers` copies of `hopline serve name argv` until they all exit; their exit code
     (the first failure's, if one exited on its own). Meanwhile serve their metrics, merged,
     on the service's metrics port."""
-    from hopline.observability.worker_metrics import serve_workers_metrics
+    from hopline.observability.worker_metrics import AnnouncedPorts, serve_workers_metrics
 
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "hopline", "serve", name, *argv],
-            env=worker_env(i, metrics_port),
-        )
-        for i in range(workers)
-    ]
-    log.info("workers started", extra={"service": name, "pids": [p.pid for p in procs]})
-    serve_workers_metrics(
-        metrics_host, metrics_port, [worker_metrics_port(i, metrics_port) for i in range(workers)]
-    )
+    with tempfile.TemporaryDirectory(prefix=f"hopline-{name}-workers-") as folder:
+        metrics_dir = Path(folder) if metrics_port else None
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "hopline", "serve", name, *argv],
+                env=worker_env(i, metrics_dir),
+            )
+            for i in range(workers)
+        ]
+        log.info("workers started", extra={"service": name, "pids": [p.pid for p in procs]})
+        if metrics_dir is not None:
+            serve_workers_metrics(metrics_host, metrics_port, AnnouncedPorts(metrics_dir, workers))
+        return _wait(procs)
+
+
+def _wait(procs: Sequence[subprocess.Popen[bytes]]) -> int:
+    """Wait for every worker to exit, stopping them all on a signal or when one exits; their
+    exit code (the first failure's, if one exited on its own)."""
     stopping = False
     failed = 0
 

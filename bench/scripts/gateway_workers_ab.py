@@ -48,8 +48,7 @@ def main() -> None:
         for n in args.workers.split(","):
             work = args.work / f"workers-{n}"
             work.mkdir(parents=True, exist_ok=True)
-            # Worker i would serve /metrics on the base port + 1 + i: off, so no two meshes collide.
-            gateway = {"HOPLINE_GATEWAY_WORKERS": n, "HOPLINE_METRICS_PORT": "0"}
+            gateway = {"HOPLINE_GATEWAY_WORKERS": n}
             meshes[f"workers_{n}"] = Mesh.on_free_ports(
                 repo, work, addrs=Topology.COLOCATED.addrs(), service_env={"gateway": gateway}
             ).start(timeout_s=300)

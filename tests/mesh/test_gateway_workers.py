@@ -6,7 +6,6 @@ orchestrator restarts it; settings that cannot work are refused by name. Two wor
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -23,25 +22,9 @@ import pytest
 from harness import Mesh, rpcs_answered, served_ok
 from hopline.bench.cli import bench_once
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.workers import METRICS_DIR_ENV, WORKER_ENV
 
 WORKERS = 2
-
-
-def _free_run(count: int) -> int:
-    """A loopback port p with p + 1 .. p + count - 1 free too: the supervisor serves /metrics
-    on p, worker i on p + 1 + i."""
-    for _ in range(100):
-        with contextlib.ExitStack() as held:
-            first = held.enter_context(socket.socket())
-            first.bind(("127.0.0.1", 0))
-            port = int(first.getsockname()[1])
-            try:
-                for offset in range(1, count):
-                    held.enter_context(socket.socket()).bind(("127.0.0.1", port + offset))
-            except OSError:
-                continue
-        return port
-    raise AssertionError(f"no {count} adjacent free ports")
 
 
 def _workers(pid: int) -> list[int]:
@@ -59,9 +42,7 @@ def _alive(pid: int) -> bool:
 
 
 def _start(repo: Path, work: Path) -> Mesh:
-    metrics = _free_run(1 + WORKERS)
     mesh = Mesh(repo, work, service_env={"gateway": {"HOPLINE_GATEWAY_WORKERS": str(WORKERS)}})
-    mesh.metrics_ports["gateway"] = metrics
     mesh.start()
     # The mesh is up once one worker serves the port (health answers from it); each worker
     # binds once it is ready, so the others may still be loading. The tests want them all.
@@ -84,6 +65,21 @@ def mesh(default_repo: Path, tmp_path: Path) -> Iterator[Mesh]:
         yield m
     finally:
         m.stop()
+
+
+def _announced_ports(mesh: Mesh) -> list[int]:
+    """The /metrics port each worker announced (its environment names the folder)."""
+    ports = []
+    for pid in _workers(mesh.procs["gateway"].pid):
+        environ = dict(
+            entry.split("=", 1)
+            for entry in Path(f"/proc/{pid}/environ").read_text().split("\0")
+            if "=" in entry
+        )
+        index = environ[WORKER_ENV]
+        ports.append((int(index), int((Path(environ[METRICS_DIR_ENV]) / index).read_text())))
+    assert sorted(i for i, _ in ports) == list(range(WORKERS))
+    return [port for _, port in sorted(ports)]
 
 
 def _metrics(port: int) -> str:
@@ -109,8 +105,12 @@ def test_every_worker_answers_on_the_one_port(mesh: Mesh) -> None:
     for _ in range(24):
         answers.add(_predict(mesh.gateway, "i forgot my password").prediction.label)
     assert len(answers) == 1  # one model, one answer, whichever worker gave it
+    # Each worker serves its own /metrics on a loopback port the kernel picked (none of the
+    # ports after the gateway's, where the next services listen), announced to the supervisor.
+    own = _announced_ports(mesh)
     base = mesh.metrics_ports["gateway"]
-    served = [served_ok(base + 1 + i, "Predict") for i in range(WORKERS)]
+    assert not set(own) & {base + 1 + i for i in range(WORKERS)}, own
+    served = [served_ok(port, "Predict") for port in own]
     assert sum(served) == 25
     assert all(n > 0 for n in served), served
     # The gateway's own metrics port: every worker's series, each labelled with its worker.
@@ -125,7 +125,7 @@ def test_every_worker_answers_on_the_one_port(mesh: Mesh) -> None:
         "--duration", "1", "--warmup", "0", "--mix", "exact", "--baseline", "none",
     )  # fmt: skip
     assert run["targets"]["mesh"]["errors"] == 0
-    after = [served_ok(base + 1 + i, "Predict") for i in range(WORKERS)]
+    after = [served_ok(port, "Predict") for port in own]
     assert all(a > b for a, b in zip(after, served, strict=True)), (served, after)
 
 
