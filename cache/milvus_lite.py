@@ -7,10 +7,10 @@ why a start failed, and stops the server when the store closes.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 # Starting milvus-lite's server is a process start, not a call, so it is not bound by the
 # per-call timeout (HOPLINE_CACHE_MILVUS_TIMEOUT_S, 5 s by default): on an idle 2-core
@@ -45,14 +45,14 @@ def check_database_file(path: Path) -> None:
         )
 
 
-def logs_beside(db: Path) -> Path:
+def logs_beside(db: Path) -> None:
     """milvus-lite's server (a child pymilvus starts with this process's environment) logs
     through glog, which writes a file into /tmp at every start unless told a folder: each
     cache start left one there. Its logs go beside the database file instead, unless the
-    operator set GLOG_log_dir. Returns the folder they go to."""
+    operator set GLOG_log_dir (`start_failure` names the folder they went to)."""
     logs = db.resolve().parent / f"{db.name}.logs"
     logs.mkdir(parents=True, exist_ok=True)
-    return Path(os.environ.setdefault(_GLOG_DIR, str(logs)))
+    os.environ.setdefault(_GLOG_DIR, str(logs))
 
 
 def start_failure(db: Path, reason: str, waited_s: float) -> str:
@@ -79,15 +79,19 @@ def starting(db: Path) -> bool:
     return process is not None and process.poll() is None
 
 
-def _server_process(db: Path) -> subprocess.Popen[bytes] | None:
-    """The server process milvus-lite started for `db`, if any. milvus-lite (pinned at 2.5.1)
-    keeps it in its server registry only, so this reads that registry's private fields."""
+def _registered(db: Path) -> Any:
+    """milvus-lite's server object for `db`, if it started one. milvus-lite (pinned at 2.5.1)
+    keeps its servers in a registry only, by resolved path: this reads its private fields."""
     try:
         from milvus_lite.server_manager import server_manager_instance
     except ImportError:
         return None
-    server = getattr(server_manager_instance, "_servers", {}).get(str(db.absolute().resolve()))
-    process = getattr(server, "_p", None)
+    return getattr(server_manager_instance, "_servers", {}).get(str(db.absolute().resolve()))
+
+
+def _server_process(db: Path) -> subprocess.Popen[bytes] | None:
+    """The server process milvus-lite started for `db`, if any."""
+    process = getattr(_registered(db), "_p", None)
     return process if isinstance(process, subprocess.Popen) else None
 
 
@@ -96,8 +100,7 @@ def stop_server(db: Path) -> None:
     released, then it is waited for, killed after 2 s). milvus-lite does that only at
     interpreter teardown, which a service's exit skips (runtime/server.py:_end_process), and
     not at all after a failed open."""
-    with contextlib.suppress(ImportError):
+    if _registered(db) is not None:
         from milvus_lite.server_manager import server_manager_instance
 
-        if str(db.absolute().resolve()) in getattr(server_manager_instance, "_servers", {}):
-            server_manager_instance.release_server(str(db))
+        server_manager_instance.release_server(str(db))
