@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import sys
@@ -28,6 +27,7 @@ LIMIT_FLAGS = {
 def _serve(name: str, argv: Sequence[str]) -> int:
     from hopline.observability.logs import setup_logging
     from hopline.observability.tracing import setup_tracing
+    from hopline.runtime import event_loop
     from hopline.runtime.server import serve
     from hopline.runtime.workers import (
         WorkersConfigError,
@@ -58,7 +58,7 @@ def _serve(name: str, argv: Sequence[str]) -> int:
         # Built inside the loop: grpc.aio channels bind to the loop that creates them.
         return await serve(service_cls(config), config)
 
-    return asyncio.run(main())
+    return event_loop.run(main, config.event_loop)
 
 
 def _predict(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, TypeVar, get_type_hints
 
+from hopline.runtime.event_loop import EventLoop
 from hopline.runtime.service_table import spec
 
 T = TypeVar("T")
@@ -142,6 +143,11 @@ class ServerConfig:
         60.0,
         "seconds before a client connection is asked to reconnect (GOAWAY; its streams finish "
         "first), so callers resolve DNS again and find replicas added since (0: never)",
+    )
+    event_loop: EventLoop = env_field(  # noqa: RUF009 (an enum default, read once)
+        "HOPLINE_EVENT_LOOP",
+        EventLoop.UVLOOP,
+        "uvloop (faster hops: runtime/event_loop.py) or asyncio (the standard library's loop)",
     )
     log_level: str = env_field("HOPLINE_LOG_LEVEL", "info", "debug, info, warning or error")
     log_format: str = env_field("HOPLINE_LOG_FORMAT", "json", "json (structured) or text")

@@ -226,6 +226,8 @@ async def _listen(
             "tls": bool(tls.cert),
             "peers": sorted(peers.allowed) if peers else [],
             "worker": worker_index(),
+            # What runs, not what was asked (runtime/event_loop.py falls back to asyncio's).
+            "event_loop": type(asyncio.get_running_loop()).__module__.partition(".")[0],
         },
     )
     return True

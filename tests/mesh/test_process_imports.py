@@ -71,3 +71,13 @@ def test_the_inference_service_shows_both_views_see_onnxruntime(services: Mesh) 
     assert "onnxruntime" in modules
     maps = heavy_in(mapped_files(services.procs["inference"].pid))
     assert any("onnxruntime" in path and path.endswith(".so") for path in maps), maps
+
+
+@pytest.mark.parametrize("name", ["gateway", "tokenizer", "inference"])
+def test_every_service_runs_on_uvloop(services: Mesh, name: str) -> None:
+    """HOPLINE_EVENT_LOOP's default (runtime/event_loop.py): the loop that runs, not the
+    setting, as the process's own log line and its mapped libraries show."""
+    listening = [line for line in services.log(name).splitlines() if " listening " in line]
+    assert listening, f"no listening line in {name}'s log"
+    assert all("event_loop=uvloop" in line for line in listening), listening
+    assert any("/uvloop/" in path for path in mapped_files(services.procs[name].pid))
