@@ -33,10 +33,14 @@ from hopline.bench.targets import (
 from hopline.gateway.client import CACHE_MODES, gateway_address
 from hopline.runtime.tls import operator_tls
 
-BASELINES = ("echo", "inprocess", "inprocess_batched")
+BASELINES = ("echo", "echo_idle", "inprocess", "inprocess_batched")
+ECHOES = ("echo", "echo_idle")
 DESCRIPTION = """\
 Load a running hopline gateway and the baselines it must beat, one after the other, in one
-run: `echo` (a bare grpc.aio echo server it starts: the transport's floor), `inprocess` (the
+run: `echo` (a bare grpc.aio echo server it starts: the transport's floor), `echo_idle` (the
+same, each caller idle `--idle-ms` before each call, as a mesh's hop finds its callee at
+concurrency 1: on a machine where waking a sleeping thread is dear it costs several hot
+echoes; not part of the default set), `inprocess` (the
 same tokenizer, model and postprocessing in this process, one request per run, in its
 strongest plain thread setting) and `inprocess_batched` (the same, through the inference
 service's own dynamic batcher and settings). Peers (`--peer ray=ADDR`) speaking hopline's
@@ -83,7 +87,14 @@ def add_bench_command(sub: Any) -> None:
     p.add_argument(
         "--baseline",
         default="echo,inprocess,inprocess_batched",
-        help="comma-separated: echo, inprocess, inprocess_batched, or none",
+        help="comma-separated: echo, echo_idle, inprocess, inprocess_batched, or none",
+    )
+    p.add_argument(
+        "--idle-ms",
+        type=float,
+        default=10.0,
+        help="echo_idle: each caller's idle time before each call, not counted in its latency "
+        "(closed loop only); default about a model run on a CPU",
     )
     p.add_argument(
         "--peer",
@@ -190,7 +201,7 @@ async def prime(target: Target, mix: Mix) -> Mix:
     return narrowed(mix, kept)
 
 
-async def measure(target: Target, mix: Mix, args: argparse.Namespace) -> Run:
+async def measure(target: Target, mix: Mix, args: argparse.Namespace, pause_s: float = 0.0) -> Run:
     mix = await prime(target, mix)  # exact and semantic mixes: fill the cache first
     seconds = args.duration + args.warmup
     expected = args.rps * seconds if args.rps else (args.concurrency or 1) * 300 * seconds
@@ -205,6 +216,7 @@ async def measure(target: Target, mix: Mix, args: argparse.Namespace) -> Run:
         concurrency=args.concurrency or 1,
         duration_s=args.duration,
         warmup_s=args.warmup,
+        pause_s=pause_s,
     )
 
 
@@ -292,7 +304,7 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
     specs = [m for m in args.models.split(",") if m]
     # Each model-bearing target once per model (TARGET@SPEC), each model after the other.
     per_model = [f"@{spec}" for spec in specs] or [""]
-    queue: list[str] = [b if b == "echo" else b + m for b in baselines for m in per_model]
+    queue: list[str] = [b if b in ECHOES else b + m for b in baselines for m in per_model]
     if args.target != "none":
         queue += [f"mesh{m}" for m in per_model]
     queue += [f"peer_{p.split('=', 1)[0]}{m}" for p in args.peer for m in per_model]
@@ -302,9 +314,9 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
         mix = make_mix(args.mix, args.clinc)
         echo_proc = None
         target: Target
-        if base == "echo":
+        if base in ECHOES:
             echo_proc, address = _start_echo()
-            target = EchoTarget(address)
+            target = EchoTarget(address, base)
         elif base.startswith("inprocess"):
             target = _inprocess(base, args, spec)
             settings[name] = target.settings
@@ -325,7 +337,8 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
             )
         try:
             sys.stderr.write(f"measuring {name} ({args.mix}) ...\n")
-            run = await measure(target, mix, args)
+            pause_s = args.idle_ms / 1e3 if base == "echo_idle" else 0.0
+            run = await measure(target, mix, args, pause_s)
             runs[name] = _pool(runs[name], run) if name in runs else run
             describe[name] = target.describe
         finally:

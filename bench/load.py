@@ -139,8 +139,10 @@ async def closed_loop(
     concurrency: int,
     duration_s: float,
     warmup_s: float = 0.0,
+    pause_s: float = 0.0,
 ) -> Run:
-    """`concurrency` callers, each sending its next request as soon as the last returns."""
+    """`concurrency` callers, each sending its next request as soon as the last returns, or
+    `pause_s` after it (the pause is not part of a request's latency)."""
     counter = iter(range(1 << 62))
 
     async def phase(seconds: float, record: bool) -> tuple[list[int], list[str], list[Any]]:
@@ -150,6 +152,8 @@ async def closed_loop(
         async def caller() -> None:
             while (started := time.perf_counter_ns()) < stop_at:
                 await tally.send(call, payload(next(counter)), started)
+                if pause_s > 0:
+                    await asyncio.sleep(pause_s)
 
         await asyncio.gather(*(caller() for _ in range(concurrency)))
         return tally.result()

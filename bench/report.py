@@ -66,6 +66,12 @@ def ratios(targets: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
         out["mesh_p50_minus_inprocess_in_echo_p50s"] = (mesh["p50_ms"] - plain["p50_ms"]) / echo[
             "p50_ms"
         ]
+    idle = targets.get("echo_idle")
+    if idle and plain:
+        # The same in round trips to a callee that was idle, as every hop's is at c=1.
+        out["mesh_p50_minus_inprocess_in_echo_idle_p50s"] = (
+            mesh["p50_ms"] - plain["p50_ms"]
+        ) / idle["p50_ms"]
     if plain:
         out["mesh_p50_over_inprocess_p50"] = mesh["p50_ms"] / plain["p50_ms"]
         out["mesh_throughput_over_inprocess"] = mesh["throughput_rps"] / plain["throughput_rps"]

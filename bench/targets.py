@@ -112,8 +112,8 @@ class PredictTarget:
 class EchoTarget(PredictTarget):
     """The transport's floor: the same request bytes to a server that only sends them back."""
 
-    def __init__(self, address: str) -> None:
-        super().__init__("echo", address, method=ECHO)
+    def __init__(self, address: str, name: str = "echo") -> None:
+        super().__init__(name, address, method=ECHO)
 
     def describe(self, response: bytes) -> tuple[str | None, dict[str, float]]:
         return None, {}

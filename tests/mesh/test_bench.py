@@ -15,13 +15,13 @@ def test_bench_writes_every_target_with_the_documented_keys(mesh: Mesh, tmp_path
     run = subprocess.run(
         [sys.executable, "-m", "hopline", "bench", "--target", mesh.gateway,
          "--concurrency", "2", "--duration", "1", "--warmup", "0.5", "--mix", "miss",
-         "--baseline", "echo,inprocess,inprocess_batched", "--model-repo", str(mesh.repo),
-         "--json", str(out)],
+         "--baseline", "echo,echo_idle,inprocess,inprocess_batched", "--idle-ms", "5",
+         "--model-repo", str(mesh.repo), "--json", str(out)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     doc = json.loads(out.read_text())
-    assert set(doc["targets"]) == {"echo", "inprocess", "inprocess_batched", "mesh"}
+    assert set(doc["targets"]) == {"echo", "echo_idle", "inprocess", "inprocess_batched", "mesh"}
     for name, target in doc["targets"].items():
         for key in ("p50_ms", "p90_ms", "p99_ms", "max_ms", "throughput_rps", "requests"):
             assert target[key] > 0, (name, key)
@@ -35,6 +35,11 @@ def test_bench_writes_every_target_with_the_documented_keys(mesh: Mesh, tmp_path
     assert set(outcomes) <= {"miss", "fail_open"}, outcomes
     assert sum(outcomes.values()) == doc["targets"]["mesh"]["requests"]
     assert "mesh_p50_over_echo_p50" in doc["ratios"]
+    assert "mesh_p50_minus_inprocess_in_echo_idle_p50s" in doc["ratios"]
+    # Each of the 2 echo_idle callers waits 5 ms before each call: at most one call per 5 ms.
+    idle = doc["targets"]["echo_idle"]
+    assert idle["requests"] <= 2 * (idle["duration_s"] / 0.005 + 1), idle["requests"]
+    assert idle["requests"] < doc["targets"]["echo"]["requests"]
     assert "mesh" in run.stdout  # the table
 
 
