@@ -94,7 +94,7 @@ def add_bench_command(sub: Any) -> None:
         type=float,
         default=10.0,
         help="echo_idle: each caller's idle time before each call, not counted in its latency "
-        "(closed loop only); default about a model run on a CPU",
+        "(closed loop only: refused with --rps); default about a model run on a CPU",
     )
     p.add_argument(
         "--peer",
@@ -297,6 +297,11 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
     unknown = set(baselines) - set(BASELINES)
     if unknown:
         raise SystemExit(f"unknown baseline(s) {sorted(unknown)}: {', '.join(BASELINES)}")
+    if "echo_idle" in baselines and args.rps:
+        # Open-loop arrivals keep their own schedule: there is no caller to idle.
+        raise SystemExit(
+            "echo_idle idles each caller between its calls: use --concurrency, not --rps"
+        )
     runs: dict[str, Run] = {}
     describe: dict[str, Any] = {}
     settings: dict[str, Any] = {}

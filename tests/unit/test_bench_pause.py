@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from hopline.bench.cli import bench_once
 from hopline.bench.load import closed_loop
 
 
@@ -28,3 +31,10 @@ def test_the_pause_spaces_calls_and_is_not_timed() -> None:
     assert longest_ns < 20_000_000
     unpaused, _ = _run(0.0)
     assert unpaused > 10 * requests
+
+
+def test_echo_idle_is_refused_in_open_loop() -> None:
+    """Arrivals on a schedule have no caller to idle: a run that ignored --idle-ms would be
+    an echo labelled echo_idle."""
+    with pytest.raises(SystemExit, match="use --concurrency, not --rps"):
+        bench_once("--target", "none", "--rps", "10", "--baseline", "echo_idle")
