@@ -31,6 +31,8 @@ from hopline.bench.targets import (
     inprocess_threads,
 )
 from hopline.gateway.client import CACHE_MODES, gateway_address
+from hopline.runtime import event_loop
+from hopline.runtime.event_loop import EventLoop
 from hopline.runtime.tls import operator_tls
 
 BASELINES = ("echo", "echo_idle", "inprocess", "inprocess_batched")
@@ -141,9 +143,9 @@ def add_bench_command(sub: Any) -> None:
     p.add_argument("--png", type=Path, help="write a latency CDF per target here")
     p.add_argument(
         "--loop",
-        default="asyncio",
-        choices=("asyncio", "uvloop"),
-        help="the load generator's event loop",
+        default=EventLoop.ASYNCIO.value,
+        choices=[loop.value for loop in EventLoop],
+        help="the load generator's event loop (runtime/event_loop.py, as the services')",
     )
 
 
@@ -372,12 +374,7 @@ def bench_once(*argv: str) -> dict[str, Any]:
 def run_bench(args: argparse.Namespace) -> int:
     if args.concurrency is None and args.rps is None:
         args.concurrency = 1
-    if args.loop == "uvloop":
-        import uvloop
-
-        runs, result = uvloop.run(run_targets(args))
-    else:
-        runs, result = asyncio.run(run_targets(args))
+    runs, result = event_loop.run(lambda: run_targets(args), EventLoop(args.loop))
     load = f"rps {args.rps:g} (open loop)" if args.rps else f"concurrency {args.concurrency}"
     doc = {
         "hopline_bench": 1,
