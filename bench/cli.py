@@ -149,7 +149,9 @@ def add_bench_command(sub: Any) -> None:
     )
 
 
-def _start_echo() -> tuple[subprocess.Popen[bytes], str]:
+def start_echo() -> tuple[subprocess.Popen[bytes], str, str]:
+    """The echo server on the services' event loop: its process, address and the loop that
+    runs (bench/echo.py)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
@@ -158,11 +160,11 @@ def _start_echo() -> tuple[subprocess.Popen[bytes], str]:
         stdout=subprocess.PIPE,
     )
     assert proc.stdout is not None
-    line = proc.stdout.readline().decode().strip()
-    if line != "READY":
+    said = proc.stdout.readline().decode().split()
+    if not said or said[0] != "READY":
         proc.kill()
-        raise SystemExit(f"the echo server did not start (said {line!r})")
-    return proc, address
+        raise SystemExit(f"the echo server did not start (said {' '.join(said)!r})")
+    return proc, address, said[1] if len(said) > 1 else ""
 
 
 class _Payloads:
@@ -322,8 +324,9 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
         echo_proc = None
         target: Target
         if base in ECHOES:
-            echo_proc, address = _start_echo()
+            echo_proc, address, loop = start_echo()
             target = EchoTarget(address, base)
+            settings[name] = {"event_loop": loop}
         elif base.startswith("inprocess"):
             target = _inprocess(base, args, spec)
             settings[name] = target.settings

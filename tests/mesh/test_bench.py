@@ -7,7 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
+import pytest
+
 from harness import Mesh
+from hopline.bench.cli import start_echo
+from hopline.bench.targets import ECHO
 
 
 def test_bench_writes_every_target_with_the_documented_keys(mesh: Mesh, tmp_path: Path) -> None:
@@ -57,3 +62,25 @@ def test_the_exact_mix_repeats_only_texts_the_cache_keeps(mesh: Mesh, tmp_path: 
     assert "primed texts are not kept by the cache" in run.stderr  # 3 of 64, out of scope
     target = json.loads(out.read_text())["targets"]["mesh"]
     assert target["cache_outcomes"] == {"exact": target["requests"]}
+
+
+@pytest.mark.parametrize(("env_loop", "runs"), [(None, "uvloop"), ("asyncio", "asyncio")])
+def test_the_echo_baseline_runs_on_the_services_event_loop(
+    env_loop: str | None, runs: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The echo is the floor the mesh's targets are written in: on another loop than the
+    services' (uvloop by default, HOPLINE_EVENT_LOOP) it would measure another transport."""
+    if env_loop is None:
+        monkeypatch.delenv("HOPLINE_EVENT_LOOP", raising=False)
+    else:
+        monkeypatch.setenv("HOPLINE_EVENT_LOOP", env_loop)
+    proc, address, said = start_echo()
+    try:
+        assert said == runs
+        with open(f"/proc/{proc.pid}/maps", encoding="utf-8") as maps:
+            assert ("/uvloop/" in maps.read()) == (runs == "uvloop")
+        with grpc.insecure_channel(address) as channel:
+            assert channel.unary_unary(ECHO, None, None)(b"ping", timeout=10) == b"ping"
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=10)  # and closes the READY pipe
