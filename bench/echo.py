@@ -47,8 +47,7 @@ async def serve(listen: str) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    runs = type(asyncio.get_running_loop()).__module__.partition(".")[0]
-    sys.stdout.write(f"READY {runs}\n")
+    sys.stdout.write(f"READY {event_loop.running()}\n")
     sys.stdout.flush()
     await stop.wait()
     await server.stop(1.0)

@@ -45,6 +45,12 @@ def loop_factory(kind: EventLoop) -> Callable[[], asyncio.AbstractEventLoop] | N
     return factory
 
 
+def running() -> str:
+    """The loop that runs this coroutine's thread, by library ('uvloop' or 'asyncio'): what
+    runs, not what was asked (a missing uvloop falls back to asyncio's)."""
+    return type(asyncio.get_running_loop()).__module__.partition(".")[0]
+
+
 def run(main: Callable[[], Coroutine[Any, Any, T]], kind: EventLoop) -> T:
     """`asyncio.run(main())` on a `kind` loop."""
     with asyncio.Runner(loop_factory=loop_factory(kind)) as runner:

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from hopline.observability.metrics import start_metrics_server
 from hopline.observability.tracing import ServerTracing, shutdown_tracing
+from hopline.runtime import event_loop
 from hopline.runtime.config import ServerConfig
 from hopline.runtime.interceptors import (
     Behaviour,
@@ -226,8 +227,7 @@ async def _listen(
             "tls": bool(tls.cert),
             "peers": sorted(peers.allowed) if peers else [],
             "worker": worker_index(),
-            # What runs, not what was asked (runtime/event_loop.py falls back to asyncio's).
-            "event_loop": type(asyncio.get_running_loop()).__module__.partition(".")[0],
+            "event_loop": event_loop.running(),
         },
     )
     return True

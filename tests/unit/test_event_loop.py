@@ -11,7 +11,7 @@ import pytest
 
 from hopline.runtime import config as cfg
 from hopline.runtime.config import ServerConfig
-from hopline.runtime.event_loop import EventLoop, run
+from hopline.runtime.event_loop import EventLoop, run, running
 
 
 async def _loop_module() -> str:
@@ -46,3 +46,11 @@ def test_missing_uvloop_falls_back_to_asyncio_and_says_so(
     assert [r.getMessage() for r in caplog.records] == [
         "uvloop is not installed; running on asyncio's event loop"
     ]
+
+
+@pytest.mark.parametrize("kind", list(EventLoop))
+def test_running_names_the_loop_that_runs(kind: EventLoop) -> None:
+    async def named() -> str:
+        return running()
+
+    assert run(named, kind) == kind.value
