@@ -9,7 +9,6 @@ warm-up and the same window.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 import os
@@ -370,7 +369,8 @@ def bench_once(*argv: str) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     add_bench_command(parser.add_subparsers(dest="command"))
     sys.stderr.write(f"hopline bench {' '.join(argv)}\n")
-    _, result = asyncio.run(run_targets(parser.parse_args(["bench", *argv])))
+    args = parser.parse_args(["bench", *argv])
+    _, result = event_loop.run(lambda: run_targets(args), EventLoop(args.loop))
     return {"argv": list(argv), **result, "ratios": ratios(result["targets"])}
 
 
