@@ -15,8 +15,9 @@ too (runtime/service_table.py:Topology). It measures, one scenario after the oth
    at the mesh's rps, compared with both meshes at cache BYPASS (the peer has no cache).
 7. FP32 against INT8 (bench/precision.py): an INT8 version built beside the default model,
    model compute alone at batch 1 and 32, in-process and mesh miss path, alternated rounds.
-8. Tracing exporting to Jaeger against no exporter (bench/tracing.py), both topologies, miss
-   at concurrency 1 and 32, alternated rounds.
+8. Tracing exporting to Jaeger, and to a collector that discards what it gets, against no
+   exporter (bench/tracing.py), both topologies, miss at concurrency 1 and 32, alternated
+   rounds.
 9. A semantic policy's misses with the cache lookup's embedding shared with the model's head
    against not (bench/shared_embedding.py), co-located, concurrency 1 and 32, alternated.
 10. Where ONNX Runtime runs CUDA (the `gpu` extra on a GPU machine): CPU against CUDA, FP32

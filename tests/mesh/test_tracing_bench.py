@@ -1,9 +1,9 @@
-"""`make bench`'s tracing scenario: four real meshes, two exporting to a real Jaeger.
+"""`make bench`'s tracing scenario: six real meshes, two exporting to a real Jaeger and two to
+a real OTLP/gRPC collector that discards what it gets (bench/otlp_sink.py).
 
 Short windows: this is about the scenario's plumbing (the exporting meshes' spans reach
-Jaeger, each ratio comes from the right pair of targets, a target is not met when no span
-arrived),
-not about its figures, which come from `make bench`.
+Jaeger and the collector, each ratio comes from the right pair of targets, a target is not met
+when no span arrived), not about its figures, which come from `make bench`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from hopline.bench.tracing import TOPOLOGIES, tracing_scenario, tracing_targets
+from hopline.bench.tracing import (
+    DISCARDING_SUFFIX,
+    TOPOLOGIES,
+    Export,
+    tracing_scenario,
+    tracing_targets,
+)
 
 
 def test_tracing_scenario_measures_each_topology_exporting_and_not(
@@ -22,13 +28,18 @@ def test_tracing_scenario_measures_each_topology_exporting_and_not(
 
     c1, c32 = sc["tracing_miss_c1"], sc["tracing_miss_c32"]
     names = [
-        f"peer_{t.value.replace('-', '_')}_{v}" for t in TOPOLOGIES for v in ("off", "exporting")
+        f"peer_{t.value.replace('-', '_')}_{v}"
+        for t in TOPOLOGIES
+        for v in ("off", "exporting", "discarding")
     ]
+    assert [v.value for v in Export] == ["off", "exporting", "discarding"]
     for result in (c1, c32):
         assert list(result["targets"]) == names
         assert all(t["requests"] > 0 and t["errors"] == 0 for t in result["targets"].values())
         assert result["exported"]
         assert "gateway" in result["jaeger_services"]
+        assert result["discarded"]
+        assert result["sink"]["export_calls"] > 0
     five_off, five_on = (
         c1["targets"]["peer_five_process_off"],
         c1["targets"]["peer_five_process_exporting"],
@@ -40,13 +51,23 @@ def test_tracing_scenario_measures_each_topology_exporting_and_not(
     assert c32["ratios"]["colocated throughput_loss"] == pytest.approx(
         1 - colo_on["throughput_rps"] / colo_off["throughput_rps"]
     )
+    colo_sink = c32["targets"]["peer_colocated_discarding"]
+    assert c32["ratios"][f"colocated throughput_loss{DISCARDING_SUFFIX}"] == pytest.approx(
+        1 - colo_sink["throughput_rps"] / colo_off["throughput_rps"]
+    )
     rows = [r for r in tracing_targets(sc) if r["target"].startswith("tracing")]
-    assert len(rows) == 2 * len(TOPOLOGIES)
+    assert len(rows) == 2 * 2 * len(TOPOLOGIES)
 
 
 def test_a_tracing_target_is_not_met_when_nothing_reached_jaeger() -> None:
-    ratios = {"colocated p50_added_ms": 0.01}
-    sc = {"tracing_miss_c1": {"ratios": ratios, "exported": False, "jaeger_services": []}}
-    [row] = [r for r in tracing_targets(sc) if r["target"].startswith("tracing")]
-    assert not row["met"]
-    assert "NOTHING REACHED JAEGER" in row["how"]
+    ratios = {"colocated p50_added_ms": 0.01, f"colocated p50_added_ms{DISCARDING_SUFFIX}": 0.01}
+    result = {"ratios": ratios, "exported": False, "discarded": True, "jaeger_services": []}
+    jaeger, sink = tracing_targets({"tracing_miss_c1": result})
+    assert not jaeger["met"]
+    assert "NOTHING REACHED JAEGER" in jaeger["how"]
+    assert sink["met"]
+    result |= {"exported": True, "discarded": False}
+    jaeger, sink = tracing_targets({"tracing_miss_c1": result})
+    assert jaeger["met"]
+    assert not sink["met"]
+    assert "NOTHING REACHED THE COLLECTOR" in sink["how"]
