@@ -145,8 +145,8 @@ class SpanTracer(trace.Tracer):
     def __init__(self, sampler: Sampler, sink: SpanSink | None) -> None:
         self.sampler = sampler
         self.sink = sink
-        # The SDK's id generator is this call too; a module-level Random would be shared
-        # with whatever else seeds it.
+        # The SDK's id generator draws from the random module's shared generator; one of our
+        # own is not reseeded by whatever seeds that.
         self._bits = random.Random().getrandbits
 
     def start_span(

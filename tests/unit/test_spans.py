@@ -5,6 +5,9 @@ SDK's batch processor to a collector listening on loopback."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -245,3 +248,38 @@ def test_spans_reach_a_collector_through_the_sdks_batch_processor(collector: _Co
     assert hop.trace_id == root.trace_id
     assert hop.attributes[0].key == "k"
     assert hop.attributes[0].value.string_value == "v"
+
+
+_PROBE = """
+from opentelemetry import trace
+from hopline.observability import tracing
+tracing.setup_tracing("gateway")
+span = tracing.tracer().start_span("probe")
+print(type(trace.get_tracer_provider()).__name__, type(span).__name__,
+      span.get_span_context().is_valid)
+tracing.shutdown_tracing()
+"""
+
+
+@pytest.mark.parametrize(
+    ("env", "seen"),
+    [
+        ({}, "SpanTracerProvider NonRecordingSpan True"),  # nothing exported: ids only
+        ({"OTEL_TRACES_SAMPLER": "always_on"}, "SpanTracerProvider RecordedSpan True"),
+        ({"OTEL_SDK_DISABLED": "true"}, "NoOpTracerProvider NonRecordingSpan False"),
+    ],
+)
+def test_a_process_sets_up_the_tracer_its_environment_asks_for(
+    env: dict[str, str], seen: str
+) -> None:
+    """In a process of its own: the tracer provider is set once per process."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert result.stdout.split("\n")[0] == seen
