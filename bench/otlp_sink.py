@@ -85,7 +85,11 @@ class DiscardingCollector:
     ) -> None:
         assert self.proc is not None
         self.proc.terminate()
-        out, _ = self.proc.communicate(timeout=30)
+        try:
+            out, _ = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
         for line in out.splitlines():
             if line.startswith("EXPORTS "):
                 _, calls, size = line.split()
