@@ -9,6 +9,8 @@ versions' windows alternating so a busy neighbour slows both alike. Model comput
 twice: with the inference service's thread setting (HOPLINE_INFERENCE_SPIN, `run` by
 default: threads spin briefly within a run) and with the other of sleeping and spinning,
 because at batch 1 waking the second thread for each operator costs INT8 much of its lead.
+Last, the bound this CPU puts on INT8 (bench/int8_bound.py): the integer GEMM
+kernel's speed-up on the model's GEMM shapes and the GEMMs' share of the FP32 run.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from typing import Any
 
 from hopline.bench.cli import bench_once
 from hopline.bench.compute import compare_compute
+from hopline.bench.int8_bound import bound_ratios, int8_bound
 from hopline.bench.mixes import make_mix
 from hopline.bench.report import model_ratios
 from hopline.model.repository import ModelRepository
 from hopline.model.session import Spin
 from hopline.runtime import config as cfg
 from hopline.runtime.launcher import Mesh
+from hopline.services.inference.backend import cores
 from hopline.services.inference.service import InferenceConfig
 
 MODEL = "support-intents"
@@ -62,16 +66,39 @@ def precision_scenario(
         )  # fmt: skip
     finally:
         mesh.stop()
-    other = _other_spin(cfg.load(InferenceConfig, []).spin)
+    spin = cfg.load(InferenceConfig, []).spin
+    other = _other_spin(spin)
     contrast = _compute_with(repo, iterations, other)
+    bound = int8_bound(
+        ModelRepository(repo).resolve(MODEL, "1"),
+        _texts(),
+        threads=cores(),  # a run alone gets every core (services/inference/backend.py)
+        spin=spin,
+        measured=_speedups(result.get("compute")),
+    )
     return {
         **result,
         f"compute_spin_{other}": contrast,
+        "int8_bound": bound,
         "ratios": {
             **model_ratios(result["targets"], result.get("compute")),
             **{f"{k} (spin {other})": v for k, v in model_ratios({}, contrast).items()},
+            **bound_ratios(bound),
         },
     }
+
+
+def _texts() -> list[str]:
+    mix = make_mix("miss", None)
+    return [mix.text(i) for i in range(512)]
+
+
+def _speedups(compute: dict[str, Any] | None) -> dict[str, float]:
+    """The second model's (INT8's) compute speed-up over the first's, by batch key."""
+    if not compute:
+        return {}
+    by_batch = list(compute["models"].values())[-1]
+    return {batch: v["speedup_over_first"] for batch, v in by_batch.items()}
 
 
 def _other_spin(spin: Spin) -> Spin:
@@ -82,10 +109,9 @@ def _other_spin(spin: Spin) -> Spin:
 
 def _compute_with(repo: Path, iterations: int, spin: Spin) -> dict[str, Any]:
     models = ModelRepository(repo)
-    mix = make_mix("miss", None)
     return compare_compute(
         [models.resolve(MODEL, "1"), models.resolve(MODEL, "2")],
-        [mix.text(i) for i in range(512)],
+        _texts(),
         iterations=iterations,
         threads=cfg.load(InferenceConfig, []).threads,
         spin=spin,

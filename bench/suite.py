@@ -14,7 +14,8 @@ too (runtime/service_table.py:Topology). It measures, one scenario after the oth
 6. the Ray Serve peer (bench extra), once the meshes are idle: concurrency 32 and open loop
    at the mesh's rps, compared with both meshes at cache BYPASS (the peer has no cache).
 7. FP32 against INT8 (bench/precision.py): an INT8 version built beside the default model,
-   model compute alone at batch 1 and 32, in-process and mesh miss path, alternated rounds.
+   model compute alone at batch 1 and 32, in-process and mesh miss path, alternated rounds;
+   and the bound this CPU's integer GEMM kernel puts on INT8's speed-up (bench/int8_bound.py).
 8. Tracing exporting to Jaeger, and to a collector that discards what it gets, against no
    exporter (bench/tracing.py), both topologies, miss at concurrency 1 and 32, alternated
    rounds.

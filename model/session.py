@@ -46,15 +46,9 @@ class Spin(enum.StrEnum):
 RUN_SPIN_US = 50
 
 
-def make_session(
-    path: Path,
-    *,
-    threads: int = 0,
-    providers: Sequence[ProviderSpec | str] = ("CPUExecutionProvider",),
-    spin: Spin = Spin.OFF,
-) -> ort.InferenceSession:
-    """An optimised session on the first of `providers` this machine has (CPU last).
-    threads=0 lets ONNX Runtime use every core. `session.get_providers()` says what runs."""
+def session_options(threads: int, spin: Spin) -> ort.SessionOptions:
+    """The options every hopline session runs with: `threads` intra-op threads (0: every
+    core), one run at a time, `spin` between operators."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads
@@ -68,6 +62,19 @@ def make_session(
     if spin is Spin.RUN:
         options.add_session_config_entry("session.force_spinning_stop", "1")
         options.add_session_config_entry("session.intra_op.spin_duration_us", str(RUN_SPIN_US))
+    return options
+
+
+def make_session(
+    path: Path,
+    *,
+    threads: int = 0,
+    providers: Sequence[ProviderSpec | str] = ("CPUExecutionProvider",),
+    spin: Spin = Spin.OFF,
+) -> ort.InferenceSession:
+    """An optimised session on the first of `providers` this machine has (CPU last).
+    threads=0 lets ONNX Runtime use every core. `session.get_providers()` says what runs."""
+    options = session_options(threads, spin)
     specs = as_specs(providers)
     chosen = session_providers(specs, ort.get_available_providers(), path.parent)
     session = ort.InferenceSession(str(path), sess_options=options, providers=chosen)
