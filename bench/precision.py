@@ -66,14 +66,15 @@ def precision_scenario(
         )  # fmt: skip
     finally:
         mesh.stop()
-    spin = cfg.load(InferenceConfig, []).spin
-    other = _other_spin(spin)
+    service = cfg.load(InferenceConfig, [])
+    other = _other_spin(service.spin)
     contrast = _compute_with(repo, iterations, other)
     bound = int8_bound(
         ModelRepository(repo).resolve(MODEL, "1"),
         _texts(),
-        threads=cores(),  # a run alone gets every core (services/inference/backend.py)
-        spin=spin,
+        # A run alone gets every core unless the service is told otherwise (backend.py).
+        threads=service.threads or cores(),
+        spin=service.spin,
         measured=_speedups(result.get("compute")),
     )
     return {
