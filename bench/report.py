@@ -107,6 +107,11 @@ def model_ratios(
         out[f"{name}_throughput_over_first_model"] = (
             t["throughput_rps"] / first[base]["throughput_rps"]
         )
+        # What the model itself saved inside these requests (a run after the request's other
+        # work, not back to back as compute alone runs): the saving the p50's is set against.
+        here, there = _compute_p50(t), _compute_p50(first[base])
+        if here is not None and there is not None:
+            out[f"{name}_inference_compute_saving_ms"] = there - here
     if compute:
         for model, by_batch in list(compute["models"].items())[1:]:
             for batch, v in by_batch.items():
@@ -115,6 +120,12 @@ def model_ratios(
                     v["p50_ms"] * v["speedup_over_first"] - v["p50_ms"]
                 )
     return out
+
+
+def _compute_p50(target: Mapping[str, Any]) -> float | None:
+    """The target's `inference.compute` hop p50 (ms), where its replies carry one."""
+    hop = target.get("hops_ms", {}).get("inference.compute")
+    return None if hop is None else float(hop["p50"])
 
 
 def table(targets: Mapping[str, Mapping[str, Any]]) -> str:
