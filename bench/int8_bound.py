@@ -47,6 +47,7 @@ from hopline.model.tokenizer import encode, load_tokenizer
 # Operators whose time INT8 quantization can shorten (products of matrices).
 GEMM_OPS = frozenset({"MatMul", "FusedMatMul", "Gemm", "MatMulInteger", "DynamicQuantizeMatMul"})
 OPSETS = [helper.make_opsetid("", 17)]
+WARM_RUNS = 3  # runs of each session before any is counted
 
 
 def weight_gemms(model_path: Path) -> Counter[tuple[int, int]]:
@@ -125,12 +126,12 @@ def kernel_speedup(
     for (k, n), count in sorted(gemms.items()):
         pair = _gemm_pair(m, k, n, threads, spin)
         times: list[list[float]] = [[], []]
-        for i in range(iterations + 3):
+        for i in range(iterations + WARM_RUNS):
             for which in (0, 1) if i % 2 == 0 else (1, 0):
                 session, feed = pair[which]
                 started = time.perf_counter()
                 session.run(None, feed)
-                if i >= 3:  # the first runs of a shape pack weights and allocate
+                if i >= WARM_RUNS:  # the first runs of a shape allocate
                     times[which].append((time.perf_counter() - started) * 1e3)
         f, q = float(np.median(times[0])), float(np.median(times[1]))
         shapes[f"{m}x{k}x{n}"] = {"count": count, "fp32_ms": f, "int8_ms": q, "speedup": f / q}
@@ -153,16 +154,18 @@ def gemm_share(
             enable_profiling=True,
             profile_file_prefix=str(Path(tmp) / "profile"),
         )
-        for feed in feeds[:3]:
-            session.run(["logits"], feed)
-        for feed in feeds:
+        for feed in [*feeds[:WARM_RUNS], *feeds]:
             session.run(["logits"], feed)
         events = json.loads(Path(session.end_profiling()).read_text())
+    # The profile covers the session's whole life: count only the runs after the warm ones
+    # (a shape's first runs allocate).
+    starts = sorted(e["ts"] for e in events if e.get("name") == "model_run")
     for event in _kernel_events(events):
-        by_op[event["args"]["op_name"]] += event["dur"]
+        if event["ts"] >= starts[WARM_RUNS]:
+            by_op[event["args"]["op_name"]] += event["dur"]
     total = sum(by_op.values())
     gemm = sum(us for op, us in by_op.items() if op in GEMM_OPS)
-    per_run = len(feeds) + 3
+    per_run = len(feeds)
     return {
         "kernel_ms_per_run": total / per_run / 1e3,
         "gemm_ms_per_run": gemm / per_run / 1e3,
