@@ -13,11 +13,27 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from hopline.model.repository import ModelConfig
 from hopline.model.session import Spin
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.services.inference.backend import OnnxRuntimeBackend
+
+
+def batch_feeds(
+    tokenizer: Tokenizer,
+    texts: Sequence[str],
+    batch: int,
+    count: int,
+    rng: np.random.Generator,
+) -> list[dict[str, Any]]:
+    """`count` model inputs of `batch` texts drawn from `texts`, each padded to its longest."""
+    feeds = []
+    for _ in range(count):
+        enc = encode(tokenizer, [texts[i] for i in rng.choice(len(texts), batch)])
+        feeds.append({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
+    return feeds
 
 
 def compare_compute(
@@ -41,11 +57,7 @@ def compare_compute(
         "models": {},
     }
     for batch in batches:
-        feeds = []
-        for _ in range(iterations):
-            chosen = [texts[i] for i in rng.choice(len(texts), batch)]
-            enc = encode(tokenizer, chosen)
-            feeds.append({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
+        feeds = batch_feeds(tokenizer, texts, batch, iterations, rng)
         for backend in backends:  # warm: the first runs of a shape allocate
             for feed in feeds[:3]:
                 backend.run(feed, ["logits"])

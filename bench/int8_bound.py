@@ -40,9 +40,10 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from hopline.bench.compute import batch_feeds
 from hopline.model.repository import ModelConfig
 from hopline.model.session import Spin, session_options
-from hopline.model.tokenizer import encode, load_tokenizer
+from hopline.model.tokenizer import load_tokenizer
 
 # Operators whose time INT8 quantization can shorten (products of matrices).
 GEMM_OPS = frozenset({"MatMul", "FusedMatMul", "Gemm", "MatMulInteger", "DynamicQuantizeMatMul"})
@@ -203,10 +204,7 @@ def int8_bound(
         "weight_gemms": sum(gemms.values()),
     }
     for batch in batches:
-        feeds = []
-        for _ in range(iterations):
-            enc = encode(tokenizer, [texts[i] for i in rng.choice(len(texts), batch)])
-            feeds.append({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
+        feeds = batch_feeds(tokenizer, texts, batch, iterations, rng)
         m = batch * int(np.median([f["input_ids"].shape[1] for f in feeds]))
         profile = gemm_share(model_path, feeds, threads, spin)
         kernel = kernel_speedup(gemms, m, threads, spin, iterations)
