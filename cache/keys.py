@@ -30,6 +30,8 @@ def scope_tuple(scope: common_pb2.Scope) -> tuple[str, str, str, str]:
     missing = [f for f in ("tenant", "model", "model_version") if not getattr(scope, f)]
     if missing:
         raise ScopeError(f"scope needs {', '.join(missing)}")
+    if not scope.parameters:  # the common case, and what json.dumps would have written
+        return scope.tenant, scope.model, scope.model_version, "{}"
     params = json.dumps(dict(sorted(scope.parameters.items())), separators=(",", ":"))
     return scope.tenant, scope.model, scope.model_version, params
 
