@@ -246,6 +246,7 @@ def _inprocess(name: str, args: argparse.Namespace, spec: str = "") -> InProcess
             workers=workers,
             threads=threads,
             spin=service.spin,
+            nice=service.nice,
             suffix=suffix,
         )
     return InProcessTarget(
@@ -254,6 +255,7 @@ def _inprocess(name: str, args: argparse.Namespace, spec: str = "") -> InProcess
         workers=run_slots(service.workers),
         threads=service.threads,
         spin=service.spin,
+        nice=service.nice,
         suffix=suffix,
     )
 

@@ -79,6 +79,10 @@ def ratios(targets: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
         out["mesh_throughput_over_inprocess_batched"] = (
             mesh["throughput_rps"] / batched["throughput_rps"]
         )
+        # Latency under the same load: what a request pays for the mesh when both are busy
+        # (open loop: both served the same arrivals, so their throughputs match).
+        out["mesh_p50_over_inprocess_batched_p50"] = mesh["p50_ms"] / batched["p50_ms"]
+        out["mesh_p99_over_inprocess_batched_p99"] = mesh["p99_ms"] / batched["p99_ms"]
     out["mesh_p99_over_p50"] = mesh["p99_ms"] / mesh["p50_ms"]
     for name, peer in targets.items():
         if name.startswith("peer_"):

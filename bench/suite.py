@@ -8,7 +8,8 @@ too (runtime/service_table.py:Topology). It measures, one scenario after the oth
 1. miss, concurrency 1: echo, in-process, the meshes (cache USE, every text new).
 2. exact, concurrency 1: echo, the meshes (every text already cached).
 3. saturation, concurrency 32, miss: in-process plain and batched, the meshes.
-4. open loop at 70% of each mesh's own saturation throughput.
+4. open loop at 70% of each mesh's own saturation throughput, and the in-process batched
+   pipeline at the same arrivals (latency under the same load).
 5. ghz against the five-process gateway's Predict beside `hopline bench` (c=1), taking turns
    (bench/ghz.py).
 6. the Ray Serve peer (bench extra), once the meshes are idle: concurrency 32 and open loop
@@ -176,6 +177,8 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             (f"miss_open70_{ONE_PROCESS}", one, f"peer_{ONE_PROCESS}"),
         ):
             rps = 0.7 * saturation[name]["throughput_rps"]
+            # The in-process batched pipeline at the same arrivals: the latency the mesh
+            # adds when both are under load, not only at rest (c=1) or flat out (c=32).
             sc[key] = bench(
                 "--target",
                 target,
@@ -184,7 +187,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
                 "--mix",
                 "miss",
                 "--baseline",
-                "none",
+                "inprocess_batched",
                 *common,
             )
         if args.ghz.is_file():

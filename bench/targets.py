@@ -21,6 +21,7 @@ from hopline.model.session import Spin
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
+from hopline.runtime.priority import lower_thread_priority, on_nicer_thread
 from hopline.runtime.tls import ClientTls, aio_channel
 from hopline.services.inference.backend import create_backend
 from hopline.services.inference.batched_model import BatchedModel, ModelRequest
@@ -147,6 +148,7 @@ class InProcessTarget:
         workers: int,
         threads: int,
         spin: Spin,
+        nice: int = 0,
         top_k: int = 1,
         suffix: str = "",
     ) -> None:
@@ -154,13 +156,20 @@ class InProcessTarget:
         self.config = config
         self.top_k = top_k
         self.tokenizer = load_tokenizer(config.file("tokenizer"), config.max_sequence_length)
-        self.backend = create_backend(config, threads, spin=spin)
-        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="inprocess")
+        # The model's threads as nice as the inference service's (runtime/priority.py).
+        self.backend = on_nicer_thread(nice, lambda: create_backend(config, threads, spin=spin))
+        self.executor = ThreadPoolExecutor(
+            max_workers=workers,
+            thread_name_prefix="inprocess",
+            initializer=lower_thread_priority,
+            initargs=(nice,),
+        )
         self.model = BatchedModel(self.backend, self.executor, workers) if batched else None
         self.settings = {
             "workers": workers,
             "threads": threads,
             "spin": spin.value,
+            "nice": nice,
             "batched": batched,
         }
 

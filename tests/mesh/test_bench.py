@@ -41,6 +41,7 @@ def test_bench_writes_every_target_with_the_documented_keys(mesh: Mesh, tmp_path
     assert sum(outcomes.values()) == doc["targets"]["mesh"]["requests"]
     assert "mesh_p50_over_echo_p50" in doc["ratios"]
     assert "mesh_p50_minus_inprocess_in_echo_idle_p50s" in doc["ratios"]
+    assert "mesh_p50_over_inprocess_batched_p50" in doc["ratios"]
     # Each of the 2 echo_idle callers waits 5 ms before each call: at most one call per 5 ms.
     idle = doc["targets"]["echo_idle"]
     assert idle["requests"] <= 2 * (idle["duration_s"] / 0.005 + 1), idle["requests"]
