@@ -11,7 +11,6 @@ import asyncio
 import itertools
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,7 +20,7 @@ from hopline.model.session import Spin
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
-from hopline.runtime.priority import lower_thread_priority, on_nicer_thread
+from hopline.runtime.priority import nicer_executor, on_nicer_thread
 from hopline.runtime.tls import ClientTls, aio_channel
 from hopline.services.inference.backend import create_backend
 from hopline.services.inference.batched_model import BatchedModel, ModelRequest
@@ -158,12 +157,7 @@ class InProcessTarget:
         self.tokenizer = load_tokenizer(config.file("tokenizer"), config.max_sequence_length)
         # The model's threads as nice as the inference service's (runtime/priority.py).
         self.backend = on_nicer_thread(nice, lambda: create_backend(config, threads, spin=spin))
-        self.executor = ThreadPoolExecutor(
-            max_workers=workers,
-            thread_name_prefix="inprocess",
-            initializer=lower_thread_priority,
-            initargs=(nice,),
-        )
+        self.executor = nicer_executor(workers, "inprocess", nice)
         self.model = BatchedModel(self.backend, self.executor, workers) if batched else None
         self.settings = {
             "workers": workers,

@@ -57,3 +57,13 @@ def on_nicer_thread(nice: int, build: Callable[[], T]) -> T:
     Runtime's pool, when it builds a session) inherit that niceness."""
     with ThreadPoolExecutor(1, initializer=lower_thread_priority, initargs=(nice,)) as thread:
         return thread.submit(build).result()
+
+
+def nicer_executor(workers: int, prefix: str, nice: int) -> ThreadPoolExecutor:
+    """A pool for model runs whose threads are `nice` steps nicer than the main thread."""
+    return ThreadPoolExecutor(
+        max_workers=workers,
+        thread_name_prefix=prefix,
+        initializer=lower_thread_priority,
+        initargs=(nice,),
+    )

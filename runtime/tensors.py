@@ -51,8 +51,8 @@ def from_tensor(tensor: common_pb2.Tensor) -> npt.NDArray[np.generic]:
     shape = tuple(tensor.shape)
     if any(d < 0 for d in shape):
         raise TensorError(f"tensor {tensor.name!r}: negative dimension in shape {list(shape)}")
-    # Python ints: no overflow to hide a huge shape, and a tenth of np.prod's cost per call
-    # (several calls per request per hop).
+    # Python ints: an int64 product wraps (2**62 x 4 elements of 8 bytes counted 0 bytes,
+    # which an empty payload matched). And cheaper: from_tensor 2.9 against 9.0 us a call.
     expected = math.prod(shape) * dtype.itemsize
     if expected != len(tensor.raw):
         raise TensorError(

@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -28,7 +27,7 @@ from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.runtime.batching import QueueFullError
 from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
-from hopline.runtime.priority import lower_thread_priority, on_nicer_thread
+from hopline.runtime.priority import nicer_executor, on_nicer_thread
 from hopline.runtime.tensors import TensorError, dtype_name, from_tensor, to_tensor
 from hopline.services.inference.backend import (
     Array,
@@ -174,12 +173,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self.models: ModelRegistry[BatchedModel] = ModelRegistry(
             ModelRepository(Path(config.model_repo)), self._load
         )
-        self.executor = ThreadPoolExecutor(
-            max_workers=run_slots(config.workers),
-            thread_name_prefix="model",
-            initializer=lower_thread_priority,
-            initargs=(config.nice,),
-        )
+        self.executor = nicer_executor(run_slots(config.workers), "model", config.nice)
 
     def _load(self, cfg: ModelConfig) -> BatchedModel:
         # Built on a nicer thread, so ONNX Runtime's pool threads are as nice as the runs'.
