@@ -15,10 +15,11 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from hopline.bench import hop_split
 from hopline.bench.load import Run, closed_loop, cpu_count, open_loop
 from hopline.bench.mixes import Mix, make_mix, narrowed
 from hopline.bench.report import model_ratios, ratios, summarise, table, write_png
@@ -45,7 +46,10 @@ echoes; not part of the default set), `inprocess` (the
 same tokenizer, model and postprocessing in this process, one request per run, in its
 strongest plain thread setting) and `inprocess_batched` (the same, through the inference
 service's own dynamic batcher and settings). Peers (`--peer ray=ADDR`) speaking hopline's
-Predict are measured the same way.
+Predict are measured the same way. With `--metrics TARGET=HOST:PORT,...` (the Prometheus
+endpoints of that mesh's processes) each hop is split between the gateway's time and the
+server's own, and the request's between the client and the gateway's handler
+(bench/hop_split.py).
 
 How the load generator stays light on a 2-core machine: it is one process with one event
 loop and one gRPC connection per target; requests are serialised before the window and sent
@@ -103,6 +107,15 @@ def add_bench_command(sub: Any) -> None:
         default=[],
         metavar="NAME=ADDR",
         help="a peer speaking hopline.gateway.v1 Predict, reported as peer_NAME (repeatable)",
+    )
+    p.add_argument(
+        "--metrics",
+        action="append",
+        default=[],
+        metavar="TARGET=HOST:PORT[,HOST:PORT...]",
+        help="the Prometheus endpoints of `mesh` or a peer's processes (make run's: 8002, "
+        "and 8021-8024 for services in their own process): per hop, the gateway's time "
+        "against the server's own, and the time outside the gateway (bench/hop_split.py)",
     )
     p.add_argument("--model", default="", help="model to request (default: the gateway's)")
     p.add_argument(
@@ -204,14 +217,25 @@ async def prime(target: Target, mix: Mix) -> Mix:
     return narrowed(mix, kept)
 
 
-async def measure(target: Target, mix: Mix, args: argparse.Namespace, pause_s: float = 0.0) -> Run:
+async def measure(
+    target: Target,
+    mix: Mix,
+    args: argparse.Namespace,
+    pause_s: float = 0.0,
+    at_window: Callable[[], None] | None = None,
+) -> Run:
     mix = await prime(target, mix)  # exact and semantic mixes: fill the cache first
     seconds = args.duration + args.warmup
     expected = args.rps * seconds if args.rps else (args.concurrency or 1) * 300 * seconds
     payloads = _Payloads(target, mix, int(expected * 1.3) + 1000)
     if args.rps:
         return await open_loop(
-            target.call, payloads, rps=args.rps, duration_s=args.duration, warmup_s=args.warmup
+            target.call,
+            payloads,
+            rps=args.rps,
+            duration_s=args.duration,
+            warmup_s=args.warmup,
+            at_window=at_window,
         )
     return await closed_loop(
         target.call,
@@ -220,6 +244,7 @@ async def measure(target: Target, mix: Mix, args: argparse.Namespace, pause_s: f
         duration_s=args.duration,
         warmup_s=args.warmup,
         pause_s=pause_s,
+        at_window=at_window,
     )
 
 
@@ -319,6 +344,7 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
         queue += [f"mesh{m}" for m in per_model]
     queue += [f"peer_{p.split('=', 1)[0]}{m}" for p in args.peer for m in per_model]
     peers = dict(p.split("=", 1) for p in args.peer)
+    windows = hop_split.Windows(_metrics_endpoints(args.metrics))
     for name in round_robin(queue, args.rounds):
         base, _, spec = name.partition("@")
         mix = make_mix(args.mix, args.clinc)
@@ -349,7 +375,8 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
         try:
             sys.stderr.write(f"measuring {name} ({args.mix}) ...\n")
             pause_s = args.idle_ms / 1e3 if base == "echo_idle" else 0.0
-            run = await measure(target, mix, args, pause_s)
+            run = await measure(target, mix, args, pause_s, windows.at_window(base))
+            windows.ended(name, base)
             runs[name] = _pool(runs[name], run) if name in runs else run
             describe[name] = target.describe
         finally:
@@ -360,10 +387,25 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
                 if echo_proc.stdout is not None:
                     echo_proc.stdout.close()  # the READY pipe
     records = {name: summarise(run, describe[name]) for name, run in runs.items()}
+    for name, window in windows.totals.items():
+        records[name]["hop_split"] = hop_split.split(window, records[name]["mean_ms"])
     result: dict[str, Any] = {"targets": records, "settings": settings}
     if len(specs) > 1 and args.compute_iterations > 0:
         result["compute"] = _compute(args, specs)
     return runs, result
+
+
+def _metrics_endpoints(given: Sequence[str]) -> dict[str, list[str]]:
+    """`--metrics mesh=H:P,H:P --metrics ray=H:P` by the target's name in the results
+    (`mesh`, `peer_ray`)."""
+    out: dict[str, list[str]] = {}
+    for item in given:
+        name, sep, endpoints = item.partition("=")
+        if not sep or not endpoints:
+            raise SystemExit(f"--metrics takes TARGET=HOST:PORT[,HOST:PORT...], got {item!r}")
+        key = name if name == "mesh" else f"peer_{name}"
+        out.setdefault(key, []).extend(e for e in endpoints.split(",") if e)
+    return out
 
 
 def bench_once(*argv: str) -> dict[str, Any]:
@@ -409,6 +451,10 @@ def run_bench(args: argparse.Namespace) -> int:
     sys.stdout.write(table(result["targets"]) + "\n")
     for key, value in doc["ratios"].items():
         sys.stdout.write(f"  {key:<45} {value:.3f}\n")
+    echoes = {n: t["mean_ms"] for n, t in result["targets"].items() if n in ECHOES}
+    for name, target in result["targets"].items():
+        if "hop_split" in target:
+            sys.stdout.write(hop_split.split_table(name, target["hop_split"], echoes) + "\n")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1) + "\n")

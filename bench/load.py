@@ -140,6 +140,7 @@ async def closed_loop(
     duration_s: float,
     warmup_s: float = 0.0,
     pause_s: float = 0.0,
+    at_window: Callable[[], None] | None = None,
 ) -> Run:
     """`concurrency` callers, each sending its next request as soon as the last returns, or
     `pause_s` after it (the pause is not part of a request's latency)."""
@@ -160,6 +161,8 @@ async def closed_loop(
 
     if warmup_s > 0:
         await phase(warmup_s, record=False)
+    if at_window is not None:  # between the phases: nothing is in flight
+        at_window()
     with _Window() as window:
         lat, st, out = await phase(duration_s, record=True)
     # Requests still running when the window closed finish after it: divide by the time the
@@ -176,6 +179,7 @@ async def open_loop(
     warmup_s: float = 0.0,
     max_in_flight: int = 20_000,
     seed: int = 0,
+    at_window: Callable[[], None] | None = None,
 ) -> Run:
     """Poisson arrivals at `rps`; each request's latency counts from its scheduled arrival."""
     rng = np.random.default_rng(seed)
@@ -208,6 +212,8 @@ async def open_loop(
 
     if warmup_s > 0:
         await phase(warmup_s, record=False)
+    if at_window is not None:  # between the phases: nothing is in flight
+        at_window()
     with _Window() as window:
         lat, st, out = await phase(duration_s, record=True)
     return Run(lat, st, out, window.elapsed, window.cpu, window.busy, offered_rps=rps)

@@ -26,6 +26,7 @@ def summarise(run: Run, describe: Describe) -> dict[str, Any]:
     errors = run.errors
     return {
         **percentiles_ms(run.latencies_ns),
+        "mean_ms": float(np.mean(run.latencies_ns)) / 1e6 if run.latencies_ns else float("nan"),
         "throughput_rps": run.completed / run.duration_s if run.duration_s else 0.0,
         "requests": run.completed,
         "errors": sum(errors.values()),

@@ -27,6 +27,9 @@ too (runtime/service_table.py:Topology). It measures, one scenario after the oth
     path at concurrency 1 and 32; elsewhere the document says why it was not measured.
 
 Scenarios 1-3 take their targets in turn over ROUNDS rounds, the same measured seconds in all.
+Scenarios 1 and 3 also read every mesh's Prometheus endpoints around its windows: per hop, the
+gateway's time against the server's own, and the time a request spends outside the gateway
+(bench/hop_split.py), in the report's per-hop tables.
 Each target is measured alone; targets share the 2 cores, so nothing runs beside them (the
 idle mesh waits with no traffic).
 """
@@ -127,6 +130,11 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"mesh did not start; logs in {work}: {exc}") from exc
     gw, colo, one = (m.addrs["gateway"] for m in meshes)
     common_peer = [*common, "--peer", f"{COLOCATED}={colo}", "--peer", f"{ONE_PROCESS}={one}"]
+    # Where each mesh's time goes per hop (bench/hop_split.py), read from its processes.
+    split = [
+        f"--metrics={name}={','.join(mesh.metrics_endpoints())}"
+        for name, mesh in zip(("mesh", COLOCATED, ONE_PROCESS), meshes, strict=True)
+    ]
     # The c=1 and c=32 scenarios' targets take turns, ROUNDS windows each, so a slow minute
     # on a shared machine hits each target alike (argparse keeps the last --duration).
     alternated = [
@@ -147,6 +155,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             "--baseline",
             "echo,echo_idle,inprocess",
             *alternated,
+            *split,
         )
         sc["exact_c1"] = bench(
             "--target",
@@ -169,6 +178,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             "--baseline",
             "inprocess,inprocess_batched",
             *alternated,
+            *split,
         )
         saturation = sc["miss_c32"]["targets"]
         for key, target, name in (
@@ -383,6 +393,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {r['target']} | {r['value']:.3f} ({r['how']}) | {r['limit']:.3f} | "
             f"{'yes' if r['met'] else 'no'} |"
         )
+    lines += hop_split_markdown(doc["scenarios"])
     for name, why in doc.get("not_measured", {}).items():
         lines.append(f"\n{name}: not measured: {why}")
     for name, s in doc["scenarios"].items():
@@ -394,6 +405,39 @@ def markdown(doc: dict[str, Any]) -> str:
                 hops = ", ".join(f"{h} {v['p50']:.2f}" for h, v in target["hops_ms"].items())
                 lines.append(f"{name} {tname} hops p50 ms: {hops}")
     return "\n".join(lines) + "\n"
+
+
+def hop_split_markdown(scenarios: dict[str, Any]) -> list[str]:
+    """Each scenario's per-hop table (bench/hop_split.py), with its echo baselines' means."""
+    lines: list[str] = []
+    for name, s in scenarios.items():
+        targets = s.get("targets", {})
+        rows = {t: v["hop_split"] for t, v in targets.items() if "hop_split" in v}
+        if not rows:
+            continue
+        echoes = ", ".join(
+            f"{e} {targets[e]['mean_ms']:.2f} ms" for e in ("echo", "echo_idle") if e in targets
+        )
+        lines += [
+            "",
+            f"{name}, mean ms per call{f' (round trip: {echoes})' if echoes else ''}:",
+            "",
+            "| target | hop | at the gateway | server's own | between | calls | server calls |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for target, figures in rows.items():
+            for hop, h in figures["hops"].items():
+                lines.append(
+                    f"| {target} | {hop} | {h['at_gateway_ms']:.2f} | {h['server_ms']:.2f} | "
+                    f"{h['gap_ms']:.2f} | {h['calls']} | {h['server_calls']} |"
+                )
+            r = figures["request"]
+            lines.append(
+                f"| {target} | the request: client / gateway handler / outside the gateway | "
+                f"{r['client_ms']:.2f} | {r['gateway_ms']:.2f} | {r['outside_gateway_ms']:.2f} "
+                f"| {r['gateway_calls']} | |"
+            )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -220,6 +220,12 @@ class Mesh:
                 if out is not None:
                     out.close()  # the child holds its own descriptor
 
+    def metrics_endpoints(self) -> list[str]:
+        """`HOST:PORT` of each started process's Prometheus endpoint (a co-located service's
+        metrics are in the gateway's), as `hopline bench --metrics` takes them."""
+        host = self.env.get("HOPLINE_METRICS_HOST", "127.0.0.1")
+        return [f"{host}:{self.metrics_ports[n]}" for n in self.procs if n in self.metrics_ports]
+
     def exited(self) -> dict[str, int]:
         """Exit codes of the services that are no longer running."""
         return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}

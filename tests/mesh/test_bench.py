@@ -49,6 +49,37 @@ def test_bench_writes_every_target_with_the_documented_keys(mesh: Mesh, tmp_path
     assert "mesh" in run.stdout  # the table
 
 
+def test_bench_splits_each_hop_between_the_gateway_and_the_server(
+    mesh: Mesh, tmp_path: Path
+) -> None:
+    """`--metrics`: the mesh's own histograms, read around the window alone, give every hop
+    a miss takes from both sides; a remote hop's server time lies inside the gateway's."""
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "hopline", "bench", "--target", mesh.gateway,
+         "--concurrency", "1", "--duration", "1", "--warmup", "0.5", "--mix", "miss",
+         "--baseline", "echo", "--metrics", f"mesh={','.join(mesh.metrics_endpoints())}",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    target = json.loads(out.read_text())["targets"]["mesh"]
+    requests = target["requests"]
+    assert requests > 0
+    split = target["hop_split"]
+    for hop in ("tokenize", "inference", "postprocess"):
+        h = split["hops"][hop]
+        # One call per request at concurrency 1, none of the warm-up's.
+        assert h["calls"] == requests, (hop, h)
+        assert h["server_calls"] == requests, (hop, h)
+        assert 0 < h["server_ms"] < h["at_gateway_ms"], (hop, h)
+    request = split["request"]
+    assert request["gateway_calls"] == requests
+    assert 0 < request["gateway_ms"] < request["client_ms"] == target["mean_ms"]
+    assert "outside the gateway" in run.stdout
+    assert "hop_split" not in json.loads(out.read_text())["targets"]["echo"]
+
+
 def test_the_exact_mix_repeats_only_texts_the_cache_keeps(mesh: Mesh, tmp_path: Path) -> None:
     """Some primed texts get out-of-scope answers, which the default model's policy does not
     cache: left in, they would be misses inside a window meant to hold only repeats."""

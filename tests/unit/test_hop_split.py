@@ -1,0 +1,173 @@
+"""bench/hop_split.py: per hop, the gateway's time against the server's own, from the
+processes' Prometheus endpoints (here real ones: prometheus_client's HTTP server on loopback,
+serving registries with the mesh's two histograms)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+
+from hopline.bench import hop_split
+from hopline.bench.cli import _metrics_endpoints
+from hopline.bench.suite import hop_split_markdown
+from hopline.runtime.launcher import free_ports
+
+
+class Process:
+    """One mesh process's metrics: its hop and RPC histograms on a port of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.hops = Histogram(hop_split.HOP_METRIC, "hops", ("hop", "code"), registry=self.registry)
+        self.rpcs = Histogram(
+            hop_split.RPC_METRIC, "rpcs", ("service", "method", "code"), registry=self.registry
+        )
+        (self.port,) = free_ports(1)
+        self.server, self.thread = start_http_server(self.port, "127.0.0.1", registry=self.registry)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+@pytest.fixture
+def processes() -> Iterator[tuple[Process, Process]]:
+    gateway, tokenizer = Process(), Process()
+    try:
+        yield gateway, tokenizer
+    finally:
+        gateway.close()
+        tokenizer.close()
+
+
+TOKENIZE = ("hopline.tokenizer.v1.TokenizerService", "Tokenize")
+
+
+def test_only_the_window_counts_and_every_endpoint_adds_up(
+    processes: tuple[Process, Process],
+) -> None:
+    gateway, tokenizer = processes
+    windows = hop_split.Windows({"mesh": [gateway.endpoint, tokenizer.endpoint]})
+    # Before the window (a warm-up): left out.
+    gateway.hops.labels("tokenize", "OK").observe(1.0)
+    tokenizer.rpcs.labels(*TOKENIZE, "OK").observe(1.0)
+    start = windows.at_window("mesh")
+    assert start is not None
+    start()
+    for at_gateway, own in ((0.004, 0.001), (0.006, 0.003)):
+        gateway.hops.labels("tokenize", "OK").observe(at_gateway)
+        tokenizer.rpcs.labels(*TOKENIZE, "OK").observe(own)
+    # A failed call is not a hop's cost: left out too.
+    gateway.hops.labels("tokenize", "UNAVAILABLE").observe(5.0)
+    gateway.rpcs.labels(*hop_split.GATEWAY_RPC, "OK").observe(0.010)
+    gateway.rpcs.labels(*hop_split.GATEWAY_RPC, "OK").observe(0.012)
+    windows.ended("mesh", "mesh")
+
+    got = hop_split.split(windows.totals["mesh"], client_mean_ms=12.5)
+
+    assert set(got["hops"]) == {"tokenize"}  # hops the window never called are not listed
+    tokenize = got["hops"]["tokenize"]
+    assert tokenize["calls"] == 2
+    assert tokenize["server_calls"] == 2
+    assert tokenize["at_gateway_ms"] == pytest.approx(5.0)
+    assert tokenize["server_ms"] == pytest.approx(2.0)
+    assert tokenize["gap_ms"] == pytest.approx(3.0)
+    request = got["request"]
+    assert request["gateway_calls"] == 2
+    assert request["gateway_ms"] == pytest.approx(11.0)
+    assert request["outside_gateway_ms"] == pytest.approx(1.5)
+
+
+def test_rounds_add_up_and_a_store_counts_both_methods(processes: tuple[Process, Process]) -> None:
+    """A target measured in rounds sums its windows; stores arrive as StoreBatch or, at a
+    cache from before it, as Store, and both are the cache_store hop's server side."""
+    gateway, cache = processes
+    windows = hop_split.Windows({"peer_colocated": [gateway.endpoint, cache.endpoint]})
+    for seconds in (0.002, 0.004):
+        start = windows.at_window("peer_colocated")
+        assert start is not None
+        start()
+        gateway.hops.labels("cache_store", "OK").observe(0.250 + seconds)
+        cache.rpcs.labels("hopline.cache.v1.CacheService", "StoreBatch", "OK").observe(seconds)
+        windows.ended("peer_colocated", "peer_colocated")
+    cache.rpcs.labels("hopline.cache.v1.CacheService", "Store", "OK").observe(0.009)
+    windows.ended("peer_colocated", "peer_colocated")  # no window opened: nothing counted
+    start = windows.at_window("peer_colocated")
+    assert start is not None
+    start()
+    cache.rpcs.labels("hopline.cache.v1.CacheService", "Store", "OK").observe(0.012)
+    windows.ended("peer_colocated", "peer_colocated")  # a third window: only a Store
+
+    store = hop_split.split(windows.totals["peer_colocated"], 0.0)["hops"]["cache_store"]
+
+    assert store["calls"] == 2
+    assert store["server_calls"] == 3
+    assert store["server_ms"] == pytest.approx((2 + 4 + 12) / 3)
+    assert store["at_gateway_ms"] == pytest.approx(253.0)
+
+
+def test_a_target_without_endpoints_reads_nothing() -> None:
+    windows = hop_split.Windows({"mesh": ["127.0.0.1:1"]})
+    assert windows.at_window("echo") is None
+    windows.ended("echo", "echo")
+    assert windows.totals == {}
+
+
+def test_metrics_flags_name_the_mesh_and_peers_as_the_results_do() -> None:
+    got = _metrics_endpoints(["mesh=a:1,b:2", "colocated=c:3", "mesh=d:4"])
+    assert got == {"mesh": ["a:1", "b:2", "d:4"], "peer_colocated": ["c:3"]}
+    for bad in ("mesh", "mesh=", "a:1"):
+        with pytest.raises(SystemExit, match="TARGET=HOST:PORT"):
+            _metrics_endpoints([bad])
+
+
+def test_the_table_names_every_hop_and_the_time_outside_the_gateway() -> None:
+    figures = {
+        "hops": {
+            "inference": {
+                "at_gateway_ms": 9.0,
+                "calls": 10,
+                "server_ms": 8.5,
+                "server_calls": 10,
+                "gap_ms": 0.5,
+            }
+        },
+        "request": {
+            "client_ms": 13.0,
+            "gateway_ms": 11.0,
+            "gateway_calls": 10,
+            "outside_gateway_ms": 2.0,
+        },
+    }
+    text = hop_split.split_table("mesh", figures, {"echo": 0.8, "echo_idle": 2.3})
+    assert "inference" in text
+    assert "8.500" in text
+    assert "0.500" in text
+    assert "outside the gateway 2.000, echo 0.800, echo_idle 2.300" in text
+
+
+def test_the_suite_report_has_a_per_hop_table_per_scenario() -> None:
+    hop = {"at_gateway_ms": 3.4, "calls": 7, "server_ms": 0.6, "server_calls": 7, "gap_ms": 2.8}
+    request = {"client_ms": 24.0, "gateway_ms": 21.5, "gateway_calls": 7, "outside_gateway_ms": 2.5}
+    scenarios = {
+        "miss_c1": {
+            "targets": {
+                "echo": {"mean_ms": 0.8},
+                "echo_idle": {"mean_ms": 2.7},
+                "mesh": {"hop_split": {"hops": {"tokenize": hop}, "request": request}},
+            }
+        },
+        "exact_c1": {"targets": {"mesh": {}}},  # not split: no table
+    }
+    lines = hop_split_markdown(scenarios)
+    assert "miss_c1, mean ms per call (round trip: echo 0.80 ms, echo_idle 2.70 ms):" in lines
+    assert "| mesh | tokenize | 3.40 | 0.60 | 2.80 | 7 | 7 |" in lines
+    assert any(line.startswith("| mesh | the request") and "| 2.50 |" in line for line in lines)
+    assert not any("exact_c1" in line for line in lines)
