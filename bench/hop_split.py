@@ -44,8 +44,9 @@ HOP_RPCS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 SCRAPE_TIMEOUT_S = 5.0
+_KEPT_LABELS = {HOP_METRIC: ("hop",), RPC_METRIC: ("method", "service")}
 
-Key = tuple[str, tuple[tuple[str, str], ...]]  # metric, its labels but code, sorted
+Key = tuple[str, tuple[tuple[str, str], ...]]  # metric, its _KEPT_LABELS in that order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +88,13 @@ def parse(text: str) -> Totals:
     for family in text_string_to_metric_families(text):
         if family.name not in (HOP_METRIC, RPC_METRIC):
             continue
+        kept = _KEPT_LABELS[family.name]
         for sample in family.samples:
-            labels = dict(sample.labels)
-            if labels.pop("code", None) != "OK":
+            labels = sample.labels
+            if labels.get("code") != "OK":
                 continue
-            key = (family.name, tuple(sorted(labels.items())))
+            # Other labels (a gateway's `worker`, under its supervisor) are summed over.
+            key = (family.name, tuple((k, labels[k]) for k in kept))
             if sample.name == f"{family.name}_sum":
                 sums[key] = sums.get(key, 0.0) + sample.value
             elif sample.name == f"{family.name}_count":

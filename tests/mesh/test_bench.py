@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from harness import Mesh
+from harness import TOPOLOGIES, Mesh
 from hopline.bench.cli import start_echo
 from hopline.bench.targets import ECHO
 
@@ -49,11 +49,13 @@ def test_bench_writes_every_target_with_the_documented_keys(mesh: Mesh, tmp_path
     assert "mesh" in run.stdout  # the table
 
 
+@pytest.mark.parametrize("mesh", TOPOLOGIES, indirect=True, ids=str)
 def test_bench_splits_each_hop_between_the_gateway_and_the_server(
     mesh: Mesh, tmp_path: Path
 ) -> None:
     """`--metrics`: the mesh's own histograms, read around the window alone, give every hop
-    a miss takes from both sides; a remote hop's server time lies inside the gateway's."""
+    a miss takes from both sides, in its own process or co-located in the gateway's; the
+    server's time lies inside the gateway's."""
     out = tmp_path / "bench.json"
     run = subprocess.run(
         [sys.executable, "-m", "hopline", "bench", "--target", mesh.gateway,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server
 
 from hopline.bench import hop_split
 from hopline.bench.cli import _metrics_endpoints
@@ -171,3 +171,26 @@ def test_the_suite_report_has_a_per_hop_table_per_scenario() -> None:
     assert "| mesh | tokenize | 3.40 | 0.60 | 2.80 | 7 | 7 |" in lines
     assert any(line.startswith("| mesh | the request") and "| 2.50 |" in line for line in lines)
     assert not any("exact_c1" in line for line in lines)
+
+
+def test_a_gateways_workers_are_summed() -> None:
+    """Under its worker supervisor the gateway's series carry a `worker` label
+    (observability/worker_metrics.py): the split adds the workers up."""
+    registry = CollectorRegistry()
+    hops = Histogram(hop_split.HOP_METRIC, "hops", ("hop", "code", "worker"), registry=registry)
+    rpcs = Histogram(
+        hop_split.RPC_METRIC, "rpcs", ("service", "method", "code", "worker"), registry=registry
+    )
+    for worker, seconds in (("0", 0.002), ("1", 0.004)):
+        hops.labels("postprocess", "OK", worker).observe(seconds)
+        rpcs.labels(
+            "hopline.postprocess.v1.PostprocessService", "Postprocess", "OK", worker
+        ).observe(seconds / 2)
+    totals = hop_split.parse(generate_latest(registry).decode())
+
+    postprocess = hop_split.split(totals, 0.0)["hops"]["postprocess"]
+
+    assert postprocess["calls"] == 2
+    assert postprocess["server_calls"] == 2
+    assert postprocess["at_gateway_ms"] == pytest.approx(3.0)
+    assert postprocess["server_ms"] == pytest.approx(1.5)
