@@ -107,8 +107,13 @@ def scrape(endpoints: Iterable[str]) -> Totals:
     totals = EMPTY
     for endpoint in endpoints:
         url = endpoint if "://" in endpoint else f"http://{endpoint}/metrics"
-        with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as reply:
-            totals = totals.plus(parse(reply.read().decode("utf-8")))
+        try:
+            with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as reply:
+                totals = totals.plus(parse(reply.read().decode("utf-8")))
+        except OSError as exc:  # refused, timed out, not HTTP: the flag names a wrong port
+            raise SystemExit(
+                f"--metrics: cannot read {url} ({exc}); give each process's HOPLINE_METRICS_PORT"
+            ) from None
     return totals
 
 

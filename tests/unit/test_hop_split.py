@@ -120,6 +120,15 @@ def test_a_target_without_endpoints_reads_nothing() -> None:
     assert windows.totals == {}
 
 
+def test_an_endpoint_that_does_not_answer_stops_the_bench_with_its_address() -> None:
+    (closed,) = free_ports(1)  # nothing listens there
+    windows = hop_split.Windows({"mesh": [f"127.0.0.1:{closed}"]})
+    start = windows.at_window("mesh")
+    assert start is not None
+    with pytest.raises(SystemExit, match=f"cannot read http://127.0.0.1:{closed}/metrics"):
+        start()
+
+
 def test_metrics_flags_name_the_mesh_and_peers_as_the_results_do() -> None:
     got = _metrics_endpoints(["mesh=a:1,b:2", "colocated=c:3", "mesh=d:4"])
     assert got == {"mesh": ["a:1", "b:2", "d:4"], "peer_colocated": ["c:3"]}
