@@ -43,6 +43,9 @@ HOP_RPCS: dict[str, tuple[tuple[str, str], ...]] = {
         ("hopline.cache.v1.CacheService", "Store"),
     ),
 }
+# Hops whose time at the gateway is mostly a deliberate wait, not transport: a store lingers
+# for others to share its StoreBatch (HOPLINE_GATEWAY_STORE_LINGER_MS), after the reply.
+OFF_REPLY_PATH = {schema.SPAN_CACHE_STORE: "after the reply; waits out the store linger"}
 SCRAPE_TIMEOUT_S = 5.0
 _KEPT_LABELS = {HOP_METRIC: ("hop",), RPC_METRIC: ("method", "service")}
 
@@ -177,6 +180,12 @@ def split(window: Totals, client_mean_ms: float) -> dict[str, Any]:
     }
 
 
+def hop_label(hop: str) -> str:
+    """The hop's name in a table, saying where its gap is a wait off the reply's path."""
+    note = OFF_REPLY_PATH.get(hop)
+    return f"{hop} ({note})" if note else hop
+
+
 def split_table(name: str, figures: Mapping[str, Any], echo_ms: Mapping[str, float]) -> str:
     """`figures` (from `split`) as text; `echo_ms`: the echo baselines' mean round trips."""
     header = "at the gateway   server's own   between   (calls, server calls)"
@@ -185,6 +194,7 @@ def split_table(name: str, figures: Mapping[str, Any], echo_ms: Mapping[str, flo
         lines.append(
             f"  {hop:<22}{h['at_gateway_ms']:>16.3f}{h['server_ms']:>15.3f}"
             f"{h['gap_ms']:>10.3f}   ({h['calls']}, {h['server_calls']})"
+            + (f"  {OFF_REPLY_PATH[hop]}" if hop in OFF_REPLY_PATH else "")
         )
     r = figures["request"]
     echoes = "".join(f", {n} {ms:.3f}" for n, ms in echo_ms.items())

@@ -52,6 +52,7 @@ from typing import Any
 
 from hopline.bench.cli import bench_once as bench
 from hopline.bench.ghz import GHZ_DEFAULT, ghz_beside_bench
+from hopline.bench.hop_split import hop_label
 from hopline.bench.mixes import make_mix
 from hopline.bench.precision import precision_scenario
 from hopline.bench.providers import cuda_unavailable, providers_scenario, providers_targets
@@ -428,8 +429,9 @@ def hop_split_markdown(scenarios: dict[str, Any]) -> list[str]:
         for target, figures in rows.items():
             for hop, h in figures["hops"].items():
                 lines.append(
-                    f"| {target} | {hop} | {h['at_gateway_ms']:.2f} | {h['server_ms']:.2f} | "
-                    f"{h['gap_ms']:.2f} | {h['calls']} | {h['server_calls']} |"
+                    f"| {target} | {hop_label(hop)} | {h['at_gateway_ms']:.2f} | "
+                    f"{h['server_ms']:.2f} | {h['gap_ms']:.2f} | {h['calls']} | "
+                    f"{h['server_calls']} |"
                 )
             r = figures["request"]
             lines.append(

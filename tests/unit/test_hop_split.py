@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest, sta
 from hopline.bench import hop_split
 from hopline.bench.cli import _metrics_endpoints
 from hopline.bench.suite import hop_split_markdown
+from hopline.observability import schema
 from hopline.runtime.launcher import free_ports
 
 
@@ -160,6 +161,31 @@ def test_the_table_names_every_hop_and_the_time_outside_the_gateway() -> None:
     assert "8.500" in text
     assert "0.500" in text
     assert "outside the gateway 2.000, echo 0.800, echo_idle 2.300" in text
+    # Only the store's gap is its linger: the inference line carries no such note.
+    (inference_line,) = (line for line in text.splitlines() if "inference" in line)
+    assert hop_split.OFF_REPLY_PATH[schema.SPAN_CACHE_STORE] not in inference_line
+
+
+def test_a_stores_gap_is_said_to_be_its_linger_not_the_transport() -> None:
+    """A store waits up to the linger for others after the reply: its hundreds of ms at the
+    gateway must not read as a hop's transport cost."""
+    store = {"at_gateway_ms": 260.0, "calls": 50, "server_ms": 3.5, "server_calls": 1}
+    figures = {
+        "hops": {schema.SPAN_CACHE_STORE: store | {"gap_ms": 256.5}},
+        "request": {
+            "client_ms": 9.0,
+            "gateway_ms": 7.5,
+            "gateway_calls": 50,
+            "outside_gateway_ms": 1.5,
+        },
+    }
+    note = hop_split.OFF_REPLY_PATH[schema.SPAN_CACHE_STORE]
+    (line,) = (x for x in hop_split.split_table("mesh", figures, {}).splitlines() if "256.500" in x)
+    assert line.endswith(note)
+    scenarios = {"miss_c1": {"targets": {"mesh": {"hop_split": figures}}}}
+    assert f"| mesh | cache_store ({note}) | 260.00 | 3.50 | 256.50 | 50 | 1 |" in (
+        hop_split_markdown(scenarios)
+    )
 
 
 def test_the_suite_report_has_a_per_hop_table_per_scenario() -> None:
