@@ -43,9 +43,9 @@ HOP_RPCS: dict[str, tuple[tuple[str, str], ...]] = {
         ("hopline.cache.v1.CacheService", "Store"),
     ),
 }
-# Hops whose time at the gateway is mostly a deliberate wait, not transport: a store lingers
-# for others to share its StoreBatch (HOPLINE_GATEWAY_STORE_LINGER_MS), after the reply.
-OFF_REPLY_PATH = {schema.SPAN_CACHE_STORE: "after the reply; waits out the store linger"}
+# Hops no reply waits for: a store is sent after the reply, one call per StoreBatch of the
+# stores of a linger window (gateway/store_queue.py), so its calls are not requests.
+OFF_REPLY_PATH = {schema.SPAN_CACHE_STORE: "after the reply; a call per StoreBatch"}
 SCRAPE_TIMEOUT_S = 5.0
 _KEPT_LABELS = {HOP_METRIC: ("hop",), RPC_METRIC: ("method", "service")}
 
@@ -181,7 +181,7 @@ def split(window: Totals, client_mean_ms: float) -> dict[str, Any]:
 
 
 def hop_label(hop: str) -> str:
-    """The hop's name in a table, saying where its gap is a wait off the reply's path."""
+    """The hop's name in a table, saying where no reply waits for it."""
     note = OFF_REPLY_PATH.get(hop)
     return f"{hop} ({note})" if note else hop
 

@@ -1,8 +1,8 @@
 """The gateway's writes to the cache, off each reply's path: stores and verification reports.
 
 A store goes in one StoreBatch with the others of its linger window when the gateway batches
-its stages (gateway/stage_batching.py, HOPLINE_GATEWAY_STORE_LINGER_MS), else alone; a cache
-from before StoreBatch gets Store calls for a minute at a time. Every write is a task the
+its stages (gateway/store_queue.py, HOPLINE_GATEWAY_STORE_LINGER_MS), else alone; a cache
+from before StoreBatch gets Store calls for a minute at a time. Every call is a task the
 gateway waits for, briefly, when it stops, so a draining gateway's answers still reach the
 cache. Which answers are stored, and what the gateway keeps itself meanwhile, is the
 gateway's decision (GatewayService._store_later); this module only sends.
@@ -13,18 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import grpc
 
 from hopline.gateway.call import PredictCall
-from hopline.gateway.stage_batching import GatewayStages
+from hopline.gateway.store_queue import StoreQueue
 from hopline.gateway.upstream import HopError, Pool, call_hop
 from hopline.observability import metrics, schema
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
-from hopline.runtime.errors import status_code
 
 log = logging.getLogger("hopline.gateway")
 
@@ -35,19 +34,52 @@ UNARY_FALLBACK_S = 60.0  # Store calls this long after a cache answered StoreBat
 
 class CacheWrites:
     def __init__(
-        self, cache: Pool[cache_pb2_grpc.CacheServiceAsyncStub], stages: GatewayStages | None
+        self,
+        cache: Pool[cache_pb2_grpc.CacheServiceAsyncStub],
+        *,
+        batched: bool,
+        linger_s: float = 0.0,
+        in_flight: int = 1,
     ) -> None:
         self.cache = cache
-        self.stages = stages
         self.tasks: set[asyncio.Task[None]] = set()
         self._unary_until = 0.0  # monotonic; Store instead of StoreBatch before it
+        self.queue = (
+            StoreQueue(
+                self._store_batch,
+                self._store_each,
+                self.spawn,
+                linger_s=linger_s,
+                in_flight=in_flight,
+                address=cache.target,
+            )
+            if batched
+            else None
+        )
+
+    @property
+    def in_flight(self) -> int:
+        """Writes not done yet: calls on their way and stores waiting for theirs."""
+        return len(self.tasks) + (len(self.queue) if self.queue is not None else 0)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` off the reply's path, as one of the writes a stopping gateway waits for."""
         spawn(coro, self.tasks)
 
     def store(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
-        self.spawn(self._store(call, prediction))
+        policy = call.info.cache
+        request = cache_pb2.StoreRequest(
+            scope=call.scope,
+            text=call.text,
+            prediction=prediction,
+            ttl_s=policy.ttl_s,
+            max_entries=policy.max_entries,
+            mode=policy.mode,
+        )
+        if self.queue is not None and time.monotonic() >= self._unary_until:
+            self.queue.put(request)
+        else:
+            self.spawn(self._store_alone(request))
 
     def report(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
         """A candidate the cache did not serve yet: the model's answer is its evidence."""
@@ -71,72 +103,55 @@ class CacheWrites:
 
     async def close(self) -> None:
         """Send what lingers, give the writes on their way a moment, cancel the rest."""
-        if self.stages is not None:
-            self.stages.store.flush()
+        if self.queue is not None:
+            self.queue.flush()
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=DRAIN_WAIT_S)
         for task in self.tasks:
             task.cancel()
 
-    async def _store(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
-        policy = call.info.cache
-        request = cache_pb2.StoreRequest(
-            scope=call.scope,
-            text=call.text,
-            prediction=prediction,
-            ttl_s=policy.ttl_s,
-            max_entries=policy.max_entries,
-            mode=policy.mode,
-        )
+    async def _store_alone(self, request: cache_pb2.StoreRequest) -> None:
         try:
-            await self._send_store(request)
+            await call_hop(
+                schema.SPAN_CACHE_STORE,
+                self.cache.target,
+                self.cache.stub().Store,
+                request,
+                WRITE_TIMEOUT_S,
+                {},
+            )
         except HopError as err:
             metrics.CACHE_STORES.labels("error").inc()
             log.warning("cache store failed", extra={"status": err.code.name})
             return
         metrics.CACHE_STORES.labels("stored").inc()
 
-    async def _send_store(self, request: cache_pb2.StoreRequest) -> None:
-        """One store: in a StoreBatch with the others of its linger window when the gateway
-        batches its stages, else alone. Raises HopError when it was not accepted."""
-        cache = self.cache
-        if self.stages is not None and time.monotonic() >= self._unary_until:
-            reply: cache_pb2.StoreBatchResponse | None = await call_hop(
-                schema.SPAN_CACHE_STORE,
-                cache.target,
-                _none_if_unimplemented(self.stages.store),
-                cache_pb2.StoreBatchRequest(stores=[request]),
-                WRITE_TIMEOUT_S,
-                {},
-            )
-            if reply is None:
-                # A cache from before StoreBatch (a rolling upgrade): one call per store for
-                # a while, then StoreBatch again.
-                log.info("the cache has no StoreBatch; storing one by one for a minute")
-                self._unary_until = time.monotonic() + UNARY_FALLBACK_S
-            else:
-                (result,) = reply.results
-                if result.code:
-                    code = status_code(result.code)
-                    raise HopError(schema.SPAN_CACHE_STORE, code, result.message, cache.target)
-                return
-        await call_hop(
-            schema.SPAN_CACHE_STORE, cache.target, cache.stub().Store, request, WRITE_TIMEOUT_S, {}
+    async def _store_batch(
+        self, request: cache_pb2.StoreBatchRequest
+    ) -> cache_pb2.StoreBatchResponse | None:
+        """One StoreBatch call; None where the cache predates it (UNIMPLEMENTED)."""
+        stub = self.cache.stub()
+
+        async def store_batch(batch: Any, **kwargs: Any) -> Any:
+            try:
+                return await stub.StoreBatch(batch, **kwargs)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return None
+                raise
+
+        reply: cache_pb2.StoreBatchResponse | None = await call_hop(
+            schema.SPAN_CACHE_STORE, self.cache.target, store_batch, request, WRITE_TIMEOUT_S, {}
         )
+        return reply
 
-
-def _none_if_unimplemented(rpc: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """`rpc`, answering None where the upstream does not have the method (it predates it)."""
-
-    async def call(request: Any, **kwargs: Any) -> Any:
-        try:
-            return await rpc(request, **kwargs)
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return None
-            raise
-
-    return call
+    async def _store_each(self, requests: Sequence[cache_pb2.StoreRequest]) -> None:
+        """A cache from before StoreBatch (a rolling upgrade): these stores, and the next
+        ones for a while, go by Store."""
+        if time.monotonic() >= self._unary_until:
+            log.info("the cache has no StoreBatch; storing one by one for a minute")
+        self._unary_until = time.monotonic() + UNARY_FALLBACK_S
+        await asyncio.gather(*(self._store_alone(r) for r in requests))
 
 
 def spawn(coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:

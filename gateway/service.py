@@ -116,7 +116,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 config.batch_in_flight,
                 config.batch_max_rows,
                 self._model_rows,
-                config.store_linger_ms / 1e3,
             )
             if config.batch_max_rows > 1
             else None
@@ -127,7 +126,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         self.exact_tier = LocalExactTier(config.local_exact_entries)
         self.key_mirror = KeyMirror(config.key_mirror_keys)
         self._loops: set[asyncio.Task[None]] = set()  # run for the life of the process
-        self.writes = CacheWrites(self.upstreams.cache, self.stages)
+        self.writes = CacheWrites(
+            self.upstreams.cache,
+            batched=self.stages is not None,
+            linger_s=config.store_linger_ms / 1e3,
+            in_flight=config.batch_in_flight,
+        )
 
     def register(self, server: grpc.aio.Server) -> None:
         # Imported here: the KServe servicer builds on this module's GatewayService.
@@ -249,7 +253,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             counters={
                 **{name: metrics.count(c, **labels) for name, (c, labels) in COUNTS.items()},
                 "cache_circuit_opened": self.breaker.opened,
-                "stores_in_flight": len(self.writes.tasks),
+                "stores_in_flight": self.writes.in_flight,
                 "coalescing_in_flight": len(self.coalescer),
                 "local_exact_entries": len(self.exact_tier),
                 "local_exact_live": int(self.exact_tier.live),

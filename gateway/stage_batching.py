@@ -1,15 +1,13 @@
 """Gateway batching: misses waiting for the same stage at the same moment share one RPC.
 
-Each stage (tokenize, inference, postprocess, and the cache stores after them) keeps at
-most `in_flight` RPCs on their way per batch key (model, version, and for postprocess
-top_k; one key for every store). A request that finds a free slot is sent at once, alone: a
-lone request waits for nothing. Requests that arrive while every slot
-is taken queue, and go together, up to `max_rows`, in the RPC that the next free slot sends
+Each stage (tokenize, inference, postprocess) keeps at most `in_flight` RPCs on their way
+per batch key (model, version, and for postprocess top_k). A request that finds a free slot
+is sent at once, alone: a lone request waits for nothing. Requests that arrive while every
+slot is taken queue, and go together, up to `max_rows`, in the RPC that the next free slot sends
 (a lone request is sent from its caller's task: no task, future or shield of its own).
 So under load the per-RPC cost (serialisation, a round trip, a server's per-call work) is paid
-per batch, and at rest nothing changes. The store stage lingers instead (nobody waits for a
-store): a store waits up to HOPLINE_GATEWAY_STORE_LINGER_MS for others, so even one caller's
-stores share calls, and the cache process wakes once a window, not once a miss.
+per batch, and at rest nothing changes. The cache stores after a reply are batched apart
+(gateway/store_queue.py): nobody waits for them, so they linger for each other.
 
 Each request keeps its own hop span and timing (gateway/upstream.py:call_hop calls
 `BatchedStage` like a stub method), the batch RPC gets a span of its own linked to every
@@ -41,7 +39,6 @@ from opentelemetry.trace import Link, SpanKind
 from hopline.gateway.upstream import GatewayUpstreams
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import in_context, outgoing_metadata, tracer, unsampled
-from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2
@@ -53,7 +50,6 @@ log = logging.getLogger("hopline.gateway.stage_batching")
 
 # Token lengths rows are grouped by for the inference stage: the models' default buckets.
 LENGTH_BUCKETS = DEFAULT_BUCKETS
-STORE_BATCH_ROWS = 256  # stores in one StoreBatch (the cache takes up to 1024)
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -101,7 +97,6 @@ class BatchedStage(Generic[Req, Rep]):
         codec: Codec[Req, Rep],
         in_flight: int,
         max_rows: Callable[[Req], int],
-        linger_s: float = 0.0,
     ) -> None:
         self.hop = hop
         self._send = send  # the next stub method (a pool picks the channel per call)
@@ -111,11 +106,6 @@ class BatchedStage(Generic[Req, Rep]):
         self._busy: dict[Hashable, int] = {}
         self._queues: dict[Hashable, list[_Row[Req, Rep]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        # With a linger, nothing goes alone: a queue waits `linger_s` from its first row (or
-        # until it is full) and is then "due", sent as slots free up.
-        self._linger_s = max(0.0, linger_s)
-        self._due: set[Hashable] = set()
-        self._timers: dict[Hashable, asyncio.TimerHandle] = {}
 
     async def __call__(
         self,
@@ -127,7 +117,7 @@ class BatchedStage(Generic[Req, Rep]):
     ) -> Rep:
         key = self._codec.key(request)
         free = key not in self._queues and self._busy.get(key, 0) < self._in_flight
-        if free and not self._linger_s:
+        if free:
             return await self._send_alone(key, request, timeout, tuple(metadata))
         row: _Row[Req, Rep] = _Row(
             request,
@@ -137,8 +127,6 @@ class BatchedStage(Generic[Req, Rep]):
         )
         queue = self._queues.setdefault(key, [])
         queue.append(row)
-        if self._linger_s:
-            self._linger(key, queue)
         self._pump(key)
         try:
             async with asyncio.timeout(timeout):
@@ -169,31 +157,9 @@ class BatchedStage(Generic[Req, Rep]):
             del self._busy[key]
         self._pump(key)
 
-    def _linger(self, key: Hashable, queue: list[_Row[Req, Rep]]) -> None:
-        """A full queue is due now; the first row of a queue starts its linger."""
-        if len(queue) >= max(1, self._max_rows(queue[0].request)):
-            self._due.add(key)
-        elif key not in self._due and key not in self._timers:
-            loop = asyncio.get_running_loop()
-            self._timers[key] = loop.call_later(self._linger_s, self._lingered, key)
-
-    def _lingered(self, key: Hashable) -> None:
-        self._timers.pop(key, None)
-        self._due.add(key)
-        self._pump(key)
-
-    def flush(self) -> None:
-        """Every lingering queue is due now (at shutdown: nothing waits out its linger)."""
-        for key in list(self._queues):
-            self._due.add(key)
-            self._pump(key)
-
     def _pump(self, key: Hashable) -> None:
-        """Send what is queued for `key` while it has free slots (and, with a linger, once
-        the queue is due)."""
+        """Send what is queued for `key` while it has free slots."""
         queue = self._queues.get(key)
-        if self._linger_s and key not in self._due:
-            return
         while queue and self._busy.get(key, 0) < self._in_flight:
             live = [r for r in queue if not r.reply.done()]  # a waiter may have given up
             limit = max(1, self._max_rows(live[0].request)) if live else 1
@@ -209,7 +175,6 @@ class BatchedStage(Generic[Req, Rep]):
             task.add_done_callback(self._tasks.discard)
         if not queue:
             self._queues.pop(key, None)
-            self._due.discard(key)
 
     async def _run(self, key: Hashable, rows: list[_Row[Req, Rep]]) -> None:
         try:
@@ -266,8 +231,6 @@ class BatchedStage(Generic[Req, Rep]):
             raise _rpc_error(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}") from None
 
     async def close(self) -> None:
-        for timer in self._timers.values():
-            timer.cancel()
         for task in list(self._tasks):
             task.cancel()
 
@@ -443,40 +406,15 @@ def _row_slices(counts: Iterable[int]) -> list[slice]:
     return slices
 
 
-class StoreCodec(Codec[cache_pb2.StoreBatchRequest, cache_pb2.StoreBatchResponse]):
-    """Cache stores: any stores go together (each is accepted or refused on its own)."""
-
-    def key(self, request: cache_pb2.StoreBatchRequest) -> Hashable:
-        return "store"
-
-    def merge(self, requests: Sequence[cache_pb2.StoreBatchRequest]) -> cache_pb2.StoreBatchRequest:
-        return cache_pb2.StoreBatchRequest(stores=[s for r in requests for s in r.stores])
-
-    def split(
-        self,
-        requests: Sequence[cache_pb2.StoreBatchRequest],
-        reply: cache_pb2.StoreBatchResponse,
-    ) -> list[cache_pb2.StoreBatchResponse]:
-        counts = [len(r.stores) for r in requests]
-        if len(reply.results) != sum(counts):
-            raise ValueError(f"{len(reply.results)} results for {sum(counts)} stores")
-        return [
-            cache_pb2.StoreBatchResponse(results=reply.results[rows])
-            for rows in _row_slices(counts)
-        ]
-
-
 @dataclasses.dataclass(frozen=True)
 class GatewayStages:
-    """The batched stages over the gateway's upstream pools: the three a miss goes through,
-    and the cache stores that follow it."""
+    """The batched stages over the gateway's upstream pools: the three a miss goes through."""
 
     tokenize: BatchedStage[tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeResponse]
     infer: BatchedStage[inference_pb2.InferRequest, inference_pb2.InferResponse]
     postprocess: BatchedStage[
         postprocess_pb2.PostprocessRequest, postprocess_pb2.PostprocessResponse
     ]
-    store: BatchedStage[cache_pb2.StoreBatchRequest, cache_pb2.StoreBatchResponse]
 
     @classmethod
     def over(
@@ -485,10 +423,8 @@ class GatewayStages:
         in_flight: int,
         max_rows: int,
         model_rows: Callable[[str, str], int],
-        store_linger_s: float = 0.0,
     ) -> GatewayStages:
-        """`model_rows(model, version)`: the most rows the model takes in one run (0: unknown);
-        `store_linger_s`: how long a store waits for others to share its StoreBatch."""
+        """`model_rows(model, version)`: the most rows the model takes in one run (0: unknown)."""
 
         def infer_rows(request: inference_pb2.InferRequest) -> int:
             return min(max_rows, model_rows(request.model, request.model_version) or max_rows)
@@ -515,16 +451,8 @@ class GatewayStages:
                 in_flight,
                 lambda _: max_rows,
             ),
-            store=BatchedStage(
-                schema.SPAN_CACHE_STORE,
-                lambda: upstreams.cache.stub().StoreBatch,
-                StoreCodec(),
-                in_flight,
-                lambda _: STORE_BATCH_ROWS,
-                store_linger_s,
-            ),
         )
 
     async def close(self) -> None:
-        for stage in (self.tokenize, self.infer, self.postprocess, self.store):
+        for stage in (self.tokenize, self.infer, self.postprocess):
             await stage.close()

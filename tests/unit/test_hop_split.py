@@ -161,14 +161,14 @@ def test_the_table_names_every_hop_and_the_time_outside_the_gateway() -> None:
     assert "8.500" in text
     assert "0.500" in text
     assert "outside the gateway 2.000, echo 0.800, echo_idle 2.300" in text
-    # Only the store's gap is its linger: the inference line carries no such note.
+    # Only the store is marked as after the reply: the inference line carries no such note.
     (inference_line,) = (line for line in text.splitlines() if "inference" in line)
     assert hop_split.OFF_REPLY_PATH[schema.SPAN_CACHE_STORE] not in inference_line
 
 
-def test_a_stores_gap_is_said_to_be_its_linger_not_the_transport() -> None:
-    """A store waits up to the linger for others after the reply: its hundreds of ms at the
-    gateway must not read as a hop's transport cost."""
+def test_the_store_is_said_to_be_after_the_reply_with_a_call_per_batch() -> None:
+    """A store goes after the reply, a call per StoreBatch: its calls are not the window's
+    requests, and its time is no part of theirs."""
     store = {"at_gateway_ms": 260.0, "calls": 50, "server_ms": 3.5, "server_calls": 1}
     figures = {
         "hops": {schema.SPAN_CACHE_STORE: store | {"gap_ms": 256.5}},

@@ -205,34 +205,6 @@ def test_batches_hold_at_most_max_rows() -> None:
     asyncio.run(scenario())
 
 
-def test_with_a_linger_even_a_lone_request_waits_and_a_full_queue_goes_at_once() -> None:
-    """A lingering stage (the gateway's stores) sends nothing alone: a queue goes when its
-    first row has waited the linger, when it is full, or when the stage is flushed."""
-
-    async def scenario() -> None:
-        upstream = Tokenizer()
-        stage: BatchedStage[Any, Any] = BatchedStage(
-            "tokenize", lambda: upstream.Tokenize, TokenizeCodec(), 1, lambda _: 3, 0.05
-        )
-        lone = _ask(stage, "alone")
-        await asyncio.sleep(0.01)
-        assert upstream.calls == []  # lingering, although the slot is free
-        await lone
-        assert upstream.calls == [["alone"]]
-
-        full = [_ask(stage, t) for t in ("a", "b", "c", "d")]
-        await asyncio.sleep(0.005)
-        assert upstream.calls[1:] == [["a", "b", "c"]]  # full: sent without waiting
-        flushed = _ask(stage, "e")
-        await asyncio.sleep(0)
-        stage.flush()  # as the gateway does at shutdown
-        await asyncio.wait_for(asyncio.gather(*full, flushed), 0.03)  # before any linger
-        assert upstream.calls[2:] == [["d", "e"]]
-        await stage.close()
-
-    asyncio.run(scenario())
-
-
 def test_the_batch_span_is_linked_to_every_request_span(monkeypatch: pytest.MonkeyPatch) -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
