@@ -65,6 +65,8 @@ class _Row:
 
 
 class StoreQueue:
+    """The stores waiting for a StoreBatch call, and the calls on their way."""
+
     def __init__(
         self,
         send: SendBatch,
@@ -154,7 +156,11 @@ def _store_span(parent: trace.Span, address: str) -> trace.Span | None:
     return tracer().start_span(
         schema.SPAN_CACHE_STORE,
         kind=SpanKind.CLIENT,
-        attributes={"rpc.system": "grpc", "server.address": address, schema.HOP: "cache_store"},
+        attributes={
+            "rpc.system": "grpc",
+            "server.address": address,
+            schema.HOP: schema.SPAN_CACHE_STORE,
+        },
     )
 
 
