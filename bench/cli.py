@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hopline.bench import hop_split
-from hopline.bench.load import Run, closed_loop, cpu_count, open_loop
+from hopline.bench.load import MAX_LATENCY_GROWTH, Run, closed_loop, cpu_count, open_loop
 from hopline.bench.mixes import Mix, make_mix, narrowed
 from hopline.bench.report import model_ratios, ratios, summarise, table, write_png
 from hopline.bench.targets import (
@@ -319,6 +319,8 @@ def _pool(a: Run, b: Run) -> Run:
         a.loadgen_cpu_s + b.loadgen_cpu_s,
         (a.machine_busy * a.duration_s + b.machine_busy * b.duration_s) / total if total else 0,
         a.offered_rps,
+        # A queue that built in either window is what the pooled figures include.
+        max((g for g in (a.latency_growth, b.latency_growth) if g is not None), default=None),
     )
 
 
@@ -460,6 +462,14 @@ def run_bench(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
     if args.png:
         write_png(runs, args.png, f"hopline bench: {args.mix}, {load}")
+    for name, target in result["targets"].items():
+        growth = target.get("latency_growth")
+        if growth is not None and growth > MAX_LATENCY_GROWTH:
+            sys.stderr.write(
+                f"{name} did not keep up with {args.rps:g} rps: the last quarter of arrivals "
+                f"waited {growth:.1f}x as long as the first (a queue built; its figures "
+                "measure the queue, not the target)\n"
+            )
     bad = {n: t["errors"] for n, t in result["targets"].items() if t["errors"]}
     if bad:
         sys.stderr.write(f"errors: {bad}\n")

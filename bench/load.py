@@ -49,6 +49,7 @@ class Run:
     loadgen_cpu_s: float
     machine_busy: float  # share of all cores busy during the window (/proc/stat)
     offered_rps: float | None = None
+    latency_growth: float | None = None  # open loop: `latency_growth` of the window
 
     @property
     def completed(self) -> int:
@@ -111,10 +112,12 @@ class _Tally:
         self.lat: list[int] = []
         self.st: list[str] = []
         self.out: list[Any] = []
+        self.since: list[int] = []  # each latency's start (an open loop's arrival)
 
     def add(self, since_ns: int, status: str, response: Any = None) -> None:
         if self.record:
             self.lat.append(time.perf_counter_ns() - since_ns)
+            self.since.append(since_ns)
             self.st.append(status)
             if response is not None:
                 self.out.append(response)
@@ -130,6 +133,31 @@ class _Tally:
 
     def result(self) -> tuple[list[int], list[str], list[Any]]:
         return self.lat, self.st, self.out
+
+    def growth(self) -> float | None:
+        return latency_growth(self.since, self.lat)
+
+
+# An open loop the target keeps up with has latencies that come and go with the arrivals'
+# bursts; one it does not keep up with builds a queue, and each arrival waits longer than the
+# one before. Above this `latency_growth` the window measured a queue, not the target.
+MAX_LATENCY_GROWTH = 2.0
+
+
+def latency_growth(arrivals_ns: Sequence[int], latencies_ns: Sequence[int]) -> float | None:
+    """The median latency of the last quarter of arrivals over that of the first quarter.
+
+    Near 1 while the target keeps up (the first quarter starts from an empty queue, so a
+    little above 1); about 2 or more where the queue grows through the window, whatever its
+    slope, because the latency then rises with the arrival time. None with under 8 requests.
+    """
+    if len(arrivals_ns) < 8:
+        return None
+    ordered = [lat for _, lat in sorted(zip(arrivals_ns, latencies_ns, strict=True))]
+    quarter = len(ordered) // 4
+    first = float(np.median(ordered[:quarter]))
+    last = float(np.median(ordered[-quarter:]))
+    return last / first if first > 0 else None
 
 
 async def closed_loop(
@@ -185,7 +213,7 @@ async def open_loop(
     rng = np.random.default_rng(seed)
     counter = iter(range(1 << 62))
 
-    async def phase(seconds: float, record: bool) -> tuple[list[int], list[str], list[Any]]:
+    async def phase(seconds: float, record: bool) -> _Tally:
         gaps = rng.exponential(1.0 / rps, size=int(rps * seconds * 1.5) + 16)
         arrivals = np.cumsum(gaps)
         arrivals_ns = (arrivals[arrivals < seconds] * 1e9).astype(np.int64).tolist()
@@ -208,15 +236,25 @@ async def open_loop(
             task.add_done_callback(tasks.discard)
         if tasks:
             await asyncio.wait(set(tasks))
-        return tally.result()
+        return tally
 
     if warmup_s > 0:
         await phase(warmup_s, record=False)
     if at_window is not None:  # between the phases: nothing is in flight
         at_window()
     with _Window() as window:
-        lat, st, out = await phase(duration_s, record=True)
-    return Run(lat, st, out, window.elapsed, window.cpu, window.busy, offered_rps=rps)
+        tally = await phase(duration_s, record=True)
+    lat, st, out = tally.result()
+    return Run(
+        lat,
+        st,
+        out,
+        window.elapsed,
+        window.cpu,
+        window.busy,
+        offered_rps=rps,
+        latency_growth=tally.growth(),
+    )
 
 
 def percentiles_ms(latencies_ns: Sequence[int]) -> dict[str, float]:

@@ -32,6 +32,7 @@ def summarise(run: Run, describe: Describe) -> dict[str, Any]:
         "errors": sum(errors.values()),
         "errors_by_status": errors,
         "offered_rps": run.offered_rps,
+        "latency_growth": run.latency_growth,  # open loop: > MAX_LATENCY_GROWTH, a queue built
         "duration_s": run.duration_s,
         "cache_outcomes": outcomes,
         "hops_ms": {

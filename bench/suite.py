@@ -53,6 +53,7 @@ from typing import Any
 from hopline.bench.cli import bench_once as bench
 from hopline.bench.ghz import GHZ_DEFAULT, ghz_beside_bench
 from hopline.bench.hop_split import hop_label
+from hopline.bench.load import MAX_LATENCY_GROWTH
 from hopline.bench.mixes import make_mix
 from hopline.bench.precision import precision_scenario
 from hopline.bench.providers import cuda_unavailable, providers_scenario, providers_targets
@@ -339,15 +340,8 @@ def check_targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
         r = _ratio(t[name]["throughput_rps"], t["inprocess_batched"]["throughput_rps"])
         row(f"{label} c=32: rps >= {share} x inprocess batched", r, share, r >= share, "ratio")
         key = "miss_open70" if name == "mesh" else f"miss_open70_{label}"
-        m = sc[key]["targets"]["mesh"]
-        r = _ratio(m["p99_ms"], m["p50_ms"])
-        row(
-            f"{label} open loop 70%: p99 <= 3 x p50, no errors",
-            r,
-            3.0,
-            r <= 3.0 and m["errors"] == 0,
-            f"ratio; errors {m['errors']}",
-        )
+        r, ok, how = open_loop_judgement(sc[key]["targets"]["mesh"])
+        row(f"{label} open loop 70%: p99 <= 3 x p50, no errors, kept up", r, 3.0, ok, how)
     for key in ("ghz_exact_c1", "ghz_bypass_c1"):
         if key in sc:
             g, h = sc[key]["ghz"]["p50_ms"], sc[key]["hopline_bench"]["p50_ms"]
@@ -372,6 +366,22 @@ def check_targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
                 f"rps ratio; p99 {mt['p99_ms']:.1f} vs {pt['p99_ms']:.1f} ms",
             )
     return rows
+
+
+def open_loop_judgement(m: dict[str, Any]) -> tuple[float, bool, str]:
+    """(p99 / p50, met, how) of an open-loop record. A target that did not keep up with the
+    arrivals has a queue growing through the window: its p50 is then the queue's, and a p99
+    within 3x of that says nothing about its tail, so the row is not met."""
+    r = _ratio(m["p99_ms"], m["p50_ms"])
+    growth = m.get("latency_growth")
+    if growth is None:  # a record from before the growth was measured
+        kept_up, said = True, "kept up not measured"
+    elif growth > MAX_LATENCY_GROWTH:
+        kept_up, said = False, f"did not keep up: the last quarter of arrivals waited {growth:.1f}x"
+    else:
+        kept_up, said = True, f"kept up: the last quarter of arrivals waited {growth:.2f}x"
+    how = f"ratio; errors {m['errors']}; {said} as long as the first (p50 {m['p50_ms']:.1f} ms)"
+    return r, r <= 3.0 and m["errors"] == 0 and kept_up, how
 
 
 def markdown(doc: dict[str, Any]) -> str:

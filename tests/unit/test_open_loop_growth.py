@@ -1,0 +1,70 @@
+"""An open loop's `latency_growth`: near 1 when the target keeps up with the arrivals, about 2
+or more when a queue builds through the window; `make bench`'s open-loop row is not met then
+(`bench/suite.py:open_loop_judgement`), because its p50 and p99 measure the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from hopline.bench.load import MAX_LATENCY_GROWTH, latency_growth, open_loop
+from hopline.bench.suite import open_loop_judgement
+
+
+def _run(rps: float, service_s: float) -> float | None:
+    async def go() -> float | None:
+        lock = asyncio.Lock()
+
+        async def call(payload: int) -> int:
+            async with lock:
+                await asyncio.sleep(service_s)
+            return payload
+
+        run = await open_loop(call, lambda i: i, rps=rps, duration_s=1.2, seed=3)
+        assert run.completed == len(run.latencies_ns) > 0
+        return run.latency_growth
+
+    return asyncio.run(go())
+
+
+def test_a_target_that_keeps_up_stays_near_one() -> None:
+    # 100 arrivals a second, 2 ms each: 20% busy.
+    growth = _run(100, 0.002)
+    assert growth is not None
+    assert growth < MAX_LATENCY_GROWTH
+
+
+def test_a_queue_building_through_the_window_is_seen() -> None:
+    # 200 arrivals a second, 8 ms each: 1.6x what it serves, so each arrival waits longer.
+    growth = _run(200, 0.008)
+    assert growth is not None
+    assert growth > MAX_LATENCY_GROWTH
+
+
+def test_growth_orders_by_arrival_not_completion() -> None:
+    start = time.perf_counter_ns()
+    arrivals = [start + i for i in range(8)]
+    # Completed in reverse order of arrival: the latest arrivals waited 8x as long.
+    assert latency_growth(arrivals, [1, 1, 2, 2, 4, 4, 8, 8]) == 8.0
+    assert latency_growth(list(reversed(arrivals)), [1, 1, 2, 2, 4, 4, 8, 8]) == 1 / 8
+    assert latency_growth(arrivals[:7], [1] * 7) is None
+
+
+def _record(p50: float, p99: float, growth: float | None) -> dict[str, object]:
+    return {"p50_ms": p50, "p99_ms": p99, "errors": 0, "latency_growth": growth}
+
+
+def test_the_open_loop_row_needs_the_target_to_keep_up() -> None:
+    # Stop 45's co-located run: p99 2.64x p50, but its p50 was a 372 ms queue.
+    ratio, met, how = open_loop_judgement(_record(371.7, 980.5, 3.4))
+    assert ratio < 3.0
+    assert not met
+    assert "did not keep up" in how
+    ratio, met, how = open_loop_judgement(_record(80.4, 211.2, 1.1))
+    assert met
+    assert "kept up" in how
+    _, met, _ = open_loop_judgement(_record(10.0, 40.0, 1.0))
+    assert not met  # the tail itself
+    _, met, how = open_loop_judgement(_record(10.0, 20.0, None))
+    assert met
+    assert "not measured" in how
