@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from hopline.observability.metrics import start_metrics_server
 from hopline.observability.tracing import ServerTracing, shutdown_tracing
-from hopline.runtime import event_loop
+from hopline.runtime import collector, event_loop
 from hopline.runtime.config import ServerConfig
 from hopline.runtime.interceptors import (
     Behaviour,
@@ -297,6 +297,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
         if late_bind and not await _listen(server, config, tls, peers):
             await service.stop()
             return 2
+        collector.settle()  # before the first request, so none waits for its full collection
         gate.ready = True
         for name in ("", *service.service_names):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
