@@ -3,14 +3,16 @@
 The in-process baseline of `hopline bench` runs the model back to back: at concurrency 1 the
 next run starts a tenth of a millisecond after the last. In a mesh the model waits for the
 rest of the request between two runs (the client's round trip, tokenizing, postprocessing:
-1.5-3 ms co-located, 5-8 ms through five processes), so its compute hop is timed on a model
-that has been idle. This script times the same batch-1 run after gaps of each length, the
-gap spent two ways:
+about 1.6 ms co-located and 7 ms through five processes at c=1 on the Xeon VM), so its compute
+hop is timed on a model that has been idle. This script times the same batch-1 run after gaps
+of each length, the gap spent three ways:
 
 - sleep: the calling thread sleeps (its core may idle, as a mesh's inference thread does);
 - busy: the calling thread spins in Python for the gap (its core never idles), which tells
   a slower wake-up of an idle core apart from state the model lost meanwhile (its weights,
-  87 MB in FP32, falling out of the shared last-level cache as other work on the host runs).
+  87 MB in FP32, falling out of the shared last-level cache as other work on the host runs);
+- stream: the calling thread copies 64 MB over and over for the gap, pushing the weights out
+  of the cache on purpose: what a run from memory costs.
 
 Each session the inference service keeps for a version is timed (`wide`: every core, the
 service's spin setting, what a lone request runs on; `narrow`: one thread, what a run beside
