@@ -22,7 +22,14 @@ from typing import Any
 from hopline.bench import hop_split
 from hopline.bench.load import MAX_LATENCY_GROWTH, Run, closed_loop, cpu_count, open_loop
 from hopline.bench.mixes import Mix, make_mix, narrowed
-from hopline.bench.report import model_ratios, ratios, summarise, table, write_png
+from hopline.bench.report import (
+    model_ratios,
+    ratios,
+    summarise,
+    table,
+    window_figures,
+    write_png,
+)
 from hopline.bench.targets import (
     EchoTarget,
     InProcessTarget,
@@ -335,6 +342,7 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
             "echo_idle idles each caller between its calls: use --concurrency, not --rps"
         )
     runs: dict[str, Run] = {}
+    by_round: dict[str, list[dict[str, float]]] = {}  # each round's window, in order
     describe: dict[str, Any] = {}
     settings: dict[str, Any] = {}
     cache_mode = CACHE_MODES[args.cache]
@@ -380,6 +388,7 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
             run = await measure(target, mix, args, pause_s, windows.at_window(base))
             windows.ended(name, base)
             runs[name] = _pool(runs[name], run) if name in runs else run
+            by_round.setdefault(name, []).append(window_figures(run))
             describe[name] = target.describe
         finally:
             await target.close()
@@ -388,7 +397,10 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
                 echo_proc.wait(timeout=10)
                 if echo_proc.stdout is not None:
                     echo_proc.stdout.close()  # the READY pipe
-    records = {name: summarise(run, describe[name]) for name, run in runs.items()}
+    records = {
+        name: summarise(run, describe[name]) | {"rounds": by_round[name]}
+        for name, run in runs.items()
+    }
     for name, window in windows.totals.items():
         records[name]["hop_split"] = hop_split.split(window, records[name]["mean_ms"])
     result: dict[str, Any] = {"targets": records, "settings": settings}

@@ -52,6 +52,15 @@ def summarise(run: Run, describe: Describe) -> dict[str, Any]:
     }
 
 
+def window_figures(run: Run) -> dict[str, float]:
+    """One window's own figures, kept beside the pooled record so a comparison can pair each
+    round's windows (measured minutes apart at most) instead of pooling drift into both sides."""
+    return {
+        "throughput_rps": run.completed / run.duration_s if run.duration_s else 0.0,
+        "p50_ms": percentiles_ms(run.latencies_ns)["p50_ms"],
+    }
+
+
 def ratios(targets: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     """The comparisons the performance targets are written against, where both sides ran."""
     out: dict[str, float] = {}

@@ -36,6 +36,8 @@ def test_tracing_scenario_measures_each_topology_exporting_and_not(
     for result in (c1, c32):
         assert list(result["targets"]) == names
         assert all(t["requests"] > 0 and t["errors"] == 0 for t in result["targets"].values())
+        assert all(len(t["rounds"]) == 1 for t in result["targets"].values())
+        assert set(result["pooled"]) == set(result["ratios"])
         assert result["exported"]
         assert "gateway" in result["jaeger_services"]
         assert result["discarded"]
