@@ -120,9 +120,10 @@ def throughput_loss(off: dict[str, Any], on: dict[str, Any]) -> float:
     """Median over rounds of the share of the off window's throughput the exporting window of
     that round did not reach.
 
-    Paired by round because this machine drifts by more than the figure between rounds (one
-    mesh's c=32 windows spread 372-419 rps over six rounds while the paired ratios stayed
-    within 2.5%): pooled, a slow round in one side's windows reads as exporting's cost."""
+    Paired by round because this machine drifts by more than the figure between rounds (a
+    mesh's c=32 windows spread 372-417 rps over six rounds while another's ratios to them,
+    round by round, stayed within 2.5%): pooled, a slow window on one side reads as
+    exporting's cost."""
     return statistics.median(
         float(1 - b["throughput_rps"] / a["throughput_rps"])
         for a, b in zip(off["rounds"], on["rounds"], strict=True)
