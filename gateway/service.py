@@ -27,7 +27,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable
 from typing import Any, cast
 
 import grpc
@@ -306,12 +306,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         prediction = self._answer_from_local_tier(call)
         # Refused at once (a RequestError) past the in-flight limit or the deadline's reach.
         with self.admission.admit(call, free=prediction is not None):
-            if prediction is None:
-                if not self._expects_embedding(call):
-                    self._tokenize(call)  # early, beside the lookup
-                if not self._known_miss(call):
-                    speculative = self._speculate(call)
-                    prediction = await self._look_up_cache(call)
+            if prediction is None and not self._known_miss(call):
+                if call.use_cache and not self._expects_embedding(call):
+                    self._tokenize_early(call)  # beside the lookup
+                speculative = self._speculate(call)
+                prediction = await self._look_up_cache(call)
             self._record_outcome(call)
             if prediction is None:
                 prediction, ran_here = await (speculative or self._infer_once(call))
@@ -368,24 +367,29 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         call.cache.detail = KNOWN_MISS_DETAIL
         return True
 
-    def _tokenize(self, call: PredictCall) -> asyncio.Future[tokenizer_pb2.TokenizeResponse]:
-        """The token ids of the text, asked for once (early, so the lookup can overlap it)."""
-        if call.tokenizing is None:
-            request = tokenizer_pb2.TokenizeRequest(
+    def _tokenize_early(self, call: PredictCall) -> None:
+        """Ask for the text's token ids now, in a task of their own, so the cache lookup
+        overlaps them (a request with no lookup to wait for tokenizes in its own task)."""
+        call.tokenizing = asyncio.ensure_future(self._tokenize_hop(call))
+
+    async def _tokens(self, call: PredictCall) -> tokenizer_pb2.TokenizeResponse:
+        """The text's token ids: the early request's, else asked for now."""
+        if call.tokenizing is not None:
+            return await call.tokenizing
+        return await self._tokenize_hop(call)
+
+    def _tokenize_hop(self, call: PredictCall) -> Awaitable[tokenizer_pb2.TokenizeResponse]:
+        tokenizer = self.upstreams.tokenizer
+        return call_hop(
+            schema.SPAN_TOKENIZE,
+            tokenizer.target,
+            self.stages.tokenize if self.stages else tokenizer.stub().Tokenize,
+            tokenizer_pb2.TokenizeRequest(
                 model=call.info.name, model_version=call.info.version, texts=[call.text]
-            )
-            tokenizer = self.upstreams.tokenizer
-            call.tokenizing = asyncio.ensure_future(
-                call_hop(
-                    schema.SPAN_TOKENIZE,
-                    tokenizer.target,
-                    self.stages.tokenize if self.stages else tokenizer.stub().Tokenize,
-                    request,
-                    call.timeout_s,
-                    call.timings,
-                )
-            )
-        return call.tokenizing
+            ),
+            call.timeout_s,
+            call.timings,
+        )
 
     async def _look_up_cache(self, call: PredictCall) -> common_pb2.Prediction | None:
         """The cache's hit, or None with MISS, FAIL_OPEN or SKIPPED set on the reply."""
@@ -519,7 +523,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         if call.embedding is not None:
             inputs = [call.embedding]  # the head alone (_take_embedding)
         else:
-            tokens = await self._tokenize(call)
+            tokens = await self._tokens(call)
             inputs = [tokens.input_ids, tokens.attention_mask]
         inferred: inference_pb2.InferResponse = await call_hop(
             schema.SPAN_INFERENCE,

@@ -448,4 +448,4 @@ async def call_hop(
         finally:
             elapsed = time.perf_counter() - started
             timings[hop] = elapsed * 1e3
-            metrics.HOP_DURATION.labels(hop, code.name).observe(elapsed, metrics.trace_exemplar())
+            metrics.hop_duration(hop, code.name).observe(elapsed, metrics.trace_exemplar())

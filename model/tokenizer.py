@@ -44,7 +44,7 @@ def encode(tokenizer: Tokenizer, texts: list[str]) -> Batch:
     return Batch(
         input_ids=ids,
         attention_mask=mask,
-        lengths=[int(m.sum()) for m in mask],
+        lengths=mask.sum(axis=1).tolist(),
         truncated=[bool(e.overflowing) for e in encodings],
     )
 

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import grpc
@@ -52,29 +52,50 @@ def unsampled(context: SpanContext) -> bool:
     return context.is_valid and not context.trace_flags.sampled
 
 
-@contextlib.contextmanager
+def names_unsampled_current(metadata: Iterable[tuple[str, Any]], current: SpanContext) -> bool:
+    """Whether `metadata` carries nothing but a `traceparent` naming `current`, a span of a
+    trace that is not recorded: what an in-process call made under that span sends.
+
+    Then the callee may run in the current context as it is: extracting the metadata would
+    give the same ids (and no baggage or trace state, which would be further entries)."""
+    if not unsampled(current):
+        return False  # a remote call's handler starts in an empty context: never here
+    traceparent = None
+    for i, (key, value) in enumerate(metadata):
+        if i or key != _TRACEPARENT:
+            return False
+        traceparent = value
+    return traceparent == _traceparent(current.trace_id, current.span_id)
+
+
+_TRACEPARENT = "traceparent"
+
+
+def _traceparent(trace_id: int, span_id: int) -> str:
+    """W3C trace context version 00 for a span not sampled (the form the SDK injects)."""
+    return f"00-{trace_id:032x}-{span_id:016x}-00"
+
+
 def child_span(
     name: str,
     *,
     kind: SpanKind = SpanKind.INTERNAL,
     attributes: Mapping[str, Any] | None = None,
     quiet: bool = False,
-) -> Iterator[trace.Span]:
+) -> contextlib.AbstractContextManager[trace.Span]:
     """A span under the current one, or, in a trace that is not recorded, the current
     (non-recording) span itself: making a child there costs a sampler call, ids and a
     context switch per span for nothing. `quiet`: exceptions neither recorded nor mark it."""
     current = trace.get_current_span()
     if unsampled(current.get_span_context()) and not current.is_recording():
-        yield current
-        return
-    with tracer().start_as_current_span(
+        return contextlib.nullcontext(current)
+    return tracer().start_as_current_span(
         name,
         kind=kind,
         attributes=attributes,
         record_exception=not quiet,
         set_status_on_exception=not quiet,
-    ) as span:
-        yield span
+    )
 
 
 def setup_tracing(service: str) -> None:
@@ -171,11 +192,24 @@ def in_context(context: otel_context.Context) -> Iterator[trace.Span]:
         detach(token)
 
 
-def outgoing_metadata(extra: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
+Carried = tuple[tuple[str, str], ...]
+# The last context injected and what it gave. Contexts are immutable, so the same object
+# always injects the same metadata; a request's hops made under one span (every hop of a
+# trace that is not recorded) then pay for one injection.
+_last_injected: tuple[otel_context.Context | None, Carried] = (None, ())
+
+
+def outgoing_metadata(extra: Carried = ()) -> Carried:
     """gRPC metadata carrying the current trace context to the next hop."""
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    return tuple(carrier.items()) + extra
+    global _last_injected
+    current = otel_context.get_current()
+    injected_from, carried = _last_injected
+    if injected_from is not current:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=current)
+        carried = tuple(carrier.items())
+        _last_injected = (current, carried)
+    return carried + extra if extra else carried
 
 
 class ServerTracing(RpcWrapper):
@@ -256,8 +290,15 @@ class _TracedRpc:
 
     @contextlib.contextmanager
     def span(self, context: Context) -> Iterator[trace.Span]:
-        parent = propagate.extract(dict(context.invocation_metadata() or ()))
+        metadata = context.invocation_metadata() or ()
         self.in_flight.inc()
+        current = trace.get_current_span()
+        if names_unsampled_current(metadata, current.get_span_context()):
+            # An in-process caller whose trace is not recorded: the RPC already runs in the
+            # context its metadata names, so there is nothing to parse or attach.
+            yield current
+            return
+        parent = propagate.extract(dict(metadata))
         if unsampled(trace.get_current_span(parent).get_span_context()):
             # The caller's trace is not recorded: the RPC runs in its context (logs and the
             # next hop keep its trace id) with no span of its own.

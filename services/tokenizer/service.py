@@ -76,9 +76,9 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         except ModelNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         batch = encode(tokenizer, texts)
-        trace.get_current_span().set_attributes(
-            {schema.TOKENS: sum(batch.lengths), schema.BATCH_SIZE: len(texts)}
-        )
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes({schema.TOKENS: sum(batch.lengths), schema.BATCH_SIZE: len(texts)})
         return tokenizer_pb2.TokenizeResponse(
             input_ids=to_tensor("input_ids", batch.input_ids),
             attention_mask=to_tensor("attention_mask", batch.attention_mask),

@@ -8,6 +8,7 @@ import asyncio
 from typing import Any, cast
 
 import pytest
+from opentelemetry import propagate
 from opentelemetry.context import Context, attach, detach
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -21,6 +22,7 @@ from opentelemetry.trace import (
     get_current_span,
     set_span_in_context,
 )
+from opentelemetry.trace import use_span as trace_use_span
 
 from hopline.observability import tracing
 from hopline.observability.tracing import (
@@ -146,3 +148,53 @@ class _Metadata:
 
     def time_remaining(self) -> None:
         return None
+
+
+def test_a_callee_runs_under_the_context_its_metadata_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An in-process call whose metadata names the current span runs in the caller's context
+    as it is; one whose metadata names another request's (a stage batch sent from another
+    request's task) runs under that one, as a remote callee would."""
+    _recorder(monkeypatch, default_sampler(True, {}) or ALWAYS_OFF)
+    seen: list[int] = []
+
+    async def servicer(request: str, context: object) -> str:
+        seen.append(get_current_span().get_span_context().span_id)
+        return request
+
+    behaviour = ServerTracing().wrap("/hopline.test.v1.Test/Echo", servicer)
+    mine = NonRecordingSpan(SpanContext(7, 9, is_remote=False))
+    other = NonRecordingSpan(SpanContext(7, 11, is_remote=False))
+
+    async def scenario() -> None:
+        token = attach(set_span_in_context(mine))
+        try:
+            await behaviour("hi", cast(Any, _Metadata(outgoing_metadata())))
+            with trace_use_span(other):
+                theirs = outgoing_metadata()
+            await behaviour("hi", cast(Any, _Metadata(theirs)))
+            await behaviour("hi", cast(Any, _Metadata((*theirs, ("baggage", "k=v")))))
+        finally:
+            detach(token)
+
+    asyncio.run(scenario())
+    assert seen == [9, 11, 11]
+
+
+def test_outgoing_metadata_follows_the_current_context() -> None:
+    """Each context's own traceparent, as the propagator writes it, also when contexts
+    alternate (the injection is remembered for the last context only)."""
+    spans = [
+        NonRecordingSpan(SpanContext(7, s, is_remote=False, trace_flags=TraceFlags(f)))
+        for s, f in ((9, 0), (11, 1), (9, 1))
+    ]
+    for span in (*spans, *spans):
+        token = attach(set_span_in_context(span))
+        try:
+            expected: dict[str, str] = {}
+            propagate.inject(expected)
+            assert outgoing_metadata() == tuple(expected.items())
+            assert outgoing_metadata((("x", "y"),)) == (*expected.items(), ("x", "y"))
+        finally:
+            detach(token)
