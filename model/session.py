@@ -11,6 +11,7 @@ import numpy.typing as npt
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from hopline.model.huge_pages import collapsed_after
 from hopline.model.providers import (
     ProviderSpec,
     as_specs,
@@ -77,7 +78,8 @@ def make_session(
     options = session_options(threads, spin)
     specs = as_specs(providers)
     chosen = session_providers(specs, ort.get_available_providers(), path.parent)
-    session = ort.InferenceSession(str(path), sess_options=options, providers=chosen)
+    with collapsed_after():  # the weights on huge pages: model/huge_pages.py says why
+        session = ort.InferenceSession(str(path), sess_options=options, providers=chosen)
     report_fallback(str(path.parent), specs, session.get_providers(), ort.get_available_providers())
     return session
 
