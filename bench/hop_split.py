@@ -9,6 +9,15 @@ whole: the client's latency against the gateway's own Predict handler, which lea
 time outside the gateway (the client's stub, the transport both ways, the gateway's server
 before and after the handler), to read against the echo baselines' round trip.
 
+And where a request's CPU goes: each process's CPU time over the window
+(`process_cpu_seconds_total`, which every hopline process exports) per request answered. Under
+a closed loop the cores are the limit, so a throughput ratio against the in-process pipeline
+is a ratio of CPU per request, and this says which process holds the difference. A process
+is named by the services whose RPCs its registry counts (`gateway+tokenizer+inference+
+postprocess` for a co-located gateway). A process's children are not its own: the cache's
+milvus-lite server is left out here and counted in the machine's figure
+(`bench/report.py:summarise`).
+
 Read from the mesh's Prometheus endpoints just before and just after the measured window
 (`hopline bench --metrics TARGET=HOST:PORT,...`), summed over the target's rounds. Only
 calls that ended OK count. Means, not percentiles: a histogram's p50 is no finer than its
@@ -30,6 +39,9 @@ from hopline.observability import schema
 
 HOP_METRIC = "hopline_hop_duration_seconds"
 RPC_METRIC = "hopline_rpc_duration_seconds"
+CPU_SAMPLE = "process_cpu_seconds_total"  # prometheus_client's process collector
+# A process's name: the services it answers for, in the order a request meets them.
+SERVICE_ORDER = ("gateway", "tokenizer", "cache", "inference", "postprocess")
 GATEWAY_RPC = ("hopline.gateway.v1.GatewayService", "Predict")
 # Each hop and the server methods its calls arrive as (a store goes as StoreBatch, or as
 # Store to a cache from before it).
@@ -58,11 +70,16 @@ class Totals:
 
     sums: Mapping[Key, float]
     counts: Mapping[Key, float]
+    # Per endpoint: its process's CPU seconds, and its name (`process_name`).
+    cpu_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def minus(self, before: Totals) -> Totals:
         return Totals(
             {k: v - before.sums.get(k, 0.0) for k, v in self.sums.items()},
             {k: v - before.counts.get(k, 0.0) for k, v in self.counts.items()},
+            {k: v - before.cpu_s.get(k, 0.0) for k, v in self.cpu_s.items()},
+            self.names,
         )
 
     def plus(self, other: Totals) -> Totals:
@@ -70,7 +87,20 @@ class Totals:
         return Totals(
             {k: self.sums.get(k, 0.0) + other.sums.get(k, 0.0) for k in keys},
             {k: self.counts.get(k, 0.0) + other.counts.get(k, 0.0) for k in keys},
+            {
+                k: self.cpu_s.get(k, 0.0) + other.cpu_s.get(k, 0.0)
+                for k in set(self.cpu_s) | set(other.cpu_s)
+            },
+            {**self.names, **other.names},
         )
+
+    def cpu_by_name(self) -> dict[str, float]:
+        """CPU seconds per process name (replicas of one name added), in a request's order."""
+        out: dict[str, float] = {}
+        for endpoint, seconds in self.cpu_s.items():
+            name = self.names.get(endpoint, endpoint)
+            out[name] = out.get(name, 0.0) + seconds
+        return dict(sorted(out.items(), key=lambda item: _order(item[0])))
 
     def mean_ms(self, keys: Iterable[Key]) -> tuple[float, int]:
         """The mean (ms) and count of the calls under `keys` together (nan, 0: none)."""
@@ -84,13 +114,23 @@ class Totals:
 EMPTY = Totals({}, {})
 
 
-def parse(text: str) -> Totals:
-    """The OK calls of the hop and RPC histograms in one Prometheus text exposition."""
+def parse(text: str, endpoint: str = "") -> Totals:
+    """The OK calls of the hop and RPC histograms in one Prometheus text exposition, and the
+    CPU seconds and name of the process behind `endpoint`."""
     sums: dict[Key, float] = {}
     counts: dict[Key, float] = {}
+    cpu_s = 0.0  # a supervisor's workers are summed, as the histograms are
+    cpu_found = False
+    services: set[str] = set()
     for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == CPU_SAMPLE:
+                cpu_s += sample.value
+                cpu_found = True
         if family.name not in (HOP_METRIC, RPC_METRIC):
             continue
+        if family.name == RPC_METRIC:
+            services.update(s.labels["service"] for s in family.samples if "service" in s.labels)
         kept = _KEPT_LABELS[family.name]
         for sample in family.samples:
             labels = sample.labels
@@ -102,7 +142,22 @@ def parse(text: str) -> Totals:
                 sums[key] = sums.get(key, 0.0) + sample.value
             elif sample.name == f"{family.name}_count":
                 counts[key] = counts.get(key, 0.0) + sample.value
-    return Totals(sums, counts)
+    # A process that exports no CPU figure (not prometheus_client's, not Linux) is left out.
+    cpus = {endpoint: cpu_s} if cpu_found else {}
+    return Totals(sums, counts, cpus, {endpoint: process_name(services)})
+
+
+def process_name(services: Iterable[str]) -> str:
+    """`hopline.tokenizer.v1.TokenizerService` and the like as `tokenizer`, joined in a
+    request's order; a process answering for none of hopline's services is `other`."""
+    short = {s.split(".")[1] for s in services if s.startswith("hopline.") and s.count(".") >= 2}
+    known = [s for s in SERVICE_ORDER if s in short]
+    return "+".join(known + sorted(short - set(known))) or "other"
+
+
+def _order(name: str) -> tuple[int, str]:
+    first = name.split("+", 1)[0]
+    return (SERVICE_ORDER.index(first) if first in SERVICE_ORDER else len(SERVICE_ORDER), name)
 
 
 def scrape(endpoints: Iterable[str]) -> Totals:
@@ -112,7 +167,7 @@ def scrape(endpoints: Iterable[str]) -> Totals:
         url = endpoint if "://" in endpoint else f"http://{endpoint}/metrics"
         try:
             with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as reply:
-                totals = totals.plus(parse(reply.read().decode("utf-8")))
+                totals = totals.plus(parse(reply.read().decode("utf-8"), endpoint))
         except OSError as exc:  # refused, timed out, not HTTP: the flag names a wrong port
             raise SystemExit(
                 f"--metrics: cannot read {url} ({exc}); give each process's HOPLINE_METRICS_PORT"
@@ -177,6 +232,12 @@ def split(window: Totals, client_mean_ms: float) -> dict[str, Any]:
             "gateway_calls": requests,
             "outside_gateway_ms": client_mean_ms - gateway,
         },
+        # Each process's CPU per request the gateway answered (none answered: left out).
+        "cpu_ms_per_request": {
+            name: seconds / requests * 1e3 for name, seconds in window.cpu_by_name().items()
+        }
+        if requests
+        else {},
     }
 
 
@@ -202,4 +263,8 @@ def split_table(name: str, figures: Mapping[str, Any], echo_ms: Mapping[str, flo
         f"  request: client {r['client_ms']:.3f}, gateway handler {r['gateway_ms']:.3f}, "
         f"outside the gateway {r['outside_gateway_ms']:.3f}{echoes}"
     )
+    cpu = figures.get("cpu_ms_per_request")
+    if cpu:
+        each = ", ".join(f"{name} {ms:.3f}" for name, ms in cpu.items())
+        lines.append(f"  CPU ms per request: {each}")
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,23 @@ def summarise(run: Run, describe: Describe) -> dict[str, Any]:
         "loadgen_cpu_core_share": run.loadgen_cpu_s / run.duration_s if run.duration_s else 0.0,
         "machine_busy": run.machine_busy,
         "cores": cpu_count(),
+        "cpu_ms_per_request": cpu_per_request(run),
+    }
+
+
+def cpu_per_request(run: Run) -> dict[str, float]:
+    """CPU ms per request answered: the load generator's process (for an in-process target,
+    the pipeline itself) and the whole machine's (every core's busy time: each process of a
+    mesh, its children such as milvus-lite, and whatever else ran). Under a closed loop the
+    cores are the limit, so two targets' throughputs stand about as the inverse of their
+    machine figures. Empty when nothing was answered."""
+    if not run.completed:
+        return {}
+    per = 1e3 / run.completed
+    return {
+        # /proc/stat's first line is every online core's, whatever this process may run on.
+        "machine": run.machine_busy * (os.cpu_count() or 1) * run.duration_s * per,
+        "load_generator": run.loadgen_cpu_s * per,
     }
 
 

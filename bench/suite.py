@@ -29,7 +29,9 @@ too (runtime/service_table.py:Topology). It measures, one scenario after the oth
 Scenarios 1-3 take their targets in turn over ROUNDS rounds, the same measured seconds in all.
 Scenarios 1 and 3 also read every mesh's Prometheus endpoints around its windows: per hop, the
 gateway's time against the server's own, and the time a request spends outside the gateway
-(bench/hop_split.py), in the report's per-hop tables.
+(bench/hop_split.py), in the report's per-hop tables, and each process's CPU per request
+beside every target's machine CPU per request (at 32 callers the cores are the limit, so the
+throughput ratios are ratios of these).
 Each target is measured alone; targets share the 2 cores, so nothing runs beside them (the
 idle mesh waits with no traffic).
 """
@@ -405,6 +407,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{'yes' if r['met'] else 'no'} |"
         )
     lines += hop_split_markdown(doc["scenarios"])
+    lines += cpu_markdown(doc["scenarios"])
     for name, why in doc.get("not_measured", {}).items():
         lines.append(f"\n{name}: not measured: {why}")
     for name, s in doc["scenarios"].items():
@@ -448,6 +451,37 @@ def hop_split_markdown(scenarios: dict[str, Any]) -> list[str]:
                 f"| {target} | the request: client / gateway handler / outside the gateway | "
                 f"{r['client_ms']:.2f} | {r['gateway_ms']:.2f} | {r['outside_gateway_ms']:.2f} "
                 f"| {r['gateway_calls']} | |"
+            )
+    return lines
+
+
+def cpu_markdown(scenarios: dict[str, Any]) -> list[str]:
+    """Where a request's CPU went, for each scenario that read a mesh's processes
+    (bench/hop_split.py, bench/report.py:cpu_per_request): every target's machine and load
+    generator figures, and each mesh process's own."""
+    lines: list[str] = []
+    for name, s in scenarios.items():
+        targets = s.get("targets", {})
+        if not any(v.get("hop_split", {}).get("cpu_ms_per_request") for v in targets.values()):
+            continue
+        lines += [
+            "",
+            f"{name}, CPU ms per request (machine: every core's busy time, milvus-lite and "
+            "the load generator included; load generator: an in-process target's pipeline; "
+            "processes: each mesh process's own):",
+            "",
+            "| target | rps | machine | load generator | processes |",
+            "|---|---|---|---|---|",
+        ]
+        for target, v in targets.items():
+            cpu = v.get("cpu_ms_per_request")
+            if not cpu:
+                continue
+            each = v.get("hop_split", {}).get("cpu_ms_per_request", {})
+            processes = ", ".join(f"{p} {ms:.2f}" for p, ms in each.items())
+            lines.append(
+                f"| {target} | {v['throughput_rps']:.1f} | {cpu['machine']:.2f} | "
+                f"{cpu['load_generator']:.2f} | {processes} |"
             )
     return lines
 

@@ -80,6 +80,16 @@ def test_bench_splits_each_hop_between_the_gateway_and_the_server(
     assert 0 < request["gateway_ms"] < request["client_ms"] == target["mean_ms"]
     assert "outside the gateway" in run.stdout
     assert "hop_split" not in json.loads(out.read_text())["targets"]["echo"]
+    # Each process's CPU per request, named by the services it answers for: every service
+    # in exactly one process, the gateway's first.
+    cpu = split["cpu_ms_per_request"]
+    assert len(cpu) == len(mesh.metrics_endpoints()), cpu
+    services = [s for name in cpu for s in name.split("+")]
+    assert sorted(services) == ["cache", "gateway", "inference", "postprocess", "tokenizer"]
+    assert next(iter(cpu)).startswith("gateway")
+    assert all(ms > 0 for ms in cpu.values()), cpu
+    assert target["cpu_ms_per_request"]["machine"] > target["cpu_ms_per_request"]["load_generator"]
+    assert "CPU ms per request: gateway" in run.stdout
 
 
 def test_the_exact_mix_repeats_only_texts_the_cache_keeps(mesh: Mesh, tmp_path: Path) -> None:

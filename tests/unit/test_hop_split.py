@@ -4,14 +4,25 @@ serving registries with the mesh's two histograms)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 
 from hopline.bench import hop_split
 from hopline.bench.cli import _metrics_endpoints
-from hopline.bench.suite import hop_split_markdown
+from hopline.bench.load import Run
+from hopline.bench.report import cpu_per_request
+from hopline.bench.suite import cpu_markdown, hop_split_markdown
 from hopline.observability import schema
 from hopline.runtime.launcher import free_ports
 
@@ -229,3 +240,101 @@ def test_a_gateways_workers_are_summed() -> None:
     assert postprocess["server_calls"] == 2
     assert postprocess["at_gateway_ms"] == pytest.approx(3.0)
     assert postprocess["server_ms"] == pytest.approx(1.5)
+
+
+def test_each_process_cpu_per_request_over_the_window_alone(
+    processes: tuple[Process, Process],
+) -> None:
+    """process_cpu_seconds_total (here a counter of that name, standing in for the process
+    collector, so the figures are known) read around the window, per request the gateway
+    answered, under the name of the services each process answers for."""
+    gateway, cache = processes
+    cpu = {p: Counter("process_cpu_seconds", "cpu", registry=p.registry) for p in (gateway, cache)}
+    for service, process in (("gateway.v1.GatewayService", gateway), ("cache.v1.Cache", cache)):
+        process.rpcs.labels(f"hopline.{service}", "X", "OK").observe(0.001)
+    gateway.rpcs.labels("hopline.tokenizer.v1.TokenizerService", "Tokenize", "OK").observe(0.001)
+    cpu[gateway].inc(7.0)  # before the window: left out
+    cpu[cache].inc(3.0)
+    windows = hop_split.Windows({"mesh": [gateway.endpoint, cache.endpoint]})
+    start = windows.at_window("mesh")
+    assert start is not None
+    start()
+    cpu[gateway].inc(0.012)
+    cpu[cache].inc(0.002)
+    for _ in range(4):
+        gateway.rpcs.labels(*hop_split.GATEWAY_RPC, "OK").observe(0.003)
+    windows.ended("mesh", "mesh")
+
+    got = hop_split.split(windows.totals["mesh"], client_mean_ms=4.0)["cpu_ms_per_request"]
+
+    assert list(got) == ["gateway+tokenizer", "cache"]  # a request's order
+    assert got["gateway+tokenizer"] == pytest.approx(3.0)
+    assert got["cache"] == pytest.approx(0.5)
+    text = hop_split.split_table("mesh", hop_split.split(windows.totals["mesh"], 4.0), {})
+    assert "CPU ms per request: gateway+tokenizer 3.000, cache 0.500" in text
+
+
+def test_the_process_collectors_figure_is_the_one_read() -> None:
+    """The sample prometheus_client's own process collector exports (every hopline process
+    serves the default registry) is the one parsed: this process's CPU, so far."""
+    totals = hop_split.parse(generate_latest(REGISTRY).decode(), "here")
+    assert totals.cpu_s["here"] > 0
+    assert totals.names == {"here": "other"}  # no hopline RPC counted in this registry
+
+
+def test_a_process_without_a_cpu_figure_is_left_out_and_names_follow_a_request() -> None:
+    registry = CollectorRegistry()
+    Histogram(hop_split.RPC_METRIC, "rpcs", ("service", "method", "code"), registry=registry)
+    assert hop_split.parse(generate_latest(registry).decode(), "x").cpu_s == {}
+    assert (
+        hop_split.process_name(
+            [
+                "hopline.postprocess.v1.PostprocessService",
+                "hopline.inference.v1.InferenceService",
+                "hopline.gateway.v1.GatewayService",
+                "hopline.tokenizer.v1.TokenizerService",
+                "grpc.health.v1.Health",
+            ]
+        )
+        == "gateway+tokenizer+inference+postprocess"
+    )
+    assert hop_split.process_name(["hopline.cache.v1.CacheService"]) == "cache"
+    assert hop_split.process_name([]) == "other"
+
+
+def test_cpu_per_request_of_a_window_and_the_suite_table() -> None:
+    """The machine's figure is every core's busy time over the window (/proc/stat's share
+    times the cores) per answered request; the load generator's its own process's."""
+    run = Run(
+        latencies_ns=[1_000_000] * 400,
+        statuses=["OK"] * 400,
+        responses=[],
+        duration_s=2.0,
+        loadgen_cpu_s=0.2,
+        machine_busy=0.5,
+    )
+    cores = os.cpu_count() or 1
+    got = cpu_per_request(run)
+    assert got["machine"] == pytest.approx(0.5 * cores * 2.0 / 400 * 1e3)
+    assert got["load_generator"] == pytest.approx(0.5)
+    assert cpu_per_request(dataclasses.replace(run, latencies_ns=[], statuses=[])) == {}
+    scenarios = {
+        "miss_c32": {
+            "targets": {
+                "inprocess_batched": {
+                    "throughput_rps": 500.0,
+                    "cpu_ms_per_request": {"machine": 4.0, "load_generator": 3.9},
+                },
+                "mesh": {
+                    "throughput_rps": 300.0,
+                    "cpu_ms_per_request": {"machine": 6.5, "load_generator": 0.3},
+                    "hop_split": {"cpu_ms_per_request": {"gateway": 1.2, "inference": 3.8}},
+                },
+            }
+        },
+        "exact_c1": {"targets": {"mesh": {"cpu_ms_per_request": {"machine": 1.0}}}},
+    }
+    lines = cpu_markdown(scenarios)
+    assert "| inprocess_batched | 500.0 | 4.00 | 3.90 |  |" in lines
+    assert "| mesh | 300.0 | 6.50 | 0.30 | gateway 1.20, inference 3.80 |" in lines
+    assert not any(line.startswith("exact_c1") for line in lines)  # no process was read
