@@ -86,8 +86,12 @@ def test_bench_splits_each_hop_between_the_gateway_and_the_server(
     assert len(cpu) == len(mesh.metrics_endpoints()), cpu
     services = [s for name in cpu for s in name.split("+")]
     assert sorted(services) == ["cache", "gateway", "inference", "postprocess", "tokenizer"]
-    assert next(iter(cpu)).startswith("gateway")
-    assert all(ms > 0 for ms in cpu.values()), cpu
+    gateway_process = next(iter(cpu))
+    assert gateway_process.startswith("gateway")
+    # The kernel counts a process's CPU in 10 ms ticks: a quiet process (the cache, storing a
+    # few batches in this 1 s window) may read 0; the gateway answered every request.
+    assert cpu[gateway_process] > 0, cpu
+    assert all(ms >= 0 for ms in cpu.values()), cpu
     assert target["cpu_ms_per_request"]["machine"] > target["cpu_ms_per_request"]["load_generator"]
     assert "CPU ms per request: gateway" in run.stdout
 
