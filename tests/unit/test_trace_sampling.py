@@ -30,6 +30,7 @@ from hopline.observability.tracing import (
     ServerTracing,
     child_span,
     default_sampler,
+    names_unsampled_current,
     outgoing_metadata,
 )
 
@@ -198,3 +199,46 @@ def test_outgoing_metadata_follows_the_current_context() -> None:
             assert outgoing_metadata((("x", "y"),)) == (*expected.items(), ("x", "y"))
         finally:
             detach(token)
+
+
+def test_the_sdks_own_unrecorded_span_is_recognised_in_its_callees_metadata(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Spans the SDK itself makes, not hand-built contexts: this SDK sets the random-trace-id
+    flag (0x02) on every span, so its traceparent ends `-02` for a trace it does not record.
+    An in-process callee under such a span runs without extracting its metadata; under a
+    recorded span, or with another span's metadata, it extracts."""
+    extracted: list[object] = []
+    real_extract = propagate.extract
+
+    def counting_extract(*args: Any, **kwargs: Any) -> Context:
+        extracted.append(args)
+        return real_extract(*args, **kwargs)
+
+    monkeypatch.setattr(propagate, "extract", counting_extract)  # tracing.py calls it so
+    behaviour = ServerTracing().wrap("/hopline.test.v1.Test/Echo", _echo)
+    unrecorded = TracerProvider(sampler=ALWAYS_OFF).get_tracer("test")
+    recorded = TracerProvider().get_tracer("test")
+
+    async def scenario() -> None:
+        with unrecorded.start_as_current_span("caller") as caller:
+            assert caller.get_span_context().trace_flags == 0x02  # random, not sampled
+            metadata = outgoing_metadata()
+            assert names_unsampled_current(metadata, caller.get_span_context())
+            await behaviour("hi", cast(Any, _Metadata(metadata)))
+            assert extracted == []
+            with unrecorded.start_as_current_span("another"):
+                theirs = outgoing_metadata()
+            await behaviour("hi", cast(Any, _Metadata(theirs)))
+            assert len(extracted) == 1
+        with recorded.start_as_current_span("sampled") as sampled:
+            metadata = outgoing_metadata()
+            assert not names_unsampled_current(metadata, sampled.get_span_context())
+            await behaviour("hi", cast(Any, _Metadata(metadata)))
+            assert len(extracted) == 2
+
+    asyncio.run(scenario())
+
+
+async def _echo(request: str, context: object) -> str:
+    return request
