@@ -16,7 +16,7 @@ is a ratio of CPU per request, and this says which process holds the difference.
 is named by the services whose RPCs its registry counts (`gateway+tokenizer+inference+
 postprocess` for a co-located gateway). A process's children are not its own: the cache's
 milvus-lite server is left out here and counted in the machine's figure
-(`bench/report.py:summarise`).
+(`bench/report.py:cpu_per_request`).
 
 Read from the mesh's Prometheus endpoints just before and just after the measured window
 (`hopline bench --metrics TARGET=HOST:PORT,...`), summed over the target's rounds. Only
