@@ -388,7 +388,7 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
             run = await measure(target, mix, args, pause_s, windows.at_window(base))
             windows.ended(name, base)
             runs[name] = _pool(runs[name], run) if name in runs else run
-            by_round.setdefault(name, []).append(window_figures(run))
+            by_round.setdefault(name, []).append(window_figures(run, target.describe))
             describe[name] = target.describe
         finally:
             await target.close()

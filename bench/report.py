@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from hopline.bench.load import Run, cpu_count, percentiles_ms
+from hopline.bench.load import OK, Run, cpu_count, percentiles_ms
 
 Describe = Callable[[Any], tuple[str | None, dict[str, float]]]
+COMPUTE = "inference.compute"  # the model's own run, as the replies' timings name it
 
 
 def summarise(run: Run, describe: Describe) -> dict[str, Any]:
@@ -70,13 +71,29 @@ def cpu_per_request(run: Run) -> dict[str, float]:
     }
 
 
-def window_figures(run: Run) -> dict[str, float]:
+def window_figures(run: Run, describe: Describe | None = None) -> dict[str, float]:
     """One window's own figures, kept beside the pooled record so a comparison can pair each
-    round's windows (measured minutes apart at most) instead of pooling drift into both sides."""
-    return {
+    round's windows (measured minutes apart at most) instead of pooling drift into both sides.
+
+    With `describe`, also the p50 of each answered request's latency less its own model
+    compute (`inference.compute`, where the replies carry it): two meshes are two processes,
+    and a model computes up to a tenth faster in one process than in the next for the whole
+    of its life on these machines, which a comparison of two meshes' p50s takes in whole."""
+    figures = {
         "throughput_rps": run.completed / run.duration_s if run.duration_s else 0.0,
         "p50_ms": percentiles_ms(run.latencies_ns)["p50_ms"],
     }
+    if describe is not None:
+        pairs = zip(run.latencies_ns, run.statuses, strict=True)
+        answered = [ns for ns, status in pairs if status == OK]  # run.responses' order
+        less = [
+            ns / 1e6 - timings[COMPUTE]
+            for ns, response in zip(answered, run.responses, strict=True)
+            if COMPUTE in (timings := describe(response)[1])
+        ]
+        if less:
+            figures["p50_less_compute_ms"] = float(np.percentile(less, 50))
+    return figures
 
 
 def ratios(targets: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:

@@ -49,6 +49,11 @@ def test_tracing_scenario_measures_each_topology_exporting_and_not(
     assert c1["ratios"]["five-process p50_added_ms"] == pytest.approx(
         five_on["p50_ms"] - five_off["p50_ms"]
     )
+    # Beside it, the same with each request's own model compute taken out: every mesh
+    # reply carries its compute time, so every round of every target has the figure.
+    assert set(c1["less_compute"]) == set(c1["ratios"])
+    assert all(isinstance(v, float) for v in c1["less_compute"].values())
+    assert all(0 < r["p50_less_compute_ms"] < r["p50_ms"] for r in five_off["rounds"])
     colo_off, colo_on = (c32["targets"][f"peer_colocated_{v}"] for v in ("off", "exporting"))
     assert c32["ratios"]["colocated throughput_loss"] == pytest.approx(
         1 - colo_on["throughput_rps"] / colo_off["throughput_rps"]

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from hopline.bench.tracing import p50_added, throughput_loss
+from hopline.bench.load import Run
+from hopline.bench.report import window_figures
+from hopline.bench.tracing import (
+    p50_added,
+    p50_added_less_compute,
+    throughput_loss,
+    tracing_targets,
+)
 
 
 def target(rps: list[float], p50: list[float]) -> dict[str, object]:
@@ -33,3 +40,51 @@ def test_a_gain_is_a_negative_cost() -> None:
 def test_windows_from_different_rounds_are_never_paired() -> None:
     with pytest.raises(ValueError, match="shorter"):
         throughput_loss(target([400.0, 400.0], [5.0, 5.0]), target([400.0], [5.0]))
+
+
+def test_each_requests_own_compute_is_taken_out_beside_the_target_figure() -> None:
+    """Two meshes are two processes: a model that computes 0.3 ms slower in the exporting
+    mesh's process reads as exporting's cost in the p50s, and not once each request's own
+    compute is taken out. Answered requests pair with the replies in order; a failed one
+    has no reply and is skipped."""
+    compute = {b"a": 3.0, b"b": 3.3}
+
+    def describe(reply: bytes) -> tuple[str | None, dict[str, float]]:
+        return "miss", {"inference.compute": compute[reply[:1]]}
+
+    def window(latencies_ms: list[float], reply: bytes) -> dict[str, float]:
+        run = Run(
+            latencies_ns=[int(ms * 1e6) for ms in latencies_ms] + [50_000_000],
+            statuses=["OK"] * len(latencies_ms) + ["UNAVAILABLE"],
+            responses=[reply] * len(latencies_ms),
+            duration_s=1.0,
+            loadgen_cpu_s=0.0,
+            machine_busy=0.0,
+        )
+        return window_figures(run, describe)
+
+    off = {"rounds": [window([5.0, 5.1, 5.2], b"a"), window([5.0, 5.2, 5.4], b"a")]}
+    on = {"rounds": [window([5.3, 5.4, 5.5], b"b"), window([5.4, 5.5, 5.6], b"b")]}
+    assert p50_added(off, on) == pytest.approx(0.3)
+    assert p50_added_less_compute(off, on) == pytest.approx(0.0)
+    assert off["rounds"][0]["p50_less_compute_ms"] == pytest.approx(2.1)
+    # Replies without the model's timing (echo, an exact hit): no such figure, no pairing.
+    assert "p50_less_compute_ms" not in window_figures(
+        Run([1_000_000], ["OK"], [b"x"], 1.0, 0.0, 0.0), lambda _: (None, {})
+    )
+    assert p50_added_less_compute(target([400.0], [5.0]), target([400.0], [5.3])) is None
+
+
+def test_the_target_row_says_the_figure_without_compute_beside_its_own() -> None:
+    sc = {
+        "tracing_miss_c1": {
+            "exported": True,
+            "discarded": True,
+            "ratios": {"colocated p50_added_ms": 0.45},
+            "less_compute": {"colocated p50_added_ms": 0.05},
+        }
+    }
+    (row,) = tracing_targets(sc)
+    assert row["value"] == pytest.approx(0.45)
+    assert row["met"] is False  # the target is the plain p50's
+    assert "+0.050 ms with each request's own model compute taken out" in row["how"]
