@@ -50,7 +50,7 @@ help:
 	@echo "make protos regenerate the Python stubs from protos/"
 	@echo "make model  build the default model if it is missing"
 	@echo "make clients generate and build the Go, Java and Node clients (clients/)"
-	@echo "make jaeger build (once) and run Jaeger v2 on 127.0.0.1 (OTLP 4317, UI/API 16686)"
+	@echo "make jaeger build (once) and run Jaeger v2 on 127.0.0.1 (OTLP 4317, UI/API 16686, sampling 5778)"
 	@echo "make bench  the benchmark suite vs echo, in-process, ghz and Ray Serve (bench/results/)"
 
 $(STAMPS)/venv:
@@ -119,9 +119,12 @@ $(STAMPS)/bench-extra: $(STAMPS)/install
 bench: model $(GHZ) $(JAEGER) $(STAMPS)/bench-extra
 	HOPLINE_MODEL_REPO=$(MODEL_REPO) $(PY) -m hopline.bench.suite
 
-# Foreground, loopback only, in-memory storage: OTLP gRPC on 4317, query API on 16686.
+# Foreground, loopback only, in-memory storage: OTLP gRPC on 4317, query API on 16686, remote
+# sampling on 5778 from deploy/observability/sampling-strategies.json (edit it while it runs).
+SAMPLING_STRATEGIES := $(CURDIR)/deploy/observability/sampling-strategies.json
 jaeger: $(JAEGER)
-	$(JAEGER)
+	$(JAEGER) --set=extensions.remote_sampling.file.path=$(SAMPLING_STRATEGIES) \
+		--set=extensions.remote_sampling.file.reload_interval=5s
 
 .tools/bin/protoc-gen-go:
 	$(GOENV) GOBIN=$(CURDIR)/.tools/bin go install $(PROTOC_GEN_GO)

@@ -1,24 +1,30 @@
-"""Tracing's cost in one run (`make bench`'s tracing_miss_c1/_c32): exporting against not.
+"""Tracing's cost in one run (`make bench`'s tracing_miss_c1/_c32): exporting against not,
+inside the same processes.
 
-Six meshes on free ports, started one after the other: co-located and five-process, each
-once exporting spans over OTLP to a local Jaeger with hopline's export defaults (10% of traces
-kept, 64-span batches every 200 ms), once exporting the same way to a collector that discards
-what it gets (bench/otlp_sink.py), and once with no exporter (`make run`'s default, which
-records nothing). `hopline bench` measures the six as peers with alternated rounds: miss at
-concurrency 1 (the p50 target) and miss at concurrency 32 (the throughput target). Each figure
-is the median over rounds of one round's exporting window against that round's off window
-(`p50_added`, `throughput_loss`), so the machine's drift from round to round, larger here than
-the figures, does not land on one side; the pooled figures are kept beside them. Jaeger shares
-these cores, as it would not in production, so what it spends counts against exporting here;
-the discarding collector's rows say how much of that is hopline's own (recording, encoding,
-sending). Jaeger's service list and the sink's call count at the end show the spans arrived;
-without them the "exporting" figures would measure nothing.
+Four meshes on free ports, started one after the other: co-located and five-process, each
+once exporting spans over OTLP to a local Jaeger with hopline's export defaults (64-span
+batches every 200 ms) and once exporting the same way to a collector that discards what it
+gets (bench/otlp_sink.py). Every mesh samples by the strategy Jaeger serves
+(observability/remote_sampling.py, as an operator would change it live), and each round
+measures all four twice: with the share of traces kept at 0 (off: every span non-recording,
+nothing exported, as `make run`'s default) and at hopline's 10% (exporting), the two windows'
+order swapped every round. Each figure is the median over rounds of one round's exporting
+window against that round's off window of the same mesh (`p50_added`, `throughput_loss`).
+
+Why the same processes: a model's speed differs from one process to another here by more
+than the 0.3 ms limit, for the processes' whole lives (stop 49), so an off mesh beside an
+exporting one measured that difference as exporting's cost however the rounds were paired.
+Jaeger shares these cores, as it would not in production, so what it spends counts against
+exporting here; the discarding collector's rows say how much of that is hopline's own
+(recording, encoding, sending). Jaeger's service list and the sink's call count at the end
+show the spans arrived; without them the "exporting" figures would measure nothing.
 """
 
 from __future__ import annotations
 
 import enum
 import statistics
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -27,28 +33,56 @@ from typing import Any
 from hopline.bench.cli import bench_once
 from hopline.bench.otlp_sink import DiscardingCollector
 from hopline.observability.jaeger import LocalJaeger
+from hopline.observability.remote_sampling import sampling_in_force
 from hopline.observability.trace_cli import GATEWAY_SERVICE
+from hopline.observability.tracing import EXPORT_SAMPLE_RATIO
 from hopline.runtime.launcher import Mesh
 from hopline.runtime.service_table import Topology
 
 TOPOLOGIES = (Topology.COLOCATED, Topology.FIVE_PROCESS)
+# How often each mesh asks Jaeger for its strategy, and Jaeger rereads its file: a switch
+# lands within about 1.5 s, between windows.
+POLL_MS = 200
+SWITCH_TIMEOUT_S = 30.0
 
 
 class Export(enum.StrEnum):
-    OFF = "off"
+    """Where a mesh's kept spans go."""
+
     EXPORTING = "exporting"  # to Jaeger
     DISCARDING = "discarding"  # to a collector that keeps nothing
 
 
+class Sampling(enum.Enum):
+    """The share of traces a window keeps."""
+
+    OFF = 0.0
+    ON = EXPORT_SAMPLE_RATIO
+
+
 def peer_name(topology: Topology, variant: Export) -> str:
-    """The bench peer's name (reported as peer_<name>)."""
+    """The bench peer's name for a mesh (reported as peer_<name>)."""
     return f"{topology.value.replace('-', '_')}_{variant.value}"
 
 
+def target_name(topology: Topology, variant: Export, sampling: Sampling) -> str:
+    """A window's target in the results: `peer_colocated_exporting` sampling 10%,
+    `peer_colocated_off` the same mesh sampling none (`peer_colocated_discarding_off` for the
+    discarding collector's mesh)."""
+    if sampling is Sampling.ON:
+        return f"peer_{peer_name(topology, variant)}"
+    off = "off" if variant is Export.EXPORTING else f"{variant.value}_off"
+    return f"peer_{topology.value.replace('-', '_')}_{off}"
+
+
 def variant_env(variant: Export, jaeger: LocalJaeger, sink: DiscardingCollector) -> dict[str, str]:
-    # OTEL_SDK_DISABLED is not set for OFF: the mesh as `make run` starts it is the baseline.
-    endpoint = {Export.EXPORTING: jaeger.otlp, Export.DISCARDING: sink.otlp}.get(variant)
-    return {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint} if endpoint else {}
+    endpoint = {Export.EXPORTING: jaeger.otlp, Export.DISCARDING: sink.otlp}[variant]
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_TRACES_SAMPLER": "parentbased_jaeger_remote",
+        "OTEL_TRACES_SAMPLER_ARG": f"endpoint={jaeger.sampling},pollingIntervalMs={POLL_MS},"
+        f"initialSamplingRate={Sampling.OFF.value}",
+    }
 
 
 def variants() -> Iterator[tuple[Topology, Export]]:
@@ -57,14 +91,42 @@ def variants() -> Iterator[tuple[Topology, Export]]:
             yield topology, variant
 
 
+def switch(jaeger: LocalJaeger, meshes: list[Mesh], sampling: Sampling) -> None:
+    """Serve `sampling` to every gateway and wait until each samples by it."""
+    share = sampling.value
+    jaeger.serve_strategies({"default_strategy": {"type": "probabilistic", "param": share}})
+    deadline = time.monotonic() + SWITCH_TIMEOUT_S
+    for mesh in meshes:
+        port = mesh.metrics_ports["gateway"]
+        while sampling_in_force(port) != {("", "share"): share}:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{mesh.gateway} did not sample {share} within the timeout")
+            time.sleep(0.05)
+
+
+def merged(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One target's windows as one record: the median window's figures (by p50), requests
+    and errors summed, and each window as a round (`p50_added` pairs them)."""
+    middle = sorted(windows, key=lambda w: w["p50_ms"])[(len(windows) - 1) // 2]
+    return {
+        **middle,
+        "requests": sum(w["requests"] for w in windows),
+        "errors": sum(w["errors"] for w in windows),
+        # Each window ran one round: its figures (p50 less compute among them) are that round's.
+        "rounds": [round_ for w in windows for round_ in w["rounds"]],
+    }
+
+
 def tracing_scenario(
-    model_repo: Path, work: Path, *, rounds: int = 5, duration_s: float = 6.0, warmup_s: float = 2.0
+    model_repo: Path, work: Path, *, rounds: int = 5, duration_s: float = 6.0, warmup_s: float = 1.0
 ) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         jaeger = stack.enter_context(LocalJaeger(work))
         sink = stack.enter_context(DiscardingCollector())
         peers: list[str] = []
+        meshes: list[Mesh] = []
+        names: dict[str, tuple[Topology, Export]] = {}
         for topology, variant in variants():
             name = peer_name(topology, variant)
             (work / name).mkdir()
@@ -76,14 +138,26 @@ def tracing_scenario(
             )
             stack.callback(mesh.stop)
             mesh.start(timeout_s=180.0)
+            meshes.append(mesh)
+            names[f"peer_{name}"] = (topology, variant)
             peers += ["--peer", f"{name}={mesh.gateway}"]
         common = [
-            "--target", "none", "--baseline", "none", "--mix", "miss", "--rounds", str(rounds),
+            "--target", "none", "--baseline", "none", "--mix", "miss", "--rounds", "1",
             "--duration", str(duration_s), "--warmup", str(warmup_s),
             "--model-repo", str(model_repo), *peers,
         ]  # fmt: skip
-        c1 = bench_once("--concurrency", "1", *common)
-        c32 = bench_once("--concurrency", "32", *common)
+        results: dict[str, dict[str, Any]] = {}
+        for concurrency in ("1", "32"):
+            windows: dict[str, list[dict[str, Any]]] = {}
+            for i in range(rounds):
+                for sampling in (Sampling.OFF, Sampling.ON)[:: 1 if i % 2 == 0 else -1]:
+                    switch(jaeger, meshes, sampling)
+                    run = bench_once("--concurrency", concurrency, *common)
+                    for peer, (topology, variant) in names.items():
+                        target = target_name(topology, variant, sampling)
+                        windows.setdefault(target, []).append(run["targets"][peer])
+            results[concurrency] = {**run, "targets": {n: merged(w) for n, w in windows.items()}}
+        c1, c32 = results["1"], results["32"]
         services = jaeger.services()
     # The sink's counts are read as it stops, after the meshes have flushed their spans.
     arrived = {
@@ -108,7 +182,7 @@ def tracing_scenario(
             for t, v, off, on in _pairs()
             if figure == "p50_added_ms"
         }
-        # The same figure from the pooled windows, which drift between rounds enters whole.
+        # The same figure from the median windows, which drift between rounds enters whole.
         result["pooled"] = {
             ratio_name(t, v, figure): paired(_one_round(result["targets"][off]),
                                              _one_round(result["targets"][on]))
@@ -126,9 +200,8 @@ def p50_added(off: dict[str, Any], on: dict[str, Any]) -> float:
 
 def p50_added_less_compute(off: dict[str, Any], on: dict[str, Any]) -> float | None:
     """`p50_added` over each request's latency less its own model compute
-    (report.window_figures): the off and exporting meshes are separate processes, and the
-    model's speed differs between two processes by more than the limit here, for their whole
-    lives; pairing rounds does not take that out, this does. None where a round lacks it."""
+    (report.window_figures): what exporting adds outside the model, which the model's own
+    drift between windows does not reach. None where a round lacks it."""
     pairs = list(zip(off["rounds"], on["rounds"], strict=True))
     if not pairs or any("p50_less_compute_ms" not in r for pair in pairs for r in pair):
         return None
@@ -168,12 +241,10 @@ def ratio_name(topology: Topology, variant: Export, figure: str) -> str:
 
 
 def _pairs() -> Iterator[tuple[Topology, Export, str, str]]:
-    """Each topology and exporting variant with the two targets' names in the bench's results:
-    off, and that variant."""
-    for topology in TOPOLOGIES:
-        off = f"peer_{peer_name(topology, Export.OFF)}"
-        for variant in (Export.EXPORTING, Export.DISCARDING):
-            yield topology, variant, off, f"peer_{peer_name(topology, variant)}"
+    """Each mesh with its two targets' names in the bench's results: off, and exporting."""
+    for topology, variant in variants():
+        off, on = (target_name(topology, variant, s) for s in (Sampling.OFF, Sampling.ON))
+        yield topology, variant, off, on
 
 
 def tracing_targets(sc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,7 +1,9 @@
 """A local Jaeger v2 (`make jaeger`'s binary) on free loopback ports, keeping traces in memory.
 
 The tests that read traces back, `make bench`'s tracing scenario and
-bench/scripts/tracing_overhead.py start the same one: OTLP/gRPC in, the api_v3 query API out.
+bench/scripts/tracing_overhead.py start the same one: OTLP/gRPC in, the api_v3 query API out,
+and the remote sampling endpoint (`sampling`, HTTP) serving the strategies `serve_strategies`
+writes (observability/remote_sampling.py reads them).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ BINARY = ROOT / ".tools" / "bin" / "jaeger"
 # The collector's batch timeout is short so that a test reading a trace back waits little.
 CONFIG = """
 service:
-  extensions: [jaeger_storage, jaeger_query]
+  extensions: [jaeger_storage, jaeger_query, remote_sampling]
   pipelines:
     traces: {{receivers: [otlp], processors: [batch], exporters: [jaeger_storage_exporter]}}
   telemetry: {{metrics: {{level: none}}, logs: {{level: warn}}}}
@@ -33,6 +35,9 @@ extensions:
     grpc: {{endpoint: "127.0.0.1:{query_grpc}"}}
   jaeger_storage:
     backends: {{mem: {{memory: {{max_traces: {max_traces}}}}}}}
+  remote_sampling:
+    file: {{path: "{strategies}", reload_interval: {reload_s}s}}
+    http: {{endpoint: "127.0.0.1:{sampling}"}}
 receivers:
   otlp: {{protocols: {{grpc: {{endpoint: "127.0.0.1:{otlp}"}}}}}}
 processors:
@@ -40,6 +45,10 @@ processors:
 exporters:
   jaeger_storage_exporter: {{trace_storage: mem}}
 """
+
+
+# hopline's own export default (tracing.EXPORT_SAMPLE_RATIO) until a test or bench says else.
+DEFAULT_STRATEGIES: dict[str, Any] = {"default_strategy": {"type": "probabilistic", "param": 0.1}}
 
 
 class JaegerError(RuntimeError):
@@ -57,15 +66,26 @@ class LocalJaeger:
     Its config and log are written to `workdir`; it answers its query API before the `with`
     body runs and is stopped after it."""
 
-    def __init__(self, workdir: Path, *, binary: Path = BINARY, max_traces: int = 200_000) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        binary: Path = BINARY,
+        max_traces: int = 200_000,
+        strategies_reload_s: float = 1.0,
+    ) -> None:
         if not binary.is_file():
             raise JaegerError(f"{binary} is missing: `make jaeger` builds it")
         self.workdir = workdir
         self.binary = binary
-        self.ports = dict(zip(("query", "query_grpc", "otlp"), free_ports(3), strict=True))
+        names = ("query", "query_grpc", "otlp", "sampling")
+        self.ports = dict(zip(names, free_ports(len(names)), strict=True))
         self.max_traces = max_traces
+        self.reload_s = strategies_reload_s
         self.query = f"http://127.0.0.1:{self.ports['query']}"
         self.otlp = f"http://127.0.0.1:{self.ports['otlp']}"
+        self.sampling = f"http://127.0.0.1:{self.ports['sampling']}"
+        self.strategies = workdir / "sampling-strategies.json"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -74,7 +94,16 @@ class LocalJaeger:
 
     def start(self, timeout_s: float = 60.0) -> Self:
         config = self.workdir / "jaeger.yaml"
-        config.write_text(CONFIG.format(**self.ports, max_traces=self.max_traces))
+        if not self.strategies.exists():
+            self.serve_strategies(DEFAULT_STRATEGIES)
+        config.write_text(
+            CONFIG.format(
+                **self.ports,
+                max_traces=self.max_traces,
+                strategies=self.strategies,
+                reload_s=self.reload_s,
+            )
+        )
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [str(self.binary), "--config", str(config)], stdout=log, stderr=log
@@ -92,6 +121,17 @@ class LocalJaeger:
                     self.stop()
                     raise JaegerError(f"Jaeger did not answer within {timeout_s:g} s") from None
                 time.sleep(0.2)
+
+    def serve_strategies(self, strategies: dict[str, Any]) -> None:
+        """Sampling strategies in Jaeger's file format; a running Jaeger serves them within
+        its reload interval. Written whole and renamed into place, so it never reads half."""
+        part = self.strategies.with_suffix(".part")
+        part.write_text(json.dumps(strategies))
+        part.replace(self.strategies)
+
+    def strategy(self, service: str) -> Any:
+        """What Jaeger serves `service` now, as remote_sampling.py reads it."""
+        return get_json(f"{self.sampling}/api/sampling?service={service}")
 
     def services(self) -> list[str]:
         """The service names Jaeger has spans from."""

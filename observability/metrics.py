@@ -55,6 +55,16 @@ RPC_DURATION = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 RPC_IN_FLIGHT = Gauge("hopline_rpc_in_flight", "RPCs being served right now", ("service", "method"))
+TRACE_SAMPLING = Gauge(
+    "hopline_trace_sampling",
+    "The sampling strategy Jaeger last served this process (observability/remote_sampling.py): "
+    "share of traces kept, or traces a second at most / at least; operation '' is the default",
+    ("operation", "bound"),
+)
+TRACE_SAMPLING_UPDATES = Counter(
+    "hopline_trace_sampling_updates_total",
+    "Sampling strategies Jaeger served that changed this process's sampling",
+)
 UNDECODABLE_REQUESTS = Counter(
     "hopline_undecodable_requests_total",
     "Requests refused with INVALID_ARGUMENT because their bytes are not the method's request "

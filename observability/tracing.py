@@ -25,6 +25,11 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, Sampler, T
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
 from hopline.observability import metrics, schema
+from hopline.observability.remote_sampling import (
+    SAMPLER_NAMES,
+    JaegerRemoteSampler,
+    RemoteSettings,
+)
 from hopline.observability.spans import SpanTracerProvider
 from hopline.runtime.interceptors import Behaviour, Context, RpcWrapper, StreamBehaviour
 
@@ -35,16 +40,33 @@ log = logging.getLogger("hopline.tracing")
 EXPORT_SAMPLE_RATIO = 0.1
 
 
-def default_sampler(exporting: bool, environ: Mapping[str, str]) -> Sampler | None:
+def default_sampler(
+    exporting: bool, environ: Mapping[str, str], service: str = ""
+) -> Sampler | None:
     """hopline's sampler unless OTEL_TRACES_SAMPLER names one (None: the SDK reads it).
 
     Exporting: the root keeps EXPORT_SAMPLE_RATIO of traces and every other process follows
     its decision. Not exporting: nothing is recorded, since nothing would read it; spans
     still get ids, so replies and logs carry a trace id. Recording spans that nobody exports
-    cost about 1 ms of a one-process miss's p50 (README.md "Traces and metrics")."""
-    if environ.get("OTEL_TRACES_SAMPLER"):
+    cost about 1 ms of a one-process miss's p50 (README.md "Traces and metrics").
+    `jaeger_remote` and `parentbased_jaeger_remote` are ours (remote_sampling.py), not the
+    SDK's; ValueError says what is wrong with their OTEL_TRACES_SAMPLER_ARG."""
+    named = environ.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    if named in SAMPLER_NAMES:
+        settings = RemoteSettings.parse(
+            environ.get("OTEL_TRACES_SAMPLER_ARG", ""), EXPORT_SAMPLE_RATIO
+        )
+        remote = JaegerRemoteSampler(service, settings)
+        return ParentBased(remote) if named.startswith("parentbased") else remote
+    if named:
         return None
     return ParentBased(TraceIdRatioBased(EXPORT_SAMPLE_RATIO)) if exporting else ALWAYS_OFF
+
+
+def remote_sampler(sampler: Sampler) -> JaegerRemoteSampler | None:
+    """The Jaeger remote sampler deciding for roots under `sampler`, if it is one."""
+    root = getattr(sampler, "_root", sampler)  # ParentBased's sampler for roots
+    return root if isinstance(root, JaegerRemoteSampler) else None
 
 
 def unsampled(context: SpanContext) -> bool:
@@ -103,6 +125,10 @@ def child_span(
     )
 
 
+# The remote sampler's poller, stopped at shutdown.
+_REMOTE: JaegerRemoteSampler | None = None
+
+
 def setup_tracing(service: str) -> None:
     """Install the global tracer provider for this process.
 
@@ -131,8 +157,13 @@ def setup_tracing(service: str) -> None:
     exporting = bool(endpoint) and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none"
     # The SDK's provider only to read the sampler: OTEL_TRACES_SAMPLER where set, else ours.
     sampler = TracerProvider(
-        sampler=default_sampler(exporting, os.environ), shutdown_on_exit=False
+        sampler=default_sampler(exporting, os.environ, name), shutdown_on_exit=False
     ).sampler
+    global _REMOTE
+    _REMOTE = remote_sampler(sampler)
+    if _REMOTE is not None:
+        _REMOTE.start()
+        log.info("sampling from Jaeger", extra={"url": _REMOTE.url})
     processor: Any = None
     if exporting:
         # Imported only when exporting: they pull in the OTLP protobufs.
@@ -166,6 +197,8 @@ def setup_tracing(service: str) -> None:
 
 def shutdown_tracing() -> None:
     """Flush spans still queued for export; called once the service has drained."""
+    if _REMOTE is not None:
+        _REMOTE.stop()
     provider = trace.get_tracer_provider()
     if isinstance(provider, SpanTracerProvider):
         provider.shutdown()

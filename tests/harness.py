@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Self
@@ -17,6 +18,8 @@ import grpc
 from grpc_health.v1 import health_pb2
 from milvus_server import MilvusKind, MilvusServer, chosen_kind, lane_env
 
+from hopline.observability.jaeger import get_json
+from hopline.observability.report import Span, parse_otlp
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime import launcher
@@ -235,3 +238,25 @@ def add_model(repo: Path, source: Path, name: str, version: str, **cache: Any) -
     cfg["name"], cfg["version"] = name, version
     cfg["cache"].update(cache)
     (target / "config.json").write_text(json.dumps(cfg))
+
+
+def fetch_trace(base: str, trace_id: str, want_services: int, timeout_s: float = 30) -> list[Span]:
+    """The trace's spans once its root and `want_services` services have reported."""
+    deadline = time.monotonic() + timeout_s
+    spans: list[Span] = []
+    while time.monotonic() < deadline:
+        try:
+            doc = get_json(f"{base}/api/v3/traces/{trace_id}")
+            spans = parse_otlp([doc]).get(trace_id, [])
+        except urllib.error.HTTPError as err:
+            if err.code != 404:
+                raise
+        # Each service exports in its own batches: the gateway's root span ends last and can
+        # arrive a batch after its client spans, so wait for the root too.
+        rooted = any(not s.parent_id for s in spans)
+        if rooted and len({s.service for s in spans}) >= want_services:
+            return spans
+        time.sleep(0.2)
+    raise AssertionError(
+        f"trace {trace_id}: {len(spans)} spans from { ({s.service for s in spans}) }"
+    )

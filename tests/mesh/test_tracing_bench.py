@@ -1,9 +1,10 @@
-"""`make bench`'s tracing scenario: six real meshes, two exporting to a real Jaeger and two to
-a real OTLP/gRPC collector that discards what it gets (bench/otlp_sink.py).
+"""`make bench`'s tracing scenario: four real meshes, two exporting to a real Jaeger and two
+to a real OTLP/gRPC collector that discards what it gets (bench/otlp_sink.py), each measured
+sampling none and sampling 10% by the strategy the real Jaeger serves.
 
 Short windows: this is about the scenario's plumbing (the exporting meshes' spans reach
-Jaeger and the collector, each ratio comes from the right pair of targets, a target is not met
-when no span arrived), not about its figures, which come from `make bench`.
+Jaeger and the collector, each ratio comes from the right pair of windows of one mesh, a
+target is not met when no span arrived), not about its figures, which come from `make bench`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from hopline.bench.tracing import (
     DISCARDING_SUFFIX,
     TOPOLOGIES,
     Export,
+    Sampling,
+    target_name,
     tracing_scenario,
     tracing_targets,
 )
@@ -24,19 +27,20 @@ from hopline.bench.tracing import (
 def test_tracing_scenario_measures_each_topology_exporting_and_not(
     default_repo: Path, tmp_path: Path
 ) -> None:
-    sc = tracing_scenario(default_repo, tmp_path, rounds=1, duration_s=0.6, warmup_s=0.2)
+    sc = tracing_scenario(default_repo, tmp_path, rounds=2, duration_s=0.6, warmup_s=0.2)
 
     c1, c32 = sc["tracing_miss_c1"], sc["tracing_miss_c32"]
-    names = [
+    names = {
         f"peer_{t.value.replace('-', '_')}_{v}"
         for t in TOPOLOGIES
-        for v in ("off", "exporting", "discarding")
-    ]
-    assert [v.value for v in Export] == ["off", "exporting", "discarding"]
+        for v in ("off", "exporting", "discarding_off", "discarding")
+    }
+    assert {target_name(t, v, s) for t in TOPOLOGIES for v in Export for s in Sampling} == names
     for result in (c1, c32):
-        assert list(result["targets"]) == names
+        assert set(result["targets"]) == names
         assert all(t["requests"] > 0 and t["errors"] == 0 for t in result["targets"].values())
-        assert all(len(t["rounds"]) == 1 for t in result["targets"].values())
+        # A window of each target a round, its requests summed over both.
+        assert all(len(t["rounds"]) == 2 for t in result["targets"].values())
         assert set(result["pooled"]) == set(result["ratios"])
         assert result["exported"]
         assert "gateway" in result["jaeger_services"]
@@ -46,8 +50,13 @@ def test_tracing_scenario_measures_each_topology_exporting_and_not(
         c1["targets"]["peer_five_process_off"],
         c1["targets"]["peer_five_process_exporting"],
     )
+    # Paired round by round: the median of two rounds' differences is their mean.
     assert c1["ratios"]["five-process p50_added_ms"] == pytest.approx(
-        five_on["p50_ms"] - five_off["p50_ms"]
+        sum(
+            b["p50_ms"] - a["p50_ms"]
+            for a, b in zip(five_off["rounds"], five_on["rounds"], strict=True)
+        )
+        / 2
     )
     # Beside it, the same with each request's own model compute taken out: every mesh
     # reply carries its compute time, so every round of every target has the figure.
@@ -55,12 +64,17 @@ def test_tracing_scenario_measures_each_topology_exporting_and_not(
     assert all(isinstance(v, float) for v in c1["less_compute"].values())
     assert all(0 < r["p50_less_compute_ms"] < r["p50_ms"] for r in five_off["rounds"])
     colo_off, colo_on = (c32["targets"][f"peer_colocated_{v}"] for v in ("off", "exporting"))
+    pairs = zip(colo_off["rounds"], colo_on["rounds"], strict=True)
     assert c32["ratios"]["colocated throughput_loss"] == pytest.approx(
-        1 - colo_on["throughput_rps"] / colo_off["throughput_rps"]
+        sum(1 - b["throughput_rps"] / a["throughput_rps"] for a, b in pairs) / 2
     )
-    colo_sink = c32["targets"]["peer_colocated_discarding"]
+    # The discarding mesh is paired with its own off windows, not the Jaeger mesh's.
+    sink_off, sink_on = (
+        c32["targets"][f"peer_colocated_{v}"] for v in ("discarding_off", "discarding")
+    )
+    pairs = zip(sink_off["rounds"], sink_on["rounds"], strict=True)
     assert c32["ratios"][f"colocated throughput_loss{DISCARDING_SUFFIX}"] == pytest.approx(
-        1 - colo_sink["throughput_rps"] / colo_off["throughput_rps"]
+        sum(1 - b["throughput_rps"] / a["throughput_rps"] for a, b in pairs) / 2
     )
     rows = [r for r in tracing_targets(sc) if r["target"].startswith("tracing")]
     assert len(rows) == 2 * 2 * len(TOPOLOGIES)

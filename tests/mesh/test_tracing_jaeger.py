@@ -20,10 +20,10 @@ from prometheus_client.openmetrics.parser import (
 )
 
 from conftest import DEFAULT_MODEL
-from harness import Mesh
+from harness import Mesh, fetch_trace
 from hopline.gateway.client import predict
-from hopline.observability.jaeger import JaegerError, LocalJaeger, get_json
-from hopline.observability.report import Span, build_tree, parse_otlp
+from hopline.observability.jaeger import JaegerError, LocalJaeger
+from hopline.observability.report import Span, build_tree
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -67,28 +67,6 @@ def traced(
         yield mesh.start()
     finally:
         mesh.stop()
-
-
-def fetch_trace(base: str, trace_id: str, want_services: int, timeout_s: float = 30) -> list[Span]:
-    """The trace's spans once its root and `want_services` services have reported."""
-    deadline = time.monotonic() + timeout_s
-    spans: list[Span] = []
-    while time.monotonic() < deadline:
-        try:
-            doc = get_json(f"{base}/api/v3/traces/{trace_id}")
-            spans = parse_otlp([doc]).get(trace_id, [])
-        except urllib.error.HTTPError as err:
-            if err.code != 404:
-                raise
-        # Each service exports in its own batches: the gateway's root span ends last and can
-        # arrive a batch after its client spans, so wait for the root too.
-        rooted = any(not s.parent_id for s in spans)
-        if rooted and len({s.service for s in spans}) >= want_services:
-            return spans
-        time.sleep(0.2)
-    raise AssertionError(
-        f"trace {trace_id}: {len(spans)} spans from { ({s.service for s in spans}) }"
-    )
 
 
 def one(spans: list[Span], name: str, service: str) -> Span:
