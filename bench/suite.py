@@ -17,9 +17,10 @@ too (runtime/service_table.py:Topology). It measures, one scenario after the oth
 7. FP32 against INT8 (bench/precision.py): an INT8 version built beside the default model,
    model compute alone at batch 1 and 32, in-process and mesh miss path, alternated rounds;
    and the bound this CPU's integer GEMM kernel puts on INT8's speed-up (bench/int8_bound.py).
-8. Tracing exporting to Jaeger, and to a collector that discards what it gets, against no
-   exporter (bench/tracing.py), both topologies, miss at concurrency 1 and 32, alternated
-   rounds, each round's exporting window against its own off window.
+8. Tracing exporting to Jaeger, and to a collector that discards what it gets, against
+   sampling nothing in the same mesh (bench/tracing.py; Jaeger switches each mesh's sampling
+   between windows), both topologies, miss at concurrency 1 and 32, alternated rounds, each
+   round's exporting window against its own off window.
 9. A semantic policy's misses with the cache lookup's embedding shared with the model's head
    against not (bench/shared_embedding.py), co-located, concurrency 1 and 32, alternated.
 10. Where ONNX Runtime runs CUDA (the `gpu` extra on a GPU machine): CPU against CUDA, FP32
