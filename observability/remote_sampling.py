@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import http.client
 import json
 import logging
 import threading
@@ -270,7 +271,7 @@ class JaegerRemoteSampler(Sampler):
         """Ask Jaeger once; True when it answered with a strategy this sampler can apply."""
         try:
             strategy = parse_strategy(self.fetch(self.url))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError) as exc:
             if not self.failing:
                 log.warning(
                     "cannot read the sampling strategy; keeping the last one",

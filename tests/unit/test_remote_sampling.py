@@ -5,6 +5,7 @@ here; tests/mesh/test_remote_sampling.py runs the real one against a mesh."""
 
 from __future__ import annotations
 
+import http.client
 import logging
 from typing import Any
 
@@ -214,7 +215,8 @@ def test_an_unreachable_or_unreadable_jaeger_keeps_the_last_strategy_and_logs_on
     sampler = JaegerRemoteSampler("gateway", RemoteSettings(initial_rate=0.0), fetch=jaeger)
     assert sampler.poll()
     caplog.set_level(logging.INFO, "hopline.tracing.remote_sampling")
-    for answer in [ConnectionRefusedError("refused"), {"strategyType": 9}, "not json"]:
+    cut_short = http.client.IncompleteRead(b"{")  # not an OSError
+    for answer in [ConnectionRefusedError("refused"), cut_short, {"strategyType": 9}, "not json"]:
         jaeger.answer = answer
         assert not sampler.poll()
         assert abs(kept_share(sampler) - 0.5) < 0.02
