@@ -15,8 +15,8 @@ it as Jaeger's own clients do: probabilistic (a share of traces, by trace id), r
 (at most N traces a second), or per operation (a share per root span name, such as
 `hopline.gateway.v1.GatewayService/Predict`, each with at least the lower bound's traces a
 second). Until Jaeger first answers, and whenever it cannot be reached or serves something
-unreadable, the last strategy holds (initialSamplingRate at first, hopline's export default
-when unset, where the spec says 0.001); a failure is logged once per outage. Only a trace's
+unreadable, the last strategy holds (initialSamplingRate at first; when unset, hopline's
+export default, 10%); a failure is logged once per outage. Only a trace's
 root decides (the gateway, for a client that sends no `traceparent`); in the parent-based
 form every other process follows it, so a trace stays whole.
 """
@@ -47,7 +47,7 @@ log = logging.getLogger("hopline.tracing.remote_sampling")
 
 SAMPLER_NAMES = ("jaeger_remote", "parentbased_jaeger_remote")
 DEFAULT_ENDPOINT = "http://localhost:5778"
-DEFAULT_POLL_S = 60.0  # the spec's pollingIntervalMs default
+DEFAULT_POLL_S = 60.0  # as OpenTelemetry's Java and JavaScript remote samplers
 FETCH_TIMEOUT_S = 5.0
 PROBABILISTIC, RATE_LIMITING = 0, 1  # Jaeger's SamplingStrategyType, as its JSON numbers it
 # What a sampled root span says about why it was kept (the attributes Jaeger's clients set).
