@@ -1,7 +1,7 @@
 """Jaeger remote sampling (observability/remote_sampling.py): the settings and strategies as
 Jaeger serves them, each strategy's decisions, and what a process does while Jaeger changes
 its answer or cannot be reached. Jaeger itself is replaced by a function returning its JSON
-here; tests/mesh/test_remote_sampling.py runs the real one against a mesh."""
+here; tests/mesh/test_remote_sampling_jaeger.py runs the real one against a mesh."""
 
 from __future__ import annotations
 
