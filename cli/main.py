@@ -51,7 +51,11 @@ def _serve(name: str, argv: Sequence[str]) -> int:
             logging.getLogger("hopline").error("cannot start workers", extra={"error": str(exc)})
             return 2
         return supervise(name, argv, workers, config.metrics_host, config.metrics_port)
-    setup_tracing(name)
+    try:
+        setup_tracing(name)
+    except ValueError as exc:  # a sampler setting that cannot work: say which, do not start
+        logging.getLogger("hopline").error("cannot set up tracing", extra={"error": str(exc)})
+        return 2
     logging.getLogger("hopline").info("config", extra={"config": vars(config)})
 
     async def main() -> int:

@@ -5,7 +5,10 @@ share of traces kept changed three times while the mesh runs, with no restart.""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 import urllib.error
 from pathlib import Path
@@ -131,3 +134,26 @@ def test_the_shipped_strategies_file_is_what_jaeger_serves(tmp_path: Path) -> No
         served = parse_strategy(jaeger.strategy("gateway"))
         assert served == Strategy(Rule(EXPORT_SAMPLE_RATIO), {PREDICT: Rule(EXPORT_SAMPLE_RATIO)})
         assert parse_strategy(jaeger.strategy("cache")) == Strategy(Rule(EXPORT_SAMPLE_RATIO))
+
+
+def test_a_sampler_setting_that_cannot_work_stops_the_service_with_its_reason() -> None:
+    env = {
+        **os.environ,
+        "OTEL_TRACES_SAMPLER": "parentbased_jaeger_remote",
+        "OTEL_TRACES_SAMPLER_ARG": "endpoint=jaeger:5778",
+        "HOPLINE_LOG_FORMAT": "text",
+        "HOPLINE_METRICS_PORT": "0",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "hopline", "serve", "postprocess"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    said = done.stdout + done.stderr
+    assert "cannot set up tracing" in said
+    assert "endpoint 'jaeger:5778' is not an http URL" in said
+    assert "Traceback" not in said
