@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.error
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Self
 
@@ -260,3 +260,18 @@ def fetch_trace(base: str, trace_id: str, want_services: int, timeout_s: float =
     raise AssertionError(
         f"trace {trace_id}: {len(spans)} spans from { ({s.service for s in spans}) }"
     )
+
+
+def serve_refused(name: str, env: Mapping[str, str]) -> str:
+    """`hopline serve NAME` under `env`, expected to refuse to start: asserts it exited with 2
+    (a setting that cannot work) and returns what it said."""
+    done = subprocess.run(
+        [sys.executable, "-m", "hopline", "serve", name],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    return done.stdout + done.stderr

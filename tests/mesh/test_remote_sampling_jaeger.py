@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 import urllib.error
 from pathlib import Path
@@ -17,7 +15,7 @@ from typing import Any
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import Mesh, fetch_trace
+from harness import Mesh, fetch_trace, serve_refused
 from hopline.gateway.client import predict
 from hopline.observability.jaeger import JaegerError, LocalJaeger, get_json
 from hopline.observability.remote_sampling import Rule, Strategy, parse_strategy, sampling_in_force
@@ -144,16 +142,7 @@ def test_a_sampler_setting_that_cannot_work_stops_the_service_with_its_reason() 
         "HOPLINE_LOG_FORMAT": "text",
         "HOPLINE_METRICS_PORT": "0",
     }
-    done = subprocess.run(
-        [sys.executable, "-m", "hopline", "serve", "postprocess"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 2, done.stderr
-    said = done.stdout + done.stderr
+    said = serve_refused("postprocess", env)
     assert "cannot set up tracing" in said
     assert "endpoint 'jaeger:5778' is not an http URL" in said
     assert "Traceback" not in said
