@@ -17,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from hopline.observability.tracing import EXPORT_SAMPLE_RATIO
 from hopline.runtime.launcher import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,8 +48,10 @@ exporters:
 """
 
 
-# hopline's own export default (tracing.EXPORT_SAMPLE_RATIO) until a test or bench says else.
-DEFAULT_STRATEGIES: dict[str, Any] = {"default_strategy": {"type": "probabilistic", "param": 0.1}}
+# hopline's own export default until a test or bench says else.
+DEFAULT_STRATEGIES: dict[str, Any] = {
+    "default_strategy": {"type": "probabilistic", "param": EXPORT_SAMPLE_RATIO}
+}
 
 
 class JaegerError(RuntimeError):

@@ -64,9 +64,9 @@ class Kept(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class RemoteSettings:
+    initial_rate: float  # the caller's default share (tracing.EXPORT_SAMPLE_RATIO): no second copy
     endpoint: str = DEFAULT_ENDPOINT
     poll_s: float = DEFAULT_POLL_S
-    initial_rate: float = 0.1
 
     @classmethod
     def parse(cls, arg: str, initial_rate: float) -> RemoteSettings:
@@ -95,7 +95,7 @@ class RemoteSettings:
         if not poll_s > 0:
             raise ValueError("OTEL_TRACES_SAMPLER_ARG: pollingIntervalMs must be above 0")
         _check_rate(rate, "initialSamplingRate")
-        return cls(endpoint, poll_s, rate)
+        return cls(rate, endpoint, poll_s)
 
 
 def _check_rate(rate: float, what: str) -> float:

@@ -91,8 +91,8 @@ def test_settings_read_the_spec_form_and_name_what_is_wrong() -> None:
     settings = RemoteSettings.parse(
         "endpoint=http://jaeger:5778/, pollingIntervalMs=2500,initialSamplingRate=0.25", 0.1
     )
-    assert settings == RemoteSettings("http://jaeger:5778", 2.5, 0.25)
-    assert RemoteSettings.parse("", 0.1) == RemoteSettings("http://localhost:5778", 60.0, 0.1)
+    assert settings == RemoteSettings(0.25, "http://jaeger:5778", 2.5)
+    assert RemoteSettings.parse("", 0.1) == RemoteSettings(0.1, "http://localhost:5778", 60.0)
     for arg, words in [
         ("endpoint=jaeger:5778", "not an http URL"),
         ("pollingIntervalMs=0", "above 0"),
