@@ -117,6 +117,13 @@ class GatewayConfig(ServerConfig):
         1,
         "RPCs per stage and model on their way before further misses queue into one batch",
     )
+    batch_gather: bool = env_field(
+        "HOPLINE_GATEWAY_BATCH_GATHER",
+        True,
+        "while other requests are in the gateway, a miss that finds a stage's slot free waits "
+        "one event-loop turn for the misses that reach it in the same turn, so they share the "
+        "RPC (stages in a process of their own; a lone request never waits)",
+    )
     # Each StoreBatch wakes the cache process, and on 2 cores its CPU stalls the model's
     # threads mid-operator. Co-located, c=1 miss, 4 alternated rounds: linger 50 / 150 / 300 /
     # 500 ms gave p50 14.72 / 13.55 / 13.43 / 12.84 ms (model compute 9.44 -> 7.86 ms; cache

@@ -116,6 +116,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 config.batch_in_flight,
                 config.batch_max_rows,
                 self._model_rows,
+                (lambda: self.admission.in_flight > 1) if config.batch_gather else None,
             )
             if config.batch_max_rows > 1
             else None

@@ -36,7 +36,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, SpanKind
 
-from hopline.gateway.upstream import GatewayUpstreams
+from hopline.gateway.upstream import CoLocated, GatewayUpstreams, Pool
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import in_context, outgoing_metadata, tracer, unsampled
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -97,8 +97,14 @@ class BatchedStage(Generic[Req, Rep]):
         codec: Codec[Req, Rep],
         in_flight: int,
         max_rows: Callable[[Req], int],
+        company: Callable[[], bool] | None = None,
     ) -> None:
         self.hop = hop
+        # With `company`, a request that finds a free slot while company() says other requests
+        # are in the gateway waits one turn of the event loop for those that reach the stage
+        # in the same turn (see GatewayStages.over).
+        self._company = company
+        self._gathering: set[Hashable] = set()
         self._send = send  # the next stub method (a pool picks the channel per call)
         self._codec = codec
         self._in_flight = max(1, in_flight)
@@ -117,7 +123,7 @@ class BatchedStage(Generic[Req, Rep]):
     ) -> Rep:
         key = self._codec.key(request)
         free = key not in self._queues and self._busy.get(key, 0) < self._in_flight
-        if free:
+        if free and (self._company is None or not self._company()):
             return await self._send_alone(key, request, timeout, tuple(metadata))
         row: _Row[Req, Rep] = _Row(
             request,
@@ -127,6 +133,9 @@ class BatchedStage(Generic[Req, Rep]):
         )
         queue = self._queues.setdefault(key, [])
         queue.append(row)
+        if free:
+            self._gathering.add(key)
+            asyncio.get_running_loop().call_soon(self._gathered, key)
         self._pump(key)
         try:
             async with asyncio.timeout(timeout):
@@ -157,8 +166,14 @@ class BatchedStage(Generic[Req, Rep]):
             del self._busy[key]
         self._pump(key)
 
+    def _gathered(self, key: Hashable) -> None:
+        self._gathering.discard(key)
+        self._pump(key)
+
     def _pump(self, key: Hashable) -> None:
         """Send what is queued for `key` while it has free slots."""
+        if key in self._gathering:
+            return
         queue = self._queues.get(key)
         while queue and self._busy.get(key, 0) < self._in_flight:
             live = [r for r in queue if not r.reply.done()]  # a waiter may have given up
@@ -423,8 +438,20 @@ class GatewayStages:
         in_flight: int,
         max_rows: int,
         model_rows: Callable[[str, str], int],
+        company: Callable[[], bool] | None = None,
     ) -> GatewayStages:
-        """`model_rows(model, version)`: the most rows the model takes in one run (0: unknown)."""
+        """`model_rows(model, version)`: the most rows the model takes in one run (0: unknown).
+
+        `company()`: whether other requests are in the gateway now. Given, a stage whose
+        upstream is a process of its own gathers for one loop turn while it says so (a lone
+        request still goes at once): the requests a burst of replies releases reach the stage
+        in the same turn, and the first of them no longer goes alone ahead of the rest. Not for
+        a co-located upstream: its call is a function call, and gathering it cost a co-located
+        mesh 17% of its c=32 throughput (README, Placement).
+        """
+
+        def gather(pool: Pool[Any]) -> Callable[[], bool] | None:
+            return None if isinstance(pool, CoLocated) else company
 
         def infer_rows(request: inference_pb2.InferRequest) -> int:
             return min(max_rows, model_rows(request.model, request.model_version) or max_rows)
@@ -436,6 +463,7 @@ class GatewayStages:
                 TokenizeCodec(),
                 in_flight,
                 lambda _: max_rows,
+                gather(upstreams.tokenizer),
             ),
             infer=BatchedStage(
                 schema.SPAN_INFERENCE,
@@ -443,6 +471,7 @@ class GatewayStages:
                 InferCodec(),
                 in_flight,
                 infer_rows,
+                gather(upstreams.inference),
             ),
             postprocess=BatchedStage(
                 schema.SPAN_POSTPROCESS,
@@ -450,6 +479,7 @@ class GatewayStages:
                 PostprocessCodec(),
                 in_flight,
                 lambda _: max_rows,
+                gather(upstreams.postprocess),
             ),
         )
 

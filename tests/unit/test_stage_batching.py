@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from conftest import until
-from hopline.gateway.stage_batching import BatchedStage, TokenizeCodec
+from hopline.gateway.stage_batching import BatchedStage, GatewayStages, TokenizeCodec
 from hopline.observability import tracing
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
 from hopline.runtime.tensors import from_tensor, to_tensor
@@ -142,6 +142,62 @@ def test_rows_waiting_for_a_busy_stage_share_one_rpc_and_get_their_own_rows() ->
         assert list(replies[2].input_ids.shape) == [1, 1]
 
     asyncio.run(scenario())
+
+
+def test_with_company_requests_reaching_a_free_stage_in_one_loop_turn_share_one_rpc() -> None:
+    """While other requests are in the gateway, the first request to find the slot free waits
+    one turn of the event loop: the requests that reach the stage in the same turn (a burst
+    of replies releasing their callers) go with it. Without company a lone request still goes
+    at once, and a co-located upstream never gathers (GatewayStages.over)."""
+
+    async def scenario() -> None:
+        upstream = Tokenizer()
+        company = [True]
+        stage = BatchedStage(
+            "tokenize",
+            lambda: upstream.Tokenize,
+            TokenizeCodec(),
+            1,
+            lambda _: 32,
+            lambda: company[0],
+        )
+        texts = ["a bb", "ccc", "dddd ee f"]
+        replies = await asyncio.gather(*(_ask(stage, t) for t in texts))
+        assert upstream.calls == [texts]
+        assert [_ids(r) for r in replies] == [[1, 2], [3], [4, 2, 1]]
+
+        company[0] = False
+        upstream.calls.clear()
+        await asyncio.gather(*(_ask(stage, t) for t in texts))
+        assert upstream.calls == [[t] for t in texts]  # each found the slot free: alone
+
+        company[0] = True
+        upstream.calls.clear()
+        assert _ids(await asyncio.wait_for(_ask(stage, "g"), 2)) == [1]  # nobody else came
+        assert upstream.calls == [["g"]]
+
+    asyncio.run(scenario())
+
+
+def test_only_stages_with_an_upstream_process_of_their_own_gather() -> None:
+    """Gathering is for RPCs; a co-located stage's call is a function call (and gathering it
+    measured slower), so GatewayStages.over gives company only to remote pools."""
+    from hopline.gateway.upstream import CoLocated, GatewayUpstreams
+
+    remote: Any = object()  # an Upstream's place: only its type is looked at
+    local: Any = CoLocated.__new__(CoLocated)
+    upstreams = GatewayUpstreams(
+        tokenizer=remote, cache=remote, inference=local, postprocess=remote
+    )
+
+    def company() -> bool:
+        return True
+
+    stages = GatewayStages.over(upstreams, 1, 32, lambda model, version: 0, company)
+    assert stages.tokenize._company is company
+    assert stages.postprocess._company is company
+    assert stages.infer._company is None
+    assert GatewayStages.over(upstreams, 1, 32, lambda m, v: 0).tokenize._company is None
 
 
 def test_a_bad_row_fails_only_its_own_request() -> None:
