@@ -121,8 +121,13 @@ class GatewayConfig(ServerConfig):
         "HOPLINE_GATEWAY_BATCH_GATHER",
         True,
         "while other requests are in the gateway, a miss that finds a stage's slot free waits "
-        "one event-loop turn for the misses that reach it in the same turn, so they share the "
-        "RPC (stages in a process of their own; a lone request never waits)",
+        "up to HOPLINE_GATEWAY_BATCH_LINGER_MS for the misses that reach it meanwhile, so they "
+        "share the RPC (stages in a process of their own; a lone request never waits)",
+    )
+    batch_linger_ms: float = env_field(
+        "HOPLINE_GATEWAY_BATCH_LINGER_MS",
+        1.0,
+        "how long a gathering miss waits for company (0: one event-loop turn)",
     )
     # Each StoreBatch wakes the cache process, and on 2 cores its CPU stalls the model's
     # threads mid-operator. Co-located, c=1 miss, 4 alternated rounds: linger 50 / 150 / 300 /

@@ -117,6 +117,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 config.batch_max_rows,
                 self._model_rows,
                 (lambda: self.admission.in_flight > 1) if config.batch_gather else None,
+                config.batch_linger_ms / 1e3,
             )
             if config.batch_max_rows > 1
             else None

@@ -98,13 +98,15 @@ class BatchedStage(Generic[Req, Rep]):
         in_flight: int,
         max_rows: Callable[[Req], int],
         company: Callable[[], bool] | None = None,
+        linger_s: float = 0.0,
     ) -> None:
         self.hop = hop
         # With `company`, a request that finds a free slot while company() says other requests
-        # are in the gateway waits one turn of the event loop for those that reach the stage
-        # in the same turn (see GatewayStages.over).
+        # are in the gateway waits up to `linger_s` (0: one turn of the event loop) for those
+        # that reach the stage meanwhile (GatewayStages.over says why).
         self._company = company
-        self._gathering: set[Hashable] = set()
+        self._linger_s = linger_s
+        self._gathering: dict[Hashable, asyncio.Handle] = {}
         self._send = send  # the next stub method (a pool picks the channel per call)
         self._codec = codec
         self._in_flight = max(1, in_flight)
@@ -134,8 +136,9 @@ class BatchedStage(Generic[Req, Rep]):
         queue = self._queues.setdefault(key, [])
         queue.append(row)
         if free:
-            self._gathering.add(key)
-            asyncio.get_running_loop().call_soon(self._gathered, key)
+            self._gather(key)
+        elif key in self._gathering and len(queue) >= self._max_rows(queue[0].request):
+            self._gathered(key)  # a full batch waits for nobody
         self._pump(key)
         try:
             async with asyncio.timeout(timeout):
@@ -166,8 +169,18 @@ class BatchedStage(Generic[Req, Rep]):
             del self._busy[key]
         self._pump(key)
 
+    def _gather(self, key: Hashable) -> None:
+        loop = asyncio.get_running_loop()
+        self._gathering[key] = (
+            loop.call_later(self._linger_s, self._gathered, key)
+            if self._linger_s > 0
+            else loop.call_soon(self._gathered, key)
+        )
+
     def _gathered(self, key: Hashable) -> None:
-        self._gathering.discard(key)
+        handle = self._gathering.pop(key, None)
+        if handle is not None:
+            handle.cancel()  # when the batch filled up first
         self._pump(key)
 
     def _pump(self, key: Hashable) -> None:
@@ -246,6 +259,9 @@ class BatchedStage(Generic[Req, Rep]):
             raise _rpc_error(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}") from None
 
     async def close(self) -> None:
+        for handle in self._gathering.values():
+            handle.cancel()
+        self._gathering.clear()
         for task in list(self._tasks):
             task.cancel()
 
@@ -439,15 +455,19 @@ class GatewayStages:
         max_rows: int,
         model_rows: Callable[[str, str], int],
         company: Callable[[], bool] | None = None,
+        linger_s: float = 0.0,
     ) -> GatewayStages:
         """`model_rows(model, version)`: the most rows the model takes in one run (0: unknown).
 
         `company()`: whether other requests are in the gateway now. Given, a stage whose
-        upstream is a process of its own gathers for one loop turn while it says so (a lone
-        request still goes at once): the requests a burst of replies releases reach the stage
-        in the same turn, and the first of them no longer goes alone ahead of the rest. Not for
-        a co-located upstream: its call is a function call, and gathering it cost a co-located
-        mesh 17% of its c=32 throughput (README, Placement).
+        upstream is a process of its own gathers while it says so: the first request to find
+        its slot free waits up to `linger_s` (0: one loop turn) and the requests that reach
+        the stage meanwhile go in its RPC, up to a full batch; a lone request still goes at
+        once. Under load misses reach a stage a few at a time (the replies of one batch release
+        their callers together, and their next requests trickle in), so without it the first
+        of each burst went alone ahead of the rest. Not for a co-located upstream: its call is
+        a function call, and gathering it cost a co-located mesh 17% of its c=32 throughput.
+        The figures are in README.md's settings table (HOPLINE_GATEWAY_BATCH_LINGER_MS).
         """
 
         def gather(pool: Pool[Any]) -> Callable[[], bool] | None:
@@ -464,6 +484,7 @@ class GatewayStages:
                 in_flight,
                 lambda _: max_rows,
                 gather(upstreams.tokenizer),
+                linger_s,
             ),
             infer=BatchedStage(
                 schema.SPAN_INFERENCE,
@@ -472,6 +493,7 @@ class GatewayStages:
                 in_flight,
                 infer_rows,
                 gather(upstreams.inference),
+                linger_s,
             ),
             postprocess=BatchedStage(
                 schema.SPAN_POSTPROCESS,
@@ -480,6 +502,7 @@ class GatewayStages:
                 in_flight,
                 lambda _: max_rows,
                 gather(upstreams.postprocess),
+                linger_s,
             ),
         )
 

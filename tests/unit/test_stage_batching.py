@@ -179,6 +179,37 @@ def test_with_company_requests_reaching_a_free_stage_in_one_loop_turn_share_one_
     asyncio.run(scenario())
 
 
+def test_a_gathering_request_lingers_for_company_until_the_batch_is_full() -> None:
+    """With a linger (5 s here), the requests that reach the stage within it share the first
+    one's RPC (they trickle in: a burst of replies releases callers whose next requests arrive
+    apart); a batch that fills up goes at once, without waiting out the linger."""
+
+    async def scenario() -> None:
+        upstream = Tokenizer()
+        stage = BatchedStage(
+            "tokenize", lambda: upstream.Tokenize, TokenizeCodec(), 1, lambda _: 3, lambda: True, 5
+        )
+        first = _ask(stage, "a bb")
+        await asyncio.sleep(0.02)
+        second = _ask(stage, "ccc")
+        await asyncio.sleep(0.02)
+        assert upstream.calls == []  # still gathering
+        third, fourth = _ask(stage, "dddd ee f"), _ask(stage, "g")
+        await until(lambda: len(upstream.calls) == 1)  # the third row filled the batch
+        assert upstream.calls == [["a bb", "ccc", "dddd ee f"]]
+        assert [_ids(r) for r in await asyncio.gather(first, second, third)] == [
+            [1, 2],
+            [3],
+            [4, 2, 1],
+        ]
+        # The fourth found the slot taken: it queued behind the batch and went when it ended.
+        assert _ids(await asyncio.wait_for(fourth, 1)) == [1]
+        assert upstream.calls[1:] == [["g"]]
+        await stage.close()
+
+    asyncio.run(scenario())
+
+
 def test_only_stages_with_an_upstream_process_of_their_own_gather() -> None:
     """Gathering is for RPCs; a co-located stage's call is a function call (and gathering it
     measured slower), so GatewayStages.over gives company only to remote pools."""
@@ -193,8 +224,9 @@ def test_only_stages_with_an_upstream_process_of_their_own_gather() -> None:
     def company() -> bool:
         return True
 
-    stages = GatewayStages.over(upstreams, 1, 32, lambda model, version: 0, company)
+    stages = GatewayStages.over(upstreams, 1, 32, lambda model, version: 0, company, 0.001)
     assert stages.tokenize._company is company
+    assert stages.tokenize._linger_s == 0.001
     assert stages.postprocess._company is company
     assert stages.infer._company is None
     assert GatewayStages.over(upstreams, 1, 32, lambda m, v: 0).tokenize._company is None
