@@ -119,7 +119,8 @@ class Topology(enum.StrEnum):
     hopline.runtime.inproc) and keeps the cache, which holds state every gateway shares, in a
     process of its own. ONE_PROCESS runs the cache inside the gateway too: the fastest miss on
     one machine, but the cache then has no address of its own (no Invalidate or GetStats for
-    operators, no second gateway on its store). README.md "Placement" gives the measurements.
+    operators, no second gateway on its store). README.md "Placement" gives the figures,
+    docs/performance.md the history.
     """
 
     FIVE_PROCESS = "five-process"
