@@ -125,7 +125,7 @@ class BatchedStage(Generic[Req, Rep]):
     ) -> Rep:
         key = self._codec.key(request)
         free = key not in self._queues and self._busy.get(key, 0) < self._in_flight
-        if free and (self._company is None or not self._company()):
+        if free and not self._gathers(request):
             return await self._send_alone(key, request, timeout, tuple(metadata))
         row: _Row[Req, Rep] = _Row(
             request,
@@ -168,6 +168,11 @@ class BatchedStage(Generic[Req, Rep]):
         if self._busy[key] == 0:
             del self._busy[key]
         self._pump(key)
+
+    def _gathers(self, request: Req) -> bool:
+        """Whether a request that found the slot free waits for company: only while there is
+        some, and only where a batch can hold more than this request."""
+        return self._company is not None and self._max_rows(request) > 1 and self._company()
 
     def _gather(self, key: Hashable) -> None:
         loop = asyncio.get_running_loop()

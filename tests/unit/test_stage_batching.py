@@ -176,6 +176,14 @@ def test_with_company_requests_reaching_a_free_stage_in_one_loop_turn_share_one_
         assert _ids(await asyncio.wait_for(_ask(stage, "g"), 2)) == [1]  # nobody else came
         assert upstream.calls == [["g"]]
 
+        # Where a batch holds one row (a model of max_batch_size 1) nobody waits for company.
+        single = BatchedStage(
+            "tokenize", lambda: upstream.Tokenize, TokenizeCodec(), 1, lambda _: 1, lambda: True, 5
+        )
+        upstream.calls.clear()
+        await asyncio.wait_for(asyncio.gather(*(_ask(single, t) for t in texts)), 1)
+        assert upstream.calls == [[t] for t in texts]
+
     asyncio.run(scenario())
 
 
