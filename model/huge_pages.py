@@ -72,13 +72,25 @@ def anonymous_regions(smaps: str) -> list[Region]:
 
 
 def to_collapse(before: list[Region], after: list[Region]) -> list[tuple[int, int]]:
-    """The 2 MiB-aligned ranges of memory mapped since `before`, in regions mostly resident."""
-    old = sorted((r.start, r.end) for r in before)
+    """The 2 MiB-aligned ranges of memory mapped since `before`, where that new memory is
+    mostly resident.
+
+    The kernel merges a new mapping into an adjacent one with the same flags, so a region in
+    `after` can be old and new memory together; its residency is judged on the new part (the
+    region's resident bytes less what its old parts held before), or new weights beside a
+    large, mostly empty neighbour (an allocator's reservation) would be left on small pages.
+    """
     ranges = []
     for region in after:
-        if region.size < HUGE_PAGE or region.resident < MIN_RESIDENT * region.size:
+        if region.size < HUGE_PAGE:
             continue
-        for start, end in _minus(region.start, region.end, old):
+        inside = [r for r in before if r.start < region.end and r.end > region.start]
+        new = _minus(region.start, region.end, sorted((r.start, r.end) for r in inside))
+        new_size = sum(end - start for start, end in new)
+        new_resident = region.resident - sum(r.resident for r in inside)
+        if new_size == 0 or new_resident < MIN_RESIDENT * new_size:
+            continue
+        for start, end in new:
             start = -(-start // HUGE_PAGE) * HUGE_PAGE
             end = end // HUGE_PAGE * HUGE_PAGE
             if end > start:

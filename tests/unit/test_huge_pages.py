@@ -62,6 +62,19 @@ def test_new_resident_memory_is_collapsed_in_whole_huge_pages() -> None:
     assert to_collapse(after, after) == []
 
 
+def test_new_memory_merged_into_an_empty_neighbour_is_judged_on_its_own() -> None:
+    """The kernel merges a new mapping into an adjacent one with the same flags: 64 MiB of
+    filled weights below a 256 MiB reservation holding almost nothing are one region of 320
+    MiB, 21% resident; the new part is all resident and is collapsed."""
+    base = 0x7F0000000000
+    reservation = Region(base + 64 * MB, base + 320 * MB, 1 * MB)
+    merged = Region(base, base + 320 * MB, 65 * MB)
+    assert to_collapse([reservation], [merged]) == [(base, base + 64 * MB)]
+    # A mostly untouched new part (a thread's stack) beside it is still left alone.
+    stack = Region(base, base + 320 * MB, 2 * MB)
+    assert to_collapse([reservation], [stack]) == []
+
+
 def _anon_huge_kb() -> int:
     text = Path("/proc/self/smaps_rollup").read_text()
     found = re.search(r"^AnonHugePages:\s+(\d+) kB", text, re.MULTILINE)
