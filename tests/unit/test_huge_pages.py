@@ -15,6 +15,9 @@ from hopline.model.huge_pages import (
     collapsed_after,
     to_collapse,
 )
+from hopline.model.huge_pages import (
+    SMAPS as PROC_SMAPS,
+)
 
 MB = 1 << 20
 SMAPS = """\
@@ -103,7 +106,9 @@ def test_memory_filled_inside_is_on_huge_pages_where_the_kernel_allows() -> None
         assert result.done == 0
         assert result.refused >= 32 * MB
         return
-    assert result.done >= 32 * MB
+    # On failure, the large anonymous regions say what the kernel made of the allocation.
+    large = [r for r in anonymous_regions(PROC_SMAPS.read_text()) if r.size >= 32 * MB]
+    assert result.done >= 32 * MB, (result, hex(weights.ctypes.data), large)
     assert result.done % HUGE_PAGE == 0
     assert _anon_huge_kb() - before >= 32 * 1024
     assert float(weights.sum()) == 64 * MB // 8  # the contents survive the collapse
