@@ -10,17 +10,15 @@ import numpy as np
 
 from hopline.model.huge_pages import (
     HUGE_PAGE,
+    SMAPS,
     Region,
     anonymous_regions,
     collapsed_after,
     to_collapse,
 )
-from hopline.model.huge_pages import (
-    SMAPS as PROC_SMAPS,
-)
 
 MB = 1 << 20
-SMAPS = """\
+SMAPS_TEXT = """\
 55d0c0000000-55d0c0400000 rw-p 00000000 00:00 0                          [heap]
 Size:               4096 kB
 Rss:                4000 kB
@@ -40,7 +38,7 @@ Rss:                2048 kB
 
 
 def test_only_private_writable_anonymous_mappings_and_the_heap_count() -> None:
-    assert anonymous_regions(SMAPS) == [
+    assert anonymous_regions(SMAPS_TEXT) == [
         Region(0x55D0C0000000, 0x55D0C0400000, 4000 * 1024),
         Region(0x7F0000000000, 0x7F0000800000, 12 * 1024),
         Region(0x7F0002000000, 0x7F0003000000, 16 * MB),
@@ -107,7 +105,7 @@ def test_memory_filled_inside_is_on_huge_pages_where_the_kernel_allows() -> None
         assert result.refused >= 32 * MB
         return
     # On failure, the large anonymous regions say what the kernel made of the allocation.
-    large = [r for r in anonymous_regions(PROC_SMAPS.read_text()) if r.size >= 32 * MB]
+    large = [r for r in anonymous_regions(SMAPS.read_text()) if r.size >= 32 * MB]
     assert result.done >= 32 * MB, (result, hex(weights.ctypes.data), large)
     assert result.done % HUGE_PAGE == 0
     assert _anon_huge_kb() - before >= 32 * 1024
