@@ -8,3 +8,6 @@ docs/architecture.md walks a request through these folders step by step.
 """
 
 __version__ = "0.1.0"
+
+# Before any module can import grpc: which threads read gRPC's sockets (runtime/grpc_io.py).
+from hopline.runtime import grpc_io as _grpc_io  # noqa: F401

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from hopline.runtime import config as cfg
+from hopline.runtime import grpc_io
 from hopline.runtime.service_table import SERVICES, Topology, spec
 
 SERVICE_NAMES = tuple(s.name for s in SERVICES)
@@ -280,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    grpc_io.check()
     # `serve NAME` hands the rest of the line to the service's own config parser.
     if len(argv) >= 2 and argv[0] == "serve" and argv[1] in SERVICE_NAMES:
         return _serve(argv[1], argv[2:])

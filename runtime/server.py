@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from hopline.observability.metrics import start_metrics_server
 from hopline.observability.tracing import ServerTracing, shutdown_tracing
-from hopline.runtime import collector, event_loop
+from hopline.runtime import collector, event_loop, grpc_io
 from hopline.runtime.config import ServerConfig
 from hopline.runtime.interceptors import (
     Behaviour,
@@ -228,6 +228,7 @@ async def _listen(
             "peers": sorted(peers.allowed) if peers else [],
             "worker": worker_index(),
             "event_loop": event_loop.running(),
+            "grpc_io": grpc_io.in_effect(),
         },
     )
     return True

@@ -4,7 +4,8 @@
 pymilvus: each service imports its own code and nothing else, so a gateway replica starts
 fast and stays small. Two views of the live process: /proc/PID/maps (every shared library it
 mapped) and Python's own import log (PYTHONPROFILEIMPORTTIME prints every module imported).
-The inference service, which does load ONNX Runtime, shows both views can see it.
+The inference service, which does load ONNX Runtime, shows both views can see it. The same
+processes show which threads read their sockets (HOPLINE_GRPC_IO).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import DEFAULT_MODEL
 from harness import Mesh
@@ -81,3 +84,60 @@ def test_every_service_runs_on_uvloop(services: Mesh, name: str) -> None:
     assert listening, f"no listening line in {name}'s log"
     assert all("event_loop=uvloop" in line for line in listening), listening
     assert any("/uvloop/" in path for path in mapped_files(services.procs[name].pid))
+
+
+def event_engine_wakeups(pid: int) -> int:
+    """How often the process's gRPC EventEngine threads (named `event_engine`) were switched
+    in: they read and write the sockets only where HOPLINE_GRPC_IO is `event-engine`."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() != "event_engine":
+                continue
+            status = (task / "status").read_text()
+        except FileNotFoundError:  # the thread ended while being read
+            continue
+        total += sum(
+            int(n) for n in re.findall(r"^\w*voluntary_ctxt_switches:\s+(\d+)$", status, re.M)
+        )
+    return total
+
+
+def wakeups_per_call(mesh: Mesh, name: str, calls: int = 300) -> float:
+    with grpc.insecure_channel(mesh.addrs[name]) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        before = event_engine_wakeups(mesh.procs[name].pid)
+        for _ in range(calls):
+            health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        per_call = (event_engine_wakeups(mesh.procs[name].pid) - before) / calls
+        print(f"{name}: {per_call:.2f} EventEngine wake-ups a call")
+        return per_call
+
+
+@pytest.mark.parametrize("name", ["gateway", "tokenizer", "inference"])
+def test_every_service_reads_its_sockets_on_the_thread_that_polls(
+    services: Mesh, name: str
+) -> None:
+    """HOPLINE_GRPC_IO's default, iomgr (runtime/grpc_io.py): the process says so, and its
+    EventEngine threads stay asleep while it answers."""
+    listening = [line for line in services.log(name).splitlines() if " listening " in line]
+    assert listening, f"no listening line in {name}'s log"
+    assert all("grpc_io=iomgr" in line for line in listening), listening
+    assert wakeups_per_call(services, name) < 0.5  # timers only; event-engine: 3-4 a call
+
+
+def test_event_engine_asked_for_wakes_those_threads_on_every_call(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """The same count sees the other mode: a tokenizer started with HOPLINE_GRPC_IO=event-engine
+    (grpcio's default) from this test process, which runs iomgr and passes that on."""
+    mesh = Mesh(
+        default_repo, tmp_path, service_env={"tokenizer": {"HOPLINE_GRPC_IO": "event-engine"}}
+    )
+    try:
+        mesh.start(("tokenizer",))
+        assert "grpc_io=event-engine" in mesh.log("tokenizer")
+        assert wakeups_per_call(mesh, "tokenizer") >= 1.0
+    finally:
+        mesh.stop()
