@@ -91,7 +91,7 @@ def operators_experiments(environ: Mapping[str, str]) -> str:
     return before if sep and current == wrote else current
 
 
-def check(environ: MutableMapping[str, str] = os.environ) -> None:
+def check(environ: Mapping[str, str] = os.environ) -> None:
     """Exit with a message naming the variable when HOPLINE_GRPC_IO is not a mode."""
     raw = environ.get(ENV)
     if raw is None:
