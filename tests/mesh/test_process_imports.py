@@ -103,6 +103,11 @@ def event_engine_wakeups(pid: int) -> int:
     return total
 
 
+# EventEngine threads reading the sockets wake 3-4 times a call; with iomgr only their timers
+# wake them, 0.03-0.11 times a call on this project's VM.
+ONE_A_CALL = 1.0
+
+
 def wakeups_per_call(mesh: Mesh, name: str, calls: int = 300) -> float:
     with grpc.insecure_channel(mesh.addrs[name]) as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -124,7 +129,7 @@ def test_every_service_reads_its_sockets_on_the_thread_that_polls(
     listening = [line for line in services.log(name).splitlines() if " listening " in line]
     assert listening, f"no listening line in {name}'s log"
     assert all("grpc_io=iomgr" in line for line in listening), listening
-    assert wakeups_per_call(services, name) < 0.5  # timers only; event-engine: 3-4 a call
+    assert wakeups_per_call(services, name) < ONE_A_CALL
 
 
 def test_event_engine_asked_for_wakes_those_threads_on_every_call(
@@ -138,6 +143,6 @@ def test_event_engine_asked_for_wakes_those_threads_on_every_call(
     try:
         mesh.start(("tokenizer",))
         assert "grpc_io=event-engine" in mesh.log("tokenizer")
-        assert wakeups_per_call(mesh, "tokenizer") >= 1.0
+        assert wakeups_per_call(mesh, "tokenizer") >= ONE_A_CALL
     finally:
         mesh.stop()
