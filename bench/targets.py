@@ -1,8 +1,9 @@
 """What `hopline bench` can measure: the mesh (or a peer) over gRPC, a bare echo server,
 and the same pipeline in one process, with and without the inference service's batcher.
 
-A target turns a text into a payload before the window (`payload`), sends it (`call`), and
-after the window says what a response was (`describe`: cache outcome and per-hop timings).
+A target turns a text into a payload before the window (`payload`), sends it (`call`, or for
+one caller of a gRPC target `blocking()`'s call: bench/load.py says why), and after the window
+says what a response was (`describe`: cache outcome and per-hop timings).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
+import grpc
 import numpy as np
 
 from hopline.model.repository import ModelConfig
@@ -21,7 +23,7 @@ from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.runtime.priority import nicer_executor, on_nicer_thread
-from hopline.runtime.tls import ClientTls, aio_channel
+from hopline.runtime.tls import ClientTls, aio_channel, channel
 from hopline.services.inference.backend import create_backend
 from hopline.services.inference.batched_model import BatchedModel, ModelRequest
 from hopline.services.postprocess.logic import predictions
@@ -40,6 +42,10 @@ class Target(Protocol):
     def payload(self, text: str) -> Any: ...
 
     async def call(self, payload: Any) -> Any: ...
+
+    def blocking(self) -> Callable[[Any], Any] | None:
+        """The same call on the calling thread, for a lone caller; None: `call` only."""
+        ...
 
     def describe(self, response: Any) -> tuple[str | None, dict[str, float]]: ...
 
@@ -81,9 +87,15 @@ class PredictTarget:
         self.timeout_s = timeout_s
         # A subchannel pool per channel: by default gRPC shares one connection between
         # channels to the same address with the same arguments.
-        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-        self.channels = [aio_channel(address, tls, options) for _ in range(max(1, connections))]
-        self._calls = itertools.cycle([c.unary_unary(method, None, None) for c in self.channels])
+        self.connections = max(1, connections)
+        self._options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        self._tls, self._method = tls, method
+        # Each kind opened by its first use: while any grpc.aio channel lives, gRPC's aio
+        # poller thread takes part in polling every socket of the process, the blocking
+        # stub's too, and hands their replies over (bench/load.py).
+        self._aio: list[grpc.aio.Channel] = []
+        self._aio_calls: Iterator[grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] | None = None
+        self._blocking_channels: list[grpc.Channel] = []
 
     def payload(self, text: str) -> bytes:
         return gateway_pb2.PredictRequest(
@@ -95,9 +107,33 @@ class PredictTarget:
         ).SerializeToString()
 
     async def call(self, payload: bytes) -> bytes:
-        call = next(self._calls)
+        if self._aio_calls is None:
+            self._aio = [
+                aio_channel(self.address, self._tls, self._options) for _ in range(self.connections)
+            ]
+            self._aio_calls = itertools.cycle(
+                [c.unary_unary(self._method, None, None) for c in self._aio]
+            )
+        call = next(self._aio_calls)
         reply: bytes = await call(payload, timeout=self.timeout_s, metadata=self.metadata)
         return reply
+
+    def blocking(self) -> Callable[[bytes], bytes]:
+        """`call` on gRPC's synchronous stub, over as many connections of its own."""
+        if not self._blocking_channels:
+            self._blocking_channels = [
+                channel(self.address, self._tls, self._options) for _ in range(self.connections)
+            ]
+        calls = itertools.cycle(
+            [c.unary_unary(self._method, None, None) for c in self._blocking_channels]
+        )
+        timeout_s, metadata = self.timeout_s, self.metadata
+
+        def call(payload: bytes) -> bytes:
+            reply: bytes = next(calls)(payload, timeout=timeout_s, metadata=metadata)
+            return reply
+
+        return call
 
     def describe(self, response: bytes) -> tuple[str | None, dict[str, float]]:
         reply = gateway_pb2.PredictResponse.FromString(response)
@@ -105,8 +141,11 @@ class PredictTarget:
         return outcome.lower(), {t.hop: t.ms for t in reply.timings}
 
     async def close(self) -> None:
-        for channel in self.channels:
-            await channel.close(None)
+        for aio in self._aio:
+            await aio.close(None)
+        for blocking in self._blocking_channels:
+            blocking.close()
+        self._aio, self._aio_calls, self._blocking_channels = [], None, []
 
 
 class EchoTarget(PredictTarget):
@@ -191,6 +230,10 @@ class InProcessTarget:
             logits = outputs["logits"]
         cfg = self.config
         return predictions(logits, None, cfg.labels, cfg.oos_threshold, self.top_k)[0]
+
+    def blocking(self) -> None:
+        """None: measured on the event loop, as a service would call its own pipeline."""
+        return None
 
     def describe(self, response: Any) -> tuple[str | None, dict[str, float]]:
         return None, {}
