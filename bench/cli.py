@@ -256,7 +256,7 @@ async def measure(
         gc.collect()
     mix = await prime(target, mix, blocking)  # exact and semantic mixes: fill the cache first
     seconds = args.duration + args.warmup
-    expected = args.rps * seconds if args.rps else (args.concurrency or 1) * 300 * seconds
+    expected = args.rps * seconds if args.rps else concurrency * 300 * seconds
     payloads = _Payloads(target, mix, int(expected * 1.3) + 1000)
     if args.rps:
         return await open_loop(
