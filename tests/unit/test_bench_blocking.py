@@ -105,12 +105,13 @@ def test_a_cancelled_blocking_window_stops_after_its_current_call(server: str) -
 
     async def main() -> int:
         target = EchoTarget(server)
+        blocking = target.blocking()
         calls = 0
 
         def counted(payload: bytes) -> bytes:
             nonlocal calls
             calls += 1
-            return target.blocking()(payload)
+            return blocking(payload)
 
         window = asyncio.ensure_future(
             closed_loop(target.call, lambda i: b"a", concurrency=1, duration_s=30, blocking=counted)
