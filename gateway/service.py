@@ -50,6 +50,7 @@ from hopline.gateway.stage_batching import GatewayStages
 from hopline.gateway.streaming import predict_stream
 from hopline.gateway.upstream import GatewayUpstreams, HopError, call_hop
 from hopline.observability import metrics, schema
+from hopline.observability.loop_metrics import LoopCounter
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -67,7 +68,7 @@ Context = grpc.aio.ServicerContext[gateway_pb2.PredictRequest, gateway_pb2.Predi
 
 
 # GetStats counter -> the Prometheus counter it reads and the labels it is summed over.
-COUNTS: dict[str, tuple[Counter, dict[str, str]]] = {
+COUNTS: dict[str, tuple[Counter | LoopCounter, dict[str, str]]] = {
     "requests": (metrics.GATEWAY_REQUESTS, {}),
     "kserve_infer_requests": (metrics.GATEWAY_CALLS, {"method": "ModelInfer"}),
     "streams": (metrics.GATEWAY_CALLS, {"method": "PredictStream"}),

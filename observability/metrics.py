@@ -22,6 +22,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from hopline.observability.loop_metrics import LoopCounter, LoopGauge, LoopHistogram
+
 log = logging.getLogger("hopline.metrics")
 
 # From 0.25 ms to 10 s: a cache exact hit sits at the bottom, a cold model load at the top.
@@ -48,13 +50,17 @@ LATENCY_BUCKETS = (
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-RPC_DURATION = Histogram(
+# Written on every RPC, hop or request by the serving event loop only: loop_metrics.py says
+# why these are not prometheus_client's own.
+RPC_DURATION = LoopHistogram(
     "hopline_rpc_duration_seconds",
     "Server-side time of each RPC, by service, method and status code",
     ("service", "method", "code"),
     buckets=LATENCY_BUCKETS,
 )
-RPC_IN_FLIGHT = Gauge("hopline_rpc_in_flight", "RPCs being served right now", ("service", "method"))
+RPC_IN_FLIGHT = LoopGauge(
+    "hopline_rpc_in_flight", "RPCs being served right now", ("service", "method")
+)
 TRACE_SAMPLING = Gauge(
     "hopline_trace_sampling",
     "The sampling strategy Jaeger last served this process (observability/remote_sampling.py): "
@@ -71,7 +77,7 @@ UNDECODABLE_REQUESTS = Counter(
     "message (corrupt protobuf, a string field that is not UTF-8)",
     ("service", "method"),
 )
-HOP_DURATION = Histogram(
+HOP_DURATION = LoopHistogram(
     "hopline_hop_duration_seconds",
     "The gateway's view of each upstream call (network, queueing and the hop's own work)",
     ("hop", "code"),
@@ -85,7 +91,7 @@ def hop_duration(hop: str, code: str) -> Any:
     return HOP_DURATION.labels(hop, code)
 
 
-CACHE_OUTCOMES = Counter(
+CACHE_OUTCOMES = LoopCounter(
     "hopline_cache_outcomes_total",
     "Gateway requests by cache outcome (exact, semantic, miss, fail_open, skipped)",
     ("model", "outcome"),
@@ -119,7 +125,7 @@ COALESCED = Counter(
 )
 # The gateway's GetStats counters are read from these (and the three above): Prometheus is
 # the one place a gateway count is kept, so a scrape and GetStats cannot disagree.
-GATEWAY_REQUESTS = Counter(
+GATEWAY_REQUESTS = LoopCounter(
     "hopline_gateway_requests_total",
     "Texts the gateway was asked to classify: one per Predict or PredictStream message, one "
     "per text of a ModelInfer",
@@ -140,7 +146,7 @@ INFERENCES = Counter(
     "Inferences the gateway ran (tokenize, inference, postprocess); coalesced misses share one",
     (),
 )
-LOCAL_EXACT_HITS = Counter(
+LOCAL_EXACT_HITS = LoopCounter(
     "hopline_local_exact_hits_total",
     "Exact hits the gateway's local tier answered, with no hop to the cache",
     (),
@@ -207,13 +213,18 @@ QUEUE_DEPTH = Gauge(
 
 def trace_exemplar() -> dict[str, str] | None:
     """The current trace id as an exemplar, when a sampled span is active."""
-    ctx = trace.get_current_span().get_span_context()
+    return span_exemplar(trace.get_current_span())
+
+
+def span_exemplar(span: trace.Span) -> dict[str, str] | None:
+    """`span`'s trace id as an exemplar, when its trace is sampled."""
+    ctx = span.get_span_context()
     if not ctx.is_valid or not ctx.trace_flags.sampled:
         return None
     return {"trace_id": format(ctx.trace_id, "032x")}
 
 
-def count(metric: Counter, **labels: str) -> int:
+def count(metric: Counter | LoopCounter, **labels: str) -> int:
     """A counter's value, summed over every label not given (this process's count)."""
     total = 0.0
     for family in metric.collect():

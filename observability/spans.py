@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.sdk.trace.sampling import Decision, Sampler
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision, Sampler
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util._decorator import _agnosticcontextmanager
 from opentelemetry.util.types import Attributes, AttributeValue
@@ -144,6 +144,8 @@ class SpanTracer(trace.Tracer):
 
     def __init__(self, sampler: Sampler, sink: SpanSink | None) -> None:
         self.sampler = sampler
+        # Nothing is recorded (no exporter: tracing.default_sampler): a span is its ids.
+        self._drops_all = sampler is ALWAYS_OFF
         self.sink = sink
         # The SDK's id generator draws from the random module's shared generator; one of our
         # own is not reseeded by whatever seeds that.
@@ -162,6 +164,11 @@ class SpanTracer(trace.Tracer):
     ) -> trace.Span:
         parent = trace.get_current_span(context).get_span_context()
         trace_id = parent.trace_id if parent.is_valid else self._bits(128) or 1
+        if self._drops_all:
+            # What the sampler would decide, without asking it on every span.
+            state = parent.trace_state if parent.is_valid else None
+            ids = SpanContext(trace_id, self._bits(64) or 1, False, _NOT_SAMPLED, state)
+            return trace.NonRecordingSpan(ids)
         decided = self.sampler.should_sample(context, trace_id, name, kind, attributes, links)
         sampled = decided.decision is Decision.RECORD_AND_SAMPLE
         span_context = SpanContext(

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from contextvars import Token
 from typing import Any, cast
 
 import grpc
@@ -250,6 +251,9 @@ def outgoing_metadata(extra: Carried = ()) -> Carried:
     return carried + extra if extra else carried
 
 
+_Token = Token[otel_context.Context]
+
+
 class ServerTracing(RpcWrapper):
     """A server span per RPC, parented on the caller's `traceparent`, and the RPC's latency
     histogram and in-flight gauge, observed inside the span so the exemplar carries its trace
@@ -271,17 +275,19 @@ class ServerTracing(RpcWrapper):
         rpc = self._rpc(method)
 
         async def traced(request: Any, context: Context) -> Any:
-            with rpc.span(context) as span:
-                code: grpc.StatusCode | None = None
-                started = time.perf_counter()
-                try:
+            span, token, own = rpc.start(context)
+            code: grpc.StatusCode | None = None
+            started = time.perf_counter()
+            try:
+                if rpc.test_delay_s:
                     await rpc.delay(span)
-                    return await inner(request, context)
-                except asyncio.CancelledError:
-                    code = _cancelled_code(context)
-                    raise
-                finally:
-                    rpc.finish(span, context, code, started)
+                return await inner(request, context)
+            except asyncio.CancelledError:
+                code = _cancelled_code(context)
+                raise
+            finally:
+                rpc.finish(span, context, code, started)
+                _stop(span, token, own)
 
         return traced
 
@@ -289,23 +295,49 @@ class ServerTracing(RpcWrapper):
         rpc = self._rpc(method)
 
         async def traced(request: Any, context: Context) -> AsyncIterator[Any]:
-            with rpc.span(context) as span:
-                code: grpc.StatusCode | None = None
-                started = time.perf_counter()
-                sent = 0
-                try:
+            span, token, own = rpc.start(context)
+            code: grpc.StatusCode | None = None
+            started = time.perf_counter()
+            sent = 0
+            try:
+                if rpc.test_delay_s:
                     await rpc.delay(span)
-                    async for reply in inner(request, context):
-                        sent += 1
-                        yield reply
-                except asyncio.CancelledError:  # the client went away, or its deadline passed
-                    code = _cancelled_code(context)
-                    raise
-                finally:
-                    span.set_attribute(schema.STREAM_MESSAGES_SENT, sent)
-                    rpc.finish(span, context, code, started)
+                async for reply in inner(request, context):
+                    sent += 1
+                    yield reply
+            except asyncio.CancelledError:  # the client went away, or its deadline passed
+                code = _cancelled_code(context)
+                raise
+            finally:
+                span.set_attribute(schema.STREAM_MESSAGES_SENT, sent)
+                rpc.finish(span, context, code, started)
+                _stop(span, token, own)
 
         return traced
+
+
+def _stop(span: trace.Span, token: _Token | None, own: bool) -> None:
+    """Undo `_TracedRpc.start`: end the RPC's own span, restore the context it replaced."""
+    if own:
+        span.end()
+    if token is not None:
+        detach(token)
+
+
+# The propagator's header names, by the propagator they were read from (OTEL_PROPAGATORS
+# may replace it at start-up).
+_fields: tuple[object, frozenset[str]] = (None, frozenset())
+_NO_CONTEXT = otel_context.Context()
+
+
+def _carries_context(metadata: Iterable[tuple[str, Any]]) -> bool:
+    """Whether the caller sent trace context (else there is nothing to parse)."""
+    global _fields
+    textmap = propagate.get_global_textmap()
+    if _fields[0] is not textmap:
+        _fields = (textmap, frozenset(textmap.fields))
+    fields = _fields[1]
+    return any(key in fields for key, _ in metadata)
 
 
 def _cancelled_code(context: Context) -> grpc.StatusCode:
@@ -326,34 +358,36 @@ class _TracedRpc:
         self.durations: dict[grpc.StatusCode, Any] = {}
         self.test_delay_s = test_delay_s
 
-    @contextlib.contextmanager
-    def span(self, context: Context) -> Iterator[trace.Span]:
+    def start(self, context: Context) -> tuple[trace.Span, _Token | None, bool]:
+        """The RPC's span, the token that made its context current (None: it already was),
+        and whether the span is the RPC's own, to end with it.
+
+        Plain calls, no context managers: this runs on every RPC of every service, and
+        the generator-based managers the API offers (`start_as_current_span`, `use_span`)
+        cost more than the rest of it together (`_stop` undoes it)."""
         metadata = context.invocation_metadata() or ()
         self.in_flight.inc()
-        current = trace.get_current_span()
-        if names_unsampled_current(metadata, current.get_span_context()):
-            # An in-process caller whose trace is not recorded: the RPC already runs in the
-            # context its metadata names, so there is nothing to parse or attach.
-            yield current
-            return
-        parent = propagate.extract(dict(metadata))
-        if unsampled(trace.get_current_span(parent).get_span_context()):
-            # The caller's trace is not recorded: the RPC runs in its context (logs and the
-            # next hop keep its trace id) with no span of its own.
-            with in_context(parent) as caller:
-                yield caller
-            return
-        with tracer().start_as_current_span(
-            self.name,
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes=self.attributes,
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
-            yield span
+        if _carries_context(metadata):
+            current = trace.get_current_span()
+            if names_unsampled_current(metadata, current.get_span_context()):
+                # An in-process caller whose trace is not recorded: the RPC already runs in
+                # the context its metadata names, so there is nothing to parse or attach.
+                return current, None, False
+            parent = propagate.extract(dict(metadata))
+            caller = trace.get_current_span(parent)
+            if unsampled(caller.get_span_context()):
+                # The caller's trace is not recorded: the RPC runs in its context (logs and
+                # the next hop keep its trace id) with no span of its own.
+                return caller, attach(parent), False
+        else:
+            parent = _NO_CONTEXT  # a client's call: this RPC is the trace's root
+        span = tracer().start_span(
+            self.name, context=parent, kind=SpanKind.SERVER, attributes=self.attributes
+        )
+        return span, attach(trace.set_span_in_context(span, parent)), True
 
     async def delay(self, span: trace.Span) -> None:
+        """HOPLINE_TEST_DELAY_MS: a slow hop on purpose, for tests and demos."""
         if self.test_delay_s > 0:
             span.set_attribute(schema.DELAY_MS, self.test_delay_s * 1e3)
             await asyncio.sleep(self.test_delay_s)
@@ -376,4 +410,4 @@ class _TracedRpc:
             histogram = self.durations[code] = metrics.RPC_DURATION.labels(
                 self.service, self.method, code.name
             )
-        histogram.observe(time.perf_counter() - started, metrics.trace_exemplar())
+        histogram.observe(time.perf_counter() - started, metrics.span_exemplar(span))

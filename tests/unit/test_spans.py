@@ -283,3 +283,22 @@ def test_a_process_sets_up_the_tracer_its_environment_asks_for(
         check=True,
     )
     assert result.stdout.split("\n")[0] == seen
+
+
+def test_a_tracer_that_records_nothing_still_follows_its_parent() -> None:
+    """With nothing exported the tracer skips the sampler, as the sampler would decide: a
+    child keeps its parent's trace id and trace state, gets an id of its own, and is not
+    sampled even under a sampled parent (ALWAYS_OFF drops every span)."""
+    off, sink = _tracer(ALWAYS_OFF)
+    child = off.start_span("child", context=set_span_in_context(NonRecordingSpan(REMOTE)))
+    ids = child.get_span_context()
+    assert isinstance(child, NonRecordingSpan)
+    assert ids.trace_id == REMOTE.trace_id
+    assert ids.span_id not in (0, REMOTE.span_id)
+    assert ids.trace_state == REMOTE.trace_state
+    assert not ids.trace_flags.sampled
+    assert not ids.is_remote
+    roots = {off.start_span("root").get_span_context().trace_id for _ in range(3)}
+    assert len(roots) == 3
+    assert 0 not in roots
+    assert sink.spans == []

@@ -13,7 +13,7 @@ from opentelemetry.context import Context, attach, detach
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision, Sampler
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, Decision, ParentBased, Sampler
 from opentelemetry.trace import (
     NonRecordingSpan,
     SpanContext,
@@ -242,3 +242,40 @@ def test_the_sdks_own_unrecorded_span_is_recognised_in_its_callees_metadata(
 
 async def _echo(request: str, context: object) -> str:
     return request
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_an_rpc_leaves_the_context_as_it_found_it(
+    monkeypatch: pytest.MonkeyPatch, recorded: bool
+) -> None:
+    """Whichever way the server span came (a root of its own, an unrecorded caller's context
+    attached, the current context kept), the context is the caller's again after the RPC,
+    also when the servicer fails; each recorded root span is ended once."""
+    exporter = _recorder(monkeypatch, ParentBased(ALWAYS_ON) if recorded else ALWAYS_OFF)
+
+    async def failing(request: str, context: object) -> str:
+        raise ValueError("broken")
+
+    outer = NonRecordingSpan(SpanContext(5, 6, is_remote=False))
+    elsewhere: dict[str, str] = {}
+    propagate.inject(elsewhere, context=cast(Context, _parent(False)))
+
+    async def scenario() -> None:
+        token = attach(set_span_in_context(outer))
+        try:
+            for servicer in (_echo, failing):
+                behaviour = ServerTracing().wrap("/hopline.test.v1.Test/Echo", servicer)
+                for metadata in ((), outgoing_metadata(), tuple(elsewhere.items())):
+                    try:
+                        await behaviour("hi", cast(Any, _Metadata(metadata)))
+                    except ValueError:
+                        assert servicer is failing
+                    assert get_current_span() is outer
+        finally:
+            detach(token)
+
+    asyncio.run(scenario())
+    servers = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER]
+    # Recorded: the two roots (no metadata); the other calls' callers are not recorded.
+    assert len(servers) == (2 if recorded else 0)
+    assert all(s.parent is None and s.end_time for s in servers)
