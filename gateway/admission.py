@@ -59,11 +59,6 @@ class SkipReason(enum.StrEnum):
     OVERLOADED = "overloaded"
 
 
-def _quantile(samples: collections.deque[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 class Admission:
     """The gateway's admission decisions; one per gateway, on its event loop (no locks)."""
 
@@ -79,6 +74,7 @@ class Admission:
         self.adaptive_cache = adaptive_cache
         self.in_flight = 0
         self._paths_s: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._paths_ordered: list[float] | None = None
         self._overruns: collections.deque[bool] = collections.deque(maxlen=WINDOW)
         self._rng = rng or random.Random()
 
@@ -86,7 +82,12 @@ class Admission:
 
     def path_estimate_s(self, q: float) -> float | None:
         """The q-quantile of recent inference paths, or None before there are enough."""
-        return _quantile(self._paths_s, q) if len(self._paths_s) >= MIN_SAMPLES else None
+        if len(self._paths_s) < MIN_SAMPLES:
+            return None
+        if self._paths_ordered is None:  # sorted once per new sample, not per question
+            self._paths_ordered = sorted(self._paths_s)
+        ordered = self._paths_ordered
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     def _refuse(self, reason: Refusal, code: grpc.StatusCode, message: str) -> RequestError:
         metrics.GATEWAY_REFUSED.labels(reason.value).inc()
@@ -127,6 +128,7 @@ class Admission:
         # Only a completed inference path is a sample (a coalesced wait is not one).
         if all(hop in call.timings for hop in INFERENCE_HOPS) and not call.cache.coalesced:
             self._paths_s.append(sum(call.timings[h] for h in INFERENCE_HOPS) / 1e3)
+            self._paths_ordered = None
 
     # -- the cache lookup -------------------------------------------------------------------
 

@@ -19,11 +19,16 @@ import grpc
 from hopline.runtime.errors import StatusError, clip
 
 TENANT_METADATA = "x-hopline-tenant"
+AUTHORIZATION = "authorization"
 DEFAULT_TENANT = "default"
 
 
 class IdentityError(StatusError):
     """No API key, an unknown one, or a tenant the key does not belong to."""
+
+
+def _text(value: str | bytes) -> str:
+    return value if isinstance(value, str) else value.decode("utf-8", "replace")
 
 
 def _digest(key: str) -> str:
@@ -56,10 +61,14 @@ class TenantResolver:
             self.keys = {_digest(k): v for k, v in raw.items()}
 
     def resolve(self, field: str, metadata: Iterable[tuple[str, str | bytes]]) -> str:
-        md = {k: v if isinstance(v, str) else v.decode("utf-8", "replace") for k, v in metadata}
-        claimed = md.get(TENANT_METADATA, "") or field
+        sent, auth = "", ""
+        for key, value in metadata:  # the last of a repeated key wins
+            if key == TENANT_METADATA:
+                sent = _text(value)
+            elif key == AUTHORIZATION:
+                auth = _text(value)
+        claimed = sent or field
         if self.keys:
-            auth = md.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not token:
                 raise IdentityError(

@@ -34,7 +34,6 @@ import grpc
 from opentelemetry import trace
 from prometheus_client import Counter
 
-from hopline.cache.keys import scope_tuple
 from hopline.gateway.admission import Admission
 from hopline.gateway.cache_writes import CacheWrites, spawn
 from hopline.gateway.call import PredictCall, check_cache_mode, discard
@@ -605,7 +604,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         """Copy an exact entry to the local tier, expiring when the cache's entry does."""
         ttl_s = call.info.cache.ttl_s
         if ttl_s > 0:
-            entry = LocalEntry(prediction, scope_tuple(call.scope), created, created + ttl_s)
+            entry = LocalEntry(prediction, call.scope_key, created, created + ttl_s)
             self.exact_tier.put(call.key, entry, generation)
 
     @staticmethod

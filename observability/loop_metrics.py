@@ -106,6 +106,8 @@ class LoopCounter(_Family):
     ) -> None:
         self._series: dict[tuple[str, ...], _Value] = {}
         super().__init__(name.removesuffix("_total"), documentation, labelnames, registry)
+        if not self.labelnames:
+            self.labels()  # exposed from the start, as prometheus_client's are
 
     def labels(self, *values: str) -> _Value:
         series = self._series.get(values)
@@ -137,6 +139,8 @@ class LoopGauge(_Family):
     ) -> None:
         self._series: dict[tuple[str, ...], _Value] = {}
         super().__init__(name, documentation, labelnames, registry)
+        if not self.labelnames:
+            self.labels()  # exposed from the start, as prometheus_client's are
 
     def labels(self, *values: str) -> _Value:
         series = self._series.get(values)
@@ -144,6 +148,10 @@ class LoopGauge(_Family):
             self._check(values)
             series = self._series[values] = _Value()
         return series
+
+    def set(self, value: float) -> None:
+        """For a gauge without labels."""
+        self.labels().set(value)
 
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)

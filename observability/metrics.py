@@ -115,7 +115,7 @@ GATEWAY_REFUSED = Counter(
     "DEADLINE_EXCEEDED)",
     ("reason",),
 )
-GATEWAY_IN_FLIGHT = Gauge(
+GATEWAY_IN_FLIGHT = LoopGauge(
     "hopline_gateway_in_flight",
     "Requests the gateway is working on, local-tier repeats aside (what its limit counts)",
     (),
