@@ -5,11 +5,11 @@ write takes a lock, and each checks that no label is left unset; measured inside
 gateway (perf_counter around the calls, exact repeats at c=1 on the 2-core Xeon VM), a gauge's
 `inc` cost 3.1-3.6 us and the RPC wrapper's histogram, gauge and status bookkeeping 9-10 us,
 several times what the same calls cost in a loop on their own, as everything on a request's
-path does there. The metrics that every RPC and every hop writes are written only by the
-event loop serving it (the RPC wrapper, the gateway's hop calls, its request counters), so
-they need neither the lock nor the check: these keep plain numbers that the loop's thread
-adds to, and a scrape, from the metrics server's thread, reads as they stand. A scrape may
-see a histogram's sum a request ahead of its buckets; Prometheus's own clients allow the same.
+path does there. The metrics written on every RPC, hop or request are written only by the
+event loop serving it (the RPC wrapper, the gateway's hop calls and per-request counters, the
+cache's lookup counts), so they need neither the lock nor the check: these keep plain
+numbers that the loop's thread adds to, and a scrape, from the metrics server's thread, reads
+as they stand. A scrape may see a histogram's sum a request ahead of its buckets.
 
 Each metric is a collector in the registry under the name, help and labels it had as a
 prometheus_client metric, so /metrics, GetStats (metrics.count) and the worker merge read

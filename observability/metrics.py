@@ -120,7 +120,7 @@ GATEWAY_IN_FLIGHT = LoopGauge(
     "Requests the gateway is working on, local-tier repeats aside (what its limit counts)",
     (),
 )
-COALESCED = Counter(
+COALESCED = LoopCounter(
     "hopline_coalesced_total", "Cache misses that shared another request's inference", ()
 )
 # The gateway's GetStats counters are read from these (and the three above): Prometheus is
@@ -136,12 +136,12 @@ GATEWAY_CALLS = Counter(
     "Gateway calls that carry several requests, by method (PredictStream, ModelInfer)",
     ("method",),
 )
-SPECULATIVE = Counter(
+SPECULATIVE = LoopCounter(
     "hopline_gateway_speculative_inferences_total",
     "Inferences started beside a cache lookup: used (a miss) or wasted (a hit cancelled it)",
     ("result",),
 )
-INFERENCES = Counter(
+INFERENCES = LoopCounter(
     "hopline_gateway_inferences_total",
     "Inferences the gateway ran (tokenize, inference, postprocess); coalesced misses share one",
     (),
@@ -151,7 +151,7 @@ LOCAL_EXACT_HITS = LoopCounter(
     "Exact hits the gateway's local tier answered, with no hop to the cache",
     (),
 )
-CACHE_STORES = Counter(
+CACHE_STORES = LoopCounter(
     "hopline_cache_stores_total",
     "The gateway's cache writes after an inference, by result (stored, error, skipped_policy)",
     ("result",),
@@ -166,12 +166,12 @@ KEY_MIRROR_KEYS = Gauge(
     "Exact keys the gateway mirrors from the cache (0 while its cache watch is not live)",
     (),
 )
-KNOWN_MISSES = Counter(
+KNOWN_MISSES = LoopCounter(
     "hopline_known_misses_total",
     "Exact-only misses the gateway's key mirror answered, with no Lookup to the cache",
     (),
 )
-CACHE_LOOKUPS = Counter(
+CACHE_LOOKUPS = LoopCounter(
     "hopline_cache_lookups_total",
     "Cache service lookups by tier answered (exact, semantic, miss)",
     ("tier",),

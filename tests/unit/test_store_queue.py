@@ -88,7 +88,7 @@ class Queue:
 
 def stores() -> dict[str, float]:
     return {
-        result: metrics.CACHE_STORES.labels(result)._value.get() for result in ("stored", "error")
+        result: metrics.count(metrics.CACHE_STORES, result=result) for result in ("stored", "error")
     }
 
 
