@@ -22,6 +22,7 @@ import bisect
 import math
 import time
 from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.metrics_core import (
@@ -73,29 +74,12 @@ class _Buckets:
             self.exemplars[index] = Exemplar(exemplar, amount, time.time())
 
 
-class _Family(Collector):
-    """Series by label values, created on first use and kept for the process's life."""
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: Sequence[str],
-        registry: CollectorRegistry | None,
-    ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
-        if registry is not None:
-            registry.register(self)
-
-    def _check(self, values: tuple[str, ...]) -> None:
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+S = TypeVar("S", _Value, _Buckets)
 
 
-class LoopCounter(_Family):
-    """A counter (`name` without `_total`, which the exposition adds)."""
+class _Family(Collector, Generic[S]):
+    """Series by label values, created on first use (at once without labels, as
+    prometheus_client's are exposed from the start) and kept for the process's life."""
 
     def __init__(
         self,
@@ -104,63 +88,72 @@ class LoopCounter(_Family):
         labelnames: Sequence[str] = (),
         registry: CollectorRegistry | None = REGISTRY,
     ) -> None:
-        self._series: dict[tuple[str, ...], _Value] = {}
-        super().__init__(name.removesuffix("_total"), documentation, labelnames, registry)
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._series: dict[tuple[str, ...], S] = {}
         if not self.labelnames:
-            self.labels()  # exposed from the start, as prometheus_client's are
+            self.labels()
+        if registry is not None:
+            registry.register(self)
 
-    def labels(self, *values: str) -> _Value:
+    def _new_series(self) -> S:
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> S:
         series = self._series.get(values)
         if series is None:
-            self._check(values)
-            series = self._series[values] = _Value()
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+            series = self._series[values] = self._new_series()
         return series
+
+
+class _ValueFamily(_Family[_Value]):
+    """A counter's or gauge's series: one number each."""
+
+    exposed_as: type[CounterMetricFamily | GaugeMetricFamily]
+
+    def _new_series(self) -> _Value:
+        return _Value()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self.exposed_as(self.name, self.documentation, labels=self.labelnames)
+        for values, series in list(self._series.items()):
+            family.add_metric(values, series.value)
+        yield family
+
+
+class LoopCounter(_ValueFamily):
+    """A counter (`name` without `_total`, which the exposition adds)."""
+
+    exposed_as = CounterMetricFamily
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        registry: CollectorRegistry | None = REGISTRY,
+    ) -> None:
+        super().__init__(name.removesuffix("_total"), documentation, labelnames, registry)
 
     def inc(self, amount: float = 1.0) -> None:
         """For a counter without labels."""
         self.labels().inc(amount)
 
-    def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, series in list(self._series.items()):
-            family.add_metric(values, series.value)
-        yield family
 
-
-class LoopGauge(_Family):
+class LoopGauge(_ValueFamily):
     """A gauge; its series read 0 from their first use."""
 
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: Sequence[str] = (),
-        registry: CollectorRegistry | None = REGISTRY,
-    ) -> None:
-        self._series: dict[tuple[str, ...], _Value] = {}
-        super().__init__(name, documentation, labelnames, registry)
-        if not self.labelnames:
-            self.labels()  # exposed from the start, as prometheus_client's are
-
-    def labels(self, *values: str) -> _Value:
-        series = self._series.get(values)
-        if series is None:
-            self._check(values)
-            series = self._series[values] = _Value()
-        return series
+    exposed_as = GaugeMetricFamily
 
     def set(self, value: float) -> None:
         """For a gauge without labels."""
         self.labels().set(value)
 
-    def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, series in list(self._series.items()):
-            family.add_metric(values, series.value)
-        yield family
 
-
-class LoopHistogram(_Family):
+class LoopHistogram(_Family[_Buckets]):
     """A histogram with prometheus_client's bucket semantics (`le`, a +Inf bucket added) and
     exemplars (the latest per bucket)."""
 
@@ -178,15 +171,10 @@ class LoopHistogram(_Family):
         self.bounds = tuple(bounds)
         # The `le` labels as prometheus_client writes them (Go's float format for these).
         self._les = tuple("+Inf" if b == math.inf else repr(b) for b in bounds)
-        self._series: dict[tuple[str, ...], _Buckets] = {}
         super().__init__(name, documentation, labelnames, registry)
 
-    def labels(self, *values: str) -> _Buckets:
-        series = self._series.get(values)
-        if series is None:
-            self._check(values)
-            series = self._series[values] = _Buckets(self.bounds)
-        return series
+    def _new_series(self) -> _Buckets:
+        return _Buckets(self.bounds)
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
