@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from pathlib import Path
@@ -94,12 +95,19 @@ def _kernel() -> tuple[int, int]:
 
 
 def test_memory_filled_inside_is_on_huge_pages_where_the_kernel_allows() -> None:
-    """Real memory, the real kernel: 64 MB allocated and filled inside the block end up on
+    """Real memory, the real kernel: 64 MB mapped and filled inside the block end up on
     huge pages, or, where transparent huge pages are off, are reported refused and stay as
-    they were (an older kernel: the same)."""
+    they were (an older kernel: the same).
+
+    The 64 MB are a private anonymous mapping of their own, as malloc gives a fresh
+    process's large allocations: through malloc here, in a process that earlier tests have
+    used, they could come from memory freed before the block, already resident, which is
+    not new to the block (the test failed so, order-dependent, in one run of the suite)."""
     before = _anon_huge_kb()
     with collapsed_after() as result:
-        weights = np.ones(64 * MB // 8, dtype=np.float64)
+        mapping = mmap.mmap(-1, 64 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        weights = np.frombuffer(mapping, dtype=np.float64)
+        weights.fill(1.0)
     if _thp_mode() == "never" or _kernel() < (6, 1):  # no MADV_COLLAPSE before Linux 6.1
         assert result.done == 0
         assert result.refused >= 32 * MB
