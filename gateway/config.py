@@ -120,7 +120,8 @@ class GatewayConfig(ServerConfig):
     # 32 callers (five processes, 2 cores) against 0.46, 0.28 and 0.17 at 1. Alternated rounds,
     # c=32 miss: five processes 134.4 -> 158.7 and 141.8 -> 167.5 rps (p99 447 -> 350 ms),
     # co-located 167.1 -> 175.5; open loop at 120 rps co-located p99 192 -> 170 ms. A lone
-    # request still goes at once, so c=1 is the same code path.
+    # request still goes at once, so c=1 is the same code path. A co-located inference
+    # service gets at least its run slots (GatewayStages.over).
     batch_in_flight: int = env_field(
         "HOPLINE_GATEWAY_BATCH_IN_FLIGHT",
         1,

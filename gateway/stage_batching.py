@@ -473,10 +473,22 @@ class GatewayStages:
         of each burst went alone ahead of the rest. Not for a co-located upstream: its call is
         a function call, and gathering it cost a co-located mesh 17% of its c=32 throughput.
         The figures are in README.md's settings table (HOPLINE_GATEWAY_BATCH_LINGER_MS).
+
+        `in_flight` calls per stage and batch key are on their way before further rows queue
+        here; a co-located service that works on several calls at once (the inference
+        service: one run per core and one more) gets at least that many, since its own
+        batcher queues and merges them: with one, a run that ended waited for this stage's
+        next call (services/inference/service.py:run_slots has the figures).
         """
 
         def gather(pool: Pool[Any]) -> Callable[[], bool] | None:
             return None if isinstance(pool, CoLocated) else company
+
+        def slots(pool: Pool[Any]) -> int:
+            # A co-located service batches its own queue (the inference service's dynamic
+            # batcher): it gets as many calls as it runs at once, so a run slot that frees
+            # up finds its next batch there instead of waiting for this stage's next call.
+            return max(in_flight, pool.concurrency) if isinstance(pool, CoLocated) else in_flight
 
         def infer_rows(request: inference_pb2.InferRequest) -> int:
             return min(max_rows, model_rows(request.model, request.model_version) or max_rows)
@@ -486,7 +498,7 @@ class GatewayStages:
                 schema.SPAN_TOKENIZE,
                 lambda: upstreams.tokenizer.stub().Tokenize,
                 TokenizeCodec(),
-                in_flight,
+                slots(upstreams.tokenizer),
                 lambda _: max_rows,
                 gather(upstreams.tokenizer),
                 linger_s,
@@ -495,7 +507,7 @@ class GatewayStages:
                 schema.SPAN_INFERENCE,
                 lambda: upstreams.inference.stub().Infer,
                 InferCodec(),
-                in_flight,
+                slots(upstreams.inference),
                 infer_rows,
                 gather(upstreams.inference),
                 linger_s,
@@ -504,7 +516,7 @@ class GatewayStages:
                 schema.SPAN_POSTPROCESS,
                 lambda: upstreams.postprocess.stub().Postprocess,
                 PostprocessCodec(),
-                in_flight,
+                slots(upstreams.postprocess),
                 lambda _: max_rows,
                 gather(upstreams.postprocess),
                 linger_s,

@@ -225,6 +225,7 @@ def test_only_stages_with_an_upstream_process_of_their_own_gather() -> None:
 
     remote: Any = object()  # an Upstream's place: only its type is looked at
     local: Any = CoLocated.__new__(CoLocated)
+    local.service = type("Service", (), {"servicer": object()})()  # no concurrency of its own
     upstreams = GatewayUpstreams(
         tokenizer=remote, cache=remote, inference=local, postprocess=remote
     )
@@ -238,6 +239,66 @@ def test_only_stages_with_an_upstream_process_of_their_own_gather() -> None:
     assert stages.postprocess._company is company
     assert stages.infer._company is None
     assert GatewayStages.over(upstreams, 1, 32, lambda m, v: 0).tokenize._company is None
+
+
+def test_a_co_located_inference_gets_as_many_calls_as_it_runs_at_once() -> None:
+    """The co-located inference service's batcher queues and batches itself: the stage keeps
+    as many calls on their way as it has run slots (one per core and one more), so a freed
+    slot takes its next batch from there. Remote stages and the other co-located ones keep
+    the configured number."""
+    import dataclasses
+
+    from hopline.gateway.upstream import CoLocated, GatewayUpstreams
+    from hopline.protos.hopline.inference.v1 import inference_pb2_grpc
+    from hopline.runtime import config as cfg
+    from hopline.runtime.inproc import InProcessService
+    from hopline.services.inference.backend import cores
+    from hopline.services.inference.service import InferenceConfig, InferenceService
+
+    settings = cfg.load(InferenceConfig, [])
+    for workers, slots in ((0, cores() + 1), (5, 5)):
+        servicer = InferenceService(dataclasses.replace(settings, workers=workers))
+        try:
+            assert servicer.concurrency == slots
+            assert servicer.executor._max_workers == slots  # a thread for every run slot
+            local: Any = CoLocated(
+                InProcessService("inference", servicer), inference_pb2_grpc.InferenceServiceStub
+            )
+            remote: Any = object()
+            upstreams = GatewayUpstreams(
+                tokenizer=remote, cache=remote, inference=local, postprocess=remote
+            )
+            stages = GatewayStages.over(upstreams, 1, 32, lambda m, v: 0)
+            assert stages.infer._in_flight == slots
+            assert (stages.tokenize._in_flight, stages.postprocess._in_flight) == (1, 1)
+            assert GatewayStages.over(upstreams, 9, 32, lambda m, v: 0).infer._in_flight == 9
+            far = GatewayUpstreams(
+                tokenizer=remote, cache=remote, inference=remote, postprocess=remote
+            )
+            assert GatewayStages.over(far, 1, 32, lambda m, v: 0).infer._in_flight == 1
+        finally:
+            servicer.executor.shutdown()
+
+
+def test_a_stage_keeps_its_slots_busy_and_queues_the_rest() -> None:
+    """With three slots, three requests go on their way alone at once; the next ones wait
+    for a free slot and then go together."""
+
+    async def scenario() -> None:
+        upstream = Tokenizer()
+        upstream.gate = gate = asyncio.Event()
+        stage = _stage(upstream, in_flight=3)
+        first = [_ask(stage, f"first {i}") for i in range(3)]
+        await until(lambda: len(upstream.calls) == 3)
+        later = [_ask(stage, "later one"), _ask(stage, "later two words")]
+        await asyncio.sleep(0.01)
+        assert upstream.calls == [["first 0"], ["first 1"], ["first 2"]]
+        gate.set()
+        replies = await asyncio.gather(*first, *later)
+        assert upstream.calls[3:] == [["later one", "later two words"]]
+        assert [_ids(r) for r in replies[3:]] == [[5, 3], [5, 3, 5]]
+
+    asyncio.run(scenario())
 
 
 def test_a_bad_row_fails_only_its_own_request() -> None:
