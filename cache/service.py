@@ -30,6 +30,7 @@ from opentelemetry.trace import Link, SpanContext
 
 from hopline.cache.config import CacheConfig, ExactFallback
 from hopline.cache.embedder import Embedder, Vector
+from hopline.cache.entry_bounds import EntryBounds, Group, eviction_size
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
 from hopline.cache.milvus_lite import is_local
@@ -86,6 +87,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.peers: SharedInvalidations | None = None  # other replicas on one Milvus server
         # Deleted a moment ago: hidden from lookups' reads of Milvus, which may lag it.
         self.tombstones = Tombstones(config.tombstone_s)
+        self.bounds = EntryBounds()  # each (tenant, model)'s entry count between Milvus counts
         self.embedder: Embedder | None = None
         self.verifier = Verifier(config.verify_state_path())
         self.counters = dict.fromkeys(
@@ -316,21 +318,34 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                     await self._io_call(self._require_store().delete, invalidated)
                 except CacheStoreError as exc:
                     log.warning("re-deleting invalidated entries failed", extra={"error": str(exc)})
-            await self._evict({(e.scope[0], e.scope[1]): limit for e, _, limit in batch.values()})
+            groups: dict[Group, int] = {}
+            for entry, _, limit in batch.values():
+                group = (entry.scope[0], entry.scope[1])
+                groups[group] = limit
+                self.bounds.wrote(group, 1)
+            await self._evict(groups)
             self._writing = 0
             if self._pending:
                 self._flush_wake.set()
 
-    async def _evict(self, groups: dict[tuple[str, str], int]) -> None:
-        """Oldest first, per (tenant, model): one tenant's traffic never evicts another's."""
+    async def _evict(self, groups: dict[Group, int]) -> None:
+        """Oldest first, per (tenant, model): one tenant's traffic never evicts another's.
+        Milvus is counted and scanned only when the group may be over its bound
+        (cache/entry_bounds.py)."""
         store = self._require_store()
         for (tenant, model), limit in groups.items():
+            now = time.monotonic()
+            if not self.bounds.needs_count((tenant, model), limit, now):
+                continue
             try:
                 count = await self._io_call(store.count, tenant, model)
-                if count <= limit:
+                self.bounds.counted((tenant, model), count, now)
+                if not (excess := eviction_size(count, limit)):
                     continue
-                doomed = await self._io_call(store.oldest, tenant, model, count - limit)
-                self.counters["evictions"] += await self._io_call(store.delete, doomed)
+                doomed = await self._io_call(store.oldest, tenant, model, excess)
+                removed = await self._io_call(store.delete, doomed)
+                self.counters["evictions"] += removed
+                self.bounds.evicted((tenant, model), removed)
                 if self.index is not None:
                     self.index.remove(doomed)
                 self.tombstones.bury(doomed, None, time.monotonic())
