@@ -71,6 +71,35 @@ def colocated_meshes(
             mesh.stop()
 
 
+def paired_windows(
+    target: Mesh,
+    peer: tuple[str, Mesh],
+    repo: Path,
+    rounds: int,
+    duration_s: float,
+    warmup_s: float,
+) -> list[str]:
+    """`hopline bench` arguments for misses through `target` (reported as `mesh`) and a peer
+    mesh (`peer_NAME`), taking turns over `rounds` windows that add up to `duration_s`."""
+    name, other = peer
+    return [
+        "--target",
+        target.gateway,
+        "--peer",
+        f"{name}={other.gateway}",
+        "--mix",
+        "miss",
+        "--model-repo",
+        str(repo),
+        "--rounds",
+        str(rounds),
+        "--duration",
+        f"{duration_s / rounds:g}",
+        "--warmup",
+        f"{warmup_s:g}",
+    ]
+
+
 def shared_embedding_scenario(
     model_repo: Path,
     work: Path,
@@ -88,22 +117,9 @@ def shared_embedding_scenario(
         UNSHARED: {"HOPLINE_GATEWAY_SHARE_EMBEDDINGS": "false", **budget},
     }
     with colocated_meshes(repo, work, envs) as meshes:
-        common = [
-            "--target",
-            meshes[SHARED].gateway,
-            "--peer",
-            f"{UNSHARED}={meshes[UNSHARED].gateway}",
-            "--mix",
-            "miss",
-            "--model-repo",
-            str(repo),
-            "--rounds",
-            str(rounds),
-            "--duration",
-            f"{duration_s / rounds:g}",
-            "--warmup",
-            f"{warmup_s:g}",
-        ]
+        common = paired_windows(
+            meshes[SHARED], (UNSHARED, meshes[UNSHARED]), repo, rounds, duration_s, warmup_s
+        )
         sc = {
             "semantic_miss_c1": bench_once(
                 *common, "--concurrency", "1", "--baseline", "echo,inprocess"

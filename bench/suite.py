@@ -23,7 +23,10 @@ too (runtime/service_table.py:Topology). It measures, one scenario after the oth
    round's exporting window against its own off window.
 9. A semantic policy's misses with the cache lookup's embedding shared with the model's head
    against not (bench/shared_embedding.py), co-located, concurrency 1 and 32, alternated.
-10. Where ONNX Runtime runs CUDA (the `gpu` extra on a GPU machine): CPU against CUDA, FP32
+10. Misses at concurrency 32 through a co-located mesh whose cache is full (prefilled to the
+    default model's bound, so every store evicts) against one whose cache is empty
+    (bench/full_cache.py), alternated.
+11. Where ONNX Runtime runs CUDA (the `gpu` extra on a GPU machine): CPU against CUDA, FP32
     against FP16 and INT8 (bench/providers.py), model compute and the co-located mesh's miss
     path at concurrency 1 and 32; elsewhere the document says why it was not measured.
 
@@ -54,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from hopline.bench.cli import bench_once as bench
+from hopline.bench.full_cache import full_cache_scenario, full_cache_targets
 from hopline.bench.ghz import GHZ_DEFAULT, ghz_beside_bench
 from hopline.bench.hop_split import hop_label
 from hopline.bench.load import MAX_LATENCY_GROWTH
@@ -288,6 +292,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     sc["precision_ab"] = precision_scenario(args.model_repo, work / "precision")
     sc.update(tracing_scenario(args.model_repo, work / "tracing"))
     sc.update(shared_embedding_scenario(args.model_repo, work / "shared-embedding"))
+    sc.update(full_cache_scenario(args.model_repo, work / "full-cache"))
     if why := cuda_unavailable():
         doc["not_measured"] = {"gpu_providers": why}
     else:
@@ -352,6 +357,7 @@ def check_targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
             row(f"{key}: |bench p50 - ghz p50| <= 10% of ghz", r, 0.10, r <= 0.10, "share")
     rows += tracing_targets(sc)
     rows += shared_embedding_targets(sc)
+    rows += full_cache_targets(sc)
     rows += providers_targets(sc)
     for key in ("peer_c32", "peer_open"):
         t = sc.get(key, {}).get("targets", {})
