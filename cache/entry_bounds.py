@@ -16,6 +16,9 @@ work about 12% more) and a co-located mesh's misses at 32 callers fell from 322-
 - a scope over its bound gives up its oldest down to `HEADROOM` below the bound (1%, none
   under 100 entries), so the scan for the oldest runs once per that many stores, not on
   every write.
+
+Past PRUNE_AT groups (many tenants) the counts older than `refresh_s`, which would be taken
+again anyway, are dropped, so memory follows the groups written lately.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import dataclasses
 Group = tuple[str, str]  # tenant, model
 HEADROOM = 0.01  # of the bound, evicted beyond what it takes to get back under it
 COUNT_REFRESH_S = 10.0
+PRUNE_AT = 1024  # groups held before the stale counts are dropped
 
 
 @dataclasses.dataclass(slots=True)
@@ -51,6 +55,11 @@ class EntryBounds:
     def __init__(self, refresh_s: float = COUNT_REFRESH_S) -> None:
         self.refresh_s = refresh_s
         self._counts: dict[Group, _Count] = {}
+        self._prune_at = PRUNE_AT
+
+    def __len__(self) -> int:
+        """Groups whose count is held."""
+        return len(self._counts)
 
     def wrote(self, group: Group, rows: int) -> None:
         """`rows` stored into the group (new or replacing an entry)."""
@@ -64,6 +73,11 @@ class EntryBounds:
 
     def counted(self, group: Group, entries: int, now: float) -> None:
         self._counts[group] = _Count(entries, now)
+        if len(self._counts) > self._prune_at:
+            # A count past `refresh_s` is taken again anyway: with many tenants, only the
+            # groups written lately are held.
+            self._counts = {g: c for g, c in self._counts.items() if now - c.at < self.refresh_s}
+            self._prune_at = max(PRUNE_AT, 2 * len(self._counts))
 
     def evicted(self, group: Group, rows: int) -> None:
         if (count := self._counts.get(group)) is not None:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from hopline.cache.entry_bounds import HEADROOM, EntryBounds, eviction_size
+from hopline.cache.entry_bounds import HEADROOM, PRUNE_AT, EntryBounds, eviction_size
 
 GROUP = ("tenant", "model")
 
@@ -28,3 +28,13 @@ def test_a_scope_is_counted_first_then_when_it_may_be_over_or_its_count_is_old()
     # Another replica's writes are not seen here: the count is taken again once it is old.
     assert bounds.needs_count(GROUP, 100, now=11.0)
     assert bounds.needs_count(("other", "model"), 100, now=2.0)
+
+
+def test_with_many_tenants_only_the_groups_counted_lately_are_held() -> None:
+    bounds = EntryBounds(refresh_s=10.0)
+    for i in range(PRUNE_AT):
+        bounds.counted((f"tenant-{i}", "model"), 1, now=0.0)
+    bounds.counted(GROUP, 1, now=20.0)  # one more: the stale ones go
+    assert len(bounds) == 1
+    assert not bounds.needs_count(GROUP, 100, now=21.0)
+    assert bounds.needs_count(("tenant-0", "model"), 100, now=21.0)
