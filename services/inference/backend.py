@@ -61,6 +61,12 @@ class OnnxRuntimeBackend:
         return dict(zip(names, results, strict=True))
 
 
+# A run alone takes every core only while fewer than NARROW_FROM of the last COMPANY_WINDOW
+# or so runs (a moving average) ran beside another: see SideBySideBackend.
+COMPANY_WINDOW = 32
+NARROW_FROM = 0.25
+
+
 class SideBySideBackend:
     """Every core for a run alone, one core each for runs side by side (threads 0 on CPU).
 
@@ -74,17 +80,34 @@ class SideBySideBackend:
     threads wake fast (4.5 vs 7.0 ms on an earlier stop's machine).
 
     Two sessions of the version: the inference service's RSS with the default FP32 model
-    was 292 MB against 187 MB with one session. A run takes the wide one
-    when no other run of this version is in progress, else the narrow one; a run that starts
-    beside a wide one shares its cores until it ends."""
+    was 292 MB against 187 MB with one session. A run takes the wide one when no other run
+    of this version is in progress and few recent runs had company (`narrow_from`), else the
+    narrow one. A run that starts beside a wide one shares its cores until it ends, and a
+    wide run's threads wait for each other at every operator, so a wide run with company is
+    the slowest run there is: under Poisson arrivals at 230 rps through the co-located mesh
+    (Intel Xeon VM, 2 cores), 16% of runs started alone and took the wide session (1.1
+    rows on average), and those took 8.1 ms of wall time a row, against 2.0-2.9 ms for a
+    batch-1 run on every core left alone (docs/performance.md) and 5.1 ms for a one-core run
+    with company. `narrow_from` keeps the wide session for runs that stay alone (a closed
+    loop of one never has company) and gives it up while arrivals keep runs side by side.
+    Against the rule before (a run alone always wide), meshes side by side, alternated 10 s
+    rounds: c=32 misses 318.5 -> 328.5 rps (median of 4 rounds, higher in 3, level in 1) and
+    299.8 -> 306.3 (6 rounds, higher in 5), the gateway's CPU a request lower in 5 of 6;
+    Poisson arrivals at 230 rps, p50 and p99 within the rounds' noise in two runs of 4, the
+    CPU a request lower in 6 of 8 rounds and level in 2."""
 
-    def __init__(self, config: ModelConfig, *, spin: Spin = Spin.OFF) -> None:
+    def __init__(
+        self, config: ModelConfig, *, spin: Spin = Spin.OFF, narrow_from: float = NARROW_FROM
+    ) -> None:
         self.config = config
         self.wide = OnnxRuntimeBackend(config, 0, spin=spin)
         self.narrow = OnnxRuntimeBackend(config, 1, providers=self.wide.providers)
         self.providers = self.wide.providers
         self._lock = threading.Lock()
         self._running = 0
+        self._started = 0  # runs started, to tell whether another started during a run
+        self.company = 0.0  # the share of recent runs that had company (moving average)
+        self.narrow_from = narrow_from
         self.wide_runs = 0  # counted for tests and stats: which session answered
         self.narrow_runs = 0
 
@@ -95,16 +118,21 @@ class SideBySideBackend:
     def run(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
         with self._lock:
             self._running += 1
-            alone = self._running == 1
-            if alone:
+            self._started += 1
+            started = self._started
+            beside = self._running > 1
+            wide = not beside and self.company < self.narrow_from
+            if wide:
                 self.wide_runs += 1
             else:
                 self.narrow_runs += 1
         try:
-            return (self.wide if alone else self.narrow).run(inputs, outputs)
+            return (self.wide if wide else self.narrow).run(inputs, outputs)
         finally:
             with self._lock:
                 self._running -= 1
+                had_company = beside or self._started > started
+                self.company += (float(had_company) - self.company) / COMPANY_WINDOW
 
 
 def cores() -> int:

@@ -1,6 +1,7 @@
 """services/inference/backend.py:SideBySideBackend: a run alone takes the session with every
 core, a run that starts while another is in progress takes the one-core session, and both
-answer the same. Real ONNX Runtime sessions of the default model."""
+answer the same; while recent runs had company, a run alone takes one core too. Real ONNX
+Runtime sessions of the default model."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from conftest import BATCH_TEXTS, DEFAULT_MODEL
 from hopline.model.repository import load_config
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.services.inference.backend import (
+    COMPANY_WINDOW,
+    NARROW_FROM,
     Array,
     OnnxRuntimeBackend,
     SideBySideBackend,
@@ -71,3 +74,38 @@ def test_threads_zero_on_the_cpu_is_side_by_side(default_repo: Path) -> None:
     assert isinstance(fixed, OnnxRuntimeBackend)
     assert run_slots(0) == cores() + 1  # one more than the cores: see run_slots
     assert run_slots(3) == 3
+
+
+def test_a_run_alone_takes_one_core_while_recent_runs_had_company(default_repo: Path) -> None:
+    """Under load a run that happens to start alone is soon joined, and a wide run with
+    company is the slowest kind: it takes the one-core session until runs are alone again."""
+    backend = SideBySideBackend(load_config(default_repo / DEFAULT_MODEL / "1"))
+    long, short = _inputs(default_repo, 32), _inputs(default_repo, 1)
+    for _ in range(3):  # a closed loop of one never has company
+        backend.run(short, [])
+    assert (backend.wide_runs, backend.narrow_runs, backend.company) == (3, 0, 0.0)
+
+    first = threading.Thread(target=backend.run, args=(long, []))
+    first.start()
+    deadline = time.monotonic() + 10
+    while backend.wide_runs < 4:
+        assert time.monotonic() < deadline, "the long run never started"
+        time.sleep(0.001)
+    beside = 0
+    while beside < 12 and first.is_alive():
+        backend.run(short, [])
+        beside += 1
+    first.join()
+    assert beside == 12, f"the long run ended after {beside} runs beside it"
+    # 13 runs with company in a row (the long one and the 12 beside it).
+    assert backend.company >= NARROW_FROM
+
+    backend.run(short, [])  # alone, but runs have just had company: one core
+    assert (backend.wide_runs, backend.narrow_runs) == (4, 13)
+    alone = 0
+    while backend.company >= NARROW_FROM:  # alone again: the share falls run by run
+        backend.run(short, [])
+        alone += 1
+        assert alone <= 4 * COMPANY_WINDOW, "runs alone never brought the wide session back"
+    backend.run(short, [])
+    assert backend.wide_runs == 5
