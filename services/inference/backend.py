@@ -81,14 +81,14 @@ class SideBySideBackend:
 
     Two sessions of the version: the inference service's RSS with the default FP32 model
     was 292 MB against 187 MB with one session. A run takes the wide one when no other run
-    of this version is in progress and few recent runs had company (`narrow_from`), else the
+    of this version is in progress and few recent runs had company (`NARROW_FROM`), else the
     narrow one. A run that starts beside a wide one shares its cores until it ends, and a
     wide run's threads wait for each other at every operator, so a wide run with company is
     the slowest run there is: under Poisson arrivals at 230 rps through the co-located mesh
     (Intel Xeon VM, 2 cores), 16% of runs started alone and took the wide session (1.1
     rows on average), and those took 8.1 ms of wall time a row, against 2.0-2.9 ms for a
     batch-1 run on every core left alone (docs/performance.md) and 5.1 ms for a one-core run
-    with company. `narrow_from` keeps the wide session for runs that stay alone (a closed
+    with company. `NARROW_FROM` keeps the wide session for runs that stay alone (a closed
     loop of one never has company) and gives it up while arrivals keep runs side by side.
     Against the rule before (a run alone always wide), meshes side by side, alternated 10 s
     rounds: c=32 misses 318.5 -> 328.5 rps (median of 4 rounds, higher in 3, level in 1) and
@@ -96,9 +96,7 @@ class SideBySideBackend:
     Poisson arrivals at 230 rps, p50 and p99 within the rounds' noise in two runs of 4, the
     CPU a request lower in 6 of 8 rounds and level in 2."""
 
-    def __init__(
-        self, config: ModelConfig, *, spin: Spin = Spin.OFF, narrow_from: float = NARROW_FROM
-    ) -> None:
+    def __init__(self, config: ModelConfig, *, spin: Spin = Spin.OFF) -> None:
         self.config = config
         self.wide = OnnxRuntimeBackend(config, 0, spin=spin)
         self.narrow = OnnxRuntimeBackend(config, 1, providers=self.wide.providers)
@@ -107,7 +105,6 @@ class SideBySideBackend:
         self._running = 0
         self._started = 0  # runs started, to tell whether another started during a run
         self.company = 0.0  # the share of recent runs that had company (moving average)
-        self.narrow_from = narrow_from
         self.wide_runs = 0  # counted for tests and stats: which session answered
         self.narrow_runs = 0
 
@@ -121,7 +118,7 @@ class SideBySideBackend:
             self._started += 1
             started = self._started
             beside = self._running > 1
-            wide = not beside and self.company < self.narrow_from
+            wide = not beside and self.company < NARROW_FROM
             if wide:
                 self.wide_runs += 1
             else:
