@@ -82,14 +82,17 @@ class SideBySideBackend:
     Two sessions of the version: the inference service's RSS with the default FP32 model
     was 292 MB against 187 MB with one session. A run takes the wide one when no other run
     of this version is in progress and few recent runs had company (`NARROW_FROM`), else the
-    narrow one. A run that starts beside a wide one shares its cores until it ends, and a
-    wide run's threads wait for each other at every operator, so a wide run with company is
-    the slowest run there is: under Poisson arrivals at 230 rps through the co-located mesh
-    (Intel Xeon VM, 2 cores), 16% of runs started alone and took the wide session (1.1
-    rows on average), and those took 8.1 ms of wall time a row, against 2.0-2.9 ms for a
-    batch-1 run on every core left alone (docs/performance.md) and 5.1 ms for a one-core run
-    with company. `NARROW_FROM` keeps the wide session for runs that stay alone (a closed
-    loop of one never has company) and gives it up while arrivals keep runs side by side.
+    narrow one. A run that starts beside a wide one shares its cores until it ends, while
+    the wide run's two threads wait for each other at every operator (spinning, with
+    `HOPLINE_INFERENCE_SPIN=run`), so under load the every-core session buys a run little
+    time and costs a second thread's CPU: under Poisson arrivals at 230 rps through the
+    co-located mesh (Intel Xeon VM, 2 cores), 16% of runs started alone and took the wide
+    session (1.1 rows on average); they took 8.1 ms of wall time a row and their calling
+    thread alone 4.2 ms of CPU a row (the second thread was not counted), where one-row runs
+    on one core beside others took 9.7 ms and 5.4 ms of CPU, and a batch-1 run on every core
+    left alone takes 2.0-2.9 ms (docs/performance.md). `NARROW_FROM` keeps the wide session
+    for runs that stay alone (a closed loop of one never has company) and gives it up while
+    arrivals keep runs side by side.
     Against the rule before (a run alone always wide), meshes side by side, alternated 10 s
     rounds: c=32 misses 318.5 -> 328.5 rps (median of 4 rounds, higher in 3, level in 1) and
     299.8 -> 306.3 (6 rounds, higher in 5), the gateway's CPU a request lower in 5 of 6;
