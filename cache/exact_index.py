@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
+from itertools import islice
 from typing import Final
 
 from hopline.cache.store import Entry, Scope, ScopeFilter
@@ -47,7 +48,8 @@ class ExactIndex:
         self.max_entries = max_entries
         # Put order, oldest first: the order in which the whole-index bound drops entries.
         self._entries: OrderedDict[str, Row] = OrderedDict()
-        self._groups: dict[Group, set[str]] = {}
+        # Each (tenant, model)'s keys in put order, oldest first: the order eviction takes.
+        self._groups: dict[Group, dict[str, None]] = {}
         # (expires_at, key), lazily cleaned: a replaced or removed entry leaves a stale item
         # that `expire` skips; compacted when stale items outnumber live ones.
         self._expiry: list[tuple[float, str]] = []
@@ -73,9 +75,10 @@ class ExactIndex:
     def put(self, entry: Entry) -> list[str]:
         """Insert or replace; returns the keys dropped to stay within `max_entries`."""
         key = entry.key
+        if key in self._entries:  # a replacement is as new as a first put
+            self._drop(key)
         self._entries[key] = _row(entry)
-        self._entries.move_to_end(key)
-        self._groups.setdefault(_group(entry.scope), set()).add(key)
+        self._groups.setdefault(_group(entry.scope), {})[key] = None
         heapq.heappush(self._expiry, (entry.expires_at, key))
         dropped: list[str] = []
         while len(self._entries) > self.max_entries:
@@ -133,11 +136,17 @@ class ExactIndex:
     def count(self, tenant: str, model: str) -> int:
         return len(self._groups.get((tenant, model), ()))
 
+    def oldest(self, tenant: str, model: str, n: int) -> list[str]:
+        """The keys of (tenant, model)'s `n` entries put longest ago. Entries are put in the
+        order their batched writes reach Milvus, and a rebuild loads them by `created_at`, so
+        this is the store's oldest-first order but within one write batch."""
+        return list(islice(self._groups.get((tenant, model), ()), n))
+
     def _drop(self, key: str) -> None:
         group = _group(self._entries.pop(key)[SCOPE])
         keys = self._groups.get(group)
         if keys is not None:
-            keys.discard(key)
+            keys.pop(key, None)
             if not keys:
                 del self._groups[group]
 

@@ -15,14 +15,15 @@ import base64
 import contextlib
 import dataclasses
 import enum
+import heapq
 import json
 import logging
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -54,6 +55,7 @@ _MAX_TEXT = 65_535  # Milvus VARCHAR limit, in bytes
 CONSISTENCY = "Strong"
 RECLAIM_MIN_DEAD = 1000  # below this many deleted rows a reclaim is not worth its copy
 LIVE_PAGE = 2000  # rows per page when the exact index is rebuilt (Milvus caps one at 16384)
+T = TypeVar("T")
 _SCALARS = (
     "scope_key",
     "tenant_key",
@@ -324,7 +326,18 @@ class MilvusStore:
 
     def live(self, now: float, page: int = LIVE_PAGE) -> list[Entry]:
         """Every live entry's scalar fields (no vectors), in pages: the exact index's rebuild."""
-        found: list[Entry] = []
+        return self._scan(f"expires_at > {now!r}", ["id", *_SCALARS], _entry, page)
+
+    def _scan(
+        self,
+        expression: str,
+        fields: list[str],
+        each: Callable[[dict[str, Any]], T],
+        page: int = LIVE_PAGE,
+    ) -> list[T]:
+        """`each` of every row matching `expression`, read in pages: a plain query returns at
+        most 16,384 rows (Milvus's result window, milvus-lite's too), whatever it matches."""
+        found: list[T] = []
         with self._gate.call():
             if self._client is None:
                 raise CacheStoreError("the cache store is closed")
@@ -332,14 +345,14 @@ class MilvusStore:
                 pages = self._client.query_iterator(
                     self.collection,
                     batch_size=page,
-                    filter=f"expires_at > {now!r}",
-                    output_fields=["id", *_SCALARS],
+                    filter=expression,
+                    output_fields=fields,
                     consistency_level=CONSISTENCY,
                     timeout=self.timeout_s,
                 )
                 try:
                     while rows := pages.next():
-                        found.extend(_entry(row) for row in rows)
+                        found.extend(each(row) for row in rows)
                 finally:
                     pages.close()
             except (self._exc, grpc.RpcError) as exc:
@@ -371,14 +384,9 @@ class MilvusStore:
         return int(rows[0]["count(*)"])
 
     def oldest(self, tenant: str, model: str, n: int) -> list[str]:
-        rows = self._call(
-            "query",
-            filter=ScopeFilter(tenant, model).expression(),
-            output_fields=["id", "created_at"],
-            consistency_level=CONSISTENCY,
-        )
-        rows.sort(key=lambda r: (r["created_at"], r["id"]))
-        return [str(r["id"]) for r in rows[:n]]
+        expression = ScopeFilter(tenant, model).expression()
+        ages = self._scan(expression, ["id", "created_at"], lambda r: (r["created_at"], r["id"]))
+        return [str(key) for _, key in heapq.nsmallest(n, ages)]
 
     # -- writes ---------------------------------------------------------------------------
 

@@ -1,13 +1,15 @@
-"""A scope at its entry bound keeps its newest entries without counting and scanning Milvus
-on every write (cache/entry_bounds.py): a real CacheService over a real milvus-lite file,
-its store's count and oldest-scan calls counted as they pass."""
+"""A scope at its entry bound keeps its newest entries without counting Milvus on every write
+(cache/entry_bounds.py) or scanning it for the oldest while the exact index holds them all: a
+real CacheService over a real milvus-lite file, its store's count and oldest-scan calls
+counted as they pass."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from cache_service import cache, lookup, run, store, written
+import pytest
+from cache_service import cache, lookup, run, scope, store, written
 
 from hopline.cache.entry_bounds import HEADROOM
 from hopline.protos.hopline.cache.v1 import cache_pb2
@@ -31,28 +33,46 @@ def counting(obj: Any, name: str, calls: dict[str, int]) -> None:
     setattr(obj, name, counted)
 
 
-def test_a_full_scope_evicts_its_oldest_a_headroom_at_a_time(tmp_path: Path) -> None:
+@pytest.mark.parametrize("index_room", [None, LIMIT // 2], ids=["index-holds-all", "index-small"])
+def test_a_full_scope_evicts_its_oldest_a_headroom_at_a_time(
+    tmp_path: Path, index_room: int | None
+) -> None:
+    """With the exact index holding every entry of the scope, the oldest are taken from it
+    and Milvus is never scanned for them; with an index too small to hold the scope, Milvus
+    is scanned once per eviction. Either way the newest entries are the ones kept."""
+
     async def body() -> None:
-        async with cache(tmp_path / "cache.db") as (service, stub):
+        room = {} if index_room is None else {"exact_index_max_entries": index_room}
+        async with cache(tmp_path / "cache.db", **room) as (service, stub):
             calls = {"count": 0, "oldest": 0}
             for name in calls:
                 counting(service.store, name, calls)
             texts = [f"entry number {i} about my parcel" for i in range(STORES)]
+            ids = []
             for text in texts:  # one write each: the old rule counted Milvus after every one
-                await store(stub, text, max_entries=LIMIT)
+                ids.append(await store(stub, text, max_entries=LIMIT))
                 await written(stub)
             stats = await stub.GetStats(cache_pb2.GetStatsRequest())
             kept = stats.entries
             assert LIMIT - int(LIMIT * HEADROOM) <= kept <= LIMIT, kept
             assert stats.evictions == STORES - kept
-            # One count and one scan per HEADROOM + 1 writes past the bound, and one count
-            # per write only while the scope is unknown (its first write).
+            # One count per HEADROOM + 1 writes past the bound, and one count per write
+            # only while the scope is unknown (its first write).
             over = STORES - LIMIT
-            per_eviction = int(LIMIT * HEADROOM) + 1
-            assert calls["oldest"] <= over // per_eviction + 1, calls
-            assert calls["count"] <= calls["oldest"] + 2 + STORES // 100, calls
-            outcomes = [(await lookup(stub, t)).outcome for t in texts]
-            assert set(outcomes[: STORES - kept]) == {MISS}
-            assert set(outcomes[STORES - kept :]) == {EXACT}
+            evictions = over // (int(LIMIT * HEADROOM) + 1) + 1
+            assert calls["count"] <= evictions + 2 + STORES // 100, calls
+            scans = service.counters["eviction_scans"]
+            assert calls["oldest"] == scans, (calls, scans)
+            if index_room is None:
+                assert scans == 0
+            else:
+                assert 1 <= scans <= evictions
+            assert service.store is not None
+            held = service.store.oldest(scope().tenant, scope().model, STORES)
+            assert set(held) == set(ids[STORES - kept :])
+            if index_room is None:  # an exact-only lookup reads the index alone
+                outcomes = [(await lookup(stub, t)).outcome for t in texts]
+                assert set(outcomes[: STORES - kept]) == {MISS}
+                assert set(outcomes[STORES - kept :]) == {EXACT}
 
     run(body)

@@ -82,3 +82,20 @@ def test_load_keeps_the_newest_live_entries() -> None:
     assert index.load([entries[3], dead, entries[0], entries[2], entries[1]], NOW) == 2
     assert [e.key in index for e in entries] == [False, False, True, True]
     assert dead.key not in index
+
+
+def test_oldest_is_per_group_in_put_order_and_a_replacement_is_new() -> None:
+    index = ExactIndex(100)
+    mine = [entry(f"mine {i}") for i in range(5)]
+    theirs = [entry(f"theirs {i}", tenant="other") for i in range(5)]
+    for a, b in zip(mine, theirs, strict=True):
+        index.put(b)  # another tenant's puts interleaved, older each time
+        index.put(a)
+    assert index.oldest("t", "m", 2) == [mine[0].key, mine[1].key]
+    index.put(mine[0])  # stored again: now the newest
+    index.remove([mine[1].key])
+    assert index.oldest("t", "m", 3) == [mine[2].key, mine[3].key, mine[4].key]
+    assert index.oldest("t", "m", 10)[-1] == mine[0].key
+    assert index.oldest("other", "m", 1) == [theirs[0].key]
+    assert index.oldest("nobody", "m", 5) == []
+    assert index.count("t", "m") == 4
