@@ -26,7 +26,7 @@ def scope(tenant: str = "idx", model: str = "m") -> common_pb2.Scope:
 
 @asynccontextmanager
 async def cache(db: Path | str, **config: Any) -> AsyncIterator[tuple[CacheService, Any]]:
-    service = CacheService(CacheConfig(uri=str(db), flush_interval_ms=1.0, **config))
+    service = CacheService(CacheConfig(**{"uri": str(db), "flush_interval_ms": 1.0, **config}))
     server = grpc.aio.server()
     service.register(server)
     port = server.add_insecure_port("127.0.0.1:0")

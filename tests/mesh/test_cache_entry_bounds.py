@@ -76,3 +76,48 @@ def test_a_full_scope_evicts_its_oldest_a_headroom_at_a_time(
                 assert set(outcomes[STORES - kept :]) == {EXACT}
 
     run(body)
+
+
+def test_the_scopes_over_their_bounds_after_one_write_share_one_delete(tmp_path: Path) -> None:
+    """milvus-lite's delete costs about the same for one id as for thousands, so every
+    scope's victims of one batched write go in one call."""
+    bound, tenants = 40, ("a", "b", "c")
+
+    def stores(tenant: str, texts: range) -> cache_pb2.StoreBatchRequest:
+        return cache_pb2.StoreBatchRequest(
+            stores=[
+                cache_pb2.StoreRequest(
+                    scope=scope(tenant),
+                    text=f"{tenant} text {i}",
+                    prediction=common_pb2.Prediction(label="x", score=0.9),
+                    mode="exact",
+                    max_entries=bound,
+                )
+                for i in texts
+            ]
+        )
+
+    async def body() -> None:
+        # The default flush interval, so that one StoreBatch is one batched write.
+        async with cache(tmp_path / "cache.db", flush_interval_ms=300.0) as (service, stub):
+            calls = {"delete": 0}
+            for tenant in tenants:  # each scope at its bound, no eviction yet
+                await stub.StoreBatch(stores(tenant, range(bound)), timeout=10)
+                await written(stub)
+            counting(service.store, "delete", calls)
+            batch = cache_pb2.StoreBatchRequest(
+                stores=[s for t in tenants for s in stores(t, range(bound, bound + 1)).stores]
+            )
+            await stub.StoreBatch(batch, timeout=10)
+            await written(stub)
+            assert calls["delete"] == 1
+            victims = 1 + int(bound * HEADROOM)
+            assert service.counters["evictions"] == victims * len(tenants)
+            for tenant in tenants:
+                outcomes = [
+                    (await lookup(stub, f"{tenant} text {i}", scope=scope(tenant))).outcome
+                    for i in range(bound + 1)
+                ]
+                assert outcomes == [MISS] * victims + [EXACT] * (bound + 1 - victims), tenant
+
+    run(body)
