@@ -10,6 +10,7 @@ changes the GEMM shapes: at most 5e-7 in the logits, measured on the default mod
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -84,7 +85,43 @@ class BatchedModel:
         )
 
     async def infer(self, request: ModelRequest) -> tuple[dict[str, Array], BatchInfo]:
-        return await self.batcher.submit(request, request.rows, request.length)
+        """The request's outputs and how it ran. One with more rows than a run takes
+        (`dynamic_batching.max_batch_size`) goes in parts of at most that many, side by side
+        in the run slots, and is answered when the last part is (`_in_parts`)."""
+        most = self.batcher.policy.max_batch_size
+        if request.rows <= most:
+            return await self.batcher.submit(request, request.rows, request.length)
+        return await self._in_parts(request, most)
+
+    async def _in_parts(
+        self, request: ModelRequest, most: int
+    ) -> tuple[dict[str, Array], BatchInfo]:
+        parts = [
+            dataclasses.replace(
+                request,
+                inputs={name: a[start : start + most] for name, a in request.inputs.items()},
+                rows=min(most, request.rows - start),
+            )
+            for start in range(0, request.rows, most)
+        ]
+        runs = [asyncio.ensure_future(self.batcher.submit(p, p.rows, p.length)) for p in parts]
+        try:
+            done = await asyncio.gather(*runs)
+        except BaseException:  # a part refused (a full queue) or the caller gone: none runs on
+            for run in runs:
+                run.cancel()
+            raise
+        outputs = {
+            name: np.concatenate([out[name] for out, _ in done], axis=0) for name in done[0][0]
+        }
+        infos = [info for _, info in done]
+        info = BatchInfo(
+            min(i.enqueued_ns for i in infos),
+            min(i.started_ns for i in infos),
+            max(i.finished_ns for i in infos),
+            max(i.rows for i in infos),
+        )
+        return outputs, info
 
     def _run(self, requests: list[ModelRequest]) -> list[dict[str, Array]]:
         wanted: list[str] = []

@@ -22,10 +22,12 @@ import pytest
 from conftest import DEFAULT_MODEL
 from harness import Mesh
 from hopline.gateway.client import predict
+from hopline.model.build import CPU_RUN_ROWS
 from hopline.model.providers import parse_providers
 from hopline.model.session import make_session
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.runtime.batching import DEFAULT_MAX_BATCH
 
 pytestmark = pytest.mark.slow
 
@@ -91,6 +93,7 @@ def test_an_int8_build_is_quantized_checked_and_published(repo: Path) -> None:
     cfg = config(repo, "2")
     assert cfg["precision"] == "int8"
     assert cfg["providers"] == ["cpu"]
+    assert cfg["dynamic_batching"]["max_batch_size"] == CPU_RUN_ROWS  # a CPU version's runs
     check = _check_figures(cfg)
     assert check["heldout_labels_changed"] < check["texts"]  # a count, not a placeholder
     version = repo / DEFAULT_MODEL / "2"
@@ -112,6 +115,7 @@ def test_an_fp16_build_holds_fp16_weights_and_asks_for_gpus(repo: Path) -> None:
         "cuda",
         "cpu",
     ]
+    assert cfg["dynamic_batching"]["max_batch_size"] == DEFAULT_MAX_BATCH  # a GPU's runs
     _check_figures(cfg)
     # The check ran where the version runs (CPU here; CUDA on a GPU machine), not on CPU always.
     path = repo / DEFAULT_MODEL / "3" / "model.onnx"

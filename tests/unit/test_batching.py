@@ -6,6 +6,7 @@ gRPC, is tests/mesh/test_batching_service.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ import pytest
 from conftest import BATCH_TEXTS, DEFAULT_MODEL
 from hopline.model.repository import load_config
 from hopline.model.tokenizer import encode, load_tokenizer
-from hopline.runtime.batching import BatchingPolicy, DynamicBatcher, QueueFullError
+from hopline.runtime.batching import BatchInfo, BatchingPolicy, DynamicBatcher, QueueFullError
 from hopline.services.inference.backend import Array, OnnxRuntimeBackend
 from hopline.services.inference.batched_model import BatchedModel, ModelRequest
 
@@ -162,3 +163,78 @@ def test_a_lone_request_that_gives_up_mid_run_holds_its_slot_until_the_run_ends(
             return waiting, output
 
     assert asyncio.run(scenario()) == (1, "B")
+
+
+def _small_runs(backend: OnnxRuntimeBackend, rows: int, queue: int) -> None:
+    """The backend's version taking at most `rows` rows a run and `queue` waiting rows."""
+    batching = dataclasses.replace(
+        backend.config.batching, max_batch_size=rows, max_queue_size=queue
+    )
+    backend.config = dataclasses.replace(backend.config, batching=batching)
+
+
+def test_a_request_larger_than_a_run_runs_in_parts_with_the_same_answers(
+    default_repo: Path,
+) -> None:
+    """Ten rows where a run takes four: three runs (4, 4, 2), side by side in the slots, and
+    the outputs of one run of all ten, in order."""
+    backend, _ = _requests(default_repo)
+    tokenizer = load_tokenizer(backend.config.file("tokenizer"), 256)
+    batch = encode(tokenizer, BATCH_TEXTS[:10])
+    inputs: dict[str, Array] = {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+    }
+    request = ModelRequest(inputs, (), 10, int(batch.input_ids.shape[1]))
+    whole: dict[str, npt.NDArray[Any]] = backend.run(inputs, [])
+    _small_runs(backend, rows=4, queue=64)
+
+    async def in_parts() -> tuple[dict[str, Any], BatchInfo, list[int]]:
+        with ThreadPoolExecutor(max_workers=3) as executor:
+            model = BatchedModel(backend, executor, max_in_flight=3)
+            sizes: list[int] = []
+            model.batcher._on_batch = sizes.append
+            try:
+                outputs, info = await model.infer(request)
+            finally:
+                await model.close()
+        return outputs, info, sizes
+
+    outputs, info, sizes = asyncio.run(in_parts())
+    assert sorted(sizes) == [2, 4, 4]
+    assert info.rows == 4
+    assert set(outputs) == set(whole)
+    for name, value in whole.items():
+        assert outputs[name].shape == value.shape, name
+        np.testing.assert_allclose(outputs[name], value, atol=1e-5, rtol=0)
+
+
+def test_a_request_whose_part_is_refused_leaves_no_part_queued(default_repo: Path) -> None:
+    """Parts are queued one by one; when the queue refuses one, the request is refused
+    (QueueFullError: RESOURCE_EXHAUSTED at the service) and its parts still waiting never
+    run."""
+    backend, _ = _requests(default_repo)
+    tokenizer = load_tokenizer(backend.config.file("tokenizer"), 256)
+    batch = encode(tokenizer, BATCH_TEXTS[:10])
+    inputs: dict[str, Array] = {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+    }
+    _small_runs(backend, rows=4, queue=4)
+
+    async def refused() -> tuple[int, list[int]]:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            model = BatchedModel(backend, executor, max_in_flight=1)
+            sizes: list[int] = []
+            model.batcher._on_batch = sizes.append
+            try:
+                with pytest.raises(QueueFullError):
+                    await model.infer(ModelRequest(inputs, (), 10, int(batch.input_ids.shape[1])))
+                await asyncio.sleep(0.5)  # the first part, already running, ends
+                return model.batcher.waiting_rows, sizes
+            finally:
+                await model.close()
+
+    waiting, sizes = asyncio.run(refused())
+    assert waiting == 0
+    assert sizes == [4]  # the first part had started; the second, queued, never ran
