@@ -55,6 +55,9 @@ _MAX_TEXT = 65_535  # Milvus VARCHAR limit, in bytes
 CONSISTENCY = "Strong"
 RECLAIM_MIN_DEAD = 1000  # below this many deleted rows a reclaim is not worth its copy
 LIVE_PAGE = 2000  # rows per page when the exact index is rebuilt (Milvus caps one at 16384)
+# Rows per page of the scan for a scope's oldest (two short fields a row): on 94,500 rows in
+# milvus-lite 1.0-1.1 s in pages of 2,000, 0.36-0.38 s in pages of 16,000.
+AGES_PAGE = 16_000
 T = TypeVar("T")
 _SCALARS = (
     "scope_key",
@@ -385,7 +388,9 @@ class MilvusStore:
 
     def oldest(self, tenant: str, model: str, n: int) -> list[str]:
         expression = ScopeFilter(tenant, model).expression()
-        ages = self._scan(expression, ["id", "created_at"], lambda r: (r["created_at"], r["id"]))
+        ages = self._scan(
+            expression, ["id", "created_at"], lambda r: (r["created_at"], r["id"]), AGES_PAGE
+        )
         return [str(key) for _, key in heapq.nsmallest(n, ages)]
 
     # -- writes ---------------------------------------------------------------------------
