@@ -165,6 +165,16 @@ def test_a_lone_request_that_gives_up_mid_run_holds_its_slot_until_the_run_ends(
     assert asyncio.run(scenario()) == (1, "B")
 
 
+def _ten_rows(backend: OnnxRuntimeBackend) -> ModelRequest:
+    tokenizer = load_tokenizer(backend.config.file("tokenizer"), 256)
+    batch = encode(tokenizer, BATCH_TEXTS[:10])
+    inputs: dict[str, Array] = {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+    }
+    return ModelRequest(inputs, (), 10, int(batch.input_ids.shape[1]))
+
+
 def _small_runs(backend: OnnxRuntimeBackend, rows: int, queue: int) -> None:
     """The backend's version taking at most `rows` rows a run and `queue` waiting rows."""
     batching = dataclasses.replace(
@@ -179,14 +189,8 @@ def test_a_request_larger_than_a_run_runs_in_parts_with_the_same_answers(
     """Ten rows where a run takes four: three runs (4, 4, 2), side by side in the slots, and
     the outputs of one run of all ten, in order."""
     backend, _ = _requests(default_repo)
-    tokenizer = load_tokenizer(backend.config.file("tokenizer"), 256)
-    batch = encode(tokenizer, BATCH_TEXTS[:10])
-    inputs: dict[str, Array] = {
-        "input_ids": batch.input_ids,
-        "attention_mask": batch.attention_mask,
-    }
-    request = ModelRequest(inputs, (), 10, int(batch.input_ids.shape[1]))
-    whole: dict[str, npt.NDArray[Any]] = backend.run(inputs, [])
+    request = _ten_rows(backend)
+    whole: dict[str, npt.NDArray[Any]] = backend.run(request.inputs, [])
     _small_runs(backend, rows=4, queue=64)
 
     async def in_parts() -> tuple[dict[str, Any], BatchInfo, list[int]]:
@@ -214,12 +218,7 @@ def test_a_request_whose_part_is_refused_leaves_no_part_queued(default_repo: Pat
     (QueueFullError: RESOURCE_EXHAUSTED at the service) and its parts still waiting never
     run."""
     backend, _ = _requests(default_repo)
-    tokenizer = load_tokenizer(backend.config.file("tokenizer"), 256)
-    batch = encode(tokenizer, BATCH_TEXTS[:10])
-    inputs: dict[str, Array] = {
-        "input_ids": batch.input_ids,
-        "attention_mask": batch.attention_mask,
-    }
+    request = _ten_rows(backend)
     _small_runs(backend, rows=4, queue=4)
 
     async def refused() -> tuple[int, list[int]]:
@@ -229,8 +228,11 @@ def test_a_request_whose_part_is_refused_leaves_no_part_queued(default_repo: Pat
             model.batcher._on_batch = sizes.append
             try:
                 with pytest.raises(QueueFullError):
-                    await model.infer(ModelRequest(inputs, (), 10, int(batch.input_ids.shape[1])))
-                await asyncio.sleep(0.5)  # the first part, already running, ends
+                    await model.infer(request)
+                # The scheduler lets go of the cancelled part once the first part's run has
+                # ended and the loop has taken the slot back.
+                await asyncio.to_thread(executor.shutdown, True)
+                await asyncio.sleep(0.1)
                 return model.batcher.waiting_rows, sizes
             finally:
                 await model.close()
