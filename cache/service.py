@@ -383,8 +383,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         """The group's `n` oldest from the exact index, when it holds every entry Milvus just
         counted for the group; None when only Milvus can say.
 
-        Scanning Milvus for them reads every row's id and age: 70-90 ms for a 100,000-entry
-        group in milvus-lite, once per `HEADROOM` of stores (cache/entry_bounds.py). The
+        Scanning Milvus for them reads every row's id and age, in pages: 0.36-0.38 s for a
+        94,500-entry group in milvus-lite, once per `HEADROOM` of stores. The
         index holds what this process wrote and rebuilt but for the index bound's drops,
         expired entries and stores still on their way, so equal counts mean the same
         entries. Over a shared Milvus server (`peers`) other replicas write too: Milvus is
