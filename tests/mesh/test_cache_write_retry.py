@@ -1,0 +1,135 @@
+"""A batched write Milvus fails is written again, not dropped: the real CacheService (real
+milvus-lite file, real gRPC server, in this process so its store and index can be looked at).
+
+One stand-in: `MilvusStore.upsert` is wrapped so that its first call writes the rows and then
+raises, as a write whose client timed out after Milvus had applied it (a real milvus-lite
+cannot be made to time out one chosen call while it keeps serving the others)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from cache_service import cache, lookup, run, scope, store, written
+
+from hopline.cache.service import WRITE_ROWS, CacheService
+from hopline.cache.store import CacheStoreError, Entry, MilvusStore
+from hopline.protos.hopline.cache.v1 import cache_pb2
+from hopline.protos.hopline.common.v1 import common_pb2
+
+EXACT = common_pb2.CACHE_OUTCOME_EXACT
+
+
+def first_write_lands_then_fails(
+    service: CacheService, before_landing: Callable[[], None] = lambda: None
+) -> list[list[str]]:
+    """The store's first upsert runs `before_landing`, writes its rows and raises; later ones
+    write. Returns the keys of every upsert, in order."""
+    assert isinstance(service.store, MilvusStore)
+    real = service.store.upsert
+    calls: list[list[str]] = []
+
+    def upsert(rows: Sequence[tuple[Entry, Any]]) -> None:
+        calls.append([entry.key for entry, _ in rows])
+        if len(calls) > 1:
+            real(rows)
+            return
+        before_landing()
+        real(rows)
+        raise CacheStoreError("Milvus at test: timed out after the write landed (test)")
+
+    service.store.upsert = upsert  # type: ignore[method-assign]
+    return calls
+
+
+async def milvus_count(service: CacheService, tenant: str) -> int:
+    assert service.store is not None
+    return await asyncio.to_thread(service.store.count, tenant, "m")
+
+
+def test_a_write_milvus_failed_is_written_again_and_indexed(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cache(tmp_path / "cache.db") as (service, stub):
+            calls = first_write_lands_then_fails(service)
+            retry = scope(tenant="retry")
+            keys = [await store(stub, f"retried {i}", scope=retry) for i in range(3)]
+            await written(stub)
+            stats = await stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+            assert (stats.write_retries, stats.store_errors) == (1, 0)
+            # The failed write's rows were in a later write again.
+            assert set(calls[0]) <= {key for call in calls[1:] for key in call}
+            # Written again and indexed: exact hits from memory, each entry once in Milvus.
+            assert service.index is not None
+            assert all(key in service.index for key in keys)
+            for i in range(3):
+                hit = await lookup(stub, f"retried {i}", scope=retry)
+                assert hit.outcome == EXACT
+            assert await milvus_count(service, "retry") == 3
+
+    run(body)
+
+
+def test_an_entry_invalidated_during_a_failed_write_is_deleted_again(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cache(tmp_path / "cache.db") as (service, stub):
+            writing, invalidated = threading.Event(), threading.Event()
+
+            def hold() -> None:
+                writing.set()
+                invalidated.wait(10)
+
+            first_write_lands_then_fails(service, hold)
+            doomed = await store(stub, "invalidated in flight", scope=scope(tenant="gone"))
+            kept = await store(stub, "kept in flight", scope=scope(tenant="gone"))
+            assert await asyncio.to_thread(writing.wait, 10)  # the write waits in its thread
+            await stub.Invalidate(cache_pb2.InvalidateRequest(entry_ids=[doomed]), timeout=10)
+            # The write lands after the invalidation's delete, then reports a failure.
+            invalidated.set()
+            await written(stub)
+            deadline = time.monotonic() + 10
+            while (count := await milvus_count(service, "gone")) != 1:
+                assert time.monotonic() < deadline, f"{count} entries in Milvus: resurrected"
+                await asyncio.sleep(0.05)
+            assert service.index is not None
+            assert doomed not in service.index
+            assert kept in service.index
+            missed = await lookup(stub, "invalidated in flight", scope=scope(tenant="gone"))
+            assert missed.outcome != EXACT
+
+    run(body)
+
+
+def test_a_backlog_is_written_in_bounded_writes(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cache(tmp_path / "cache.db", flush_interval_ms=50.0) as (service, stub):
+            assert isinstance(service.store, MilvusStore)
+            real = service.store.upsert
+            sizes: list[int] = []
+
+            def upsert(rows: Sequence[tuple[Entry, Any]]) -> None:
+                sizes.append(len(rows))
+                real(rows)
+
+            service.store.upsert = upsert  # type: ignore[method-assign]
+            requests = [
+                cache_pb2.StoreRequest(
+                    scope=scope(tenant="backlog"),
+                    text=f"backlog {i}",
+                    prediction=common_pb2.Prediction(label="order_status"),
+                    mode="exact",
+                )
+                for i in range(WRITE_ROWS + 300)
+            ]
+            # Two calls inside one flush interval: one backlog over WRITE_ROWS.
+            for part in (requests[:WRITE_ROWS], requests[WRITE_ROWS:]):
+                await stub.StoreBatch(cache_pb2.StoreBatchRequest(stores=part), timeout=30)
+            await written(stub)
+            assert sum(sizes) == WRITE_ROWS + 300
+            assert max(sizes) == WRITE_ROWS
+            assert await milvus_count(service, "backlog") == WRITE_ROWS + 300
+
+    run(body)
