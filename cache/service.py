@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Sequence
@@ -31,7 +32,7 @@ from opentelemetry.trace import Link, SpanContext
 
 from hopline.cache.config import CacheConfig, ExactFallback
 from hopline.cache.embedder import Embedder, Vector
-from hopline.cache.entry_bounds import EntryBounds, Group, eviction_size
+from hopline.cache.entry_bounds import COUNT_REFRESH_S, EntryBounds, Group, eviction_size
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
 from hopline.cache.milvus_lite import is_local
@@ -99,7 +100,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.peers: SharedInvalidations | None = None  # other replicas on one Milvus server
         # Deleted a moment ago: hidden from lookups' reads of Milvus, which may lag it.
         self.tombstones = Tombstones(config.tombstone_s)
-        self.bounds = EntryBounds()  # each (tenant, model)'s entry count between Milvus counts
+        # Each (tenant, model)'s entry count between Milvus counts; on a milvus-lite file,
+        # written by this cache alone, never counted again only because it is old.
+        self.bounds = EntryBounds(math.inf if is_local(config.uri) else COUNT_REFRESH_S)
         self.embedder: Embedder | None = None
         self.verifier = Verifier(config.verify_state_path())
         self.counters = dict.fromkeys(

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from hopline.cache.entry_bounds import HEADROOM, PRUNE_AT, EntryBounds, eviction_size
 
 GROUP = ("tenant", "model")
@@ -38,3 +40,21 @@ def test_with_many_tenants_only_the_groups_counted_lately_are_held() -> None:
     assert len(bounds) == 1
     assert not bounds.needs_count(GROUP, 100, now=21.0)
     assert bounds.needs_count(("tenant-0", "model"), 100, now=21.0)
+
+
+def test_one_writer_counts_again_only_past_the_bound() -> None:
+    bounds = EntryBounds(refresh_s=math.inf)  # a milvus-lite file: no other replica writes
+    bounds.counted(GROUP, 90, now=0.0)
+    bounds.wrote(GROUP, 10)
+    assert not bounds.needs_count(GROUP, 100, now=1e6)
+    bounds.wrote(GROUP, 1)
+    assert bounds.needs_count(GROUP, 100, now=1e6)
+
+
+def test_with_no_refresh_many_tenants_keep_the_latest_counted_half() -> None:
+    bounds = EntryBounds(refresh_s=math.inf)
+    for i in range(PRUNE_AT + 1):
+        bounds.counted((f"tenant-{i}", "model"), 1, now=float(i))
+    assert len(bounds) == PRUNE_AT // 2
+    assert not bounds.needs_count((f"tenant-{PRUNE_AT}", "model"), 100, now=1e6)
+    assert bounds.needs_count(("tenant-0", "model"), 100, now=1e6)  # counted again when written
