@@ -7,6 +7,7 @@ why a start failed, and stops the server when the store closes.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -53,6 +54,29 @@ def logs_beside(db: Path) -> None:
     logs = db.resolve().parent / f"{db.name}.logs"
     logs.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault(_GLOG_DIR, str(logs))
+
+
+class _NoSessionTimestamp(logging.Filter):
+    """Drops pymilvus's "failed to get mvccTs from milvus server" warning.
+
+    milvus-lite 2.5.1 answers a query iterator's first call without a session timestamp, so
+    pymilvus 2.5 warned at every iterator the cache opened (the start-up rebuild of the exact
+    index, every paged scan) and read at the client's clock instead, which over one writer's
+    file reads every row written before it. A server that sends none still warns: the filter
+    goes on only where milvus-lite is opened, the one store of a cache process."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("failed to get mvccTs")
+
+
+_ITERATOR_LOGGER = "pymilvus.client.iterator.query_iterator"
+
+
+def quiet_iterator_timestamps() -> None:
+    """Installs `_NoSessionTimestamp` on pymilvus's query-iterator logger (once)."""
+    logger = logging.getLogger(_ITERATOR_LOGGER)
+    if not any(isinstance(f, _NoSessionTimestamp) for f in logger.filters):
+        logger.addFilter(_NoSessionTimestamp())
 
 
 def start_failure(db: Path, reason: str, waited_s: float) -> str:

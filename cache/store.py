@@ -235,6 +235,7 @@ class MilvusStore:
         except lite.NotADatabase as exc:
             raise CacheStoreError(str(exc)) from exc
         lite.logs_beside(path)  # only once the path is known to be a database's
+        lite.quiet_iterator_timestamps()
         # milvus-lite gives its server 0.5 s, then pymilvus fails at once if the socket is not
         # there yet: on a loaded machine the server binds later (CI: one cache start failed so).
         # Its server keeps starting, so the client is asked again until the start budget ends.
