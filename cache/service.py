@@ -45,6 +45,7 @@ from hopline.cache.store import (
     MilvusStore,
     Scope,
     ScopeFilter,
+    scope_problem,
 )
 from hopline.cache.tombstones import Tombstones
 from hopline.cache.verifier import Verifier, policy_of
@@ -79,6 +80,9 @@ STORE_BATCH_MAX = 1024  # stores in one StoreBatch (cache.proto says so)
 WRITE_ROWS = 1024
 WRITE_RETRY_MIN_S = 0.5
 WRITE_RETRY_MAX_S = 10.0
+# A store whose writes failed this many times is dropped (`store_errors`): a row Milvus keeps
+# refusing must not hold every store behind it, oldest first, for ever.
+MAX_WRITE_ATTEMPTS = 5
 
 
 def _weights_dir() -> Path:
@@ -136,6 +140,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self._writing = 0  # entries of the batch being written and bounded right now
         # Invalidated while a write of them was in flight, to be deleted from Milvus again.
         self._redelete: set[str] = set()
+        self._attempts: dict[str, int] = {}  # failed writes of a pending store, when any
         # Embeddings of recent semantic lookups: the store that follows a miss reuses the
         # lookup's vector instead of running the encoder a second time for the same text.
         self._recent: OrderedDict[str, Vector] = OrderedDict()
@@ -348,18 +353,21 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 if self._pending.get(key) is item:
                     del self._pending[key]
                     self._store_spans.pop(key, None)
+                    self._attempts.pop(key, None)
             return None
         except CacheStoreError as exc:
             # A write that timed out may have landed all the same: invalidated meanwhile,
             # its keys are deleted again below, the rest are written again (an upsert).
             self.counters["write_retries"] += 1
             self._redelete.update(k for k in batch if k not in self._pending)
+            self._failed_again(batch)
             await self._delete_again()
             return str(exc)
         for key, item in batch.items():
             if self._pending.get(key) is item:  # a newer store of the same key stays queued
                 del self._pending[key]
                 self._store_spans.pop(key, None)
+                self._attempts.pop(key, None)
                 if self.index is not None:
                     self.feed.let_go(self.index.put(item[0]))
             elif key not in self._pending:
@@ -374,6 +382,29 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             self.bounds.wrote(group, 1)
         await self._evict(groups)
         return None
+
+    def _failed_again(self, batch: dict[str, tuple[Entry, Vector, int]]) -> None:
+        """Counts a failed write for each of the batch's stores still pending, and drops
+        those that failed MAX_WRITE_ATTEMPTS times."""
+        dropped = []
+        for key, item in batch.items():
+            if self._pending.get(key) is not item:
+                continue
+            attempts = self._attempts.get(key, 0) + 1
+            if attempts < MAX_WRITE_ATTEMPTS:
+                self._attempts[key] = attempts
+                continue
+            del self._pending[key]
+            self._attempts.pop(key, None)
+            self._store_spans.pop(key, None)
+            dropped.append(key)
+        if dropped:
+            self.counters["store_errors"] += len(dropped)
+            self.feed.let_go(dropped)
+            log.error(
+                "cache stores dropped: Milvus failed every write of them",
+                extra={"entries": len(dropped), "attempts": MAX_WRITE_ATTEMPTS},
+            )
 
     async def _delete_again(self) -> None:
         """Deletes the keys invalidated while a write of them was in flight; kept for the
@@ -705,6 +736,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             scope = scope_tuple(request.scope)
         except ScopeError as exc:
             return _refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if problem := scope_problem(scope):
+            return _refused(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if not request.text.strip():
             return _refused(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
         if request.ttl_s < 0 or request.max_entries < 0:
@@ -753,6 +786,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             expires_at=now + (request.ttl_s or self.config.default_ttl_s),
         )
         self._pending[key] = (entry, vector, limit)
+        self._attempts.pop(key, None)  # a new store of the key starts afresh
         self.feed.held(key, scope)
         self._store_spans[key] = trace.get_current_span().get_span_context()
         self._flush_wake.set()
@@ -790,6 +824,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             if key in ids or (scope is not None and scope.matches(entry.scope)):
                 del self._pending[key]
                 self._store_spans.pop(key, None)
+                self._attempts.pop(key, None)
         self._unindex(ids, scope)  # no lookup is answered from memory after this point
         self.tombstones.bury(ids, scope, time.monotonic())  # nor from a lagging read
         store = self._require_store()
@@ -830,6 +865,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             if key in ids or (scope is not None and scope.matches(entry.scope)):
                 del self._pending[key]
                 self._store_spans.pop(key, None)
+                self._attempts.pop(key, None)
         self._unindex(ids, scope)
         self.tombstones.bury(ids, scope, time.monotonic())
         self.feed.publish(event)

@@ -50,6 +50,7 @@ Vector = npt.NDArray[np.float32]
 Scope = tuple[str, str, str, str]  # tenant, model, version, canonical parameters
 
 _MAX_TEXT = 65_535  # Milvus VARCHAR limit, in bytes
+SCOPE_NAME_MAX = 256  # bytes of a tenant, model or version name the collection holds
 # Reads off the request path see every acknowledged write: eviction must count what is really
 # there, a store must know which keys exist. Lookups choose (LookupConsistency).
 CONSISTENCY = "Strong"
@@ -275,7 +276,7 @@ class MilvusStore:
         for name in ("scope_key", "tenant_key", "model_key", "version_key"):
             schema.add_field(name, dt.VARCHAR, max_length=64)
         for name in ("tenant", "model", "model_version"):
-            schema.add_field(name, dt.VARCHAR, max_length=256)
+            schema.add_field(name, dt.VARCHAR, max_length=SCOPE_NAME_MAX)
         for name in ("params", "text", "response"):
             schema.add_field(name, dt.VARCHAR, max_length=_MAX_TEXT)
         schema.add_field("created_at", dt.DOUBLE)
@@ -582,11 +583,24 @@ def _deleted(result: Any) -> int:
     return len(result)
 
 
+def scope_problem(scope: Scope) -> str:
+    """Why the collection cannot hold `scope`'s names ('' when it can): Milvus refuses a row
+    whose VARCHAR is over its field's length, and would refuse every write that carried it."""
+    for field, value in zip(("tenant", "model", "model_version"), scope[:3], strict=True):
+        if len(value.encode("utf-8")) > SCOPE_NAME_MAX:
+            return f"scope {field} is over {SCOPE_NAME_MAX} bytes"
+    if len(scope[3].encode("utf-8")) > _MAX_TEXT:
+        return f"scope parameters are over {_MAX_TEXT} bytes"
+    return ""
+
+
 def _row(entry: Entry, vector: Vector) -> dict[str, Any]:
     tenant, model, version, params = entry.scope
     response = base64.b64encode(entry.response).decode("ascii")
     if len(response) > _MAX_TEXT or len(entry.text.encode("utf-8")) > _MAX_TEXT:
         raise ValueError("entry too large for the cache store")
+    if problem := scope_problem(entry.scope):
+        raise ValueError(problem)
     return {
         "id": _hex(entry.key),
         "vector": vector.astype(np.float32).tolist(),

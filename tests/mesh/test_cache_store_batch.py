@@ -55,6 +55,27 @@ def test_each_store_in_a_batch_is_accepted_or_refused_on_its_own(tmp_path: Path)
     run(body)
 
 
+def test_a_scope_name_the_collection_cannot_hold_is_refused_not_written(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with cache(tmp_path / "cache.db") as (_, stub):
+            long_tenant = scope(tenant="t" * 257)  # the collection's names hold 256 bytes
+            batch = [request("where is my parcel"), request("reset my password")]
+            batch[1].scope.CopyFrom(long_tenant)
+            reply = await stub.StoreBatch(cache_pb2.StoreBatchRequest(stores=batch), timeout=10)
+            kept, refused = reply.results
+            assert not kept.code
+            assert grpc.StatusCode.INVALID_ARGUMENT.value[0] == refused.code
+            assert refused.message == "scope tenant is over 256 bytes"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await store(stub, "reset my password", scope=long_tenant)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # Milvus would have refused the row, and with it the write of its batch-mates.
+            await written(stub)
+            assert (await lookup(stub, "where is my parcel")).outcome == EXACT
+
+    run(body)
+
+
 def test_a_batch_past_its_bound_is_refused_whole(tmp_path: Path) -> None:
     async def body() -> None:
         async with cache(tmp_path / "cache.db") as (service, stub):

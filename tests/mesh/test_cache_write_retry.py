@@ -1,9 +1,10 @@
 """A batched write Milvus fails is written again, not dropped: the real CacheService (real
 milvus-lite file, real gRPC server, in this process so its store and index can be looked at).
 
-One stand-in: `MilvusStore.upsert` is wrapped so that its first call writes the rows and then
-raises, as a write whose client timed out after Milvus had applied it (a real milvus-lite
-cannot be made to time out one chosen call while it keeps serving the others)."""
+Stand-ins: `MilvusStore.upsert` is wrapped so that its first call writes the rows and then
+raises, as a write whose client timed out after Milvus had applied it, or so that it fails
+every write carrying one chosen row (a real milvus-lite cannot be made to time out or refuse
+one chosen call while it keeps serving the others)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from cache_service import cache, lookup, run, scope, store, written
 
-from hopline.cache.service import WRITE_ROWS, CacheService
+from hopline.cache import service as service_module
+from hopline.cache.service import MAX_WRITE_ATTEMPTS, WRITE_ROWS, CacheService
 from hopline.cache.store import CacheStoreError, Entry, MilvusStore
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -131,5 +134,41 @@ def test_a_backlog_is_written_in_bounded_writes(tmp_path: Path) -> None:
             assert sum(sizes) == WRITE_ROWS + 300
             assert max(sizes) == WRITE_ROWS
             assert await milvus_count(service, "backlog") == WRITE_ROWS + 300
+
+    run(body)
+
+
+def test_a_store_milvus_keeps_refusing_is_dropped_and_holds_nothing_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(service_module, "WRITE_RETRY_MIN_S", 0.02)
+    monkeypatch.setattr(service_module, "WRITE_RETRY_MAX_S", 0.05)
+
+    async def body() -> None:
+        async with cache(tmp_path / "cache.db") as (service, stub):
+            assert isinstance(service.store, MilvusStore)
+            real = service.store.upsert
+
+            def upsert(rows: Sequence[tuple[Entry, Any]]) -> None:
+                if any(entry.text == "refused every time" for entry, _ in rows):
+                    raise CacheStoreError("Milvus at test: refuses this row (test)")
+                real(rows)
+
+            service.store.upsert = upsert  # type: ignore[method-assign]
+            poison = scope(tenant="poison")
+            await store(stub, "refused every time", scope=poison)
+            deadline = time.monotonic() + 10
+            while not service.counters["write_retries"]:
+                assert time.monotonic() < deadline, "the write never failed"
+                await asyncio.sleep(0.005)
+            # Stored behind it: written once the refused store is given up.
+            await store(stub, "written after", scope=poison)
+            await written(stub)
+            stats = await stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+            assert stats.store_errors == 1
+            assert stats.write_retries >= MAX_WRITE_ATTEMPTS
+            assert (await lookup(stub, "written after", scope=poison)).outcome == EXACT
+            assert (await lookup(stub, "refused every time", scope=poison)).outcome != EXACT
+            assert await milvus_count(service, "poison") == 1
 
     run(body)
