@@ -351,9 +351,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             log.warning("cache write refused", extra={"error": str(exc), "entries": len(batch)})
             for key, item in batch.items():
                 if self._pending.get(key) is item:
-                    del self._pending[key]
-                    self._store_spans.pop(key, None)
-                    self._attempts.pop(key, None)
+                    self._unpend(key)
             return None
         except CacheStoreError as exc:
             # A write that timed out may have landed all the same: invalidated meanwhile,
@@ -365,9 +363,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             return str(exc)
         for key, item in batch.items():
             if self._pending.get(key) is item:  # a newer store of the same key stays queued
-                del self._pending[key]
-                self._store_spans.pop(key, None)
-                self._attempts.pop(key, None)
+                self._unpend(key)
                 if self.index is not None:
                     self.feed.let_go(self.index.put(item[0]))
             elif key not in self._pending:
@@ -394,9 +390,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             if attempts < MAX_WRITE_ATTEMPTS:
                 self._attempts[key] = attempts
                 continue
-            del self._pending[key]
-            self._attempts.pop(key, None)
-            self._store_spans.pop(key, None)
+            self._unpend(key)
             dropped.append(key)
         if dropped:
             self.counters["store_errors"] += len(dropped)
@@ -405,6 +399,12 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 "cache stores dropped: Milvus failed every write of them",
                 extra={"entries": len(dropped), "attempts": MAX_WRITE_ATTEMPTS},
             )
+
+    def _unpend(self, key: str) -> None:
+        """A pending store leaves the buffer (written, given up, or invalidated)."""
+        del self._pending[key]
+        self._store_spans.pop(key, None)
+        self._attempts.pop(key, None)
 
     async def _delete_again(self) -> None:
         """Deletes the keys invalidated while a write of them was in flight; kept for the
@@ -822,9 +822,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         # Pending entries go first, so the writer cannot resurrect them after the delete.
         for key, (entry, _, _) in list(self._pending.items()):
             if key in ids or (scope is not None and scope.matches(entry.scope)):
-                del self._pending[key]
-                self._store_spans.pop(key, None)
-                self._attempts.pop(key, None)
+                self._unpend(key)
         self._unindex(ids, scope)  # no lookup is answered from memory after this point
         self.tombstones.bury(ids, scope, time.monotonic())  # nor from a lagging read
         store = self._require_store()
@@ -863,9 +861,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         scope = ScopeFilter(s.tenant, s.model, s.model_version) if event.HasField("scope") else None
         for key, (entry, _, _) in list(self._pending.items()):
             if key in ids or (scope is not None and scope.matches(entry.scope)):
-                del self._pending[key]
-                self._store_spans.pop(key, None)
-                self._attempts.pop(key, None)
+                self._unpend(key)
         self._unindex(ids, scope)
         self.tombstones.bury(ids, scope, time.monotonic())
         self.feed.publish(event)
