@@ -45,7 +45,7 @@ from hopline.cache.store import (
     MilvusStore,
     Scope,
     ScopeFilter,
-    scope_problem,
+    row_problem,
 )
 from hopline.cache.tombstones import Tombstones
 from hopline.cache.verifier import Verifier, policy_of
@@ -736,8 +736,6 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             scope = scope_tuple(request.scope)
         except ScopeError as exc:
             return _refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if problem := scope_problem(scope):
-            return _refused(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if not request.text.strip():
             return _refused(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
         if request.ttl_s < 0 or request.max_entries < 0:
@@ -760,6 +758,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             )
         assert self.embedder is not None
         text = normalise_text(request.text)
+        response = request.prediction.SerializeToString()
+        if problem := row_problem(scope, text, response):
+            # Refused here: Milvus would refuse the row, and with it its whole write.
+            return _refused(grpc.StatusCode.INVALID_ARGUMENT, problem)
         vector = self._recent.pop(text, None)
         if request.mode == "exact":
             # Never searched: the gateway looks exact-mode scopes up by key only. A unit
@@ -781,7 +783,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             key=key,
             scope=scope,
             text=text,
-            response=request.prediction.SerializeToString(),
+            response=response,
             created_at=now,
             expires_at=now + (request.ttl_s or self.config.default_ttl_s),
         )

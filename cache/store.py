@@ -583,24 +583,26 @@ def _deleted(result: Any) -> int:
     return len(result)
 
 
-def scope_problem(scope: Scope) -> str:
-    """Why the collection cannot hold `scope`'s names ('' when it can): Milvus refuses a row
-    whose VARCHAR is over its field's length, and would refuse every write that carried it."""
+def row_problem(scope: Scope, text: str, response: bytes) -> str:
+    """Why the collection cannot hold a row of these fields ('' when it can): Milvus refuses a
+    VARCHAR over its field's length, and with it every row of the write that carried it."""
     for field, value in zip(("tenant", "model", "model_version"), scope[:3], strict=True):
         if len(value.encode("utf-8")) > SCOPE_NAME_MAX:
             return f"scope {field} is over {SCOPE_NAME_MAX} bytes"
     if len(scope[3].encode("utf-8")) > _MAX_TEXT:
         return f"scope parameters are over {_MAX_TEXT} bytes"
+    if len(text.encode("utf-8")) > _MAX_TEXT:
+        return f"text is over {_MAX_TEXT} bytes"
+    if len(base64.b64encode(response)) > _MAX_TEXT:
+        return f"the prediction is over {_MAX_TEXT * 3 // 4} bytes serialised"
     return ""
 
 
 def _row(entry: Entry, vector: Vector) -> dict[str, Any]:
     tenant, model, version, params = entry.scope
-    response = base64.b64encode(entry.response).decode("ascii")
-    if len(response) > _MAX_TEXT or len(entry.text.encode("utf-8")) > _MAX_TEXT:
-        raise ValueError("entry too large for the cache store")
-    if problem := scope_problem(entry.scope):
+    if problem := row_problem(entry.scope, entry.text, entry.response):
         raise ValueError(problem)
+    response = base64.b64encode(entry.response).decode("ascii")
     return {
         "id": _hex(entry.key),
         "vector": vector.astype(np.float32).tolist(),

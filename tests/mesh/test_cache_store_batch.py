@@ -55,17 +55,23 @@ def test_each_store_in_a_batch_is_accepted_or_refused_on_its_own(tmp_path: Path)
     run(body)
 
 
-def test_a_scope_name_the_collection_cannot_hold_is_refused_not_written(tmp_path: Path) -> None:
+def test_a_row_the_collection_cannot_hold_is_refused_not_written(tmp_path: Path) -> None:
     async def body() -> None:
         async with cache(tmp_path / "cache.db") as (_, stub):
             long_tenant = scope(tenant="t" * 257)  # the collection's names hold 256 bytes
-            batch = [request("where is my parcel"), request("reset my password")]
+            batch = [
+                request("where is my parcel"),
+                request("reset my password"),
+                request("long " * 13_200),  # 66,000 bytes: over a VARCHAR's 65,535
+            ]
             batch[1].scope.CopyFrom(long_tenant)
             reply = await stub.StoreBatch(cache_pb2.StoreBatchRequest(stores=batch), timeout=10)
-            kept, refused = reply.results
+            kept, refused, too_long = reply.results
             assert not kept.code
             assert grpc.StatusCode.INVALID_ARGUMENT.value[0] == refused.code
             assert refused.message == "scope tenant is over 256 bytes"
+            assert grpc.StatusCode.INVALID_ARGUMENT.value[0] == too_long.code
+            assert too_long.message == "text is over 65535 bytes"
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await store(stub, "reset my password", scope=long_tenant)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
