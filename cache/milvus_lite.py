@@ -7,11 +7,15 @@ why a start failed, and stops the server when the store closes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from hopline.runtime import grpc_io
 
 # Starting milvus-lite's server is a process start, not a call, so it is not bound by the
 # per-call timeout (HOPLINE_CACHE_MILVUS_TIMEOUT_S, 5 s by default): on an idle 2-core
@@ -46,11 +50,40 @@ def check_database_file(path: Path) -> None:
         )
 
 
+@contextlib.contextmanager
+def server_environment(db: Path) -> Iterator[None]:
+    """The environment milvus-lite's server starts with while this is open: pymilvus starts
+    it as a child with this process's environment.
+
+    - Its logs go beside the database file (`logs_beside`).
+    - gRPC's experiments are the operator's own GRPC_EXPERIMENTS. hopline's additions
+      (runtime/grpc_io.py) are for the grpcio this process loaded; the server carries an older
+      gRPC core that does not know `event_engine_listener` and logged "Unknown experiment"
+      as an error at every start. This process's gRPC read the variable when it loaded, so
+      only the child sees the change; the variable is put back afterwards for any process
+      started later.
+    """
+    logs_beside(db)
+    ours = os.environ.get(grpc_io.GRPC_ENV)
+    _set_or_unset(grpc_io.GRPC_ENV, grpc_io.operators_experiments(os.environ) or None)
+    try:
+        yield
+    finally:
+        _set_or_unset(grpc_io.GRPC_ENV, ours)
+
+
+def _set_or_unset(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 def logs_beside(db: Path) -> None:
-    """milvus-lite's server (a child pymilvus starts with this process's environment) logs
-    through glog, which writes a file into /tmp at every start unless told a folder: each
-    cache start left one there. Its logs go beside the database file instead, unless the
-    operator set GLOG_log_dir (`start_failure` names the folder they went to)."""
+    """milvus-lite's server logs through glog, which writes a file into /tmp at every start
+    unless told a folder: each cache start left one there. Its logs go beside the database
+    file instead, unless the operator set GLOG_log_dir (`start_failure` names the folder they
+    went to)."""
     logs = db.resolve().parent / f"{db.name}.logs"
     logs.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault(_GLOG_DIR, str(logs))

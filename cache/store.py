@@ -235,7 +235,6 @@ class MilvusStore:
             lite.check_database_file(path)
         except lite.NotADatabase as exc:
             raise CacheStoreError(str(exc)) from exc
-        lite.logs_beside(path)  # only once the path is known to be a database's
         lite.quiet_iterator_timestamps()
         # milvus-lite gives its server 0.5 s, then pymilvus fails at once if the socket is not
         # there yet: on a loaded machine the server binds later (CI: one cache start failed so).
@@ -243,7 +242,9 @@ class MilvusStore:
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             try:
-                return pymilvus.MilvusClient(self.uri, timeout=self.timeout_s)
+                # Only once the path is known to be a database's.
+                with lite.server_environment(path):
+                    return pymilvus.MilvusClient(self.uri, timeout=self.timeout_s)
             except Exception as exc:  # pymilvus raises many kinds here
                 if lite.starting(path) and time.monotonic() < deadline:
                     time.sleep(lite.START_POLL_S)

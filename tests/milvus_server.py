@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from hopline.cache.store import _quiet_imports
+from hopline.runtime import grpc_io
 from hopline.runtime.launcher import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,8 +76,12 @@ def _lite_command(data: Path, port: int) -> tuple[list[str], dict[str, str]]:
     if spec is None or spec.origin is None:
         raise FileNotFoundError("milvus-lite is not installed (a hopline dependency)")
     lib = Path(spec.origin).parent / "lib"
-    # glog's files go to the server's folder, not /tmp (cache/store.py does the same).
+    # glog's files go to the server's folder, not /tmp, and gRPC's experiments are the
+    # operator's, not hopline's (cache/milvus_lite.py:server_environment says why).
     env = dict(os.environ, LD_LIBRARY_PATH=str(lib), GLOG_log_dir=str(data))
+    env.pop(grpc_io.GRPC_ENV, None)
+    if operators := grpc_io.operators_experiments(os.environ):
+        env[grpc_io.GRPC_ENV] = operators
     return [str(lib / "milvus"), str(data / "milvus.db"), f"127.0.0.1:{port}", "ERROR"], env
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from hopline.cache.store import CacheStoreError, MilvusStore
+from hopline.runtime import grpc_io
 
 
 def fake_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str) -> Path:
@@ -98,3 +99,58 @@ def test_a_server_that_exits_at_once_is_milvus_lites_own_refusal(
     fake_server(tmp_path, monkeypatch, "exit 1")
     with pytest.raises(CacheStoreError, match="another process holds it"):
         open_store(tmp_path / "cache.db")
+
+
+def real_binary() -> Path:
+    spec = importlib.util.find_spec("milvus_lite")
+    assert spec is not None
+    assert spec.origin is not None
+    return Path(spec.origin).parent / "lib"
+
+
+HOPLINES = ",".join(f"-{name}" for name in grpc_io.SOCKET_EXPERIMENTS)
+
+
+@pytest.mark.parametrize(
+    ("operators", "server_gets"),
+    [("", "<unset>"), ("-work_serializer_dispatch", "-work_serializer_dispatch")],
+)
+def test_the_server_starts_with_the_operators_grpc_experiments_not_hoplines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, operators: str, server_gets: str
+) -> None:
+    # As runtime/grpc_io.py leaves the environment of a process hopline runs: the operator's
+    # experiments (if any), then hopline's socket ones, which milvus-lite's gRPC core lacks.
+    written = grpc_io.experiments(operators, grpc_io.GrpcIo.IOMGR)
+    assert HOPLINES in written
+    monkeypatch.setenv(grpc_io.GRPC_ENV, written)
+    monkeypatch.setenv(grpc_io.WRITTEN_ENV, f"{operators}{grpc_io.SEPARATOR}{written}")
+    lib = real_binary()
+    seen = tmp_path / "experiments"
+    fake_server(
+        tmp_path,
+        monkeypatch,
+        f'echo "${{GRPC_EXPERIMENTS-<unset>}}" > {seen}\n'
+        f'LD_LIBRARY_PATH={lib} exec {lib}/milvus "$@"',
+    )
+    store = MilvusStore(str(tmp_path / "cache.db"), "c", 4, timeout_s=5.0)
+    try:
+        assert seen.read_text().strip() == server_gets
+        # This process's own variable is as it was, for whatever it starts later.
+        assert os.environ[grpc_io.GRPC_ENV] == written
+    finally:
+        store.close()
+
+
+def test_the_real_server_logs_no_unknown_grpc_experiment(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # milvus-lite's server writes to this process's stderr; it logged an error line
+    # ("Unknown experiment: event_engine_listener") at every start while it got hopline's.
+    assert HOPLINES in os.environ.get(grpc_io.GRPC_ENV, "")  # hopline's package wrote it
+    store = MilvusStore(str(tmp_path / "cache.db"), "c", 4, timeout_s=5.0)
+    try:
+        assert store.count() == 0
+    finally:
+        store.close()
+    err = capfd.readouterr().err
+    assert "Unknown experiment" not in err, err
