@@ -381,7 +381,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     def _failed_again(self, batch: dict[str, tuple[Entry, Vector, int]]) -> None:
         """Counts a failed write for each of the batch's stores still pending, and drops
-        those that failed MAX_WRITE_ATTEMPTS times."""
+        those that failed MAX_WRITE_ATTEMPTS times. A failed write may have landed (a timeout),
+        so a dropped key the index does not hold is deleted from Milvus again (as an entry
+        invalidated in flight is): the index and Milvus keep the same keys. One the index
+        holds keeps its row, the earlier store's or a landed write of this one's."""
         dropped = []
         for key, item in batch.items():
             if self._pending.get(key) is not item:
@@ -392,6 +395,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 continue
             self._unpend(key)
             dropped.append(key)
+            if self.index is not None and key not in self.index:
+                self._redelete.add(key)
         if dropped:
             self.counters["store_errors"] += len(dropped)
             self.feed.let_go(dropped)
@@ -407,8 +412,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self._attempts.pop(key, None)
 
     async def _delete_again(self) -> None:
-        """Deletes the keys invalidated while a write of them was in flight; kept for the
-        next write when Milvus fails this one too."""
+        """Deletes the keys invalidated while a write of them was in flight, and stores given
+        up after writes that may have landed; kept for the next write when Milvus fails this
+        one too."""
         if not self._redelete:
             return
         keys = list(self._redelete)
@@ -789,6 +795,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         )
         self._pending[key] = (entry, vector, limit)
         self._attempts.pop(key, None)  # a new store of the key starts afresh
+        # Its write replaces whatever an earlier one left in Milvus; a re-delete still waiting
+        # (see _delete_again) would delete it after that write, leaving the index without Milvus.
+        self._redelete.discard(key)
         self.feed.held(key, scope)
         self._store_spans[key] = trace.get_current_span().get_span_context()
         self._flush_wake.set()

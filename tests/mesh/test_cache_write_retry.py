@@ -172,3 +172,81 @@ def test_a_store_milvus_keeps_refusing_is_dropped_and_holds_nothing_back(
             assert await milvus_count(service, "poison") == 1
 
     run(body)
+
+
+def test_a_store_given_up_after_writes_that_landed_is_not_left_in_milvus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each write of the row lands and then reports a failure (timed out, say): once the store
+    # is given up, Milvus must not keep a row the index does not have.
+    monkeypatch.setattr(service_module, "WRITE_RETRY_MIN_S", 0.02)
+    monkeypatch.setattr(service_module, "WRITE_RETRY_MAX_S", 0.05)
+
+    async def body() -> None:
+        async with cache(tmp_path / "cache.db") as (service, stub):
+            assert isinstance(service.store, MilvusStore)
+            real = service.store.upsert
+
+            def upsert(rows: Sequence[tuple[Entry, Any]]) -> None:
+                real(rows)
+                if any(entry.text == "lands and times out" for entry, _ in rows):
+                    raise CacheStoreError("Milvus at test: timed out after the write landed")
+
+            service.store.upsert = upsert  # type: ignore[method-assign]
+            landed = scope(tenant="landed")
+            key = await store(stub, "lands and times out", scope=landed)
+            deadline = time.monotonic() + 10
+            while not service.counters["store_errors"]:
+                assert time.monotonic() < deadline, "the store was never given up"
+                await asyncio.sleep(0.005)
+            await written(stub)
+            assert service.index is not None
+            assert key not in service.index
+            assert await milvus_count(service, "landed") == 0
+
+    run(body)
+
+
+def test_a_key_stored_again_after_a_failed_re_delete_stays_in_milvus(tmp_path: Path) -> None:
+    # An entry invalidated while its write was in flight is deleted again after the write; when
+    # that delete fails it waits for the next write. A new store of the same key meanwhile
+    # replaces the row: deleting it after that write would lose the new store from Milvus
+    # while the index holds it.
+    async def body() -> None:
+        async with cache(tmp_path / "cache.db") as (service, stub):
+            writing, invalidated = threading.Event(), threading.Event()
+
+            def hold() -> None:
+                writing.set()
+                invalidated.wait(10)
+
+            first_write_lands_then_fails(service, hold)
+            assert isinstance(service.store, MilvusStore)
+            real_delete = service.store.delete
+            deletes: list[list[str]] = []
+
+            def delete(keys: Sequence[str]) -> int:
+                deletes.append(list(keys))
+                if len(deletes) == 2:  # the first re-delete (the first is Invalidate's)
+                    raise CacheStoreError("Milvus at test: delete failed (test)")
+                return real_delete(keys)
+
+            service.store.delete = delete  # type: ignore[method-assign]
+            again = scope(tenant="again")
+            key = await store(stub, "invalidated then stored again", scope=again)
+            assert await asyncio.to_thread(writing.wait, 10)
+            await stub.Invalidate(cache_pb2.InvalidateRequest(entry_ids=[key]), timeout=10)
+            invalidated.set()
+            deadline = time.monotonic() + 10
+            while len(deletes) < 2:
+                assert time.monotonic() < deadline, "no re-delete was tried"
+                await asyncio.sleep(0.005)
+            assert await store(stub, "invalidated then stored again", scope=again) == key
+            await written(stub)
+            assert service.index is not None
+            assert key in service.index
+            hit = await lookup(stub, "invalidated then stored again", scope=again)
+            assert hit.outcome == EXACT
+            assert await milvus_count(service, "again") == 1
+
+    run(body)
