@@ -49,6 +49,55 @@ def first_write_lands_then_fails(
     return calls
 
 
+class InvalidatedInFlight:
+    """The store's first upsert waits in its thread until `invalidate` has deleted an entry it
+    carries, then writes its rows and raises (`first_write_lands_then_fails`): the write
+    lands after the invalidation's delete, then reports a failure."""
+
+    def __init__(self, service: CacheService) -> None:
+        self._writing, self._invalidated = threading.Event(), threading.Event()
+        first_write_lands_then_fails(service, self._hold)
+
+    def _hold(self) -> None:
+        self._writing.set()
+        self._invalidated.wait(10)
+
+    async def invalidate(self, stub: Any, key: str) -> None:
+        assert await asyncio.to_thread(self._writing.wait, 10)  # the write waits in its thread
+        await stub.Invalidate(cache_pb2.InvalidateRequest(entry_ids=[key]), timeout=10)
+        self._invalidated.set()
+
+
+def fail_every_write_of(service: CacheService, text: str, *, lands: bool) -> None:
+    """Every upsert carrying `text`'s row raises; with `lands`, after writing its rows (a
+    write whose client timed out after Milvus applied it)."""
+    assert isinstance(service.store, MilvusStore)
+    real = service.store.upsert
+
+    def upsert(rows: Sequence[tuple[Entry, Any]]) -> None:
+        carries = any(entry.text == text for entry, _ in rows)
+        if carries and not lands:
+            raise CacheStoreError("Milvus at test: refuses this row (test)")
+        real(rows)
+        if carries:
+            raise CacheStoreError("Milvus at test: timed out after the write landed (test)")
+
+    service.store.upsert = upsert  # type: ignore[method-assign]
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service_module, "WRITE_RETRY_MIN_S", 0.02)
+    monkeypatch.setattr(service_module, "WRITE_RETRY_MAX_S", 0.05)
+
+
 async def milvus_count(service: CacheService, tenant: str) -> int:
     assert service.store is not None
     return await asyncio.to_thread(service.store.count, tenant, "m")
@@ -79,19 +128,10 @@ def test_a_write_milvus_failed_is_written_again_and_indexed(tmp_path: Path) -> N
 def test_an_entry_invalidated_during_a_failed_write_is_deleted_again(tmp_path: Path) -> None:
     async def body() -> None:
         async with cache(tmp_path / "cache.db") as (service, stub):
-            writing, invalidated = threading.Event(), threading.Event()
-
-            def hold() -> None:
-                writing.set()
-                invalidated.wait(10)
-
-            first_write_lands_then_fails(service, hold)
+            in_flight = InvalidatedInFlight(service)
             doomed = await store(stub, "invalidated in flight", scope=scope(tenant="gone"))
             kept = await store(stub, "kept in flight", scope=scope(tenant="gone"))
-            assert await asyncio.to_thread(writing.wait, 10)  # the write waits in its thread
-            await stub.Invalidate(cache_pb2.InvalidateRequest(entry_ids=[doomed]), timeout=10)
-            # The write lands after the invalidation's delete, then reports a failure.
-            invalidated.set()
+            await in_flight.invalidate(stub, doomed)
             await written(stub)
             deadline = time.monotonic() + 10
             while (count := await milvus_count(service, "gone")) != 1:
@@ -138,29 +178,14 @@ def test_a_backlog_is_written_in_bounded_writes(tmp_path: Path) -> None:
     run(body)
 
 
-def test_a_store_milvus_keeps_refusing_is_dropped_and_holds_nothing_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(service_module, "WRITE_RETRY_MIN_S", 0.02)
-    monkeypatch.setattr(service_module, "WRITE_RETRY_MAX_S", 0.05)
-
+@pytest.mark.usefixtures("quick_retries")
+def test_a_store_milvus_keeps_refusing_is_dropped_and_holds_nothing_back(tmp_path: Path) -> None:
     async def body() -> None:
         async with cache(tmp_path / "cache.db") as (service, stub):
-            assert isinstance(service.store, MilvusStore)
-            real = service.store.upsert
-
-            def upsert(rows: Sequence[tuple[Entry, Any]]) -> None:
-                if any(entry.text == "refused every time" for entry, _ in rows):
-                    raise CacheStoreError("Milvus at test: refuses this row (test)")
-                real(rows)
-
-            service.store.upsert = upsert  # type: ignore[method-assign]
+            fail_every_write_of(service, "refused every time", lands=False)
             poison = scope(tenant="poison")
             await store(stub, "refused every time", scope=poison)
-            deadline = time.monotonic() + 10
-            while not service.counters["write_retries"]:
-                assert time.monotonic() < deadline, "the write never failed"
-                await asyncio.sleep(0.005)
+            await until(lambda: bool(service.counters["write_retries"]), "the write never failed")
             # Stored behind it: written once the refused store is given up.
             await store(stub, "written after", scope=poison)
             await written(stub)
@@ -174,31 +199,16 @@ def test_a_store_milvus_keeps_refusing_is_dropped_and_holds_nothing_back(
     run(body)
 
 
-def test_a_store_given_up_after_writes_that_landed_is_not_left_in_milvus(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("quick_retries")
+def test_a_store_given_up_after_writes_that_landed_is_not_left_in_milvus(tmp_path: Path) -> None:
     # Each write of the row lands and then reports a failure (timed out, say): once the store
     # is given up, Milvus must not keep a row the index does not have.
-    monkeypatch.setattr(service_module, "WRITE_RETRY_MIN_S", 0.02)
-    monkeypatch.setattr(service_module, "WRITE_RETRY_MAX_S", 0.05)
-
     async def body() -> None:
         async with cache(tmp_path / "cache.db") as (service, stub):
-            assert isinstance(service.store, MilvusStore)
-            real = service.store.upsert
-
-            def upsert(rows: Sequence[tuple[Entry, Any]]) -> None:
-                real(rows)
-                if any(entry.text == "lands and times out" for entry, _ in rows):
-                    raise CacheStoreError("Milvus at test: timed out after the write landed")
-
-            service.store.upsert = upsert  # type: ignore[method-assign]
+            fail_every_write_of(service, "lands and times out", lands=True)
             landed = scope(tenant="landed")
             key = await store(stub, "lands and times out", scope=landed)
-            deadline = time.monotonic() + 10
-            while not service.counters["store_errors"]:
-                assert time.monotonic() < deadline, "the store was never given up"
-                await asyncio.sleep(0.005)
+            await until(lambda: bool(service.counters["store_errors"]), "never given up")
             await written(stub)
             assert service.index is not None
             assert key not in service.index
@@ -214,13 +224,7 @@ def test_a_key_stored_again_after_a_failed_re_delete_stays_in_milvus(tmp_path: P
     # while the index holds it.
     async def body() -> None:
         async with cache(tmp_path / "cache.db") as (service, stub):
-            writing, invalidated = threading.Event(), threading.Event()
-
-            def hold() -> None:
-                writing.set()
-                invalidated.wait(10)
-
-            first_write_lands_then_fails(service, hold)
+            in_flight = InvalidatedInFlight(service)
             assert isinstance(service.store, MilvusStore)
             real_delete = service.store.delete
             deletes: list[list[str]] = []
@@ -234,13 +238,8 @@ def test_a_key_stored_again_after_a_failed_re_delete_stays_in_milvus(tmp_path: P
             service.store.delete = delete  # type: ignore[method-assign]
             again = scope(tenant="again")
             key = await store(stub, "invalidated then stored again", scope=again)
-            assert await asyncio.to_thread(writing.wait, 10)
-            await stub.Invalidate(cache_pb2.InvalidateRequest(entry_ids=[key]), timeout=10)
-            invalidated.set()
-            deadline = time.monotonic() + 10
-            while len(deletes) < 2:
-                assert time.monotonic() < deadline, "no re-delete was tried"
-                await asyncio.sleep(0.005)
+            await in_flight.invalidate(stub, key)
+            await until(lambda: len(deletes) >= 2, "no re-delete was tried")
             assert await store(stub, "invalidated then stored again", scope=again) == key
             await written(stub)
             assert service.index is not None
