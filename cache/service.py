@@ -39,6 +39,7 @@ from hopline.cache.milvus_lite import is_local
 from hopline.cache.search_batching import SearchBatcher
 from hopline.cache.shared_invalidations import SharedInvalidations, follow
 from hopline.cache.store import (
+    MAX_TEXT_BYTES,
     CacheStore,
     CacheStoreError,
     Entry,
@@ -508,6 +509,12 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"mode must be 'exact' or 'semantic', got {request.mode!r}",
             )
+        if len(request.text.encode("utf-8")) > MAX_TEXT_BYTES:
+            # No entry can hold it, and a semantic lookup would tokenize all of it.
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"text is over {MAX_TEXT_BYTES} bytes, more than any cache entry holds",
+            )
         semantic = request.mode == "semantic"
         if semantic and not 0.0 < request.threshold <= 1.0:
             await context.abort(
@@ -747,6 +754,12 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         if request.ttl_s < 0 or request.max_entries < 0:
             return _refused(
                 grpc.StatusCode.INVALID_ARGUMENT, "ttl_s and max_entries must not be negative"
+            )
+        if not math.isfinite(request.ttl_s):
+            # NaN never expires and is never served, yet counts against the tenant's bound.
+            return _refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ttl_s must be a finite number of seconds (0: the default), got {request.ttl_s}",
             )
         if not request.prediction.label:
             return _refused(

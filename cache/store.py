@@ -49,7 +49,7 @@ log = logging.getLogger("hopline.cache.store")
 Vector = npt.NDArray[np.float32]
 Scope = tuple[str, str, str, str]  # tenant, model, version, canonical parameters
 
-_MAX_TEXT = 65_535  # Milvus VARCHAR limit, in bytes
+MAX_TEXT_BYTES = 65_535  # Milvus VARCHAR limit, in bytes
 SCOPE_NAME_MAX = 256  # bytes of a tenant, model or version name the collection holds
 # Reads off the request path see every acknowledged write: eviction must count what is really
 # there, a store must know which keys exist. Lookups choose (LookupConsistency).
@@ -279,7 +279,7 @@ class MilvusStore:
         for name in ("tenant", "model", "model_version"):
             schema.add_field(name, dt.VARCHAR, max_length=SCOPE_NAME_MAX)
         for name in ("params", "text", "response"):
-            schema.add_field(name, dt.VARCHAR, max_length=_MAX_TEXT)
+            schema.add_field(name, dt.VARCHAR, max_length=MAX_TEXT_BYTES)
         schema.add_field("created_at", dt.DOUBLE)
         schema.add_field("expires_at", dt.DOUBLE)
         index = self._client.prepare_index_params()
@@ -590,12 +590,12 @@ def row_problem(scope: Scope, text: str, response: bytes) -> str:
     for field, value in zip(("tenant", "model", "model_version"), scope[:3], strict=True):
         if len(value.encode("utf-8")) > SCOPE_NAME_MAX:
             return f"scope {field} is over {SCOPE_NAME_MAX} bytes"
-    if len(scope[3].encode("utf-8")) > _MAX_TEXT:
-        return f"scope parameters are over {_MAX_TEXT} bytes"
-    if len(text.encode("utf-8")) > _MAX_TEXT:
-        return f"text is over {_MAX_TEXT} bytes"
-    if len(base64.b64encode(response)) > _MAX_TEXT:
-        return f"the prediction is over {_MAX_TEXT * 3 // 4} bytes serialised"
+    if len(scope[3].encode("utf-8")) > MAX_TEXT_BYTES:
+        return f"scope parameters are over {MAX_TEXT_BYTES} bytes"
+    if len(text.encode("utf-8")) > MAX_TEXT_BYTES:
+        return f"text is over {MAX_TEXT_BYTES} bytes"
+    if len(base64.b64encode(response)) > MAX_TEXT_BYTES:
+        return f"the prediction is over {MAX_TEXT_BYTES * 3 // 4} bytes serialised"
     return ""
 
 

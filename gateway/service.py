@@ -274,9 +274,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         """One Predict; raises a StatusError (RequestError, IdentityError or HopError)."""
         started = time.perf_counter()
         metrics.GATEWAY_REQUESTS.inc()
+        # Who is asking first: a caller without a key learns nothing about the request.
+        tenant = self.tenants.resolve(request.tenant, metadata)
         self.check_text(request.text)
         check_cache_mode(request.cache_mode)
-        tenant = self.tenants.resolve(request.tenant, metadata)
         info = await self.resolve_model(
             request.model or self.config.default_model, request.model_version
         )

@@ -36,6 +36,12 @@ def load_tokenizer(path: Path, max_length: int = DEFAULT_MAX_LENGTH) -> Tokenize
     return configure(Tokenizer.from_file(str(path)), max_length)
 
 
+def vocab_size(path: Path) -> int:
+    """How many token ids the tokenizer file at `path` gives out (ids 0 to n - 1): the rows of
+    the model's word embedding table, which fails a run on any other id."""
+    return int(Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True))
+
+
 def encode(tokenizer: Tokenizer, texts: list[str]) -> Batch:
     """Tokenize `texts` together, padded to the longest of them."""
     encodings = tokenizer.encode_batch(texts)

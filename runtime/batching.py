@@ -104,6 +104,11 @@ class _Item(Generic[In, Out]):
     future: asyncio.Future[tuple[Out, BatchInfo]]
 
 
+def _fail(item: _Item[Any, Any], exc: BaseException) -> None:
+    if not item.future.done():
+        item.future.set_exception(exc)
+
+
 class DynamicBatcher(Generic[In, Out]):
     """Batches `submit` calls into calls of `run(payloads) -> outputs` on `executor`.
 
@@ -257,10 +262,20 @@ class DynamicBatcher(Generic[In, Out]):
         rows = sum(i.rows for i in batch)
         try:
             outputs, started, finished = await self._execute([i.payload for i in batch], rows)
-        except Exception as exc:  # one failed run fails only its own requests
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(exc)
+        except Exception as exc:
+            if len(batch) == 1:
+                _fail(batch[0], exc)
+                return
+            # One request can fail a run it shares (a value the model refuses): each runs
+            # again alone, so a failure reaches only the requests that cause it.
+            try:
+                for item in batch:
+                    if not item.future.done():
+                        self._in_flight += 1  # a slot per run again, given back when it ends
+                        await self._run_batch([item])
+            finally:  # cancelled part-way: the rest hear the batch's failure
+                for item in batch:
+                    _fail(item, exc)
             return
         for item, output in zip(batch, outputs, strict=True):
             if not item.future.done():

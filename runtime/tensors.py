@@ -26,7 +26,12 @@ class TensorError(ValueError):
 
 
 def dtype_name(code: int) -> str:
-    return common_pb2.DataType.Name(code).removeprefix("DATA_TYPE_")  # type: ignore[arg-type]
+    """The dtype's name (`INT64`); a number the enum does not name (a client may send any)
+    reads `unknown dtype N`."""
+    try:
+        return common_pb2.DataType.Name(code).removeprefix("DATA_TYPE_")  # type: ignore[arg-type]
+    except ValueError:
+        return f"unknown dtype {code}"
 
 
 def to_tensor(name: str, array: npt.NDArray[np.generic]) -> common_pb2.Tensor:
@@ -59,4 +64,7 @@ def from_tensor(tensor: common_pb2.Tensor) -> npt.NDArray[np.generic]:
             f"tensor {tensor.name!r}: shape {list(shape)} of {dtype_name(tensor.dtype)} needs "
             f"{expected} bytes, got {len(tensor.raw)}"
         )
-    return np.frombuffer(tensor.raw, dtype=dtype).reshape(shape)
+    try:
+        return np.frombuffer(tensor.raw, dtype=dtype).reshape(shape)
+    except ValueError as exc:  # numpy's bounds on dimensions, e.g. [0, 2**62]: "too big"
+        raise TensorError(f"tensor {tensor.name!r}: shape {list(shape)}: {exc}") from None

@@ -19,6 +19,7 @@ import numpy as np
 
 from hopline.model.repository import SENTENCE_EMBEDDING, ModelConfig
 from hopline.model.session import make_session
+from hopline.model.tokenizer import vocab_size
 from hopline.observability import metrics
 from hopline.runtime.batching import BatchInfo, DynamicBatcher
 from hopline.services.inference.backend import Array, Backend
@@ -71,6 +72,10 @@ class BatchedModel:
         self.backend = backend
         self.config: ModelConfig = backend.config
         self.head = EmbeddingHead(self.config) if self.config.head_embedder else None
+        # Token ids this version takes (0 to vocab - 1; None: not known, nothing checked).
+        self.vocab = (
+            vocab_size(self.config.file("tokenizer")) if "tokenizer" in self.config.files else None
+        )
         # Outputs with a dynamic second axis are per token: cut back to each request's length.
         self._per_token = {
             o.name for o in self.config.outputs if len(o.shape) >= 2 and o.shape[1] == -1

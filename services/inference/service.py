@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument as OrtInvalidArgument
 from opentelemetry import trace
 
 from hopline.model.registry import ModelRegistry
@@ -109,8 +110,15 @@ def run_slots(workers: int) -> int:
     return workers if workers > 0 else cores() + 1
 
 
-def _validate(cfg: ModelConfig, request: inference_pb2.InferRequest) -> dict[str, Array]:
-    """The request's tensors, checked against the model's declared inputs."""
+TOKEN_IDS, ATTENTION_MASK = "input_ids", "attention_mask"
+
+
+def _validate(
+    cfg: ModelConfig, request: inference_pb2.InferRequest, vocab: int | None
+) -> dict[str, Array]:
+    """The request's tensors, checked against the model's declared inputs, and token ids
+    against its vocabulary: an id outside it fails the run (a negative one wraps round to
+    another token), and with it every request sharing the run."""
     given = {t.name: t for t in request.inputs}
     unknown = set(given) - {s.name for s in cfg.inputs}
     if unknown:
@@ -140,7 +148,30 @@ def _validate(cfg: ModelConfig, request: inference_pb2.InferRequest) -> dict[str
         raise TensorError(f"batch of {batch}; {cfg.key} takes 1 to {cfg.max_batch_size}")
     if not 1 <= seq <= cfg.max_sequence_length:
         raise TensorError(f"sequence of {seq}; {cfg.key} takes 1 to {cfg.max_sequence_length}")
+    _check_tokens(cfg, arrays, vocab)
     return arrays
+
+
+def _check_tokens(cfg: ModelConfig, arrays: dict[str, Array], vocab: int | None) -> None:
+    ids, mask = arrays.get(TOKEN_IDS), arrays.get(ATTENTION_MASK)
+    if ids is not None and vocab is not None:
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab:
+            raise TensorError(
+                f"input {TOKEN_IDS!r} holds token id {low if low < 0 else high}; "
+                f"{cfg.key} takes ids 0 to {vocab - 1}"
+            )
+    if mask is not None and ((mask != 0) & (mask != 1)).any():
+        raise TensorError(f"input {ATTENTION_MASK!r} must hold only 0 and 1")
+
+
+def _run_failure(cfg: ModelConfig, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """A failed model run as a status: ONNX Runtime's INVALID_ARGUMENT is about the inputs it
+    was given (something `_validate` does not check), anything else is this service's."""
+    if isinstance(exc, OrtInvalidArgument):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{cfg.key} cannot run these inputs: {exc}"
+    log.error("model run failed", extra={"model": cfg.key}, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"{cfg.key}'s run failed: {type(exc).__name__}: {exc}"
 
 
 def _model_info(cfg: ModelConfig, providers: Sequence[str]) -> inference_pb2.ModelInfo:
@@ -242,7 +273,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             except TensorError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            inputs = _validate(cfg, request)
+            inputs = _validate(cfg, request, model.vocab)
         except TensorError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         batch, seq = next(iter(inputs.values())).shape[:2]
@@ -256,6 +287,8 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
                 f"inference queue for {cfg.key} is full: {exc}; retry with backoff, or add "
                 "inference replicas",
             )
+        except Exception as exc:  # the run failed: the status says whose fault it was
+            await context.abort(*_run_failure(cfg, exc))
         # The run happened on a worker thread, possibly for several requests at once: each
         # request's spans are written from the batch's timestamps, under its own server span.
         if trace.get_current_span().is_recording():

@@ -8,6 +8,7 @@ from typing import cast
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 
 from hopline.model.head import F32
 from hopline.model.registry import ModelRegistry
@@ -82,6 +83,7 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
                 raise TensorError(
                     f"logits have {logits.shape[1]} classes, {cfg.key} has {len(cfg.labels)} labels"
                 )
+            _check_rows_and_width(cfg, logits, embeddings)
             if logits is not None and embeddings is not None and len(logits) != len(embeddings):
                 raise TensorError("logits and sentence_embedding differ in batch size")
         except TensorError as exc:
@@ -94,4 +96,28 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
                 cfg.oos_threshold,
                 top_k,
             )
+        )
+
+
+def _check_rows_and_width(
+    cfg: ModelConfig,
+    logits: npt.NDArray[np.generic] | None,
+    embeddings: npt.NDArray[np.generic] | None,
+) -> None:
+    """At most a model batch of rows, and embeddings as wide as the model's: each row becomes
+    a prediction, so a `[3000000, 0]` tensor (no bytes at all) would hold the event loop for
+    seconds and its memory with it."""
+    for name, array in (("logits", logits), (SENTENCE_EMBEDDING, embeddings)):
+        if array is not None and not 1 <= len(array) <= cfg.max_batch_size:
+            raise TensorError(
+                f"{name} has {len(array)} rows; {cfg.key} takes 1 to {cfg.max_batch_size}"
+            )
+    if embeddings is None:
+        return
+    # The model's declared width where it declares one (-1: any width but none).
+    width = next((o.shape[-1] for o in cfg.outputs if o.name == SENTENCE_EMBEDDING), -1)
+    if embeddings.shape[1] == 0 or (width > 0 and embeddings.shape[1] != width):
+        wanted = width if width > 0 else "at least 1"
+        raise TensorError(
+            f"{SENTENCE_EMBEDDING} must be {wanted} wide for {cfg.key}, got {embeddings.shape[1]}"
         )

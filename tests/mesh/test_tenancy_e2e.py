@@ -85,6 +85,15 @@ def test_no_key_is_unauthenticated_with_instructions(kmesh: Mesh) -> None:
         assert "authorization: Bearer <key>" in details, details
 
 
+def test_who_is_asking_is_checked_before_what_is_asked(kmesh: Mesh) -> None:
+    # A caller without a key learns nothing about its request (empty or oversized text).
+    for text in ("", "x" * 20_000):
+        code, _ = rejection(kmesh, text)
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+    code, _ = rejection(kmesh, "", auth(ACME_KEY))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_wrong_key_is_unauthenticated(kmesh: Mesh) -> None:
     for metadata in (auth("not-a-key"), auth(ACME_KEY + "0"), (("authorization", ACME_KEY),)):
         code, details = rejection(kmesh, TEXT, metadata)

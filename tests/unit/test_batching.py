@@ -79,15 +79,18 @@ def test_batched_results_match_runs_alone_in_order(default_repo: Path) -> None:
         assert mine["logits"].shape[0] == request.rows
 
 
-def test_failed_batch_fails_only_its_own_requests() -> None:
-    """A run that raises fails the requests it carried; the batch beside it succeeds.
+def test_a_failed_batch_fails_only_the_request_that_fails_alone() -> None:
+    """A run that raises is run again request by request: only the request that fails alone
+    fails; its batch-mate and the batch beside it are answered.
 
-    The run function here is a stand-in for a model so the test decides which batch fails;
+    The run function here is a stand-in for a model so the test decides which request fails;
     the scheduler under test is the one the inference service uses.
     """
     gate = threading.Event()
+    runs: list[list[str]] = []
 
     def run(payloads: list[str]) -> Sequence[str]:
+        runs.append(list(payloads))
         if "hold" in payloads:
             gate.wait(10)
         if "poison" in payloads:
@@ -110,9 +113,10 @@ def test_failed_batch_fails_only_its_own_requests() -> None:
             return [r if isinstance(r, BaseException) else r[0] for r in results]
 
     hold, a, b, poison, c = asyncio.run(scenario())
-    assert (hold, a, b) == ("HOLD", "A", "B")
+    assert (hold, a, b, c) == ("HOLD", "A", "B", "C")
     assert isinstance(poison, RuntimeError)
-    assert isinstance(c, RuntimeError)
+    assert ["poison", "c"] in runs  # together first, then each alone
+    assert runs[-2:] == [["poison"], ["c"]]
 
 
 def test_queue_bound_is_enforced_in_the_batcher() -> None:

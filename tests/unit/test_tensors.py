@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hopline.protos.hopline.common.v1 import common_pb2
-from hopline.runtime.tensors import TensorError, from_tensor, to_tensor
+from hopline.runtime.tensors import TensorError, dtype_name, from_tensor, to_tensor
 
 
 def test_round_trip() -> None:
@@ -28,4 +28,21 @@ def test_a_shape_whose_size_overflows_int64_is_refused_not_wrapped() -> None:
         name="ids", dtype=common_pb2.DATA_TYPE_INT64, shape=[2**62, 4], raw=b""
     )
     with pytest.raises(TensorError, match="needs"):
+        from_tensor(tensor)
+
+
+def test_an_empty_tensor_with_a_huge_dimension_is_refused_as_a_tensor_error() -> None:
+    """[0, 2**62] holds no element, so 0 bytes match it; numpy then cannot make the view."""
+    tensor = common_pb2.Tensor(
+        name="ids", dtype=common_pb2.DATA_TYPE_INT64, shape=[0, 2**62], raw=b""
+    )
+    with pytest.raises(TensorError, match=r"tensor 'ids': shape \[0, 4611686018427387904\]"):
+        from_tensor(tensor)
+
+
+def test_a_dtype_number_the_enum_does_not_name_is_named_in_words() -> None:
+    assert dtype_name(common_pb2.DATA_TYPE_INT64) == "INT64"
+    assert dtype_name(99) == "unknown dtype 99"
+    tensor = common_pb2.Tensor(name="ids", dtype=99, shape=[1], raw=b"\0" * 8)  # type: ignore[arg-type]
+    with pytest.raises(TensorError, match="unsupported dtype 99"):
         from_tensor(tensor)

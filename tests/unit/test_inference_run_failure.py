@@ -1,0 +1,35 @@
+"""A model run that fails answers a status that says whose fault it was, never UNKNOWN (what
+grpc answers for an exception a servicer lets escape): services/inference/service.py."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import grpc
+import pytest
+from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+
+from conftest import DEFAULT_MODEL
+from hopline.model.repository import load_config
+from hopline.services.inference.service import _run_failure
+
+
+def test_onnx_runtimes_invalid_argument_is_the_requests(default_repo: Path) -> None:
+    cfg = load_config(default_repo / DEFAULT_MODEL / "1")
+    code, details = _run_failure(cfg, InvalidArgument("indices element out of data bounds"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == (
+        f"{DEFAULT_MODEL}/1 cannot run these inputs: indices element out of data bounds"
+    )
+
+
+def test_any_other_failure_is_the_services_and_logged(
+    default_repo: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = load_config(default_repo / DEFAULT_MODEL / "1")
+    with caplog.at_level(logging.ERROR, logger="hopline.inference"):
+        code, details = _run_failure(cfg, MemoryError("out of device memory"))
+    assert code == grpc.StatusCode.INTERNAL
+    assert details == f"{DEFAULT_MODEL}/1's run failed: MemoryError: out of device memory"
+    assert [r.getMessage() for r in caplog.records] == ["model run failed"]
