@@ -87,6 +87,19 @@ class CacheConfig(ServerConfig):
         "bound on the exact index as a whole (about 1 KiB an entry); past it the entries put "
         "longest ago leave the index, not Milvus",
     )
+    semantic_index: bool = env_field(
+        "HOPLINE_CACHE_SEMANTIC_INDEX",
+        True,
+        "search a scope's vectors in memory, not in Milvus, while memory holds the scope whole "
+        "(cache/vector_index.py; needs the exact index, and is off over a Milvus server shared "
+        "with other replicas)",
+    )
+    semantic_index_max_rows: int = env_field(
+        "HOPLINE_CACHE_SEMANTIC_INDEX_MAX_ROWS",
+        200_000,
+        "vectors held in memory (1.5 KiB each at 384 dimensions); a scope that would pass it "
+        "is searched in Milvus",
+    )
     exact_fallback: ExactFallback = env_field(
         "HOPLINE_CACHE_EXACT_FALLBACK",
         ExactFallback.SEMANTIC,

@@ -28,7 +28,9 @@ from collections.abc import Iterable
 from itertools import islice
 from typing import Final
 
+from hopline.cache.embedder import Vector
 from hopline.cache.store import Entry, Scope, ScopeFilter
+from hopline.cache.vector_index import VectorIndex
 
 Group = tuple[str, str]  # tenant, model
 # Entry without its key (the dict's key), as a plain tuple: see the module's docstring.
@@ -42,7 +44,7 @@ def _row(entry: Entry) -> Row:
 
 
 class ExactIndex:
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, vectors: VectorIndex | None = None) -> None:
         if max_entries < 1:
             raise ValueError(f"the exact index needs room for one entry, got {max_entries}")
         self.max_entries = max_entries
@@ -55,6 +57,9 @@ class ExactIndex:
         self._expiry: list[tuple[float, str]] = []
         self.dropped_for_room = 0
         self._expired: list[str] = []  # dropped by `get` since the last `expire`, unreported
+        # The semantic entries' vectors (cache/vector_index.py), kept in step with every
+        # put and drop here; None when semantic searches go to Milvus.
+        self.vectors = vectors
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -72,17 +77,22 @@ class ExactIndex:
             return None
         return Entry(key, *row)
 
-    def put(self, entry: Entry) -> list[str]:
-        """Insert or replace; returns the keys dropped to stay within `max_entries`."""
+    def put(self, entry: Entry, vector: Vector | None = None) -> list[str]:
+        """Insert or replace, with the entry's vector when it is a semantic one; returns the
+        keys dropped to stay within `max_entries`."""
         key = entry.key
         if key in self._entries:  # a replacement is as new as a first put
             self._drop(key)
         self._entries[key] = _row(entry)
+        if vector is not None and self.vectors is not None:
+            self.vectors.put(key, entry.scope, vector)
         self._groups.setdefault(_group(entry.scope), {})[key] = None
         heapq.heappush(self._expiry, (entry.expires_at, key))
         dropped: list[str] = []
         while len(self._entries) > self.max_entries:
             oldest = next(iter(self._entries))
+            if self.vectors is not None:  # Milvus still has it: the scope is not held whole
+                self.vectors.lose(self._entries[oldest][SCOPE])
             self._drop(oldest)
             dropped.append(oldest)
         self.dropped_for_room += len(dropped)
@@ -96,6 +106,8 @@ class ExactIndex:
         live = sorted((e for e in entries if e.expires_at > now), key=lambda e: e.created_at)
         for entry in live:
             self.put(entry)
+        if self.vectors is not None:  # read without their vectors (VectorIndex.absorb)
+            self.vectors.unread({entry.scope for entry in live})
         return len(self._entries)
 
     def remove(self, keys: Iterable[str]) -> int:
@@ -144,6 +156,8 @@ class ExactIndex:
 
     def _drop(self, key: str) -> None:
         group = _group(self._entries.pop(key)[SCOPE])
+        if self.vectors is not None:
+            self.vectors.remove(key)
         keys = self._groups.get(group)
         if keys is not None:
             keys.pop(key, None)

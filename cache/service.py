@@ -36,7 +36,7 @@ from hopline.cache.entry_bounds import COUNT_REFRESH_S, EntryBounds, Group, evic
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
 from hopline.cache.milvus_lite import is_local
-from hopline.cache.search_batching import SearchBatcher
+from hopline.cache.search_batching import SearchBatcher, Searched
 from hopline.cache.shared_invalidations import SharedInvalidations, follow
 from hopline.cache.store import (
     MAX_TEXT_BYTES,
@@ -49,6 +49,7 @@ from hopline.cache.store import (
     row_problem,
 )
 from hopline.cache.tombstones import Tombstones
+from hopline.cache.vector_index import INLINE_ROWS, VectorIndex, nearest
 from hopline.cache.verifier import Verifier, policy_of
 from hopline.cache.verify import VerifyPolicy
 from hopline.cache.watch_feed import WatchFeed
@@ -130,6 +131,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 "buried",  # entries a lookup read from Milvus after they were deleted
                 "eviction_scans",  # evictions that scanned Milvus for the oldest entries
                 "write_retries",  # batched writes Milvus failed, their rows written again
+                "memory_searches",  # semantic searches answered by the in-memory vectors
+                "milvus_searches",  # semantic searches that went to Milvus
+                "vectors_read",  # vectors read back from Milvus into memory after a start
             ),
             0,
         )
@@ -151,6 +155,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             self._search_store, max_in_flight=IO_THREADS, max_rows=config.search_batch_rows
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self._reading: set[Scope] = set()  # scopes whose vectors are being read back
+        self._readers: set[asyncio.Task[None]] = set()  # those reads (held: weak otherwise)
         self._placeholder: Vector = np.zeros(1, dtype=np.float32)  # sized at start
         self.feed = WatchFeed()  # WatchInvalidations' streams
         self._ready = False  # start() is done: the index holds every live entry
@@ -193,6 +199,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 SharedInvalidations, self.config.uri, model.collection, self.config.milvus_timeout_s
             )
         if self.index is not None:
+            if self.config.semantic_index and self.peers is None:
+                # One writer (this process) to the collection: memory can hold scopes whole.
+                self.index.vectors = VectorIndex(model.dim, self.config.semantic_index_max_rows)
             await self._rebuild_index(self.index, self.store)
         await self.verifier.start()
         self._tasks = [
@@ -236,7 +245,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 "stores not written to Milvus before shutdown",
                 extra={"entries": len(self._pending)},
             )
-        for task in self._tasks:
+        for task in [*self._tasks, *self._readers]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -366,7 +375,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             if self._pending.get(key) is item:  # a newer store of the same key stays queued
                 self._unpend(key)
                 if self.index is not None:
-                    self.feed.let_go(self.index.put(item[0]))
+                    entry, vector, _ = item
+                    semantic = vector is not self._placeholder
+                    self.feed.let_go(self.index.put(entry, vector if semantic else None))
             elif key not in self._pending:
                 self._redelete.add(key)
         # Invalidated while this write was in flight: its delete may have reached Milvus
@@ -585,7 +596,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             response.embedder = self.embedder.model.identity
             t2 = time.perf_counter()
             with child_span(schema.SPAN_CACHE_SEARCH) as span:
-                searched = await self.searches.search(vector, scope, now, SEMANTIC_CANDIDATES)
+                searched = await self._search(vector, scope, now)
                 found = [(e, similarity) for e, similarity in searched.found if self._unburied(e)]
                 span.set_attribute(schema.CACHE_CANDIDATES, len(found))
                 span.set_attribute(schema.CACHE_SEARCH_ROWS, searched.rows)
@@ -606,6 +617,53 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         metrics.CACHE_LOOKUPS.labels("miss").inc()
         response.outcome = common_pb2.CACHE_OUTCOME_MISS
         return response
+
+    async def _search(self, vector: Vector, scope: Scope, now: float) -> Searched:
+        """The scope's nearest live entries: from memory while it holds the scope whole
+        (cache/vector_index.py; `rows` 0), else from Milvus, reading the scope's vectors
+        back into memory meanwhile when a restart left them out."""
+        vectors = self.index.vectors if self.index is not None else None
+        if vectors is None or not vectors.holds_whole(scope):
+            if vectors is not None and vectors.needs_reading(scope):
+                self._read_back(scope)
+            self.counters["milvus_searches"] += 1
+            return await self.searches.search(vector, scope, now, SEMANTIC_CANDIDATES)
+        self.counters["memory_searches"] += 1
+        snapshot = vectors.snapshot(scope)
+        if snapshot is None:
+            return Searched([], 0)
+        query = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        if snapshot[3] <= INLINE_ROWS:
+            keys = nearest(snapshot, query, SEMANTIC_CANDIDATES)
+        else:  # numpy lets go of the GIL: the loop goes on serving meanwhile
+            keys = await asyncio.to_thread(nearest, snapshot, query, SEMANTIC_CANDIDATES)
+        assert self.index is not None
+        found = [(e, sim) for key, sim in keys if (e := self.index.get(key, now)) is not None]
+        return Searched(found, 0)
+
+    def _read_back(self, scope: Scope) -> None:
+        """Starts reading `scope`'s vectors from Milvus into memory, once at a time."""
+        if scope in self._reading:
+            return
+        self._reading.add(scope)
+
+        async def read() -> None:
+            try:
+                rows = await self._io_call(self._require_store().vectors_of, scope, time.time())
+                index = self.index
+                if index is not None and index.vectors is not None:
+                    semantic = [
+                        (key, v) for key, v in rows if not np.array_equal(v, self._placeholder)
+                    ]
+                    self.counters["vectors_read"] += index.vectors.absorb(scope, semantic, index)
+            except CacheStoreError as exc:  # the next lookup of the scope tries again
+                log.warning("reading a scope's vectors failed", extra={"error": str(exc)})
+            finally:
+                self._reading.discard(scope)
+
+        task = asyncio.create_task(read(), name="read-vectors")
+        self._readers.add(task)
+        task.add_done_callback(self._readers.discard)
 
     def _unburied(self, entry: Entry | None) -> Entry | None:
         """`entry` as read from Milvus, or None when it was deleted within tombstone_s."""

@@ -137,6 +137,9 @@ class CacheStore(Protocol):
     def live(self, now: float, page: int = LIVE_PAGE) -> list[Entry]:
         """Every entry not expired at `now`, read in pages of `page` rows."""
 
+    def vectors_of(self, scope: Scope, now: float) -> list[tuple[str, Vector]]:
+        """Every live entry of `scope` with its vector (cache/vector_index.py's read-back)."""
+
     def search(
         self, vectors: Sequence[Vector], scope: Scope, now: float, limit: int
     ) -> list[list[tuple[Entry, float]]]:
@@ -333,6 +336,13 @@ class MilvusStore:
     def live(self, now: float, page: int = LIVE_PAGE) -> list[Entry]:
         """Every live entry's scalar fields (no vectors), in pages: the exact index's rebuild."""
         return self._scan(f"expires_at > {now!r}", ["id", *_SCALARS], _entry, page)
+
+    def vectors_of(self, scope: Scope, now: float) -> list[tuple[str, Vector]]:
+        return self._scan(
+            f'scope_key == "{scope_digest(scope)}" and expires_at > {now!r}',
+            ["id", "vector"],
+            lambda row: (str(row["id"]), np.asarray(row["vector"], dtype=np.float32)),
+        )
 
     def _scan(
         self,

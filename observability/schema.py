@@ -52,7 +52,8 @@ ATTRIBUTES: dict[str, str] = {
     CACHE_SKIP_REASON: "why the gateway skipped the cache lookup: deadline or overloaded",
     ADMISSION_REFUSED: "why the gateway refused the request at once: in_flight or deadline",
     CACHE_CANDIDATES: "entries the Milvus search returned for verification and agreement",
-    CACHE_SEARCH_ROWS: "searches that shared this one's Milvus call, itself included (1: alone)",
+    CACHE_SEARCH_ROWS: "searches that shared this one's Milvus call, itself included (1: alone; "
+    "0: searched in memory, cache/vector_index.py)",
     CACHE_VERIFY_DECISION: "a verified-hit rule's decision: serve, serve_and_verify, "
     "verify_first or miss (cache/verify.py)",
     CACHE_VERIFY_THRESHOLD: "the threshold the rule applied to this candidate's answer",

@@ -33,7 +33,11 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hopline-search-batch-ab-"))
     repo = semantic_repo(args.model_repo, work)
-    budget = {"HOPLINE_CACHE_BUDGET_MS": f"{args.budget_ms:g}"}
+    # Searches in Milvus, not in memory (cache/vector_index.py): the batching is Milvus's.
+    budget = {
+        "HOPLINE_CACHE_BUDGET_MS": f"{args.budget_ms:g}",
+        "HOPLINE_CACHE_SEMANTIC_INDEX": "false",
+    }
     envs = {
         "batched": {"HOPLINE_CACHE_SEARCH_BATCH_ROWS": "64", **budget},
         "alone": {"HOPLINE_CACHE_SEARCH_BATCH_ROWS": "1", **budget},

@@ -1,6 +1,7 @@
 """Concurrent semantic lookups share Milvus searches and still get the answers they get one
 at a time: the real CacheService (real milvus-lite file, real gRPC server, the real MiniLM
-encoder) in this process, so its search batcher's counts can be read."""
+encoder) in this process, so its search batcher's counts can be read. Its vectors are not
+searched in memory (HOPLINE_CACHE_SEMANTIC_INDEX=false), so every search reaches Milvus."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def exported() -> tuple[float, float]:
 
 def test_concurrent_lookups_share_searches_and_get_their_own_answers(tmp_path: Path) -> None:
     async def main() -> None:
-        async with cache(tmp_path / "c.db") as (service, stub):
+        async with cache(tmp_path / "c.db", semantic_index=False) as (service, stub):
             for text in STORED:
                 await store(stub, text, label=text.split()[-1], mode="semantic")
             await written(stub)
