@@ -49,7 +49,13 @@ from hopline.cache.store import (
     row_problem,
 )
 from hopline.cache.tombstones import Tombstones
-from hopline.cache.vector_index import INLINE_ROWS, VectorIndex, nearest
+from hopline.cache.vector_index import (
+    INLINE_ROWS,
+    SearchIn,
+    VectorIndex,
+    nearest,
+    one_blas_thread,
+)
 from hopline.cache.verifier import Verifier, policy_of
 from hopline.cache.verify import VerifyPolicy
 from hopline.cache.watch_feed import WatchFeed
@@ -154,9 +160,14 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.searches = SearchBatcher(
             self._search_store, max_in_flight=IO_THREADS, max_rows=config.search_batch_rows
         )
+        # The same for scopes searched in memory: one product for the searches that waited.
+        self.memory_searches = SearchBatcher(
+            self._search_memory, max_in_flight=1, max_rows=config.search_batch_rows
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._reading: set[Scope] = set()  # scopes whose vectors are being read back
         self._readers: set[asyncio.Task[None]] = set()  # those reads (held: weak otherwise)
+        self._blas: object = None  # numpy's BLAS limited to one thread while this is held
         self._placeholder: Vector = np.zeros(1, dtype=np.float32)  # sized at start
         self.feed = WatchFeed()  # WatchInvalidations' streams
         self._ready = False  # start() is done: the index holds every live entry
@@ -202,6 +213,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             if self.config.semantic_index and self.peers is None:
                 # One writer (this process) to the collection: memory can hold scopes whole.
                 self.index.vectors = VectorIndex(model.dim, self.config.semantic_index_max_rows)
+                self._blas = one_blas_thread()
             await self._rebuild_index(self.index, self.store)
         await self.verifier.start()
         self._tasks = [
@@ -620,26 +632,40 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     async def _search(self, vector: Vector, scope: Scope, now: float) -> Searched:
         """The scope's nearest live entries: from memory while it holds the scope whole
-        (cache/vector_index.py; `rows` 0), else from Milvus, reading the scope's vectors
-        back into memory meanwhile when a restart left them out."""
+        (cache/vector_index.py), else from Milvus, reading the scope's vectors back into
+        memory meanwhile when a restart left them out. Either way, searches of one scope that
+        wait at the same moment share one call (cache/search_batching.py)."""
         vectors = self.index.vectors if self.index is not None else None
-        if vectors is None or not vectors.holds_whole(scope):
-            if vectors is not None and vectors.needs_reading(scope):
-                self._read_back(scope)
-            self.counters["milvus_searches"] += 1
-            return await self.searches.search(vector, scope, now, SEMANTIC_CANDIDATES)
-        self.counters["memory_searches"] += 1
-        snapshot = vectors.snapshot(scope)
+        span = trace.get_current_span()
+        if vectors is not None and vectors.holds_whole(scope):
+            self.counters["memory_searches"] += 1
+            span.set_attribute(schema.CACHE_SEARCH_IN, SearchIn.MEMORY.value)
+            return await self.memory_searches.search(vector, scope, now, SEMANTIC_CANDIDATES)
+        if vectors is not None and vectors.needs_reading(scope):
+            self._read_back(scope)
+        self.counters["milvus_searches"] += 1
+        span.set_attribute(schema.CACHE_SEARCH_IN, SearchIn.MILVUS.value)
+        return await self.searches.search(vector, scope, now, SEMANTIC_CANDIDATES)
+
+    async def _search_memory(
+        self, queries: Sequence[Vector], scope: Scope, now: float, limit: int
+    ) -> list[list[tuple[Entry, float]]]:
+        index = self.index
+        assert index is not None
+        assert index.vectors is not None
+        snapshot = index.vectors.snapshot(scope)
         if snapshot is None:
-            return Searched([], 0)
-        query = vector / max(float(np.linalg.norm(vector)), 1e-12)
-        if snapshot[3] <= INLINE_ROWS:
-            keys = nearest(snapshot, query, SEMANTIC_CANDIDATES)
+            return [[] for _ in queries]
+        units = [q / max(float(np.linalg.norm(q)), 1e-12) for q in queries]
+        if snapshot[3] * len(units) <= INLINE_ROWS:
+            matches = nearest(snapshot, units, limit)
         else:  # numpy lets go of the GIL: the loop goes on serving meanwhile
-            keys = await asyncio.to_thread(nearest, snapshot, query, SEMANTIC_CANDIDATES)
-        assert self.index is not None
-        found = [(e, sim) for key, sim in keys if (e := self.index.get(key, now)) is not None]
-        return Searched(found, 0)
+            matches = await asyncio.to_thread(nearest, snapshot, units, limit)
+        # Through the exact index: an entry removed or expired meanwhile is not returned.
+        return [
+            [(e, sim) for key, sim in found if (e := index.get(key, now)) is not None]
+            for found in matches
+        ]
 
     def _read_back(self, scope: Scope) -> None:
         """Starts reading `scope`'s vectors from Milvus into memory, once at a time."""

@@ -200,8 +200,8 @@ BATCH_SIZE = Histogram(
 )
 CACHE_SEARCH_ROWS = Histogram(
     "hopline_cache_search_rows",
-    "Semantic searches answered by one Milvus call (cache/search_batching.py): the count is "
-    "the calls, the sum the searches",
+    "Semantic searches answered by one call, to Milvus or in memory (cache/search_batching.py): "
+    "the count is the calls, the sum the searches",
     buckets=BATCH_BUCKETS,
 )
 QUEUE_DEPTH = Gauge(

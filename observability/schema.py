@@ -25,6 +25,7 @@ CACHE_SKIP_REASON = "hopline.cache.skip_reason"
 ADMISSION_REFUSED = "hopline.admission.refused"
 CACHE_CANDIDATES = "hopline.cache.candidates"
 CACHE_SEARCH_ROWS = "hopline.cache.search_rows"
+CACHE_SEARCH_IN = "hopline.cache.search_in"
 CACHE_VERIFY_DECISION = "hopline.cache.verify.decision"
 CACHE_VERIFY_THRESHOLD = "hopline.cache.verify.threshold"
 CACHE_VERIFY_AGREED = "hopline.cache.verify.agreed"
@@ -51,9 +52,9 @@ ATTRIBUTES: dict[str, str] = {
     HEAD_ONLY: "the run was the classifier head alone, on embeddings the caller sent",
     CACHE_SKIP_REASON: "why the gateway skipped the cache lookup: deadline or overloaded",
     ADMISSION_REFUSED: "why the gateway refused the request at once: in_flight or deadline",
-    CACHE_CANDIDATES: "entries the Milvus search returned for verification and agreement",
-    CACHE_SEARCH_ROWS: "searches that shared this one's Milvus call, itself included (1: alone; "
-    "0: searched in memory, cache/vector_index.py)",
+    CACHE_CANDIDATES: "entries the search returned for verification and agreement",
+    CACHE_SEARCH_ROWS: "searches that shared this one's call, itself included (1: alone)",
+    CACHE_SEARCH_IN: "where the scope was searched: memory (cache/vector_index.py) or milvus",
     CACHE_VERIFY_DECISION: "a verified-hit rule's decision: serve, serve_and_verify, "
     "verify_first or miss (cache/verify.py)",
     CACHE_VERIFY_THRESHOLD: "the threshold the rule applied to this candidate's answer",
@@ -94,7 +95,7 @@ SPANS: dict[str, str] = {
     SPAN_INFERENCE_RUN: "inference: the model's own run",
     SPAN_CACHE_EXACT: "cache: the exact-tier read (pending buffer or Milvus key query)",
     SPAN_CACHE_EMBED: "cache: the query's embedding (may be shared with other lookups' batch)",
-    SPAN_CACHE_SEARCH: "cache: the scope-filtered Milvus vector search",
+    SPAN_CACHE_SEARCH: "cache: the scope-filtered vector search, in memory or in Milvus",
     SPAN_CACHE_WRITE: "cache: one batched Milvus write; its own trace, linked to the stores",
     SPAN_CACHE_VERIFY: "gateway client span: the model's answer reported for a verified "
     "candidate (after the reply)",

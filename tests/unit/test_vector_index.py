@@ -46,7 +46,7 @@ def test_nearest_matches_a_brute_force_search_through_puts_replacements_and_remo
         if step % 300 == 0:
             query = unit(rng)
             snapshot = index.snapshot(A)
-            got = nearest(snapshot, query, 4) if snapshot else []
+            got = nearest(snapshot, [query], 4)[0] if snapshot else []
             want = brute(live, query, 4)
             assert [k for k, _ in got] == [k for k, _ in want]
             np.testing.assert_allclose([s for _, s in got], [s for _, s in want], atol=1e-5)
@@ -65,14 +65,14 @@ def test_removed_rows_never_come_back_and_compaction_keeps_the_living() -> None:
     for key in doomed:
         snapshot = index.snapshot(A)
         assert snapshot is not None
-        found = dict(nearest(snapshot, vectors[key], len(vectors)))
+        found = dict(nearest(snapshot, [vectors[key]], len(vectors))[0])
         assert key not in found
         assert len(found) == len(vectors) - len(doomed)
     # A search still reading the arrays of before a compaction sees no removed key either.
     before = index.snapshot(A)
     index.remove(list(vectors)[-1])
     assert before is not None
-    assert list(vectors)[-1] not in dict(nearest(before, vectors[list(vectors)[-1]], 10))
+    assert list(vectors)[-1] not in dict(nearest(before, [vectors[list(vectors)[-1]]], 10)[0])
 
 
 def test_scopes_never_share_a_search() -> None:
@@ -83,7 +83,7 @@ def test_scopes_never_share_a_search() -> None:
     assert index.snapshot(B) is None
     snapshot = index.snapshot(A)
     assert snapshot is not None
-    assert nearest(snapshot, v, 4)[0][0] == "only-a"
+    assert nearest(snapshot, [v], 4)[0][0][0] == "only-a"
 
 
 def test_a_scope_is_searched_in_memory_only_while_held_whole() -> None:
