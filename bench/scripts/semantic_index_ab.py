@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +33,17 @@ from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def prefill(gateway: str, n: int) -> None:
+def prefill(gateway: str, n: int, callers: int = 16) -> None:
     """`n` misses through the gateway, so the scope holds `n` entries before the windows."""
     with grpc.insecure_channel(gateway) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-        for i in range(n):
-            stub.Predict(gateway_pb2.PredictRequest(text=f"prefilled question {i}", model=MODEL))
+
+        def ask(i: int) -> None:
+            text = f"prefilled question {i} about order {i * 7919 % 10007}"
+            stub.Predict(gateway_pb2.PredictRequest(text=text, model=MODEL), timeout=60)
+
+        with ThreadPoolExecutor(callers) as pool:
+            list(pool.map(ask, range(n)))
 
 
 def main() -> None:

@@ -119,6 +119,53 @@ def test_a_failed_batch_fails_only_the_request_that_fails_alone() -> None:
     assert runs[-2:] == [["poison"], ["c"]]
 
 
+def test_the_runs_again_of_a_failed_batch_keep_to_the_run_slots() -> None:
+    """With one run slot and four executor threads, a failed shared run's requests run again
+    one by one in that slot while another batch waits: never two runs at once."""
+    gate = threading.Event()
+    lock = threading.Lock()
+    running = [0, 0]  # now, most at once
+    runs: list[list[str]] = []
+
+    def run(payloads: list[str]) -> Sequence[str]:
+        with lock:
+            running[0] += 1
+            running[1] = max(running)
+            runs.append(list(payloads))
+        try:
+            if "hold" in payloads:
+                gate.wait(10)
+            threading.Event().wait(0.02)  # long enough for a second run to overlap
+            if "poison" in payloads:
+                raise RuntimeError("model run failed")
+            return [p.upper() for p in payloads]
+        finally:
+            with lock:
+                running[0] -= 1
+
+    async def scenario() -> list[Any]:
+        with ThreadPoolExecutor(max_workers=4) as executor:
+            batcher: DynamicBatcher[str, str] = DynamicBatcher(
+                run, BatchingPolicy(length_buckets=(16, 64), max_in_flight=1), executor
+            )
+            hold = asyncio.ensure_future(batcher.submit("hold", length=4))
+            await asyncio.sleep(0.05)
+            failing = [asyncio.ensure_future(batcher.submit(t, length=8)) for t in ("poison", "a")]
+            await asyncio.sleep(0.01)  # older than the batch below: dispatched first
+            waiting = [asyncio.ensure_future(batcher.submit(t, length=40)) for t in ("b", "c")]
+            await asyncio.sleep(0.05)
+            gate.set()
+            results = await asyncio.gather(hold, *failing, *waiting, return_exceptions=True)
+            await batcher.close()
+            return [r if isinstance(r, BaseException) else r[0] for r in results]
+
+    hold, poison, a, b, c = asyncio.run(scenario())
+    assert (hold, a, b, c) == ("HOLD", "A", "B", "C")
+    assert isinstance(poison, RuntimeError)
+    assert runs == [["hold"], ["poison", "a"], ["poison"], ["a"], ["b", "c"]]
+    assert running[1] == 1
+
+
 def test_queue_bound_is_enforced_in_the_batcher() -> None:
     async def scenario() -> None:
         gate = threading.Event()
