@@ -91,8 +91,8 @@ class CacheConfig(ServerConfig):
         "HOPLINE_CACHE_SEMANTIC_INDEX",
         True,
         "search a scope's vectors in memory, not in Milvus, while memory holds the scope whole "
-        "(cache/vector_index.py; needs the exact index, and is off over a Milvus server shared "
-        "with other replicas)",
+        "(cache/vector_index.py; a milvus-lite file only, whose one writer is this process, "
+        "and with the exact index)",
     )
     semantic_index_max_rows: int = env_field(
         "HOPLINE_CACHE_SEMANTIC_INDEX_MAX_ROWS",

@@ -210,8 +210,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 SharedInvalidations, self.config.uri, model.collection, self.config.milvus_timeout_s
             )
         if self.index is not None:
-            if self.config.semantic_index and self.peers is None:
-                # One writer (this process) to the collection: memory can hold scopes whole.
+            if self.config.semantic_index and is_local(self.config.uri):
+                # A milvus-lite file has one writer, this process: memory can hold its scopes
+                # whole. A Milvus server may have other replicas writing to it.
                 self.index.vectors = VectorIndex(model.dim, self.config.semantic_index_max_rows)
                 self._blas = one_blas_thread()
             await self._rebuild_index(self.index, self.store)

@@ -4,10 +4,11 @@ matrix-vector product instead of a Milvus call.
 On milvus-lite a search is a pymilvus call over gRPC to its server and a filtered flat scan
 there: about 2.1 ms p50 at concurrency 1 over 1,500 entries (a co-located mesh's semantic
 miss is 9 ms, its model 3.7), where the product over a few thousand 384-d rows takes tens of
-microseconds. Milvus stays the durable store and the search of record; this mirrors the
-vectors of the entries the exact index holds (cache/exact_index.py keeps it in step on every
-put, replacement, removal, expiry and drop), and a scope is searched here only while it holds
-the scope whole:
+microseconds. Used over a milvus-lite file only, whose one writer is the cache service (over a
+Milvus server other replicas write too). Milvus stays the durable store and the search of
+record; this mirrors the vectors of the entries the exact index holds (cache/exact_index.py
+keeps it in step on every put, replacement, removal, expiry and drop), and a scope is searched
+here only while it holds the scope whole:
 
 - a scope that had entries when the service started is not whole until its vectors are read
   back from Milvus (`absorb`, which the scope's first semantic lookup starts; lookups before

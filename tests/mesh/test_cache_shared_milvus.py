@@ -155,6 +155,38 @@ def test_store_visibility_time_is_the_batched_write(
     figures(f"store at A -> EXACT at B, seconds: {[round(s, 3) for s in seen]}")
 
 
+def test_a_semantic_store_through_one_replica_is_found_by_the_others_search(
+    replicas: Replicas,
+) -> None:
+    """Over a Milvus server a replica's semantic search goes to Milvus, not to the vectors it
+    holds in memory (those are only its own stores: cache/vector_index.py)."""
+    a, b = replicas
+    with (
+        grpc.insecure_channel(a.addrs["cache"]) as chan_a,
+        grpc.insecure_channel(b.addrs["cache"]) as chan_b,
+    ):
+        stub_a, stub_b = (
+            cache_pb2_grpc.CacheServiceStub(chan_a),
+            cache_pb2_grpc.CacheServiceStub(chan_b),
+        )
+        scope = common_pb2.Scope(tenant="shared-semantic", model=DEFAULT_MODEL, model_version="1")
+        stub_a.Store(
+            cache_pb2.StoreRequest(
+                scope=scope,
+                text="my card was stolen",
+                mode="semantic",
+                prediction=common_pb2.Prediction(label="card_stolen"),
+            ),
+            timeout=10,
+        )
+        paraphrase = cache_pb2.LookupRequest(
+            scope=scope, text="someone stole my card", mode="semantic", threshold=0.8
+        )
+        hit = functools.partial(answers, stub_b, paraphrase, common_pb2.CACHE_OUTCOME_SEMANTIC)
+        waited(hit, "replica B's search finding replica A's semantic store")
+        assert stub_b.Lookup(paraphrase, timeout=10).prediction.label == "card_stolen"
+
+
 def answers(
     stub: cache_pb2_grpc.CacheServiceStub,
     request: cache_pb2.LookupRequest,
