@@ -14,6 +14,7 @@ What must hold (cache/shared_invalidations.py):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import shutil
 import time
@@ -95,6 +96,19 @@ def invalidate(mesh: Mesh, request: cache_pb2.InvalidateRequest) -> int:
     return int(reply.removed)
 
 
+@contextlib.contextmanager
+def cache_stubs(
+    replicas: Replicas,
+) -> Iterator[tuple[cache_pb2_grpc.CacheServiceStub, cache_pb2_grpc.CacheServiceStub]]:
+    """Stubs straight to replica A's and replica B's cache services."""
+    a, b = replicas
+    with (
+        grpc.insecure_channel(a.addrs["cache"]) as chan_a,
+        grpc.insecure_channel(b.addrs["cache"]) as chan_b,
+    ):
+        yield cache_pb2_grpc.CacheServiceStub(chan_a), cache_pb2_grpc.CacheServiceStub(chan_b)
+
+
 def waited(condition: Callable[[], bool], what: str) -> float:
     """Seconds until `condition` held (polled every 10 ms); fails after WAIT_S."""
     started = time.monotonic()
@@ -121,15 +135,7 @@ def test_store_visibility_time_is_the_batched_write(
     replicas: Replicas, figures: Callable[[str], None]
 ) -> None:
     """Store straight to replica A, then look up at B until it answers: reported, not bound."""
-    a, b = replicas
-    with (
-        grpc.insecure_channel(a.addrs["cache"]) as chan_a,
-        grpc.insecure_channel(b.addrs["cache"]) as chan_b,
-    ):
-        stub_a, stub_b = (
-            cache_pb2_grpc.CacheServiceStub(chan_a),
-            cache_pb2_grpc.CacheServiceStub(chan_b),
-        )
+    with cache_stubs(replicas) as (stub_a, stub_b):
         scope = common_pb2.Scope(tenant="shared-visibility", model=DEFAULT_MODEL, model_version="1")
         seen = []
         for i in range(5):
@@ -160,15 +166,7 @@ def test_a_semantic_store_through_one_replica_is_found_by_the_others_search(
 ) -> None:
     """Over a Milvus server a replica's semantic search goes to Milvus, not to the vectors it
     holds in memory (those are only its own stores: cache/vector_index.py)."""
-    a, b = replicas
-    with (
-        grpc.insecure_channel(a.addrs["cache"]) as chan_a,
-        grpc.insecure_channel(b.addrs["cache"]) as chan_b,
-    ):
-        stub_a, stub_b = (
-            cache_pb2_grpc.CacheServiceStub(chan_a),
-            cache_pb2_grpc.CacheServiceStub(chan_b),
-        )
+    with cache_stubs(replicas) as (stub_a, stub_b):
         scope = common_pb2.Scope(tenant="shared-semantic", model=DEFAULT_MODEL, model_version="1")
         stub_a.Store(
             cache_pb2.StoreRequest(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -79,6 +79,32 @@ def test_batched_results_match_runs_alone_in_order(default_repo: Path) -> None:
         assert mine["logits"].shape[0] == request.rows
 
 
+async def behind_a_held_run(
+    run: Callable[[list[str]], Sequence[str]],
+    gate: threading.Event,
+    workers: int,
+    short: tuple[str, str],
+    long: tuple[str, str],
+) -> list[Any]:
+    """A "hold" run takes the one run slot until `gate` is set; meanwhile two requests of
+    8 tokens queue, then two of 40 (another length bucket). Each request's output, or its
+    exception, in that order."""
+    with ThreadPoolExecutor(max_workers=workers) as executor:
+        batcher: DynamicBatcher[str, str] = DynamicBatcher(
+            run, BatchingPolicy(length_buckets=(16, 64), max_in_flight=1), executor
+        )
+        hold = asyncio.ensure_future(batcher.submit("hold", length=4))
+        await asyncio.sleep(0.05)  # the holding run occupies the only slot
+        first = [asyncio.ensure_future(batcher.submit(t, length=8)) for t in short]
+        await asyncio.sleep(0.01)
+        second = [asyncio.ensure_future(batcher.submit(t, length=40)) for t in long]
+        await asyncio.sleep(0.05)
+        gate.set()
+        results = await asyncio.gather(hold, *first, *second, return_exceptions=True)
+        await batcher.close()
+        return [r if isinstance(r, BaseException) else r[0] for r in results]
+
+
 def test_a_failed_batch_fails_only_the_request_that_fails_alone() -> None:
     """A run that raises is run again request by request: only the request that fails alone
     fails; its batch-mate and the batch beside it are answered.
@@ -97,22 +123,9 @@ def test_a_failed_batch_fails_only_the_request_that_fails_alone() -> None:
             raise RuntimeError("model run failed")
         return [p.upper() for p in payloads]
 
-    async def scenario() -> list[Any]:
-        with ThreadPoolExecutor(max_workers=1) as executor:
-            batcher: DynamicBatcher[str, str] = DynamicBatcher(
-                run, BatchingPolicy(length_buckets=(16, 64)), executor
-            )
-            hold = asyncio.ensure_future(batcher.submit("hold", length=4))
-            await asyncio.sleep(0.05)  # the holding run occupies the only slot
-            short = [asyncio.ensure_future(batcher.submit(t, length=8)) for t in ("a", "b")]
-            long = [asyncio.ensure_future(batcher.submit(t, length=40)) for t in ("poison", "c")]
-            await asyncio.sleep(0.05)
-            gate.set()
-            results = await asyncio.gather(hold, *short, *long, return_exceptions=True)
-            await batcher.close()
-            return [r if isinstance(r, BaseException) else r[0] for r in results]
-
-    hold, a, b, poison, c = asyncio.run(scenario())
+    hold, a, b, poison, c = asyncio.run(
+        behind_a_held_run(run, gate, 1, ("a", "b"), ("poison", "c"))
+    )
     assert (hold, a, b, c) == ("HOLD", "A", "B", "C")
     assert isinstance(poison, RuntimeError)
     assert ["poison", "c"] in runs  # together first, then each alone
@@ -143,23 +156,9 @@ def test_the_runs_again_of_a_failed_batch_keep_to_the_run_slots() -> None:
             with lock:
                 running[0] -= 1
 
-    async def scenario() -> list[Any]:
-        with ThreadPoolExecutor(max_workers=4) as executor:
-            batcher: DynamicBatcher[str, str] = DynamicBatcher(
-                run, BatchingPolicy(length_buckets=(16, 64), max_in_flight=1), executor
-            )
-            hold = asyncio.ensure_future(batcher.submit("hold", length=4))
-            await asyncio.sleep(0.05)
-            failing = [asyncio.ensure_future(batcher.submit(t, length=8)) for t in ("poison", "a")]
-            await asyncio.sleep(0.01)  # older than the batch below: dispatched first
-            waiting = [asyncio.ensure_future(batcher.submit(t, length=40)) for t in ("b", "c")]
-            await asyncio.sleep(0.05)
-            gate.set()
-            results = await asyncio.gather(hold, *failing, *waiting, return_exceptions=True)
-            await batcher.close()
-            return [r if isinstance(r, BaseException) else r[0] for r in results]
-
-    hold, poison, a, b, c = asyncio.run(scenario())
+    # ("poison", "a") is older than ("b", "c"): dispatched first, ("b", "c") waits.
+    scenario = behind_a_held_run(run, gate, 4, ("poison", "a"), ("b", "c"))
+    hold, poison, a, b, c = asyncio.run(scenario)
     assert (hold, a, b, c) == ("HOLD", "A", "B", "C")
     assert isinstance(poison, RuntimeError)
     assert runs == [["hold"], ["poison", "a"], ["poison"], ["a"], ["b", "c"]]
