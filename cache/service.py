@@ -1061,6 +1061,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             evictions=c["evictions"],
             reclaims=c["reclaims"],
             write_retries=c["write_retries"],
+            memory_searches=c["memory_searches"],
+            milvus_searches=c["milvus_searches"],
             expirations=c["expirations"],
             lookup_mean_ms=float(times.mean()),
             lookup_p50_ms=float(np.percentile(times, 50)),

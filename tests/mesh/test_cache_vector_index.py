@@ -93,8 +93,9 @@ def test_semantic_hits_come_from_memory_and_leave_with_their_entries(tmp_path: P
             # Another tenant's entries are not in its scope's matrix: a miss.
             other = await semantic(stub, "someone stole my card", tenant="vec-other")
             assert other.outcome == MISS
-            assert service.counters["memory_searches"] == before["memory_searches"] + 2
-            assert service.counters["milvus_searches"] == before["milvus_searches"]
+            stats = await stub.GetStats(cache_pb2.GetStatsRequest())
+            assert stats.memory_searches == before["memory_searches"] + 2
+            assert stats.milvus_searches == before["milvus_searches"]
 
             await stub.Invalidate(cache_pb2.InvalidateRequest(entry_ids=[hit.entry_id]))
             # The nearest left is "how much is left on my gift card", at 0.41: a miss.
