@@ -27,6 +27,7 @@ old ones left to any search still reading them) once the dead outnumber the livi
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Container, Iterable, Sequence
 
 import numpy as np
@@ -167,9 +168,12 @@ class VectorIndex:
         if len(self._scope_of) >= self.max_rows:
             self.lose(scope)
             return
-        norm = float(np.linalg.norm(vector))
-        if norm == 0.0 or vector.shape != (self.dim,):
-            raise ValueError(f"a cache vector must be {self.dim} non-zero floats")
+        norm = float(np.linalg.norm(vector)) if vector.shape == (self.dim,) else 0.0
+        if not (math.isfinite(norm) and norm > 0.0):
+            # Not a vector a search can compare (the encoder's are unit length): Milvus,
+            # which holds the row as it was written, searches the scope from now on.
+            self.lose(scope)
+            return
         block = self._blocks.get(scope)
         if block is None:
             block = self._blocks[scope] = _Block(self.dim)
