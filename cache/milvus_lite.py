@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,10 @@ _GLOG_DIR = "GLOG_log_dir"  # glog's spelling, not upper case
 
 class NotADatabase(ValueError):
     """The path exists but is not a milvus-lite database."""
+
+
+class StartFailed(RuntimeError):
+    """milvus-lite's server for a database file did not come up; the message says why."""
 
 
 def is_local(uri: str) -> bool:
@@ -77,6 +82,33 @@ def _set_or_unset(name: str, value: str | None) -> None:
         os.environ.pop(name, None)
     else:
         os.environ[name] = value
+
+
+def connect(
+    pymilvus: Any, uri: str, timeout_s: float, start_timeout_s: float = START_TIMEOUT_S
+) -> Any:
+    """A `MilvusClient` on the database file `uri`, its server started if none runs yet.
+
+    milvus-lite gives its server 0.5 s, then pymilvus fails at once if the socket is not
+    there yet: on a loaded machine the server binds later (CI: a cache start, and once a
+    test's own client, failed so). The server keeps starting, so the client is asked again
+    until `start_timeout_s` ends; then the server is stopped and `StartFailed` says why.
+    Call only once the path is known to be a database's (`check_database_file`).
+    """
+    path = Path(uri)
+    deadline = time.monotonic() + start_timeout_s
+    while True:
+        try:
+            with server_environment(path):
+                return pymilvus.MilvusClient(uri, timeout=timeout_s)
+        except Exception as exc:  # pymilvus raises many kinds here
+            if starting(path) and time.monotonic() < deadline:
+                time.sleep(START_POLL_S)
+                continue
+            reason = " ".join(str(getattr(exc, "message", None) or exc).split())[:300]
+            hint = start_failure(path, reason, start_timeout_s)
+            stop_server(path)
+            raise StartFailed(f"{hint} ({reason})") from exc
 
 
 def logs_beside(db: Path) -> None:

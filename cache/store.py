@@ -239,25 +239,10 @@ class MilvusStore:
         except lite.NotADatabase as exc:
             raise CacheStoreError(str(exc)) from exc
         lite.quiet_iterator_timestamps()
-        # milvus-lite gives its server 0.5 s, then pymilvus fails at once if the socket is not
-        # there yet: on a loaded machine the server binds later (CI: one cache start failed so).
-        # Its server keeps starting, so the client is asked again until the start budget ends.
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            try:
-                # Only once the path is known to be a database's.
-                with lite.server_environment(path):
-                    return pymilvus.MilvusClient(self.uri, timeout=self.timeout_s)
-            except Exception as exc:  # pymilvus raises many kinds here
-                if lite.starting(path) and time.monotonic() < deadline:
-                    time.sleep(lite.START_POLL_S)
-                    continue
-                reason = _reason(exc)
-                hint = lite.start_failure(path, reason, self.start_timeout_s)
-                lite.stop_server(path)
-                raise CacheStoreError(
-                    f"cannot open Milvus at {self.uri}: {hint} ({reason})"
-                ) from exc
+        try:
+            return lite.connect(pymilvus, self.uri, self.timeout_s, self.start_timeout_s)
+        except lite.StartFailed as exc:
+            raise CacheStoreError(f"cannot open Milvus at {self.uri}: {exc}") from exc
 
     def _open_generation(self) -> str:
         """The lowest generation present; copies above it are unfinished reclaims: dropped."""

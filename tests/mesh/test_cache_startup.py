@@ -42,14 +42,18 @@ def test_wrong_vector_dimension_is_refused(tmp_path: Path) -> None:
     db = tmp_path / "cache.db"
     collection = embedding_model(default_weights_dir()).collection
     # Another writer's collection under our name, with 8-d vectors; written by a child process
-    # because milvus-lite allows one process per file.
+    # because milvus-lite allows one process per file. Opened as the store opens it
+    # (`milvus_lite.connect`): a bare client fails at once if the server binds late (it did in CI).
     script = f"""
         import warnings
         warnings.simplefilter("ignore")
-        from pymilvus import MilvusClient
-        c = MilvusClient({str(db)!r})
+        from pathlib import Path
+        import pymilvus
+        from hopline.cache import milvus_lite
+        c = milvus_lite.connect(pymilvus, {str(db)!r}, timeout_s=5.0)
         c.create_collection({collection!r}, dimension=8, metric_type="COSINE")
         c.close()
+        milvus_lite.stop_server(Path({str(db)!r}))
     """
     subprocess.run([sys.executable, "-c", textwrap.dedent(script)], check=True, timeout=120)
     code, log, _ = serve_cache(str(db))
