@@ -286,8 +286,9 @@ def _model_spec(spec: str) -> tuple[str, str]:
 
 def _inprocess(name: str, args: argparse.Namespace, spec: str = "") -> InProcessTarget:
     from hopline.model.repository import ModelRepository
+    from hopline.model.run_width import run_slots
     from hopline.runtime import config as cfg
-    from hopline.services.inference.service import InferenceConfig, run_slots
+    from hopline.services.inference.service import InferenceConfig
 
     model, version = _model_spec(spec) if spec else (args.model, "")
     model = model or os.environ.get("HOPLINE_DEFAULT_MODEL", "support-intents")

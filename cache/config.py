@@ -107,7 +107,15 @@ class CacheConfig(ServerConfig):
         "at the same time as their embedding), 'all' (exact-only ones too) or 'off'",
     )
     embed_threads: int = env_field(
-        "HOPLINE_CACHE_EMBED_THREADS", 0, "ONNX Runtime threads for the embedder (0: all cores)"
+        "HOPLINE_CACHE_EMBED_THREADS",
+        0,
+        "ONNX Runtime threads per embedder run (0: every core for a run alone, one core each "
+        "for runs side by side)",
+    )
+    embed_workers: int = env_field(
+        "HOPLINE_CACHE_EMBED_WORKERS",
+        0,
+        "embedder runs in parallel with HOPLINE_CACHE_EMBED_THREADS=0 (0: one per core)",
     )
     embed_spin: Spin = env_field(
         "HOPLINE_CACHE_EMBED_SPIN",

@@ -181,7 +181,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.embedder = await loop.run_in_executor(
             None,
             lambda: Embedder.load(
-                _weights_dir(), work, threads=self.config.embed_threads, spin=self.config.embed_spin
+                _weights_dir(),
+                work,
+                threads=self.config.embed_threads,
+                workers=self.config.embed_workers,
+                spin=self.config.embed_spin,
             ),
         )
         model = self.embedder.model

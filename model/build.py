@@ -68,6 +68,7 @@ from hopline.model.repository import (
     load_config,
     validate_name,
 )
+from hopline.model.run_width import CPU_RUN_ROWS
 from hopline.model.session import embed_texts, make_session, run_texts
 from hopline.model.tokenizer import DEFAULT_MAX_LENGTH, load_tokenizer
 from hopline.runtime.batching import DEFAULT_BUCKETS, DEFAULT_MAX_BATCH
@@ -171,14 +172,6 @@ def _sha256(path: Path) -> str:
 # storing only answers scoring >= 0.3 cut cache-induced errors from 7 to 2 of ~1000 hits
 # for 2% fewer hits. Near-tie answers are the ones a paraphrase flips.
 SEMANTIC_MIN_SCORE = 0.3
-# Rows in one run of a version served on the CPU (its `dynamic_batching.max_batch_size`; more
-# wait for the next run slot, and a request with more runs in parts side by side). A CPU's
-# cost a row is flat past a few rows, while a run's length grows with its rows, and so does
-# its padding (rows are padded to the longest). Co-located mesh, 2-core Xeon VM, against 32,
-# 6 alternated rounds each: 32 callers 304.9 -> 326.6 rps (higher in 5 of 6, p99 211.4 ->
-# 182.8 ms), 230 rps open loop p50 25.2 -> 23.4 and p99 106.6 -> 97.6 ms. GPUs gain from large
-# runs: a version whose first provider is a GPU keeps DEFAULT_MAX_BATCH.
-CPU_RUN_ROWS = 12
 
 
 def build_model(
@@ -425,7 +418,8 @@ def _check_precision(
 
 
 def _run_rows(providers: tuple[ProviderSpec, ...]) -> int:
-    """A run's most rows: CPU_RUN_ROWS for a version whose first provider is the CPU."""
+    """A run's most rows: CPU_RUN_ROWS (model/run_width.py) for a version whose first provider
+    is the CPU."""
     return CPU_RUN_ROWS if providers[0].provider is Provider.CPU else DEFAULT_MAX_BATCH
 
 

@@ -8,8 +8,6 @@ hopline.model.providers); `providers` is what the session actually runs on.
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -20,6 +18,7 @@ from hopline.model.int8_kernels import warn_if_saturating
 from hopline.model.providers import session_providers
 from hopline.model.quantize import Precision
 from hopline.model.repository import ModelConfig
+from hopline.model.run_width import RunWidth, cores
 from hopline.model.session import Spin, make_session
 
 Array = npt.NDArray[np.generic]
@@ -61,12 +60,6 @@ class OnnxRuntimeBackend:
         return dict(zip(names, results, strict=True))
 
 
-# A run alone takes every core only while fewer than NARROW_FROM of the last COMPANY_WINDOW
-# or so runs (a moving average) ran beside another: see SideBySideBackend.
-COMPANY_WINDOW = 32
-NARROW_FROM = 0.25
-
-
 class SideBySideBackend:
     """Every core for a run alone, one core each for runs side by side (threads 0 on CPU).
 
@@ -79,20 +72,20 @@ class SideBySideBackend:
     lone request still gets every core, where a second thread pays at low load on CPUs whose
     threads wake fast (4.5 vs 7.0 ms on an earlier stop's machine).
 
-    Two sessions of the version: the inference service's RSS with the default FP32 model
-    was 292 MB against 187 MB with one session. A run takes the wide one when no other run
-    of this version is in progress and few recent runs had company (`NARROW_FROM`), else the
-    narrow one. A run that starts beside a wide one shares its cores until it ends, while
-    the wide run's two threads wait for each other at every operator (spinning, with
-    `HOPLINE_INFERENCE_SPIN=run`), so under load the every-core session buys a run little
-    time and costs a second thread's CPU: under Poisson arrivals at 230 rps through the
-    co-located mesh (Intel Xeon VM, 2 cores), 16% of runs started alone and took the wide
-    session (1.1 rows on average); they took 8.1 ms of wall time a row and their calling
-    thread alone 4.2 ms of CPU a row (the second thread was not counted), where one-row runs
-    on one core beside others took 9.7 ms and 5.4 ms of CPU, and a batch-1 run on every core
-    left alone takes 2.0-2.9 ms (docs/performance.md). `NARROW_FROM` keeps the wide session
-    for runs that stay alone (a closed loop of one never has company) and gives it up while
-    arrivals keep runs side by side.
+    Two sessions of the version: the inference service's RSS with the default FP32 model was 292
+    MB against 187 MB with one session. A run takes the wide one when no other run of this
+    version is in progress and few recent runs had company (model/run_width.py: RunWidth,
+    `NARROW_FROM`), else the narrow one. A run that starts beside a wide one shares its cores
+    until it ends, while the wide run's two threads wait for each other at every operator
+    (spinning, with `HOPLINE_INFERENCE_SPIN=run`), so under load the every-core session buys a
+    run little time and costs a second thread's CPU: under Poisson arrivals at 230 rps through
+    the co-located mesh (Intel Xeon VM, 2 cores), 16% of runs started alone and took the wide
+    session (1.1 rows on average); they took 8.1 ms of wall time a row and their calling thread
+    alone 4.2 ms of CPU a row (the second thread was not counted), where one-row runs on one
+    core beside others took 9.7 ms and 5.4 ms of CPU, and a batch-1 run on every core left alone
+    takes 2.0-2.9 ms (docs/performance.md). `NARROW_FROM` keeps the wide session for runs that
+    stay alone (a closed loop of one never has company) and gives it up while arrivals keep runs
+    side by side.
     Against the rule before (a run alone always wide), meshes side by side, alternated 10 s
     rounds: c=32 misses 318.5 -> 328.5 rps (median of 4 rounds, higher in 3, level in 1) and
     299.8 -> 306.3 (6 rounds, higher in 5), the gateway's CPU a request lower in 5 of 6;
@@ -104,40 +97,15 @@ class SideBySideBackend:
         self.wide = OnnxRuntimeBackend(config, 0, spin=spin)
         self.narrow = OnnxRuntimeBackend(config, 1, providers=self.wide.providers)
         self.providers = self.wide.providers
-        self._lock = threading.Lock()
-        self._running = 0
-        self._started = 0  # runs started, to tell whether another started during a run
-        self.company = 0.0  # the share of recent runs that had company (moving average)
-        self.wide_runs = 0  # counted for tests and stats: which session answered
-        self.narrow_runs = 0
+        self.width = RunWidth()
 
     @property
     def sessions(self) -> tuple[OnnxRuntimeBackend, ...]:
         return (self.wide, self.narrow)
 
     def run(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
-        with self._lock:
-            self._running += 1
-            self._started += 1
-            started = self._started
-            beside = self._running > 1
-            wide = not beside and self.company < NARROW_FROM
-            if wide:
-                self.wide_runs += 1
-            else:
-                self.narrow_runs += 1
-        try:
+        with self.width.run() as wide:
             return (self.wide if wide else self.narrow).run(inputs, outputs)
-        finally:
-            with self._lock:
-                self._running -= 1
-                had_company = beside or self._started > started
-                self.company += (float(had_company) - self.company) / COMPANY_WINDOW
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0))
 
 
 def create_backend(config: ModelConfig, threads: int, *, spin: Spin = Spin.OFF) -> Backend:

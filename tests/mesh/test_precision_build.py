@@ -22,8 +22,8 @@ import pytest
 from conftest import DEFAULT_MODEL
 from harness import Mesh
 from hopline.gateway.client import predict
-from hopline.model.build import CPU_RUN_ROWS
 from hopline.model.providers import parse_providers
+from hopline.model.run_width import CPU_RUN_ROWS
 from hopline.model.session import make_session
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc

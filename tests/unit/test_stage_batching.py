@@ -249,10 +249,10 @@ def test_a_co_located_inference_gets_as_many_calls_as_it_runs_at_once() -> None:
     import dataclasses
 
     from hopline.gateway.upstream import CoLocated, GatewayUpstreams
+    from hopline.model.run_width import cores
     from hopline.protos.hopline.inference.v1 import inference_pb2_grpc
     from hopline.runtime import config as cfg
     from hopline.runtime.inproc import InProcessService
-    from hopline.services.inference.backend import cores
     from hopline.services.inference.service import InferenceConfig, InferenceService
 
     settings = cfg.load(InferenceConfig, [])
