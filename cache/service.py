@@ -30,6 +30,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
+from hopline.cache.acceptance import accept, eligible
 from hopline.cache.config import CacheConfig, ExactFallback
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.entry_bounds import COUNT_REFRESH_S, EntryBounds, Group, eviction_size
@@ -618,14 +619,23 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 span.set_attribute(schema.CACHE_CANDIDATES, len(found))
                 span.set_attribute(schema.CACHE_SEARCH_ROWS, searched.rows)
             response.search_ms = (time.perf_counter() - t2) * 1e3
-            # The query's unseen parts only matter against a candidate: no search result, no
-            # tokenizer run.
-            query_unseen = self._unseen(normalised) if found else ()
             if verify is None:
-                hit = self._accept(found, scope, now, threshold, query_unseen)
+                verdict = accept(
+                    found,
+                    scope,
+                    now,
+                    threshold,
+                    self.config.agreement_margin,
+                    normalised,
+                    self._unseen,
+                )
+                self.counters["unseen_mismatches"] += verdict.unseen_mismatches
+                self.counters["ambiguous"] += int(verdict.ambiguous)
+                hit = verdict.hit
             else:
-                eligible = self._eligible(found, scope, now, query_unseen)
-                hit, response.verify_id = self.verifier.serve(scope, eligible, verify)
+                candidates, mismatches = eligible(found, scope, now, normalised, self._unseen)
+                self.counters["unseen_mismatches"] += mismatches
+                hit, response.verify_id = self.verifier.serve(scope, candidates, verify)
             if hit is not None:
                 self.counters["semantic_hits"] += 1
                 metrics.CACHE_LOOKUPS.labels("semantic").inc()
@@ -703,26 +713,6 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             return None
         return entry
 
-    def _eligible(
-        self,
-        found: list[tuple[Entry, float]],
-        scope: tuple[str, str, str, str],
-        now: float,
-        query_unseen: tuple[str, ...],
-    ) -> list[tuple[Entry, float, str]]:
-        """The candidates `_accept` would consider (same scope, live, equal unseen parts),
-        nearest first, with their answers: a verified-hit rule weighs them all."""
-        out = []
-        for candidate, similarity in found:
-            if candidate.scope != scope or candidate.expires_at <= now:
-                continue
-            if self._unseen(candidate.text) != query_unseen:
-                self.counters["unseen_mismatches"] += 1
-                continue
-            label = common_pb2.Prediction.FromString(candidate.response).label
-            out.append((candidate, similarity, label))
-        return out
-
     def _reads_milvus(self, semantic: bool) -> bool:
         """Whether an exact lookup the memory could not answer reads Milvus by key."""
         if self.index is None or self.peers is not None:
@@ -745,40 +735,6 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             vector = await self.embedder.embed(text)
         self._remember(text, vector)
         return vector, (time.perf_counter() - started) * 1e3
-
-    def _accept(
-        self,
-        found: list[tuple[Entry, float]],
-        scope: tuple[str, str, str, str],
-        now: float,
-        threshold: float,
-        query_unseen: tuple[str, ...],
-    ) -> tuple[Entry, float] | None:
-        """The nearest entry at or above the threshold, unless a runner-up close to it carries
-        another answer: the query sits between two answers, and guessing is a false hit.
-
-        Only entries whose unseen parts (what the encoder could not see: characters under
-        [UNK], a truncated tail) equal the query's take part: texts that differ only there
-        embed identically, so their similarity says nothing about them.
-        """
-        best: tuple[Entry, float, str] | None = None
-        for candidate, similarity in found:
-            # The filter already scoped the search; checking again costs nothing and keeps a
-            # filter mistake from ever crossing tenants.
-            if candidate.scope != scope or candidate.expires_at <= now:
-                continue
-            if self._unseen(candidate.text) != query_unseen:
-                self.counters["unseen_mismatches"] += 1
-                continue
-            label = common_pb2.Prediction.FromString(candidate.response).label
-            if best is None:
-                if similarity < threshold:
-                    return None
-                best = (candidate, similarity, label)
-            elif similarity >= threshold - self.config.agreement_margin and label != best[2]:
-                self.counters["ambiguous"] += 1
-                return None
-        return (best[0], best[1]) if best is not None else None
 
     def _unseen(self, normalised: str) -> tuple[str, ...]:
         assert self.embedder is not None
