@@ -478,7 +478,7 @@ class GatewayStages:
         here; a co-located service that works on several calls at once (the inference
         service: one run per core and one more) gets at least that many, since its own
         batcher queues and merges them: with one, a run that ended waited for this stage's
-        next call (services/inference/service.py:run_slots has the figures).
+        next call (model/run_width.py:run_slots has the figures).
         """
 
         def gather(pool: Pool[Any]) -> Callable[[], bool] | None:
