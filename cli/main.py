@@ -29,6 +29,7 @@ def _serve(name: str, argv: Sequence[str]) -> int:
     from hopline.observability.logs import setup_logging
     from hopline.observability.tracing import setup_tracing
     from hopline.runtime import event_loop
+    from hopline.runtime.cpu_quota import fit_thread_pools, quota_cpus, usable_cpus
     from hopline.runtime.server import serve
     from hopline.runtime.workers import (
         WorkersConfigError,
@@ -38,6 +39,8 @@ def _serve(name: str, argv: Sequence[str]) -> int:
         worker_index,
     )
 
+    # Before numpy and `tokenizers` start their thread pools (a container's CPU limit).
+    pools = fit_thread_pools()
     # Only this service's module is imported: `serve gateway` loads no ONNX Runtime or Milvus.
     config_cls, service_cls = spec(name).load()
     config = cfg.load(config_cls, argv, prog=f"hopline serve {name}")
@@ -58,6 +61,9 @@ def _serve(name: str, argv: Sequence[str]) -> int:
         logging.getLogger("hopline").error("cannot set up tracing", extra={"error": str(exc)})
         return 2
     logging.getLogger("hopline").info("config", extra={"config": vars(config)})
+    logging.getLogger("hopline").info(
+        "cpus", extra={"usable": usable_cpus(), "quota": quota_cpus(), "pools": pools}
+    )
 
     async def main() -> int:
         # Built inside the loop: grpc.aio channels bind to the loop that creates them.

@@ -9,9 +9,10 @@ too while most recent runs had company; there is one run slot more than there ar
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator
+
+from hopline.runtime.cpu_quota import usable_cpus
 
 # A run alone takes every core only while fewer than NARROW_FROM of the last COMPANY_WINDOW
 # or so runs (a moving average) ran beside another: see SideBySideBackend.
@@ -29,8 +30,9 @@ CPU_RUN_ROWS = 12
 
 
 def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0))
+    """The whole cores this process may keep busy: its affinity, within its cgroups' CPU
+    quota (runtime/cpu_quota.py)."""
+    return usable_cpus()
 
 
 def run_slots(workers: int) -> int:

@@ -20,6 +20,7 @@ from hopline.model.providers import (
 )
 from hopline.model.repository import SENTENCE_EMBEDDING
 from hopline.model.tokenizer import encode
+from hopline.runtime.cpu_quota import limited, usable_cpus
 
 
 class Spin(enum.StrEnum):
@@ -49,10 +50,12 @@ RUN_SPIN_US = 50
 
 def session_options(threads: int, spin: Spin) -> ort.SessionOptions:
     """The options every hopline session runs with: `threads` intra-op threads (0: every
-    core), one run at a time, `spin` between operators."""
+    core this process may use), one run at a time, `spin` between operators."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = threads
+    # ONNX Runtime's own default counts the machine's cores; under a container's CPU limit or
+    # an affinity mask that is too many threads (runtime/cpu_quota.py says what they cost).
+    options.intra_op_num_threads = threads or (usable_cpus() if limited() else 0)
     # One request runs at a time per session call; inter-op parallelism only adds contention.
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
