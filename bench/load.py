@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import resource
 import threading
 import time
@@ -30,6 +29,8 @@ from typing import Any
 
 import grpc
 import numpy as np
+
+from hopline.runtime.cpu_quota import usable_cpus
 
 OK = "OK"
 
@@ -312,4 +313,5 @@ def percentiles_ms(latencies_ns: Sequence[int]) -> dict[str, float]:
 
 
 def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The CPUs the bench and its in-process baselines may use (affinity and CPU quota)."""
+    return usable_cpus()
