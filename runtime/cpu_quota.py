@@ -16,6 +16,7 @@ as 2: a pool of 3 busy threads would be throttled every period.
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import os
@@ -26,13 +27,18 @@ from pathlib import Path, PurePosixPath
 PROC_SELF = Path("/proc/self")
 
 
+class CgroupVersion(enum.IntEnum):
+    V1 = 1  # one hierarchy per controller set; the quota in cpu.cfs_quota_us / cfs_period_us
+    V2 = 2  # one unified hierarchy; the quota in cpu.max
+
+
 @dataclass(frozen=True)
 class CgroupMount:
     """A cgroup filesystem as /proc/self/mountinfo lists it."""
 
     root: PurePosixPath  # the cgroup path the mount shows at its mountpoint
     mountpoint: Path
-    version: int  # 1 or 2
+    version: CgroupVersion
     controllers: frozenset[str]  # v1: the controllers mounted there; v2: empty
 
 
@@ -49,9 +55,10 @@ def cgroup_mounts(mountinfo: str) -> list[CgroupMount]:
         fstype, super_options = fields[dash + 1], fields[dash + 3]
         root, mountpoint = PurePosixPath(_unescape(fields[3])), Path(_unescape(fields[4]))
         if fstype == "cgroup2":
-            mounts.append(CgroupMount(root, mountpoint, 2, frozenset()))
+            mounts.append(CgroupMount(root, mountpoint, CgroupVersion.V2, frozenset()))
         elif fstype == "cgroup":
-            mounts.append(CgroupMount(root, mountpoint, 1, frozenset(super_options.split(","))))
+            controllers = frozenset(super_options.split(","))
+            mounts.append(CgroupMount(root, mountpoint, CgroupVersion.V1, controllers))
     return mounts
 
 
@@ -70,11 +77,12 @@ def cpu_cgroup_dirs(cgroup: str, mounts: list[CgroupMount]) -> Iterator[tuple[Cg
         controllers, _, path = rest.partition(":")
         if not path.startswith("/"):
             continue
-        version = 2 if hierarchy == "0" and controllers == "" else 1
-        if version == 1 and "cpu" not in controllers.split(","):
+        v1 = not (hierarchy == "0" and controllers == "")
+        if v1 and "cpu" not in controllers.split(","):
             continue
+        version = CgroupVersion.V1 if v1 else CgroupVersion.V2
         for mount in mounts:
-            if mount.version != version or (version == 1 and "cpu" not in mount.controllers):
+            if mount.version is not version or (v1 and "cpu" not in mount.controllers):
                 continue
             cgroup_path = PurePosixPath(path)
             # A container's own cgroup is usually the root of what it mounts; where the path
@@ -87,10 +95,10 @@ def cpu_cgroup_dirs(cgroup: str, mounts: list[CgroupMount]) -> Iterator[tuple[Cg
             break
 
 
-def folder_quota(version: int, folder: Path) -> float | None:
+def folder_quota(version: CgroupVersion, folder: Path) -> float | None:
     """The CPUs one cgroup folder's quota allows, or None where it sets none (or is unread)."""
     try:
-        if version == 2:
+        if version is CgroupVersion.V2:
             quota, _, period = (folder / "cpu.max").read_text().strip().partition(" ")
             if quota == "max":
                 return None
@@ -133,7 +141,8 @@ def cpus_allowed(affinity: int, quota: float | None) -> int:
 
 @functools.cache
 def usable_cpus() -> int:
-    """This process's whole CPUs (affinity and quota), read once: a limit changes with a restart."""
+    """This process's whole CPUs (affinity and quota), read once, as the pools it sizes are
+    made once: a limit changed in place (Kubernetes' pod resize) is seen after a restart."""
     return cpus_allowed(len(os.sched_getaffinity(0)), quota_cpus())
 
 
