@@ -1,6 +1,7 @@
 """The image `make image` builds, run as containers: every service reaches gRPC health
 SERVING, the five together answer a Predict (a miss, then an exact hit from the cache), each
-runs as the image's non-root user, and each drains to exit code 0 on SIGTERM.
+runs as the image's non-root user, and each drains to exit code 0 on SIGTERM; a container
+given a CPU limit sizes its threads to it.
 
 Run by `make image-smoke` only (tests/deploy is outside the default lanes): it needs podman,
 runc and the built image, which `make image` provides. Containers share the host's network
@@ -9,6 +10,7 @@ namespace on free loopback ports, so no container network has to be set up.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
@@ -120,3 +122,32 @@ def test_each_container_drains_to_exit_code_zero(containers: dict[str, str]) -> 
         assert code == "0", (
             f"{service.name} exited {code}: {podman('logs', '--tail', '20', container)}"
         )
+
+
+def test_a_container_with_a_cpu_limit_sizes_its_threads_to_it() -> None:
+    """`--cpus 1` (a CFS quota on the container's cgroup, as Kubernetes' `limits.cpu` sets):
+    the inference service counts one CPU, whatever the machine has, and sizes the libraries'
+    pools to it (runtime/cpu_quota.py); it still serves."""
+    addr = f"127.0.0.1:{free_port()}"
+    name = f"hopline-smoke-cpus-{uuid.uuid4().hex[:8]}"
+    env = [f"HOPLINE_INFERENCE_ADDR={addr}", "HOPLINE_METRICS_PORT=0"]
+    flags = [arg for e in env for arg in ("-e", e)]
+    try:
+        podman(*RUN[1:], "--cpus", "1", "--name", name, *flags, IMAGE, ServiceName.INFERENCE)
+        wait_serving(addr, name)
+        # The services log to stderr, which `podman logs` gives back on its own stderr.
+        logs = subprocess.run(
+            ["podman", "logs", name], capture_output=True, text=True, timeout=60, check=True
+        ).stderr.splitlines()
+        records = [json.loads(line) for line in logs if line.startswith("{")]
+        cpus = [record for record in records if record.get("msg") == "cpus"]
+        assert cpus, "\n".join(logs[-30:])
+        assert cpus[0]["quota"] == 1.0
+        assert cpus[0]["usable"] == 1
+        assert cpus[0]["pools"] == {
+            "RAYON_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1",
+        }
+    finally:
+        subprocess.run(["podman", "rm", "-f", "-t", "30", name], capture_output=True, check=False)
