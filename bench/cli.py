@@ -27,7 +27,6 @@ from hopline.bench.load import (
     BlockingCall,
     Run,
     closed_loop,
-    cpu_count,
     open_loop,
 )
 from hopline.bench.mixes import Mix, make_mix, narrowed
@@ -48,6 +47,7 @@ from hopline.bench.targets import (
 )
 from hopline.gateway.client import CACHE_MODES, gateway_address
 from hopline.runtime import event_loop
+from hopline.runtime.cpu_quota import usable_cpus
 from hopline.runtime.event_loop import EventLoop
 from hopline.runtime.tls import operator_tls
 
@@ -296,7 +296,7 @@ def _inprocess(name: str, args: argparse.Namespace, spec: str = "") -> InProcess
     suffix = f"@{spec}" if spec else ""
     service = cfg.load(InferenceConfig, [])  # the inference service's settings, from env
     if name == "inprocess":
-        workers, threads = inprocess_threads(args.concurrency or (cpu_count() if args.rps else 1))
+        workers, threads = inprocess_threads(args.concurrency or (usable_cpus() if args.rps else 1))
         return InProcessTarget(
             config,
             batched=False,
@@ -466,7 +466,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "hopline_bench": 1,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
-        "cores": cpu_count(),
+        "cores": usable_cpus(),
         "config": {
             "target": args.target or gateway_address(None),
             "mix": args.mix,

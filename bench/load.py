@@ -30,8 +30,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from hopline.runtime.cpu_quota import usable_cpus
-
 OK = "OK"
 
 
@@ -310,8 +308,3 @@ def percentiles_ms(latencies_ns: Sequence[int]) -> dict[str, float]:
         "p99_9_ms": hist.get_value_at_percentile(99.9) / 1e3,
         "max_ms": hist.get_max_value() / 1e3,
     }
-
-
-def cpu_count() -> int:
-    """The CPUs the bench and its in-process baselines may use (affinity and CPU quota)."""
-    return usable_cpus()

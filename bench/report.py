@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from hopline.bench.load import OK, Run, cpu_count, percentiles_ms
+from hopline.bench.load import OK, Run, percentiles_ms
+from hopline.runtime.cpu_quota import usable_cpus
 
 Describe = Callable[[Any], tuple[str | None, dict[str, float]]]
 COMPUTE = "inference.compute"  # the model's own run, as the replies' timings name it
@@ -50,7 +51,7 @@ def summarise(run: Run, describe: Describe) -> dict[str, Any]:
         # this is the pipeline itself), and how busy the whole machine was.
         "loadgen_cpu_core_share": run.loadgen_cpu_s / run.duration_s if run.duration_s else 0.0,
         "machine_busy": run.machine_busy,
-        "cores": cpu_count(),
+        "cores": usable_cpus(),
         "cpu_ms_per_request": cpu_per_request(run),
     }
 

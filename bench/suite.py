@@ -60,7 +60,7 @@ from hopline.bench.cli import bench_once as bench
 from hopline.bench.full_cache import full_cache_scenario, full_cache_targets
 from hopline.bench.ghz import GHZ_DEFAULT, ghz_beside_bench
 from hopline.bench.hop_split import hop_label
-from hopline.bench.load import MAX_LATENCY_GROWTH, cpu_count
+from hopline.bench.load import MAX_LATENCY_GROWTH
 from hopline.bench.mixes import make_mix
 from hopline.bench.precision import precision_scenario
 from hopline.bench.providers import cuda_unavailable, providers_scenario, providers_targets
@@ -68,6 +68,7 @@ from hopline.bench.report import ratios
 from hopline.bench.shared_embedding import shared_embedding_scenario, shared_embedding_targets
 from hopline.bench.tracing import tracing_scenario, tracing_targets
 from hopline.model.build import DEFAULT_CHECK_SENTENCES
+from hopline.runtime.cpu_quota import usable_cpus
 from hopline.runtime.launcher import Mesh, MeshError, free_ports
 from hopline.runtime.service_table import Topology
 
@@ -119,7 +120,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         "hopline_bench_suite": 1,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
-        "cores": cpu_count(),
+        "cores": usable_cpus(),
         "scenarios": {},
     }
     sc = doc["scenarios"]
