@@ -69,7 +69,8 @@ from hopline.bench.shared_embedding import shared_embedding_scenario, shared_emb
 from hopline.bench.tracing import tracing_scenario, tracing_targets
 from hopline.model.build import DEFAULT_CHECK_SENTENCES
 from hopline.runtime.cpu_quota import usable_cpus
-from hopline.runtime.launcher import Mesh, MeshError, free_ports
+from hopline.runtime.launcher import Mesh, MeshError
+from hopline.runtime.ports import free_ports
 from hopline.runtime.service_table import Topology
 
 COLOCATED = "colocated"  # the co-located mesh's name as a bench peer: peer_colocated

@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from hopline.observability.tracing import EXPORT_SAMPLE_RATIO
-from hopline.runtime.launcher import free_ports
+from hopline.runtime.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 BINARY = ROOT / ".tools" / "bin" / "jaeger"

@@ -14,7 +14,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.ports import address_in_use, free_ports
 from hopline.runtime.service_table import INPROC, SERVICES, ServiceName, spec
 from hopline.runtime.tls import ClientTls, channel, operator_tls
 
@@ -35,49 +35,6 @@ log = logging.getLogger("hopline.launcher")
 ALL: tuple[ServiceName, ...] = tuple(s.name for s in SERVICES)
 SERVING = int(health_pb2.HealthCheckResponse.SERVING)
 STOP_TIMEOUT_S = 15.0
-
-_handed_out: set[int] = set()
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports free now on `host`, none handed out before by this process.
-
-    All probe sockets stay open until every port is chosen, and ports handed out earlier are
-    skipped: the kernel may give back a port it gave a moment ago, and two servers told the
-    same port either fail or, worse, split one port's traffic.
-    """
-    ports: list[int] = []
-    probes: list[socket.socket] = []
-    try:
-        while len(ports) < count:
-            probe = socket.socket()
-            probes.append(probe)
-            probe.bind((host, 0))
-            port = int(probe.getsockname()[1])
-            if port not in _handed_out:
-                _handed_out.add(port)
-                ports.append(port)
-        return ports
-    finally:
-        for probe in probes:
-            probe.close()
-
-
-def address_in_use(address: str) -> bool:
-    """Whether something already listens on `address` (host:port): a mesh started over
-    another would find the other's services SERVING and report itself up."""
-    host, _, port = address.rpartition(":")
-    if address.startswith("unix:") or not port.isdigit():
-        return False  # a Unix socket path: not probed here; the server's own bind error names it
-    host = host.strip("[]") or "0.0.0.0"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not a user
-        try:
-            probe.bind((host, int(port)))
-        except OSError:
-            return True
-    return False
 
 
 def health_status(target: str, timeout_s: float = 1.0, tls: ClientTls | None = None) -> int | None:

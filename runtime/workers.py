@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from hopline.runtime.ports import address_in_use
+
 log = logging.getLogger("hopline.runtime.workers")
 
 # Set in each worker's environment (its index): it serves, and binds with SO_REUSEPORT.
@@ -73,8 +75,6 @@ def check(listen: str, workers: int, setting: str) -> None:
             f"{setting}={workers} needs a fixed TCP port to share, not {listen!r}: each worker "
             "binding port 0 or a Unix socket path would get an address of its own"
         )
-    from hopline.runtime.launcher import address_in_use  # the supervisor's import only
-
     if address_in_use(listen):
         raise WorkersConfigError(
             f"address in use: {listen}. Another process listens there; the workers would "

@@ -23,8 +23,9 @@ from hopline.observability.report import Span, parse_otlp
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime import launcher
-from hopline.runtime.launcher import ALL, free_ports, rpcs_answered
+from hopline.runtime.launcher import ALL, rpcs_answered
 from hopline.runtime.launcher import health_status as health
+from hopline.runtime.ports import free_ports
 from hopline.runtime.service_table import Topology
 
 __all__ = [

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from hopline.cache.store import _quiet_imports
 from hopline.runtime import grpc_io
-from hopline.runtime.launcher import free_ports
+from hopline.runtime.ports import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 STANDALONE_VENV = ROOT / ".tools" / "milvus-standalone"

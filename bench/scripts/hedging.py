@@ -38,7 +38,8 @@ from hopline.bench.load import percentiles_ms
 from hopline.bench.mixes import make_mix
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from hopline.runtime.launcher import Mesh, free_ports, is_serving
+from hopline.runtime.launcher import Mesh, is_serving
+from hopline.runtime.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "support-intents"

@@ -24,7 +24,7 @@ from hopline.bench.load import Run
 from hopline.bench.report import cpu_per_request
 from hopline.bench.suite import cpu_markdown, hop_split_markdown
 from hopline.observability import schema
-from hopline.runtime.launcher import free_ports
+from hopline.runtime.ports import free_ports
 
 
 class Process:

@@ -1,15 +1,24 @@
-"""`hopline run` over a port another program listens on: it must refuse, naming the address,
-not find the other program's services SERVING and report itself up (it did: "up in 0.0 s",
-then its own services failed to bind). No process is started."""
+"""Ports: free ones drawn where nothing else is handed them, and `hopline run` over a port
+another program listens on, which must refuse, naming the address, not find the other
+program's services SERVING and report itself up (it did: "up in 0.0 s", then its own
+services failed to bind). No process is started."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from pathlib import Path
 
 import pytest
 
-from hopline.runtime.launcher import Mesh, MeshError, address_in_use
+from hopline.runtime.launcher import Mesh, MeshError
+from hopline.runtime.ports import (
+    EPHEMERAL_RANGE_FILE,
+    QUIET_SPAN,
+    address_in_use,
+    free_ports,
+    quiet_range,
+)
 from hopline.runtime.service_table import spec
 
 
@@ -26,3 +35,36 @@ def test_a_mesh_over_a_busy_address_refuses_to_start_and_names_it(tmp_path: Path
         assert named in str(refused.value)
         assert mesh.procs == {}
     assert not address_in_use(address)
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_so_a_port_0_bind_cannot_take_them() -> None:
+    """CI lost a run to a port chosen by a port-0 bind: a Milvus server started after the
+    mesh's ports were chosen gave one of its components the inference service's port. Ports
+    drawn below the kernel's ephemeral range are never handed to a port-0 bind or an outgoing
+    connection; here 300 port-0 listeners opened after the draw take none of them."""
+    quiet = quiet_range()
+    if quiet is None:
+        pytest.skip(f"{EPHEMERAL_RANGE_FILE} missing or its range starts too low to draw below")
+    chosen = free_ports(12)
+    again = free_ports(12)
+    assert len(set(chosen) | set(again)) == 24, "a port handed out twice"
+    assert all(port in quiet for port in chosen + again)
+    with contextlib.ExitStack() as stack:
+        taken = set()
+        for _ in range(300):
+            listener = stack.enter_context(socket.socket())
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            taken.add(listener.getsockname()[1])
+        assert not taken & set(chosen + again)
+        for port in chosen:
+            assert not address_in_use(f"127.0.0.1:{port}")
+
+
+def test_quiet_range_reads_the_kernels_ephemeral_range(tmp_path: Path) -> None:
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("32768\t60999\n")
+    assert quiet_range(ranges) == range(32768 - QUIET_SPAN, 32768)
+    ranges.write_text("1500\t65535\n")  # no room below: the kernel's own choice instead
+    assert quiet_range(ranges) is None
+    assert quiet_range(tmp_path / "absent") is None

@@ -1,0 +1,88 @@
+"""Loopback ports for what starts on free ports: the tests' and the bench's meshes, Jaeger, Milvus.
+
+Ports come from just below the kernel's ephemeral range, never from a port-0 bind: the kernel
+hands ephemeral ports to every outgoing connection and every server that asks for port 0, and
+some servers pick their own in that range, so a port chosen there and bound a moment later
+can be taken in between. CI lost a run that way (stop 65): two standalone Milvus servers ran
+side by side, started after their meshes' ports were chosen, and the second one's root
+coordinator, finding its default 53100 taken, took the next port up, 53101, which a port-0
+probe had handed to a mesh's inference service. Below the range only a program that names
+the port can take it; the bind probe sees those already listening.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# How far below the ephemeral range to draw from: 24576-32767 with Linux's default range.
+# Milvus's component ports (9091, 13333, 19529-19531, 21121-21124, each the next one up when
+# taken) and most servers' defaults lie lower; its root coordinator's 53100 lies higher.
+QUIET_SPAN = 8192
+# The fewest ports a quiet range must hold to be used: with fewer, random draws would meet
+# each other and other test processes' too often.
+QUIET_MIN = 1024
+_TRIES_PER_PORT = 64
+
+_handed_out: set[int] = set()
+
+
+def quiet_range(ephemeral_file: Path = EPHEMERAL_RANGE_FILE) -> range | None:
+    """The ports below the ephemeral range this module draws from, or None where that range
+    is unknown or starts too low to leave room (the kernel's port-0 choice is used then)."""
+    try:
+        low = int(ephemeral_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    start = max(1024, low - QUIET_SPAN)
+    return range(start, low) if low - start >= QUIET_MIN else None
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports free now on `host`, none handed out before by this process.
+
+    All probe sockets stay open until every port is chosen, and ports handed out earlier are
+    skipped: the kernel may give back a port it gave a moment ago, and two servers told the
+    same port either fail or, worse, split one port's traffic.
+    """
+    ports: list[int] = []
+    probes: list[socket.socket] = []
+    draws = quiet_range()
+    tries = _TRIES_PER_PORT * count if draws is not None else 0
+    try:
+        while len(ports) < count:
+            probe = socket.socket()
+            probes.append(probe)
+            wanted = random.choice(draws) if draws is not None and tries > 0 else 0
+            tries -= 1
+            try:
+                probe.bind((host, wanted))
+            except OSError:
+                continue  # taken (or in TIME_WAIT): draw again
+            port = int(probe.getsockname()[1])
+            if port not in _handed_out:
+                _handed_out.add(port)
+                ports.append(port)
+        return ports
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+def address_in_use(address: str) -> bool:
+    """Whether something already listens on `address` (host:port): a mesh started over
+    another would find the other's services SERVING and report itself up."""
+    host, _, port = address.rpartition(":")
+    if address.startswith("unix:") or not port.isdigit():
+        return False  # a Unix socket path: not probed here; the server's own bind error names it
+    host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not a user
+        try:
+            probe.bind((host, int(port)))
+        except OSError:
+            return True
+    return False
