@@ -242,14 +242,9 @@ milvus-standalone: $(MILVUS_STANDALONE)
 # server and once on the standalone (HOPLINE_TEST_MILVUS: each mesh starts a server of its own).
 CACHE_SERVER_TESTS := tests/mesh/test_cache.py tests/mesh/test_cache_exact_index.py \
 	tests/mesh/test_exact_tier.py tests/mesh/test_cache_unseen.py tests/mesh/test_cache_shared_milvus.py \
-	tests/mesh/test_cache_startup.py tests/mesh/test_tenancy_e2e.py
-# test_cache_verified.py on milvus-lite's server only, for now: in one CI run its restart test's
-# cache failed start-up on the standalone, a Strong count(*) taking over 5 s
-# (HOPLINE_CACHE_MILVUS_TIMEOUT_S), where the file had passed alone; not yet understood.
-LITE_SERVER_ONLY_TESTS := tests/mesh/test_cache_verified.py
+	tests/mesh/test_cache_startup.py tests/mesh/test_tenancy_e2e.py tests/mesh/test_cache_verified.py
 milvus-server-tests: model $(MILVUS_STANDALONE)
-	HOPLINE_MODEL_REPO=$(MODEL_REPO) HOPLINE_TEST_MILVUS=lite-server $(BIN)/pytest $(CACHE_SERVER_TESTS) \
-		$(LITE_SERVER_ONLY_TESTS)
+	HOPLINE_MODEL_REPO=$(MODEL_REPO) HOPLINE_TEST_MILVUS=lite-server $(BIN)/pytest $(CACHE_SERVER_TESTS)
 	HOPLINE_MODEL_REPO=$(MODEL_REPO) HOPLINE_TEST_MILVUS=standalone $(BIN)/pytest $(CACHE_SERVER_TESTS)
 
 # Kubernetes manifests, offline: each overlay rendered by kustomize and validated, strict, by
