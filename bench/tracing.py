@@ -5,11 +5,19 @@ Four meshes on free ports, started one after the other: co-located and five-proc
 once exporting spans over OTLP to a local Jaeger with hopline's export defaults (64-span
 batches every 200 ms) and once exporting the same way to a collector that discards what it
 gets (bench/otlp_sink.py). Every mesh samples by the strategy Jaeger serves
-(observability/remote_sampling.py, as an operator would change it live), and each round
-measures all four twice: with the share of traces kept at 0 (off: every span non-recording,
-nothing exported, as `make run`'s default) and at hopline's 10% (exporting), the two windows'
-order swapped every round. Each figure is the median over rounds of one round's exporting
-window against that round's off window of the same mesh (`p50_added`, `throughput_loss`).
+(observability/remote_sampling.py, as an operator would change it live). The meshes are
+measured one at a time, each for all its rounds; a round is two adjacent windows of that
+mesh, one with the share of traces kept at 0 (off: every span non-recording, nothing
+exported, as `make run`'s default) and one at hopline's 10% (exporting), their order swapped
+every round. Each figure is the median over rounds of one round's exporting window against
+that round's off window (`p50_added`, `throughput_loss`).
+
+Why adjacent: until stop 67 a round measured all four meshes off, then all four exporting,
+so a mesh's two windows of a round were about 30 s apart, and this machine's c=1 p50 moves
+by more than the 0.3 ms limit in that time. The five-process row read +0.5 to +1.4 ms in
+stops 62-64 while each round's difference ranged from -1.7 to +2.1 ms; one five-process mesh
+measured in adjacent pairs (14 rounds of 4 s windows, the discarding collector) read -0.08 ms
+mean (standard error 0.21) and -0.12 (0.13) with each request's own compute taken out.
 
 Why the same processes: a model's speed differs from one process to another here by more
 than the 0.3 ms limit, for the processes' whole lives (stop 49), so an off mesh beside an
@@ -104,6 +112,14 @@ def switch(jaeger: LocalJaeger, meshes: list[Mesh], sampling: Sampling) -> None:
             time.sleep(0.05)
 
 
+def pair_order(rounds: int) -> list[Sampling]:
+    """One mesh's windows, round after round: off then exporting, then exporting then off,
+    and so on, so each round's two windows are adjacent and the switches between rounds
+    are half of them (a switch takes about 1.5 s)."""
+    order = (Sampling.OFF, Sampling.ON)
+    return [s for i in range(rounds) for s in order[:: 1 if i % 2 == 0 else -1]]
+
+
 def merged(windows: list[dict[str, Any]]) -> dict[str, Any]:
     """One target's windows as one record: the median window's figures (by p50), requests
     and errors summed, and each window as a round (`p50_added` pairs them)."""
@@ -125,6 +141,7 @@ def tracing_scenario(
         jaeger = stack.enter_context(LocalJaeger(work))
         sink = stack.enter_context(DiscardingCollector())
         peers: list[str] = []
+        argv: dict[str, list[str]] = {}  # each mesh alone, as `hopline bench` peer arguments
         meshes: list[Mesh] = []
         names: dict[str, tuple[Topology, Export]] = {}
         for topology, variant in variants():
@@ -140,25 +157,25 @@ def tracing_scenario(
             mesh.start(timeout_s=180.0)
             meshes.append(mesh)
             names[f"peer_{name}"] = (topology, variant)
-            peers += ["--peer", f"{name}={mesh.gateway}"]
+            argv[f"peer_{name}"] = ["--peer", f"{name}={mesh.gateway}"]
+            peers += argv[f"peer_{name}"]
         common = [
             "--target", "none", "--baseline", "none", "--mix", "miss", "--rounds", "1",
             "--duration", str(duration_s), "--warmup", str(warmup_s),
-            "--model-repo", str(model_repo), *peers,
+            "--model-repo", str(model_repo),
         ]  # fmt: skip
         results: dict[str, dict[str, Any]] = {}
         for concurrency in ("1", "32"):
             # Not recorded: the first window after start ran slow enough (stop 51: 19.1
             # against 10.5 ms p50) to decide its round's pair, and it is always an off one.
-            bench_once("--concurrency", concurrency, *common)
+            bench_once("--concurrency", concurrency, *common, *peers)
             windows: dict[str, list[dict[str, Any]]] = {}
-            for i in range(rounds):
-                for sampling in (Sampling.OFF, Sampling.ON)[:: 1 if i % 2 == 0 else -1]:
+            for peer, (topology, variant) in names.items():
+                for sampling in pair_order(rounds):
                     switch(jaeger, meshes, sampling)
-                    run = bench_once("--concurrency", concurrency, *common)
-                    for peer, (topology, variant) in names.items():
-                        target = target_name(topology, variant, sampling)
-                        windows.setdefault(target, []).append(run["targets"][peer])
+                    run = bench_once("--concurrency", concurrency, *common, *argv[peer])
+                    target = target_name(topology, variant, sampling)
+                    windows.setdefault(target, []).append(run["targets"][peer])
             results[concurrency] = {**run, "targets": {n: merged(w) for n, w in windows.items()}}
         c1, c32 = results["1"], results["32"]
         services = jaeger.services()

@@ -8,8 +8,10 @@ import pytest
 from hopline.bench.load import Run
 from hopline.bench.report import window_figures
 from hopline.bench.tracing import (
+    Sampling,
     p50_added,
     p50_added_less_compute,
+    pair_order,
     throughput_loss,
     tracing_targets,
 )
@@ -28,6 +30,15 @@ def test_a_slow_window_on_one_side_is_not_read_as_exporting_s_cost() -> None:
     assert p50_added(off, on) == pytest.approx(0.1)
     pooled = throughput_loss(target([1180.0 / 3], [5.0]), target([1072.2 / 3], [5.3]))
     assert pooled == pytest.approx(0.0914, abs=1e-3)
+
+
+def test_a_mesh_s_two_windows_of_a_round_are_adjacent_and_alternate_in_order() -> None:
+    """Off then exporting, exporting then off: a round's pair is back to back, and a switch
+    of the sampling share is needed once a round, not twice."""
+    off, on = Sampling.OFF, Sampling.ON
+    order = pair_order(3)
+    assert order == [off, on, on, off, off, on]
+    assert sum(a is not b for a, b in zip(order, order[1:], strict=False)) == 3
 
 
 def test_a_gain_is_a_negative_cost() -> None:
