@@ -6,8 +6,8 @@ where HOPLINE_CACHE_EXACT_FALLBACK says so); then, when the model's policy is se
 MiniLM embedding searched in the scope's live entries, accepted at the model's threshold.
 Store: the entry is visible to the exact tier at once (a pending buffer) and written to
 Milvus in batches by one writer task, which also enforces each (tenant, model)'s entry
-bound, oldest first, and puts written entries into the exact index. Start-up rebuilds the
-index from Milvus before the service reports SERVING.
+bound, oldest first, and puts written entries into the exact index (cache/writer.py).
+Start-up rebuilds the index from Milvus before the service reports SERVING.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import itertools
 import logging
 import math
 import time
@@ -26,14 +25,12 @@ from typing import Any
 
 import grpc
 import numpy as np
-from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Link, SpanContext
 
 from hopline.cache.acceptance import accept, eligible
 from hopline.cache.config import CacheConfig, ExactFallback
 from hopline.cache.embedder import Embedder, Vector
-from hopline.cache.entry_bounds import COUNT_REFRESH_S, EntryBounds, Group, eviction_size
+from hopline.cache.entry_bounds import COUNT_REFRESH_S, EntryBounds
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
 from hopline.cache.milvus_lite import is_local
@@ -60,10 +57,11 @@ from hopline.cache.vector_index import (
 from hopline.cache.verifier import Verifier, policy_of
 from hopline.cache.verify import VerifyPolicy
 from hopline.cache.watch_feed import WatchFeed
+from hopline.cache.writer import PendingWrites
 from hopline.model.repository import SENTENCE_EMBEDDING
 from hopline.model.tokenizer import unseen
 from hopline.observability import metrics, schema
-from hopline.observability.tracing import child_span, tracer
+from hopline.observability.tracing import child_span
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.runtime.batching import QueueFullError
@@ -77,21 +75,8 @@ SEMANTIC_CANDIDATES = 4  # nearest entries checked for verification and agreemen
 IO_THREADS = 2
 RECENT_VECTORS = 4096  # 1.5 KiB each
 RECLAIM_CHECK_S = 5.0  # how often the store is asked whether deleted rows need reclaiming
+DRAIN_WRITES_S = 5.0  # how long a drain waits for accepted stores to reach Milvus
 STORE_BATCH_MAX = 1024  # stores in one StoreBatch (cache.proto says so)
-# The writer's rows per Milvus write, oldest first. A write that fails (a timeout, Milvus
-# down) stays pending and is tried again after a backoff from WRITE_RETRY_MIN_S doubling to
-# WRITE_RETRY_MAX_S: a timed-out write may have landed, and dropping its rows then left them
-# in Milvus but not in the exact index, so every later eviction of their (tenant, model)
-# scanned Milvus for the oldest (100 tenants at their bounds after a burst: milvus-lite 6.7 ms
-# of CPU a store against 0.35). Inserting 4,000 rows into a 100,000-row milvus-lite
-# collection took 1.3-2.0 s on the 2-core VM, idle, and 1,000 rows 0.2 s: a write of at most
-# this many stays well inside `milvus_timeout_s`, so a backlog cannot time out every retry.
-WRITE_ROWS = 1024
-WRITE_RETRY_MIN_S = 0.5
-WRITE_RETRY_MAX_S = 10.0
-# A store whose writes failed this many times is dropped (`store_errors`): a row Milvus keeps
-# refusing must not hold every store behind it, oldest first, for ever.
-MAX_WRITE_ATTEMPTS = 5
 
 
 def _weights_dir() -> Path:
@@ -146,13 +131,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         )
         self.lookup_ms: deque[float] = deque(maxlen=10_000)
         # Accepted stores not yet in Milvus; the exact tier reads them so a repeat hits at once.
-        self._pending: dict[str, tuple[Entry, Vector, int]] = {}
-        self._store_spans: dict[str, SpanContext] = {}  # for the write's span links
-        self._flush_wake = asyncio.Event()
-        self._writing = 0  # entries of the batch being written and bounded right now
-        # Invalidated while a write of them was in flight, to be deleted from Milvus again.
-        self._redelete: set[str] = set()
-        self._attempts: dict[str, int] = {}  # failed writes of a pending store, when any
+        self.writes = PendingWrites(self, config.flush_interval_ms / 1e3)
         # Embeddings of recent semantic lookups: the store that follows a miss reuses the
         # lookup's vector instead of running the encoder a second time for the same text.
         self._recent: OrderedDict[str, Vector] = OrderedDict()
@@ -169,7 +148,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self._reading: set[Scope] = set()  # scopes whose vectors are being read back
         self._readers: set[asyncio.Task[None]] = set()  # those reads (held: weak otherwise)
         self._blas: object = None  # numpy's BLAS limited to one thread while this is held
-        self._placeholder: Vector = np.zeros(1, dtype=np.float32)  # sized at start
+        self.placeholder: Vector = np.zeros(1, dtype=np.float32)  # sized at start
         self.feed = WatchFeed()  # WatchInvalidations' streams
         self._ready = False  # start() is done: the index holds every live entry
 
@@ -190,8 +169,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             ),
         )
         model = self.embedder.model
-        self._placeholder = np.zeros(model.dim, dtype=np.float32)
-        self._placeholder[0] = 1.0
+        self.placeholder = np.zeros(model.dim, dtype=np.float32)
+        self.placeholder[0] = 1.0
         self.store = await loop.run_in_executor(
             self._io,
             lambda: MilvusStore(
@@ -204,14 +183,14 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 lookup_consistency=self.config.lookup_consistency,
             ),
         )
-        entries = await self._io_call(self.store.count)
+        entries = await self.io_call(self.store.count)
         log.info(
             "cache store open",
             extra={"uri": self.config.uri, "collection": model.collection, "entries": entries},
         )
         if not is_local(self.config.uri) and self.config.peer_poll_ms > 0:
             # Before the rebuild: its first read reaches back past it (SKEW_S).
-            self.peers = await self._io_call(
+            self.peers = await self.io_call(
                 SharedInvalidations, self.config.uri, model.collection, self.config.milvus_timeout_s
             )
         if self.index is not None:
@@ -224,12 +203,12 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         await self.verifier.start()
         self._tasks = [
             asyncio.create_task(self._sweep(), name="sweep"),
-            asyncio.create_task(self._writer(), name="writer"),
+            asyncio.create_task(self.writes.run(), name="writer"),
             asyncio.create_task(self._reclaim(), name="reclaim"),
         ]
         if self.peers is not None:
             poll_s = self.config.peer_poll_ms / 1e3
-            follower = follow(self.peers, self._io_call, self._apply_peer, poll_s)
+            follower = follow(self.peers, self.io_call, self._apply_peer, poll_s)
             self._tasks.append(asyncio.create_task(follower, name="peers"))
         self._ready = True
 
@@ -237,7 +216,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         """Every live entry's scalar fields, read in pages, before the service is SERVING."""
         started = time.perf_counter()
         now = time.time()
-        live = await self._io_call(store.live, now)
+        live = await self.io_call(store.live, now)
         self.counters["index_rebuilt"] = index.load(live, now)
         log.info(
             "exact index rebuilt",
@@ -253,16 +232,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.feed.end_all()
 
     async def stop(self) -> None:
-        # Let the writer land what was accepted: nothing acknowledged is lost on a drain.
-        deadline = time.monotonic() + 5.0
-        while self._pending and time.monotonic() < deadline and self.store is not None:
-            self._flush_wake.set()
-            await asyncio.sleep(0.01)
-        if self._pending:
-            log.warning(
-                "stores not written to Milvus before shutdown",
-                extra={"entries": len(self._pending)},
-            )
+        if self.store is not None:
+            await self.writes.drain(DRAIN_WRITES_S)
         for task in [*self._tasks, *self._readers]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -277,18 +248,18 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             await asyncio.get_running_loop().run_in_executor(self._io, self.peers.close)
         self._io.shutdown(wait=True)
 
-    async def _io_call(self, fn: Any, *args: Any) -> Any:
+    async def io_call(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     async def _search_store(
         self, vectors: Sequence[Vector], scope: Scope, now: float, limit: int
     ) -> list[list[tuple[Entry, float]]]:
-        found: list[list[tuple[Entry, float]]] = await self._io_call(
-            self._require_store().search, vectors, scope, now, limit
+        found: list[list[tuple[Entry, float]]] = await self.io_call(
+            self.require_store().search, vectors, scope, now, limit
         )
         return found
 
-    def _require_store(self) -> CacheStore:
+    def require_store(self) -> CacheStore:
         if self.store is None:
             raise CacheStoreError("the cache store is not open")
         return self.store
@@ -302,8 +273,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 # Lookups already skip them; this frees memory, and tells the key listings.
                 self.feed.let_go(self.index.expire(time.time()))
             try:
-                self.counters["expirations"] += await self._io_call(
-                    self._require_store().expire, time.time()
+                self.counters["expirations"] += await self.io_call(
+                    self.require_store().expire, time.time()
                 )
             except CacheStoreError as exc:
                 log.warning("expiry sweep failed", extra={"error": str(exc)})
@@ -313,7 +284,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         while True:
             await asyncio.sleep(RECLAIM_CHECK_S)
             try:
-                done = await self._io_call(self._require_store().reclaim, time.time())
+                done = await self.io_call(self.require_store().reclaim, time.time())
             except CacheStoreError as exc:
                 log.warning("reclaiming deleted rows failed", extra={"error": str(exc)})
                 continue
@@ -330,196 +301,6 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                         "switch_ms": round(done.switch_ms, 1),
                     },
                 )
-
-    async def _writer(self) -> None:
-        """Writes the pending stores to Milvus, oldest first, at most WRITE_ROWS a write; a
-        write that fails is tried again after a backoff, not dropped (see WRITE_ROWS)."""
-        backoff_s = 0.0
-        while True:
-            await self._flush_wake.wait()
-            await asyncio.sleep(max(self.config.flush_interval_ms / 1e3, backoff_s))
-            self._flush_wake.clear()
-            batch = dict(itertools.islice(self._pending.items(), WRITE_ROWS))
-            if not batch:
-                await self._delete_again()
-                continue
-            self._writing = len(batch)
-            try:
-                failure = await self._write(batch)
-            finally:
-                self._writing = 0
-            if failure is None:
-                backoff_s = 0.0
-            else:
-                backoff_s = min(max(2 * backoff_s, WRITE_RETRY_MIN_S), WRITE_RETRY_MAX_S)
-                log.warning(
-                    "cache write failed; retrying",
-                    extra={"error": failure, "entries": len(batch), "retry_in_s": backoff_s},
-                )
-            if self._pending or self._redelete:
-                self._flush_wake.set()
-
-    async def _write(self, batch: dict[str, tuple[Entry, Vector, int]]) -> str | None:
-        """One batched write and what follows it (index, invalidations, bounds); the error
-        when Milvus failed it, with the batch left pending to be written again."""
-        # Off every request's path: a trace of its own, linked to the stores it writes.
-        links = [Link(c) for c in (self._store_spans.get(k) for k in batch) if c]
-        try:
-            with tracer().start_as_current_span(
-                schema.SPAN_CACHE_WRITE,
-                context=otel_context.Context(),
-                links=links,
-                attributes={schema.CACHE_ENTRIES: len(batch)},
-            ):
-                await self._io_call(
-                    self._require_store().upsert, [(e, v) for e, v, _ in batch.values()]
-                )
-        except ValueError as exc:  # rows Milvus refuses: writing them again cannot help
-            self.counters["store_errors"] += len(batch)
-            log.warning("cache write refused", extra={"error": str(exc), "entries": len(batch)})
-            for key, item in batch.items():
-                if self._pending.get(key) is item:
-                    self._unpend(key)
-            return None
-        except CacheStoreError as exc:
-            # A write that timed out may have landed all the same: invalidated meanwhile,
-            # its keys are deleted again below, the rest are written again (an upsert).
-            self.counters["write_retries"] += 1
-            self._redelete.update(k for k in batch if k not in self._pending)
-            self._failed_again(batch)
-            await self._delete_again()
-            return str(exc)
-        for key, item in batch.items():
-            if self._pending.get(key) is item:  # a newer store of the same key stays queued
-                self._unpend(key)
-                if self.index is not None:
-                    entry, vector, _ = item
-                    semantic = vector is not self._placeholder
-                    self.feed.let_go(self.index.put(entry, vector if semantic else None))
-            elif key not in self._pending:
-                self._redelete.add(key)
-        # Invalidated while this write was in flight: its delete may have reached Milvus
-        # before the write did, so delete again rather than resurrect them.
-        await self._delete_again()
-        groups: dict[Group, int] = {}
-        for entry, _, limit in batch.values():
-            group = (entry.scope[0], entry.scope[1])
-            groups[group] = limit
-            self.bounds.wrote(group, 1)
-        await self._evict(groups)
-        return None
-
-    def _failed_again(self, batch: dict[str, tuple[Entry, Vector, int]]) -> None:
-        """Counts a failed write for each of the batch's stores still pending, and drops
-        those that failed MAX_WRITE_ATTEMPTS times. A failed write may have landed (a timeout),
-        so a dropped key the index does not hold is deleted from Milvus again (as an entry
-        invalidated in flight is): the index and Milvus keep the same keys. One the index
-        holds keeps its row, the earlier store's or a landed write of this one's."""
-        dropped = []
-        for key, item in batch.items():
-            if self._pending.get(key) is not item:
-                continue
-            attempts = self._attempts.get(key, 0) + 1
-            if attempts < MAX_WRITE_ATTEMPTS:
-                self._attempts[key] = attempts
-                continue
-            self._unpend(key)
-            dropped.append(key)
-            if self.index is not None and key not in self.index:
-                self._redelete.add(key)
-        if dropped:
-            self.counters["store_errors"] += len(dropped)
-            self.feed.let_go(dropped)
-            log.error(
-                "cache stores dropped: Milvus failed every write of them",
-                extra={"entries": len(dropped), "attempts": MAX_WRITE_ATTEMPTS},
-            )
-
-    def _unpend(self, key: str) -> None:
-        """A pending store leaves the buffer (written, given up, or invalidated)."""
-        del self._pending[key]
-        self._store_spans.pop(key, None)
-        self._attempts.pop(key, None)
-
-    async def _delete_again(self) -> None:
-        """Deletes the keys invalidated while a write of them was in flight, and stores given
-        up after writes that may have landed; kept for the next write when Milvus fails this
-        one too."""
-        if not self._redelete:
-            return
-        keys = list(self._redelete)
-        try:
-            await self._io_call(self._require_store().delete, keys)
-        except CacheStoreError as exc:
-            log.warning("re-deleting invalidated entries failed", extra={"error": str(exc)})
-            return
-        self._redelete.difference_update(keys)
-
-    async def _evict(self, groups: dict[Group, int]) -> None:
-        """Oldest first, per (tenant, model): one tenant's traffic never evicts another's.
-        Milvus is counted only when a group may be over its bound (cache/entry_bounds.py), and
-        every group's victims of one write go in one delete: milvus-lite's delete costs about
-        the same for one id as for thousands."""
-        store = self._require_store()
-        chosen: dict[Group, list[str]] = {}
-        for group, limit in groups.items():
-            try:
-                if doomed := await self._victims(store, group, limit):
-                    chosen[group] = doomed
-            except CacheStoreError as exc:
-                log.warning("eviction failed", extra={"error": str(exc)})
-        if not chosen:
-            return
-        doomed = [key for keys in chosen.values() for key in keys]
-        try:
-            removed = await self._io_call(store.delete, doomed)
-        except CacheStoreError as exc:
-            log.warning("eviction failed", extra={"error": str(exc), "entries": len(doomed)})
-            return
-        self.counters["evictions"] += removed
-        for group, keys in chosen.items():
-            if removed == len(doomed):
-                self.bounds.evicted(group, len(keys))
-            else:  # which group lost fewer is unknown: count them all again
-                self.bounds.forget(group)
-        if self.index is not None:
-            self.index.remove(doomed)
-        self.tombstones.bury(doomed, None, time.monotonic())
-        evicted = cache_pb2.WatchInvalidationsResponse(entry_ids=doomed)
-        self.feed.publish(evicted)
-        await self._share(evicted)
-
-    async def _victims(self, store: CacheStore, group: Group, limit: int) -> list[str]:
-        """The group's oldest entries past its bound, down to the headroom; none under it."""
-        now = time.monotonic()
-        if not self.bounds.needs_count(group, limit, now):
-            return []
-        tenant, model = group
-        count = await self._io_call(store.count, tenant, model)
-        self.bounds.counted(group, count, now)
-        if not (excess := eviction_size(count, limit)):
-            return []
-        if (doomed := self._oldest_held(tenant, model, count, excess)) is not None:
-            return doomed
-        self.counters["eviction_scans"] += 1
-        oldest: list[str] = await self._io_call(store.oldest, tenant, model, excess)
-        return oldest
-
-    def _oldest_held(self, tenant: str, model: str, count: int, n: int) -> list[str] | None:
-        """The group's `n` oldest from the exact index, when it holds every entry Milvus just
-        counted for the group; None when only Milvus can say.
-
-        Scanning Milvus for them reads every row's id and age, in pages: 0.36-0.38 s for a
-        94,500-entry group in milvus-lite, once per `HEADROOM` of stores. The
-        index holds what this process wrote and rebuilt but for the index bound's drops,
-        expired entries and stores still on their way, so equal counts mean the same
-        entries. Over a shared Milvus server (`peers`) other replicas write too: Milvus is
-        scanned."""
-        if self.index is None or self.peers is not None:
-            return None
-        if self.index.count(tenant, model) != count:
-            return None
-        return self.index.oldest(tenant, model, n)
 
     # -- RPCs -----------------------------------------------------------------------------
 
@@ -572,15 +353,14 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         threshold: float,
         verify: VerifyPolicy | None = None,
     ) -> cache_pb2.LookupResponse:
-        store = self._require_store()
+        store = self.require_store()
         now = time.time()
         t0 = time.perf_counter()
         key = exact_key(scope, text)
         normalised = normalise_text(text)
         embedding: asyncio.Task[tuple[Vector, float]] | None = None
         with child_span(schema.SPAN_CACHE_EXACT):
-            pending = self._pending.get(key)
-            entry = pending[0] if pending is not None else None
+            entry = self.writes.get(key)
             if entry is None and self.index is not None:
                 entry = self.index.get(key, now)
                 if entry is not None:
@@ -592,7 +372,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                     embedding = asyncio.create_task(self._embed_timed(normalised))
                 self.counters["exact_reads"] += 1
                 try:
-                    entry = self._unburied(await self._io_call(store.get, key, now))
+                    entry = self._unburied(await self.io_call(store.get, key, now))
                 except BaseException:
                     if embedding is not None:
                         _detach(embedding)
@@ -690,11 +470,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
         async def read() -> None:
             try:
-                rows = await self._io_call(self._require_store().vectors_of, scope, time.time())
+                rows = await self.io_call(self.require_store().vectors_of, scope, time.time())
                 index = self.index
                 if index is not None and index.vectors is not None:
                     semantic = [
-                        (key, v) for key, v in rows if not np.array_equal(v, self._placeholder)
+                        (key, v) for key, v in rows if not np.array_equal(v, self.placeholder)
                     ]
                     self.counters["vectors_read"] += index.vectors.absorb(scope, semantic, index)
             except CacheStoreError as exc:  # the next lookup of the scope tries again
@@ -810,10 +590,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             return _refused(
                 grpc.StatusCode.INVALID_ARGUMENT, "refusing to cache a prediction with no label"
             )
-        if len(self._pending) >= self.config.max_pending:
+        if len(self.writes) >= self.config.max_pending:
             return _refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(self._pending)} stores are waiting for Milvus; retry later",
+                f"{len(self.writes)} stores are waiting for Milvus; retry later",
             )
         if request.mode not in ("", "exact", "semantic"):
             return _refused(
@@ -831,7 +611,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             # Never searched: the gateway looks exact-mode scopes up by key only. A unit
             # placeholder keeps the collection's schema; a direct semantic lookup on such a
             # scope compares against it and stays far below any threshold.
-            vector = self._placeholder
+            vector = self.placeholder
         elif vector is None:
             try:
                 vector = await self.embedder.embed(text)
@@ -851,14 +631,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             created_at=now,
             expires_at=now + (request.ttl_s or self.config.default_ttl_s),
         )
-        self._pending[key] = (entry, vector, limit)
-        self._attempts.pop(key, None)  # a new store of the key starts afresh
-        # Its write replaces whatever an earlier one left in Milvus; a re-delete still waiting
-        # (see _delete_again) would delete it after that write, leaving the index without Milvus.
-        self._redelete.discard(key)
+        self.writes.add(key, (entry, vector, limit), trace.get_current_span().get_span_context())
         self.feed.held(key, scope)
-        self._store_spans[key] = trace.get_current_span().get_span_context()
-        self._flush_wake.set()
         self.counters["stores"] += 1
         return cache_pb2.StoreResult(entry_id=key)
 
@@ -888,17 +662,14 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         bad = [i for i in ids if len(i) != 64 or i.strip("0123456789abcdef")]
         if bad:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not cache entry ids: {bad[:3]}")
-        # Pending entries go first, so the writer cannot resurrect them after the delete.
-        for key, (entry, _, _) in list(self._pending.items()):
-            if key in ids or (scope is not None and scope.matches(entry.scope)):
-                self._unpend(key)
+        self.writes.drop(ids, scope)  # first: the writer cannot resurrect them after the delete
         self._unindex(ids, scope)  # no lookup is answered from memory after this point
         self.tombstones.bury(ids, scope, time.monotonic())  # nor from a lagging read
-        store = self._require_store()
+        store = self.require_store()
         try:
-            removed = await self._io_call(store.delete, ids)
+            removed = await self.io_call(store.delete, ids)
             if scope is not None:
-                removed += await self._io_call(store.delete_scope, scope)
+                removed += await self.io_call(store.delete_scope, scope)
         except CacheStoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         # Again after the delete: a store written while it ran is gone from Milvus too, and
@@ -911,7 +682,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         )
         self.feed.publish(event)
         try:
-            await self._share(event)
+            await self.share(event)
         except CacheStoreError as exc:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
@@ -919,18 +690,16 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             )
         return cache_pb2.InvalidateResponse(removed=removed)
 
-    async def _share(self, event: cache_pb2.WatchInvalidationsResponse) -> None:
+    async def share(self, event: cache_pb2.WatchInvalidationsResponse) -> None:
         if self.peers is not None:
-            await self._io_call(self.peers.append, event)
+            await self.io_call(self.peers.append, event)
 
     def _apply_peer(self, event: cache_pb2.WatchInvalidationsResponse) -> None:
         """Another replica's invalidation or eviction, applied as if it had come here."""
         ids = list(event.entry_ids)
         s = event.scope
         scope = ScopeFilter(s.tenant, s.model, s.model_version) if event.HasField("scope") else None
-        for key, (entry, _, _) in list(self._pending.items()):
-            if key in ids or (scope is not None and scope.matches(entry.scope)):
-                self._unpend(key)
+        self.writes.drop(ids, scope)
         self._unindex(ids, scope)
         self.tombstones.bury(ids, scope, time.monotonic())
         self.feed.publish(event)
@@ -973,8 +742,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     def _held_keys(self) -> list[tuple[str, tuple[str, str, str, str]]]:
         assert self.index is not None
-        pending = [(key, entry.scope) for key, (entry, _, _) in self._pending.items()]
-        return pending + self.index.held()
+        return self.writes.held() + self.index.held()
 
     async def ReportVerification(
         self,
@@ -1004,7 +772,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         context: grpc.aio.ServicerContext[cache_pb2.GetStatsRequest, cache_pb2.GetStatsResponse],
     ) -> cache_pb2.GetStatsResponse:
         try:
-            entries = await self._io_call(self._require_store().count)
+            entries = await self.io_call(self.require_store().count)
         except CacheStoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         times = np.array(self.lookup_ms or [0.0])
@@ -1027,7 +795,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             lookup_mean_ms=float(times.mean()),
             lookup_p50_ms=float(np.percentile(times, 50)),
             lookup_p99_ms=float(np.percentile(times, 99)),
-            pending_writes=len(self._pending) + self._writing,
+            pending_writes=self.writes.in_flight(),
             uri=self.config.uri,
             collection=self.embedder.model.collection if self.embedder else "",
             verify_candidates=self.verifier.counts["candidates"],

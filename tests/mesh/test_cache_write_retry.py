@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 from cache_service import cache, lookup, run, scope, store, written
 
-from hopline.cache import service as service_module
-from hopline.cache.service import MAX_WRITE_ATTEMPTS, WRITE_ROWS, CacheService
+from hopline.cache import writer as writer_module
+from hopline.cache.service import CacheService
 from hopline.cache.store import CacheStoreError, Entry, MilvusStore
+from hopline.cache.writer import MAX_WRITE_ATTEMPTS, WRITE_ROWS
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 
@@ -94,8 +95,8 @@ async def until(condition: Callable[[], bool], what: str) -> None:
 
 @pytest.fixture
 def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service_module, "WRITE_RETRY_MIN_S", 0.02)
-    monkeypatch.setattr(service_module, "WRITE_RETRY_MAX_S", 0.05)
+    monkeypatch.setattr(writer_module, "WRITE_RETRY_MIN_S", 0.02)
+    monkeypatch.setattr(writer_module, "WRITE_RETRY_MAX_S", 0.05)
 
 
 async def milvus_count(service: CacheService, tenant: str) -> int:

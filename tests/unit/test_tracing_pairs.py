@@ -3,6 +3,8 @@ the off window of its own round, and the median taken over rounds."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from hopline.bench.load import Run
@@ -38,7 +40,7 @@ def test_a_mesh_s_two_windows_of_a_round_are_adjacent_and_alternate_in_order() -
     off, on = Sampling.OFF, Sampling.ON
     order = pair_order(3)
     assert order == [off, on, on, off, off, on]
-    assert sum(a is not b for a, b in zip(order, order[1:], strict=False)) == 3
+    assert sum(a is not b for a, b in itertools.pairwise(order)) == 3
 
 
 def test_a_gain_is_a_negative_cost() -> None:
