@@ -290,12 +290,22 @@ class Mesh:
         self.procs[name].wait()
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM to every service (each drains), SIGKILL to any still running after."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        """Start's order reversed: the gateway first, then the services it calls, each sent
+        SIGTERM (it drains) and SIGKILL if still running at the deadline. The gateway's drain
+        sends the stores it still holds (HOPLINE_GATEWAY_STORE_LINGER_MS) to a cache that
+        still serves them; stopped together, the cache went NOT_SERVING first and a miss
+        answered just before the stop was never cached."""
         deadline = time.monotonic() + timeout_s
-        for name, proc in self.procs.items():
+        callers = [n for n in self.procs if n == ServiceName.GATEWAY]
+        self._stop(callers, deadline)
+        self._stop([n for n in self.procs if n not in callers], deadline)
+
+    def _stop(self, names: list[str], deadline: float) -> None:
+        for name in names:
+            if self.procs[name].poll() is None:
+                self.procs[name].send_signal(signal.SIGTERM)
+        for name in names:
+            proc = self.procs[name]
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -13,6 +13,8 @@ import numpy as np
 
 from conftest import DEFAULT_MODEL
 from harness import NOT_SERVING, SERVING, Mesh, health
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.runtime.server import DRAINING
 from hopline.runtime.tensors import to_tensor
@@ -143,3 +145,40 @@ def test_callers_that_ignore_health_are_refused_never_cancelled(
     assert sum(c == grpc.StatusCode.OK for c, _ in outcomes) >= 8
     # The drain refused calls itself, telling the caller what to do.
     assert any(DRAINING in details for _, details in outcomes)
+
+
+def _predict(mesh: Mesh, text: str) -> gateway_pb2.PredictResponse:
+    with grpc.insecure_channel(mesh.gateway) as channel:
+        reply: gateway_pb2.PredictResponse = gateway_pb2_grpc.GatewayServiceStub(channel).Predict(
+            gateway_pb2.PredictRequest(text=text, tenant="drain"), timeout=30
+        )
+    return reply
+
+
+def test_a_miss_answered_just_before_the_mesh_stops_is_cached(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """The launcher stops the gateway before the services it calls: the store a miss leaves
+    lingering in the gateway (a 3 s linger here, so it is still there when the stop comes)
+    goes out in the gateway's drain to a cache that still serves, and the mesh started again
+    over the same milvus-lite file answers the repeat EXACT. Stopped all at once, the cache
+    went NOT_SERVING first and the gateway logged `cache store failed`."""
+    repo = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    text = "my parcel never arrived and the tracking page has not moved in a week"
+    for name in ("first", "again"):
+        (tmp_path / name).mkdir()
+    first = Mesh(repo, tmp_path / "first", HOPLINE_GATEWAY_STORE_LINGER_MS="3000")
+    first.start()
+    try:
+        assert _predict(first, text).cache.outcome == common_pb2.CACHE_OUTCOME_MISS
+    finally:
+        first.stop()
+    assert "cache store failed" not in first.log("gateway"), first.log("gateway")[-2000:]
+    assert first.exited() == dict.fromkeys(first.procs, 0)
+    again = Mesh(repo, tmp_path / "again", HOPLINE_CACHE_URI=str(tmp_path / "first" / "cache.db"))
+    again.start()
+    try:
+        assert _predict(again, text).cache.outcome == common_pb2.CACHE_OUTCOME_EXACT
+    finally:
+        again.stop()
