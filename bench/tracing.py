@@ -140,7 +140,6 @@ def tracing_scenario(
     with ExitStack() as stack:
         jaeger = stack.enter_context(LocalJaeger(work))
         sink = stack.enter_context(DiscardingCollector())
-        peers: list[str] = []
         argv: dict[str, list[str]] = {}  # each mesh alone, as `hopline bench` peer arguments
         meshes: list[Mesh] = []
         names: dict[str, tuple[Topology, Export]] = {}
@@ -158,7 +157,6 @@ def tracing_scenario(
             meshes.append(mesh)
             names[f"peer_{name}"] = (topology, variant)
             argv[f"peer_{name}"] = ["--peer", f"{name}={mesh.gateway}"]
-            peers += argv[f"peer_{name}"]
         common = [
             "--target", "none", "--baseline", "none", "--mix", "miss", "--rounds", "1",
             "--duration", str(duration_s), "--warmup", str(warmup_s),
@@ -168,7 +166,8 @@ def tracing_scenario(
         for concurrency in ("1", "32"):
             # Not recorded: the first window after start ran slow enough (stop 51: 19.1
             # against 10.5 ms p50) to decide its round's pair, and it is always an off one.
-            bench_once("--concurrency", concurrency, *common, *peers)
+            every = [arg for peer_argv in argv.values() for arg in peer_argv]
+            bench_once("--concurrency", concurrency, *common, *every)
             windows: dict[str, list[dict[str, Any]]] = {}
             for peer, (topology, variant) in names.items():
                 for sampling in pair_order(rounds):

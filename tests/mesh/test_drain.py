@@ -13,8 +13,8 @@ import numpy as np
 
 from conftest import DEFAULT_MODEL
 from harness import NOT_SERVING, SERVING, Mesh, health
+from hopline.gateway.client import predict
 from hopline.protos.hopline.common.v1 import common_pb2
-from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.runtime.server import DRAINING
 from hopline.runtime.tensors import to_tensor
@@ -147,14 +147,6 @@ def test_callers_that_ignore_health_are_refused_never_cancelled(
     assert any(DRAINING in details for _, details in outcomes)
 
 
-def _predict(mesh: Mesh, text: str) -> gateway_pb2.PredictResponse:
-    with grpc.insecure_channel(mesh.gateway) as channel:
-        reply: gateway_pb2.PredictResponse = gateway_pb2_grpc.GatewayServiceStub(channel).Predict(
-            gateway_pb2.PredictRequest(text=text, tenant="drain"), timeout=30
-        )
-    return reply
-
-
 def test_a_miss_answered_just_before_the_mesh_stops_is_cached(
     default_repo: Path, tmp_path: Path
 ) -> None:
@@ -171,7 +163,8 @@ def test_a_miss_answered_just_before_the_mesh_stops_is_cached(
     first = Mesh(repo, tmp_path / "first", HOPLINE_GATEWAY_STORE_LINGER_MS="3000")
     first.start()
     try:
-        assert _predict(first, text).cache.outcome == common_pb2.CACHE_OUTCOME_MISS
+        reply = predict(text, gateway=first.gateway, timeout_s=30)
+        assert reply.cache.outcome == common_pb2.CACHE_OUTCOME_MISS
     finally:
         first.stop()
     assert "cache store failed" not in first.log("gateway"), first.log("gateway")[-2000:]
@@ -179,6 +172,7 @@ def test_a_miss_answered_just_before_the_mesh_stops_is_cached(
     again = Mesh(repo, tmp_path / "again", HOPLINE_CACHE_URI=str(tmp_path / "first" / "cache.db"))
     again.start()
     try:
-        assert _predict(again, text).cache.outcome == common_pb2.CACHE_OUTCOME_EXACT
+        reply = predict(text, gateway=again.gateway, timeout_s=30)
+        assert reply.cache.outcome == common_pb2.CACHE_OUTCOME_EXACT
     finally:
         again.stop()
