@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from hopline.cache.entry_bounds import COUNT_REFRESH_S, EntryBounds
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
 from hopline.cache.milvus_lite import is_local
-from hopline.cache.search_batching import SearchBatcher, Searched
+from hopline.cache.semantic_search import SemanticSearch
 from hopline.cache.shared_invalidations import SharedInvalidations, follow
 from hopline.cache.store import (
     MAX_TEXT_BYTES,
@@ -42,16 +42,12 @@ from hopline.cache.store import (
     CacheStoreError,
     Entry,
     MilvusStore,
-    Scope,
     ScopeFilter,
     row_problem,
 )
 from hopline.cache.tombstones import Tombstones
 from hopline.cache.vector_index import (
-    INLINE_ROWS,
-    SearchIn,
     VectorIndex,
-    nearest,
     one_blas_thread,
 )
 from hopline.cache.verifier import Verifier, policy_of
@@ -70,7 +66,6 @@ from hopline.runtime.tensors import to_tensor
 
 log = logging.getLogger("hopline.cache")
 
-SEMANTIC_CANDIDATES = 4  # nearest entries checked for verification and agreement
 # Milvus calls block: two threads so a batched write never stalls every lookup.
 IO_THREADS = 2
 RECENT_VECTORS = 4096  # 1.5 KiB each
@@ -136,17 +131,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         # lookup's vector instead of running the encoder a second time for the same text.
         self._recent: OrderedDict[str, Vector] = OrderedDict()
         self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="milvus")
-        # Concurrent semantic searches of one scope share Milvus calls (search_batching.py).
-        self.searches = SearchBatcher(
-            self._search_store, max_in_flight=IO_THREADS, max_rows=config.search_batch_rows
-        )
-        # The same for scopes searched in memory: one product for the searches that waited.
-        self.memory_searches = SearchBatcher(
-            self._search_memory, max_in_flight=1, max_rows=config.search_batch_rows
+        # The semantic tier's search, in memory or in Milvus (cache/semantic_search.py).
+        self.semantic = SemanticSearch(
+            self, milvus_in_flight=IO_THREADS, max_rows=config.search_batch_rows
         )
         self._tasks: list[asyncio.Task[None]] = []
-        self._reading: set[Scope] = set()  # scopes whose vectors are being read back
-        self._readers: set[asyncio.Task[None]] = set()  # those reads (held: weak otherwise)
         self._blas: object = None  # numpy's BLAS limited to one thread while this is held
         self.placeholder: Vector = np.zeros(1, dtype=np.float32)  # sized at start
         self.feed = WatchFeed()  # WatchInvalidations' streams
@@ -234,10 +223,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     async def stop(self) -> None:
         if self.store is not None:
             await self.writes.drain(DRAIN_WRITES_S)
-        for task in [*self._tasks, *self._readers]:
+        for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.semantic.stop()
         await self.verifier.stop()
         if self.embedder is not None:
             await self.embedder.close()
@@ -250,14 +240,6 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     async def io_call(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
-
-    async def _search_store(
-        self, vectors: Sequence[Vector], scope: Scope, now: float, limit: int
-    ) -> list[list[tuple[Entry, float]]]:
-        found: list[list[tuple[Entry, float]]] = await self.io_call(
-            self.require_store().search, vectors, scope, now, limit
-        )
-        return found
 
     def require_store(self) -> CacheStore:
         if self.store is None:
@@ -394,7 +376,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             response.embedder = self.embedder.model.identity
             t2 = time.perf_counter()
             with child_span(schema.SPAN_CACHE_SEARCH) as span:
-                searched = await self._search(vector, scope, now)
+                searched = await self.semantic.search(vector, scope, now)
                 found = [(e, similarity) for e, similarity in searched.found if self._unburied(e)]
                 span.set_attribute(schema.CACHE_CANDIDATES, len(found))
                 span.set_attribute(schema.CACHE_SEARCH_ROWS, searched.rows)
@@ -424,67 +406,6 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         metrics.CACHE_LOOKUPS.labels("miss").inc()
         response.outcome = common_pb2.CACHE_OUTCOME_MISS
         return response
-
-    async def _search(self, vector: Vector, scope: Scope, now: float) -> Searched:
-        """The scope's nearest live entries: from memory while it holds the scope whole
-        (cache/vector_index.py), else from Milvus, reading the scope's vectors back into
-        memory meanwhile when a restart left them out. Either way, searches of one scope that
-        wait at the same moment share one call (cache/search_batching.py)."""
-        vectors = self.index.vectors if self.index is not None else None
-        span = trace.get_current_span()
-        if vectors is not None and vectors.holds_whole(scope):
-            self.counters["memory_searches"] += 1
-            span.set_attribute(schema.CACHE_SEARCH_IN, SearchIn.MEMORY.value)
-            return await self.memory_searches.search(vector, scope, now, SEMANTIC_CANDIDATES)
-        if vectors is not None and vectors.needs_reading(scope):
-            self._read_back(scope)
-        self.counters["milvus_searches"] += 1
-        span.set_attribute(schema.CACHE_SEARCH_IN, SearchIn.MILVUS.value)
-        return await self.searches.search(vector, scope, now, SEMANTIC_CANDIDATES)
-
-    async def _search_memory(
-        self, queries: Sequence[Vector], scope: Scope, now: float, limit: int
-    ) -> list[list[tuple[Entry, float]]]:
-        index = self.index
-        assert index is not None
-        assert index.vectors is not None
-        snapshot = index.vectors.snapshot(scope)
-        if snapshot is None:
-            return [[] for _ in queries]
-        units = [q / max(float(np.linalg.norm(q)), 1e-12) for q in queries]
-        if snapshot[3] * len(units) <= INLINE_ROWS:
-            matches = nearest(snapshot, units, limit)
-        else:  # numpy lets go of the GIL: the loop goes on serving meanwhile
-            matches = await asyncio.to_thread(nearest, snapshot, units, limit)
-        # Through the exact index: an entry removed or expired meanwhile is not returned.
-        return [
-            [(e, sim) for key, sim in found if (e := index.get(key, now)) is not None]
-            for found in matches
-        ]
-
-    def _read_back(self, scope: Scope) -> None:
-        """Starts reading `scope`'s vectors from Milvus into memory, once at a time."""
-        if scope in self._reading:
-            return
-        self._reading.add(scope)
-
-        async def read() -> None:
-            try:
-                rows = await self.io_call(self.require_store().vectors_of, scope, time.time())
-                index = self.index
-                if index is not None and index.vectors is not None:
-                    semantic = [
-                        (key, v) for key, v in rows if not np.array_equal(v, self.placeholder)
-                    ]
-                    self.counters["vectors_read"] += index.vectors.absorb(scope, semantic, index)
-            except CacheStoreError as exc:  # the next lookup of the scope tries again
-                log.warning("reading a scope's vectors failed", extra={"error": str(exc)})
-            finally:
-                self._reading.discard(scope)
-
-        task = asyncio.create_task(read(), name="read-vectors")
-        self._readers.add(task)
-        task.add_done_callback(self._readers.discard)
 
     def _unburied(self, entry: Entry | None) -> Entry | None:
         """`entry` as read from Milvus, or None when it was deleted within tombstone_s."""

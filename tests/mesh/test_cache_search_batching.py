@@ -54,15 +54,15 @@ def test_concurrent_lookups_share_searches_and_get_their_own_answers(tmp_path: P
             for text in ASKED:  # one at a time: every search goes alone
                 reply = await lookup(stub, text, mode="semantic", threshold=0.7)
                 alone.append(answer(reply))
-            calls, searches = service.searches.calls, service.searches.searches
+            calls, searches = service.semantic.milvus.calls, service.semantic.milvus.searches
             assert calls == searches == len(ASKED)
             metric_calls, metric_searches = exported()
             together = await asyncio.gather(
                 *(lookup(stub, t, mode="semantic", threshold=0.7) for t in ASKED)
             )
             assert [answer(r) for r in together] == alone
-            new_calls = service.searches.calls - calls
-            new_searches = service.searches.searches - searches
+            new_calls = service.semantic.milvus.calls - calls
+            new_searches = service.semantic.milvus.searches - searches
             assert new_searches == len(ASKED)
             assert new_calls < new_searches  # some searches shared a call
             assert exported() == (metric_calls + new_calls, metric_searches + new_searches)

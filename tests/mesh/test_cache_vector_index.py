@@ -15,7 +15,8 @@ import pytest
 from cache_service import cache, lookup, run, scope, store, written
 
 from hopline.cache.keys import normalise_text, scope_tuple
-from hopline.cache.service import SEMANTIC_CANDIDATES, CacheService
+from hopline.cache.semantic_search import SEMANTIC_CANDIDATES
+from hopline.cache.service import CacheService
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 
@@ -68,8 +69,8 @@ def test_memory_finds_what_milvus_finds(tmp_path: Path) -> None:
             for i, text in enumerate(QUERIES, 1):
                 vector = await service.embedder.embed(normalise_text(text))
                 now = time.time()
-                memory = await service._search(vector, sc, now)
-                milvus = await service.searches.search(vector, sc, now, SEMANTIC_CANDIDATES)
+                memory = await service.semantic.search(vector, sc, now)
+                milvus = await service.semantic.milvus.search(vector, sc, now, SEMANTIC_CANDIDATES)
                 assert service.counters["memory_searches"] == i
                 assert [e.key for e, _ in memory.found] == [e.key for e, _ in milvus.found]
                 np.testing.assert_allclose(
@@ -137,7 +138,7 @@ def test_searches_waiting_together_share_one_product(
 ) -> None:
     """Every memory search on a worker thread (as for a scope over INLINE_ROWS rows), so the
     ones that arrive while one is running wait and go together."""
-    monkeypatch.setattr("hopline.cache.service.INLINE_ROWS", 0)
+    monkeypatch.setattr("hopline.cache.semantic_search.INLINE_ROWS", 0)
 
     async def body() -> None:
         async with cache(tmp_path / "cache.db") as (service, stub):
@@ -148,12 +149,12 @@ def test_searches_waiting_together_share_one_product(
 
             asked = QUERIES * 4
             alone = [answer(await semantic(stub, text)) for text in asked]
-            calls = service.memory_searches.calls
+            calls = service.semantic.memory.calls
             assert calls == len(asked)
             together = await asyncio.gather(*(semantic(stub, text) for text in asked))
             assert [answer(r) for r in together] == alone
-            assert service.memory_searches.searches == 2 * len(asked)
-            assert service.memory_searches.calls - calls < len(asked)  # some shared a call
+            assert service.semantic.memory.searches == 2 * len(asked)
+            assert service.semantic.memory.calls - calls < len(asked)  # some shared a call
             assert service.counters["milvus_searches"] == 0
             assert sum(a[0] == SEMANTIC for a in alone) >= len(QUERIES) // 2
 
