@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +30,12 @@ def _serve(name: str, argv: Sequence[str]) -> int:
     from hopline.observability.logs import setup_logging
     from hopline.observability.tracing import setup_tracing
     from hopline.runtime import event_loop
-    from hopline.runtime.cpu_quota import fit_thread_pools, quota_cpus, usable_cpus
+    from hopline.runtime.cpu_quota import (
+        POOL_VARIABLES,
+        fit_thread_pools,
+        quota_cpus,
+        usable_cpus,
+    )
     from hopline.runtime.server import serve
     from hopline.runtime.workers import (
         WorkersConfigError,
@@ -61,8 +67,17 @@ def _serve(name: str, argv: Sequence[str]) -> int:
         logging.getLogger("hopline").error("cannot set up tracing", extra={"error": str(exc)})
         return 2
     logging.getLogger("hopline").info("config", extra={"config": vars(config)})
+    # `pools`: what this process set; `pool_env`: the sizes in effect, also those a gateway
+    # worker inherits from its supervisor or the operator set (it sets none of them itself).
+    pool_env = {name: os.environ[name] for name in POOL_VARIABLES if name in os.environ}
     logging.getLogger("hopline").info(
-        "cpus", extra={"usable": usable_cpus(), "quota": quota_cpus(), "pools": pools}
+        "cpus",
+        extra={
+            "usable": usable_cpus(),
+            "quota": quota_cpus(),
+            "pools": pools,
+            "pool_env": pool_env,
+        },
     )
 
     async def main() -> int:

@@ -6,18 +6,22 @@ orchestrator restarts it; settings that cannot work are refused by name. Two wor
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
-from harness import Mesh, rpcs_answered, serve_refused, served_ok
+from harness import Mesh, free_port, rpcs_answered, serve_refused, served_ok
 from hopline.bench.cli import bench_once
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime.workers import METRICS_DIR_ENV, WORKER_ENV
@@ -180,3 +184,48 @@ def test_settings_workers_cannot_share_are_refused(addr: str, workers: int, says
         }
         said = serve_refused("gateway", env)
     assert says in said
+
+
+def test_each_worker_logs_the_pool_sizes_it_inherits(tmp_path: Path) -> None:
+    """A gateway pinned to one CPU sizes the libraries' pools to it before its workers start;
+    each worker inherits them and sets none itself, so its `cpus` record says what is in
+    effect (`pool_env`) as well as what it set (`pools`: nothing). It used to say only
+    `pools={}`."""
+    from hopline.runtime.cpu_quota import POOL_VARIABLES
+
+    env = {k: v for k, v in os.environ.items() if k not in POOL_VARIABLES}
+    env |= {
+        "HOPLINE_GATEWAY_ADDR": f"127.0.0.1:{free_port()}",
+        "HOPLINE_GATEWAY_WORKERS": str(WORKERS),
+        "HOPLINE_LOG_FORMAT": "json",
+        "HOPLINE_METRICS_PORT": "0",
+    }
+    cpu = min(os.sched_getaffinity(0))
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(
+            ["taskset", "-c", str(cpu), sys.executable, "-m", "hopline", "serve", "gateway"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while len(records := _cpus_records(log_path)) < WORKERS:
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    ones = dict.fromkeys(POOL_VARIABLES, "1")
+    for record in records:
+        assert record["usable"] == 1
+        assert record["pools"] == {}
+        assert record["pool_env"] == ones
+
+
+def _cpus_records(log_path: Path) -> list[dict[str, Any]]:
+    lines = log_path.read_text(errors="replace").splitlines()
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    return [record for record in records if record.get("msg") == "cpus"]
