@@ -51,7 +51,8 @@ from hopline.runtime.cpu_quota import usable_cpus
 from hopline.runtime.event_loop import EventLoop
 from hopline.runtime.tls import operator_tls
 
-BASELINES = ("echo", "echo_idle", "inprocess", "inprocess_batched")
+BASELINES = ("echo", "echo_idle", "inprocess", "inprocess_batched", "grpc_batched")
+FRONT_DOOR = "grpc_batched"
 ECHOES = ("echo", "echo_idle")
 DESCRIPTION = """\
 Load a running hopline gateway and the baselines it must beat, one after the other, in one
@@ -61,7 +62,10 @@ concurrency 1: on a machine where waking a sleeping thread is dear it costs seve
 echoes; not part of the default set), `inprocess` (the
 same tokenizer, model and postprocessing in this process, one request per run, in its
 strongest plain thread setting) and `inprocess_batched` (the same, through the inference
-service's own dynamic batcher and settings). Peers (`--peer ray=ADDR`) speaking hopline's
+service's own dynamic batcher and settings). `grpc_batched` (not part of the default set)
+is that batched pipeline behind a bare grpc.aio Predict server it starts (bench/front_door.py):
+the least any Python gRPC front door over the same batcher costs, so a mesh's ratio to it is
+what hopline's own parts cost. Peers (`--peer ray=ADDR`) speaking hopline's
 Predict are measured the same way. With `--metrics TARGET=HOST:PORT,...` (the Prometheus
 endpoints of that mesh's processes) each hop is split between the gateway's time and the
 server's own, and the request's between the client and the gateway's handler
@@ -108,7 +112,8 @@ def add_bench_command(sub: Any) -> None:
     p.add_argument(
         "--baseline",
         default="echo,inprocess,inprocess_batched",
-        help="comma-separated: echo, echo_idle, inprocess, inprocess_batched, or none",
+        help="comma-separated: echo, echo_idle, inprocess, inprocess_batched, grpc_batched, "
+        "or none",
     )
     p.add_argument(
         "--idle-ms",
@@ -177,22 +182,34 @@ def add_bench_command(sub: Any) -> None:
     )
 
 
-def start_echo() -> tuple[subprocess.Popen[bytes], str, str]:
-    """The echo server on the services' event loop: its process, address and the loop that
-    runs (bench/echo.py)."""
+def start_server(module: str, *args: str) -> tuple[subprocess.Popen[bytes], str, str]:
+    """A baseline's server (`python -m MODULE --listen ADDR ARGS`, which says `READY LOOP`
+    once it answers): its process, address and the loop that runs."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hopline.bench.echo", "--listen", address],
-        stdout=subprocess.PIPE,
+        [sys.executable, "-m", module, "--listen", address, *args], stdout=subprocess.PIPE
     )
     assert proc.stdout is not None
     said = proc.stdout.readline().decode().split()
     if not said or said[0] != "READY":
         proc.kill()
-        raise SystemExit(f"the echo server did not start (said {' '.join(said)!r})")
+        proc.wait()
+        raise SystemExit(f"{module} did not start (said {' '.join(said)!r})")
     return proc, address, said[1] if len(said) > 1 else ""
+
+
+def start_echo() -> tuple[subprocess.Popen[bytes], str, str]:
+    """The echo server on the services' event loop (bench/echo.py)."""
+    return start_server("hopline.bench.echo")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(timeout=30)
+    if proc.stdout is not None:
+        proc.stdout.close()  # the READY pipe
 
 
 class _Payloads:
@@ -284,7 +301,9 @@ def _model_spec(spec: str) -> tuple[str, str]:
     return name, version
 
 
-def _inprocess(name: str, args: argparse.Namespace, spec: str = "") -> InProcessTarget:
+def inprocess_target(name: str, args: argparse.Namespace, spec: str = "") -> InProcessTarget:
+    """`inprocess` or `inprocess_batched` for `spec` (NAME[:VERSION]; empty: --model), with
+    the inference service's settings from this environment."""
     from hopline.model.repository import ModelRepository
     from hopline.model.run_width import run_slots
     from hopline.runtime import config as cfg
@@ -383,14 +402,21 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
     for name in round_robin(queue, args.rounds):
         base, _, spec = name.partition("@")
         mix = make_mix(args.mix, args.clinc)
-        echo_proc = None
+        server = None
         target: Target
         if base in ECHOES:
-            echo_proc, address, loop = start_echo()
+            server, address, loop = start_echo()
             target = EchoTarget(address, base)
             settings[name] = {"event_loop": loop}
+        elif base == FRONT_DOOR:
+            model_args = ["--model", spec or args.model] if spec or args.model else []
+            server, address, loop = start_server(
+                "hopline.bench.front_door", "--model-repo", str(args.model_repo), *model_args
+            )
+            target = PredictTarget(name, address, timeout_s=args.timeout)
+            settings[name] = {"event_loop": loop}
         elif base.startswith("inprocess"):
-            target = _inprocess(base, args, spec)
+            target = inprocess_target(base, args, spec)
             settings[name] = target.settings
         else:
             address = gateway_address(args.target) if base == "mesh" else peers[base[5:]]
@@ -417,11 +443,8 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
             describe[name] = target.describe
         finally:
             await target.close()
-            if echo_proc is not None:
-                echo_proc.terminate()
-                echo_proc.wait(timeout=10)
-                if echo_proc.stdout is not None:
-                    echo_proc.stdout.close()  # the READY pipe
+            if server is not None:
+                stop_server(server)
     records = {
         name: summarise(run, describe[name]) | {"rounds": by_round[name]}
         for name, run in runs.items()

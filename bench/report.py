@@ -130,6 +130,12 @@ def ratios(targets: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
         # (open loop: both served the same arrivals, so their throughputs match).
         out["mesh_p50_over_inprocess_batched_p50"] = mesh["p50_ms"] / batched["p50_ms"]
         out["mesh_p99_over_inprocess_batched_p99"] = mesh["p99_ms"] / batched["p99_ms"]
+    front_door = targets.get("grpc_batched")
+    if front_door:
+        # What hopline's own parts cost above a bare gRPC server over the same batcher.
+        out["mesh_throughput_over_grpc_batched"] = (
+            mesh["throughput_rps"] / front_door["throughput_rps"]
+        )
     out["mesh_p99_over_p50"] = mesh["p99_ms"] / mesh["p50_ms"]
     for name, peer in targets.items():
         if name.startswith("peer_"):

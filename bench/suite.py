@@ -108,6 +108,17 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
+def front_door_share(targets: dict[str, Any], name: str) -> str:
+    """How a c=32 mesh row stands against the same batcher behind a bare gRPC server
+    (bench/front_door.py): what gRPC serving costs at all, and what hopline's parts add."""
+    door = targets.get("grpc_batched")
+    if door is None:
+        return "no grpc_batched run"
+    served = _ratio(door["throughput_rps"], targets["inprocess_batched"]["throughput_rps"])
+    mesh = _ratio(targets[name]["throughput_rps"], door["throughput_rps"])
+    return f"a bare gRPC server over the same batcher {served:.3f}x, this mesh {mesh:.3f}x of it"
+
+
 def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     common = [
         "--duration",
@@ -187,7 +198,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             "--mix",
             "miss",
             "--baseline",
-            "inprocess,inprocess_batched",
+            "inprocess,inprocess_batched,grpc_batched",
             *alternated,
             *split,
         )
@@ -348,7 +359,13 @@ def check_targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
         )
         t = sc["miss_c32"]["targets"]
         r = _ratio(t[name]["throughput_rps"], t["inprocess_batched"]["throughput_rps"])
-        row(f"{label} c=32: rps >= {share} x inprocess batched", r, share, r >= share, "ratio")
+        row(
+            f"{label} c=32: rps >= {share} x inprocess batched",
+            r,
+            share,
+            r >= share,
+            f"ratio; {front_door_share(t, name)}",
+        )
         key = "miss_open70" if name == "mesh" else f"miss_open70_{label}"
         r, ok, how = open_loop_judgement(sc[key]["targets"]["mesh"])
         row(f"{label} open loop 70%: p99 <= 3 x p50, no errors, kept up", r, 3.0, ok, how)

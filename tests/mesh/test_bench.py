@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import subprocess
 import sys
@@ -11,8 +13,10 @@ import grpc
 import pytest
 
 from harness import TOPOLOGIES, Mesh
-from hopline.bench.cli import start_echo
-from hopline.bench.targets import ECHO
+from hopline.bench.cli import inprocess_target, start_echo, start_server, stop_server
+from hopline.bench.targets import ECHO, PREDICT
+from hopline.model.build import DEFAULT_MODEL_NAME
+from hopline.protos.hopline.gateway.v1 import gateway_pb2
 
 
 def test_bench_writes_every_target_with_the_documented_keys(mesh: Mesh, tmp_path: Path) -> None:
@@ -132,3 +136,58 @@ def test_the_echo_baseline_runs_on_the_services_event_loop(
     finally:
         proc.terminate()
         proc.communicate(timeout=10)  # and closes the READY pipe
+
+
+def test_the_front_door_baseline_answers_as_the_in_process_pipeline(default_repo: Path) -> None:
+    """grpc_batched's server (bench/front_door.py) is the in-process batched pipeline behind
+    gRPC: the same labels for the same texts, and an empty text refused as the gateway does."""
+    proc, address, said = start_server(
+        "hopline.bench.front_door", "--model-repo", str(default_repo)
+    )
+    texts = ["how do I reset my password", "I want a refund for my order", "hello there"]
+    try:
+        assert said in ("uvloop", "asyncio")
+        with grpc.insecure_channel(address) as channel:
+            predict = channel.unary_unary(
+                PREDICT,
+                gateway_pb2.PredictRequest.SerializeToString,
+                gateway_pb2.PredictResponse.FromString,
+            )
+            served = [predict(gateway_pb2.PredictRequest(text=t), timeout=30) for t in texts]
+            with pytest.raises(grpc.RpcError) as refused:
+                predict(gateway_pb2.PredictRequest(text=""), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 0  # drained on SIGTERM
+    assert {r.model for r in served} == {DEFAULT_MODEL_NAME}
+    expected = asyncio.run(_in_process_labels(default_repo, texts))
+    assert [r.prediction.label for r in served] == expected
+    assert all(0.0 < r.prediction.score <= 1.0 for r in served)
+
+
+async def _in_process_labels(repo: Path, texts: list[str]) -> list[str]:
+    settings = argparse.Namespace(model="", model_repo=repo, concurrency=1, rps=0)
+    target = inprocess_target("inprocess_batched", settings)
+    try:
+        return [(await target.call(t)).label for t in texts]
+    finally:
+        await target.close()
+
+
+def test_bench_measures_the_front_door_beside_the_mesh(mesh: Mesh, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "hopline", "bench", "--target", mesh.gateway,
+         "--concurrency", "4", "--duration", "1", "--warmup", "0.5", "--mix", "miss",
+         "--baseline", "grpc_batched", "--model-repo", str(mesh.repo), "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(out.read_text())
+    door = doc["targets"]["grpc_batched"]
+    assert door["requests"] > 0
+    assert door["errors"] == 0
+    assert doc["ratios"]["mesh_throughput_over_grpc_batched"] == pytest.approx(
+        doc["targets"]["mesh"]["throughput_rps"] / door["throughput_rps"]
+    )
