@@ -37,10 +37,16 @@ async def serve(listen: str) -> int:
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("hopline.bench.Echo", {"Echo": handler}),)
     )
+    return await serve_until_signalled(server, listen, "echo")
+
+
+async def serve_until_signalled(server: grpc.aio.Server, listen: str, name: str) -> int:
+    """A baseline's server on `listen` until SIGTERM or SIGINT: `READY <loop>` on stdout once
+    it accepts calls (bench/cli.py:start_server waits for it); 2 when it cannot listen."""
     try:
         server.add_insecure_port(listen)
     except RuntimeError as exc:
-        sys.stderr.write(f"echo: cannot listen on {listen}: {exc}\n")
+        sys.stderr.write(f"{name}: cannot listen on {listen}: {exc}\n")
         return 2
     await server.start()
     stop = asyncio.Event()
@@ -59,17 +65,25 @@ def services_loop() -> EventLoop:
     return cfg.load(ServerConfig, []).event_loop
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m hopline.bench.echo")
+def server_arguments(prog: str) -> argparse.ArgumentParser:
+    """A baseline server's command line: where it listens and on which loop."""
+    parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--listen", required=True, help="host:port or unix:PATH")
     parser.add_argument(
         "--loop",
         choices=[loop.value for loop in EventLoop],
         help="the server's event loop (default: the services', HOPLINE_EVENT_LOOP)",
     )
-    args = parser.parse_args()
-    kind = EventLoop(args.loop) if args.loop else services_loop()
-    raise SystemExit(event_loop.run(lambda: serve(args.listen), kind))
+    return parser
+
+
+def chosen_loop(args: argparse.Namespace) -> EventLoop:
+    return EventLoop(args.loop) if args.loop else services_loop()
+
+
+def main() -> None:
+    args = server_arguments("python -m hopline.bench.echo").parse_args()
+    raise SystemExit(event_loop.run(lambda: serve(args.listen), chosen_loop(args)))
 
 
 if __name__ == "__main__":

@@ -20,19 +20,16 @@ a request's top-k is the first label's (as `hopline bench` asks).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 
+from hopline.bench.echo import chosen_loop, serve_until_signalled, server_arguments
 from hopline.bench.targets import InProcessTarget
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.runtime import event_loop
 from hopline.runtime.config import ServerConfig
-from hopline.runtime.event_loop import EventLoop
 from hopline.runtime.server import server_options
 
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -71,46 +68,25 @@ async def serve(listen: str, load: Callable[[], InProcessTarget]) -> int:
         (grpc.method_handlers_generic_handler(SERVICE, {"Predict": handler}),)
     )
     try:
-        server.add_insecure_port(listen)
-    except RuntimeError as exc:
-        sys.stderr.write(f"front door: cannot listen on {listen}: {exc}\n")
+        return await serve_until_signalled(server, listen, "front door")
+    finally:
         await pipeline.close()
-        return 2
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    sys.stdout.write(f"READY {event_loop.running()}\n")
-    sys.stdout.flush()
-    await stop.wait()
-    await server.stop(1.0)
-    await pipeline.close()
-    return 0
 
 
 def main() -> None:
     from hopline.bench.cli import inprocess_target
-    from hopline.bench.echo import services_loop
 
-    parser = argparse.ArgumentParser(prog="python -m hopline.bench.front_door")
-    parser.add_argument("--listen", required=True, help="host:port or unix:PATH")
+    parser = server_arguments("python -m hopline.bench.front_door")
     parser.add_argument("--model-repo", type=Path, required=True)
     parser.add_argument("--model", default="", help="NAME[:VERSION] (default: the default model)")
-    parser.add_argument(
-        "--loop",
-        choices=[loop.value for loop in EventLoop],
-        help="the server's event loop (default: the services', HOPLINE_EVENT_LOOP)",
-    )
     args = parser.parse_args()
-    kind = EventLoop(args.loop) if args.loop else services_loop()
     settings = argparse.Namespace(model="", model_repo=args.model_repo, concurrency=None, rps=None)
     raise SystemExit(
         event_loop.run(
             lambda: serve(
                 args.listen, lambda: inprocess_target("inprocess_batched", settings, args.model)
             ),
-            kind,
+            chosen_loop(args),
         )
     )
 
