@@ -1,9 +1,10 @@
 """hopline.cache.v1.CacheService on grpc.aio: exact tier, then semantic tier, on Milvus.
 
-Lookup: the exact key (SHA-256 over scope and normalised text) first, with no embedding,
-answered from memory (the pending buffer, then the exact index; Milvus only on an index miss
-where HOPLINE_CACHE_EXACT_FALLBACK says so); then, when the model's policy is semantic, the
-MiniLM embedding searched in the scope's live entries, accepted at the model's threshold.
+Lookup (cache/lookup.py): the exact key (SHA-256 over scope and normalised text) first, with
+no embedding, answered from memory (the pending buffer, then the exact index; Milvus only on
+an index miss where HOPLINE_CACHE_EXACT_FALLBACK says so); then, when the model's policy is
+semantic, the MiniLM embedding searched in the scope's live entries (cache/semantic_search.py),
+accepted at the model's threshold.
 Store: the entry is visible to the exact tier at once (a pending buffer) and written to
 Milvus in batches by one writer task, which also enforces each (tenant, model)'s entry
 bound, oldest first, and puts written entries into the exact index (cache/writer.py).
@@ -18,7 +19,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,12 @@ import grpc
 import numpy as np
 from opentelemetry import trace
 
-from hopline.cache.acceptance import accept, eligible
-from hopline.cache.config import CacheConfig, ExactFallback
+from hopline.cache.config import CacheConfig
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.entry_bounds import COUNT_REFRESH_S, EntryBounds
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
+from hopline.cache.lookup import CacheLookup
 from hopline.cache.milvus_lite import is_local
 from hopline.cache.semantic_search import SemanticSearch
 from hopline.cache.shared_invalidations import SharedInvalidations, follow
@@ -51,24 +52,17 @@ from hopline.cache.vector_index import (
     one_blas_thread,
 )
 from hopline.cache.verifier import Verifier, policy_of
-from hopline.cache.verify import VerifyPolicy
 from hopline.cache.watch_feed import WatchFeed
 from hopline.cache.writer import PendingWrites
-from hopline.model.repository import SENTENCE_EMBEDDING
-from hopline.model.tokenizer import unseen
-from hopline.observability import metrics, schema
-from hopline.observability.tracing import child_span
+from hopline.observability import schema
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
-from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.runtime.batching import QueueFullError
 from hopline.runtime.errors import clip, status_code
-from hopline.runtime.tensors import to_tensor
 
 log = logging.getLogger("hopline.cache")
 
 # Milvus calls block: two threads so a batched write never stalls every lookup.
 IO_THREADS = 2
-RECENT_VECTORS = 4096  # 1.5 KiB each
 RECLAIM_CHECK_S = 5.0  # how often the store is asked whether deleted rows need reclaiming
 DRAIN_WRITES_S = 5.0  # how long a drain waits for accepted stores to reach Milvus
 STORE_BATCH_MAX = 1024  # stores in one StoreBatch (cache.proto says so)
@@ -127,14 +121,12 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.lookup_ms: deque[float] = deque(maxlen=10_000)
         # Accepted stores not yet in Milvus; the exact tier reads them so a repeat hits at once.
         self.writes = PendingWrites(self, config.flush_interval_ms / 1e3)
-        # Embeddings of recent semantic lookups: the store that follows a miss reuses the
-        # lookup's vector instead of running the encoder a second time for the same text.
-        self._recent: OrderedDict[str, Vector] = OrderedDict()
         self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="milvus")
         # The semantic tier's search, in memory or in Milvus (cache/semantic_search.py).
         self.semantic = SemanticSearch(
             self, milvus_in_flight=IO_THREADS, max_rows=config.search_batch_rows
         )
+        self.lookups = CacheLookup(self)  # Lookup's exact and semantic tiers (cache/lookup.py)
         self._tasks: list[asyncio.Task[None]] = []
         self._blas: object = None  # numpy's BLAS limited to one thread while this is held
         self.placeholder: Vector = np.zeros(1, dtype=np.float32)  # sized at start
@@ -318,148 +310,15 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            response = await self._lookup(scope, request.text, semantic, request.threshold, verify)
+            response = await self.lookups.answer(
+                scope, request.text, semantic, request.threshold, verify
+            )
         except CacheStoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"embedder overloaded: {exc}")
         self.counters["lookups"] += 1
         self.lookup_ms.append((time.perf_counter() - started) * 1e3)
-        return response
-
-    async def _lookup(
-        self,
-        scope: tuple[str, str, str, str],
-        text: str,
-        semantic: bool,
-        threshold: float,
-        verify: VerifyPolicy | None = None,
-    ) -> cache_pb2.LookupResponse:
-        store = self.require_store()
-        now = time.time()
-        t0 = time.perf_counter()
-        key = exact_key(scope, text)
-        normalised = normalise_text(text)
-        embedding: asyncio.Task[tuple[Vector, float]] | None = None
-        with child_span(schema.SPAN_CACHE_EXACT):
-            entry = self.writes.get(key)
-            if entry is None and self.index is not None:
-                entry = self.index.get(key, now)
-                if entry is not None:
-                    self.counters["index_hits"] += 1
-            if entry is None and self._reads_milvus(semantic):
-                if semantic:
-                    # The embedding does not depend on the exact read: run both at once, so a
-                    # miss pays max(read, embed) rather than their sum (a key query is ~2 ms).
-                    embedding = asyncio.create_task(self._embed_timed(normalised))
-                self.counters["exact_reads"] += 1
-                try:
-                    entry = self._unburied(await self.io_call(store.get, key, now))
-                except BaseException:
-                    if embedding is not None:
-                        _detach(embedding)
-                    raise
-        response = cache_pb2.LookupResponse(exact_ms=(time.perf_counter() - t0) * 1e3)
-        if entry is not None and entry.scope == scope and entry.expires_at > now:
-            if embedding is not None:
-                _detach(embedding)  # the encoder run is paid; its vector still lands in _recent
-            self.counters["exact_hits"] += 1
-            metrics.CACHE_LOOKUPS.labels("exact").inc()
-            return self._hit(response, common_pb2.CACHE_OUTCOME_EXACT, entry, 1.0, now)
-        if semantic:
-            if embedding is None:
-                embedding = asyncio.create_task(self._embed_timed(normalised))
-            vector, response.embed_ms = await embedding
-            # The caller may run the model's head on it rather than a second encoder run.
-            response.query_embedding.CopyFrom(to_tensor(SENTENCE_EMBEDDING, vector[np.newaxis]))
-            assert self.embedder is not None  # _embed_timed ran
-            response.embedder = self.embedder.model.identity
-            t2 = time.perf_counter()
-            with child_span(schema.SPAN_CACHE_SEARCH) as span:
-                searched = await self.semantic.search(vector, scope, now)
-                found = [(e, similarity) for e, similarity in searched.found if self._unburied(e)]
-                span.set_attribute(schema.CACHE_CANDIDATES, len(found))
-                span.set_attribute(schema.CACHE_SEARCH_ROWS, searched.rows)
-            response.search_ms = (time.perf_counter() - t2) * 1e3
-            if verify is None:
-                verdict = accept(
-                    found,
-                    scope,
-                    now,
-                    threshold,
-                    self.config.agreement_margin,
-                    normalised,
-                    self._unseen,
-                )
-                self.counters["unseen_mismatches"] += verdict.unseen_mismatches
-                self.counters["ambiguous"] += int(verdict.ambiguous)
-                hit = verdict.hit
-            else:
-                candidates, mismatches = eligible(found, scope, now, normalised, self._unseen)
-                self.counters["unseen_mismatches"] += mismatches
-                hit, response.verify_id = self.verifier.serve(scope, candidates, verify)
-            if hit is not None:
-                self.counters["semantic_hits"] += 1
-                metrics.CACHE_LOOKUPS.labels("semantic").inc()
-                return self._hit(response, common_pb2.CACHE_OUTCOME_SEMANTIC, *hit, now)
-        self.counters["misses"] += 1
-        metrics.CACHE_LOOKUPS.labels("miss").inc()
-        response.outcome = common_pb2.CACHE_OUTCOME_MISS
-        return response
-
-    def _unburied(self, entry: Entry | None) -> Entry | None:
-        """`entry` as read from Milvus, or None when it was deleted within tombstone_s."""
-        if entry is not None and self.tombstones.hides(entry, time.monotonic()):
-            self.counters["buried"] += 1
-            return None
-        return entry
-
-    def _reads_milvus(self, semantic: bool) -> bool:
-        """Whether an exact lookup the memory could not answer reads Milvus by key."""
-        if self.index is None or self.peers is not None:
-            # Over a shared server, another replica's stores are in Milvus, never in this
-            # index: every index miss reads Milvus, whatever HOPLINE_CACHE_EXACT_FALLBACK says.
-            return True
-        fallback = self.config.exact_fallback
-        if fallback is ExactFallback.ALL:
-            return True
-        # A milvus-lite file has one writer, this process, so the index holds all it wrote
-        # but the index bound's drops, which the semantic search may still find (the same
-        # text, cosine ~1.0). The read ran beside the encoder, on its cores (docs/cache.md).
-        return fallback is ExactFallback.SEMANTIC and semantic and not is_local(self.config.uri)
-
-    async def _embed_timed(self, text: str) -> tuple[Vector, float]:
-        """The text's vector (remembered for the store a miss sends) and the ms it took."""
-        assert self.embedder is not None
-        started = time.perf_counter()
-        with child_span(schema.SPAN_CACHE_EMBED):
-            vector = await self.embedder.embed(text)
-        self._remember(text, vector)
-        return vector, (time.perf_counter() - started) * 1e3
-
-    def _unseen(self, normalised: str) -> tuple[str, ...]:
-        assert self.embedder is not None
-        return unseen(self.embedder.tokenizer, normalised)
-
-    def _remember(self, text: str, vector: Vector) -> None:
-        self._recent[text] = vector
-        self._recent.move_to_end(text)
-        while len(self._recent) > RECENT_VECTORS:
-            self._recent.popitem(last=False)
-
-    @staticmethod
-    def _hit(
-        response: cache_pb2.LookupResponse,
-        outcome: common_pb2.CacheOutcome.ValueType,
-        entry: Entry,
-        similarity: float,
-        now: float,
-    ) -> cache_pb2.LookupResponse:
-        response.outcome = outcome
-        response.prediction.ParseFromString(entry.response)
-        response.similarity = min(1.0, similarity)
-        response.entry_id = entry.key
-        response.age_s = max(0.0, now - entry.created_at)
         return response
 
     async def Store(
@@ -527,7 +386,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         if problem := row_problem(scope, text, response):
             # Refused here: Milvus would refuse the row, and with it its whole write.
             return _refused(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        vector = self._recent.pop(text, None)
+        vector = self.lookups.recall(text)
         if request.mode == "exact":
             # Never searched: the gateway looks exact-mode scopes up by key only. A unit
             # placeholder keeps the collection's schema; a direct semantic lookup on such a
@@ -658,7 +517,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         return (
             is_local(self.config.uri)
             and self.index is not None
-            and not self._reads_milvus(semantic=False)
+            and not self.lookups.reads_milvus(semantic=False)
         )
 
     def _held_keys(self) -> list[tuple[str, tuple[str, str, str, str]]]:
@@ -725,11 +584,6 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             verified_after_reply=self.verifier.counts["after_reply"],
             verify_rules=self.verifier.rules_for_stats(),
         )
-
-
-def _detach(task: asyncio.Task[Any]) -> None:
-    """Let a task run on unawaited without an unretrieved-exception warning."""
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def _refused(code: grpc.StatusCode, message: str) -> cache_pb2.StoreResult:
