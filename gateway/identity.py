@@ -10,16 +10,14 @@ getting it from an authenticated identity is what keeps tenants apart.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable
-from pathlib import Path
 
 import grpc
 
+from hopline.runtime.api_keys import AUTHORIZATION, load_api_keys, valid_tenant
 from hopline.runtime.errors import StatusError, clip
 
 TENANT_METADATA = "x-hopline-tenant"
-AUTHORIZATION = "authorization"
 DEFAULT_TENANT = "default"
 
 
@@ -35,30 +33,20 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
-def valid_tenant(tenant: str) -> bool:
-    return 0 < len(tenant) <= 128 and tenant.isprintable()
-
-
 class TenantResolver:
     def __init__(self, keys_file: str = "") -> None:
         self.keys: dict[str, str] = {}
         if keys_file:
-            try:
-                raw = json.loads(Path(keys_file).read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"cannot read API keys from {keys_file}: {exc}") from exc
-            if isinstance(raw, dict) and not raw:
-                raise ValueError(
-                    f"{keys_file} names no API keys: with HOPLINE_API_KEYS set, every request "
-                    "needs a key, so an empty file would lock everyone out"
-                )
-            if not isinstance(raw, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) and k and valid_tenant(v)
-                for k, v in raw.items()
-            ):
-                raise ValueError(f"{keys_file} must be a JSON object of key -> tenant strings")
+            raw = load_api_keys(keys_file)
             # Keyed by digest: the lookup compares fixed-length hashes, not the secrets.
             self.keys = {_digest(k): v for k, v in raw.items()}
+
+    def require_key(self, metadata: Iterable[tuple[str, str | bytes]]) -> None:
+        """With API keys configured, refuse a caller without a valid one (UNAUTHENTICATED):
+        for what is not a prediction but still tells about the gateway (its counters, its
+        models' tensors and configs). Health and readiness stay open to probes."""
+        if self.keys:
+            self.resolve("", metadata)
 
     def resolve(self, field: str, metadata: Iterable[tuple[str, str | bytes]]) -> str:
         sent, auth = "", ""

@@ -35,6 +35,7 @@ from google.protobuf import json_format
 
 from hopline.gateway.client import CACHE_MODES, outcome_name
 from hopline.gateway.errors import RequestError
+from hopline.gateway.identity import IdentityError
 from hopline.gateway.model_config import Tensor, triton_config
 from hopline.gateway.service import GatewayService
 from hopline.observability import metrics
@@ -322,8 +323,10 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.ModelMetadataRequest, pb.ModelMetadataResponse],
     ) -> pb.ModelMetadataResponse:
         try:
+            # Who is asking first, as ModelInfer: a caller without a key learns nothing else.
+            self.gateway.tenants.require_key(context.invocation_metadata() or ())
             info = await self.gateway.resolve_model(request.name, request.version)
-        except RequestError as err:
+        except (IdentityError, RequestError) as err:
             await context.abort(err.code, err.message)
         versions = sorted((v for n, v in self.gateway.models if n == info.name), key=int)
         inputs, outputs = tensors(info)
@@ -341,8 +344,10 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.ModelConfigRequest, pb.ModelConfigResponse],
     ) -> pb.ModelConfigResponse:
         try:
+            # Who is asking first, as ModelInfer: a caller without a key learns nothing else.
+            self.gateway.tenants.require_key(context.invocation_metadata() or ())
             info = await self.gateway.resolve_model(request.name, request.version)
-        except RequestError as err:
+        except (IdentityError, RequestError) as err:
             await context.abort(err.code, err.message)
         config = triton_config(info, PLATFORM, *tensors(info))
         return pb.ModelConfigResponse(config=json_format.ParseDict(config, pb.ModelConfig()))

@@ -41,7 +41,7 @@ from hopline.gateway.catalogue import ModelCatalogue
 from hopline.gateway.config import GatewayConfig
 from hopline.gateway.errors import RequestError
 from hopline.gateway.exact_tier import LocalEntry, LocalExactTier
-from hopline.gateway.identity import TenantResolver
+from hopline.gateway.identity import IdentityError, TenantResolver
 from hopline.gateway.key_mirror import KeyMirror
 from hopline.gateway.resilience import CircuitBreaker, CircuitState, Coalescer
 from hopline.gateway.speculation import Speculation
@@ -251,6 +251,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             gateway_pb2.GetStatsRequest, gateway_pb2.GetStatsResponse
         ],
     ) -> gateway_pb2.GetStatsResponse:
+        try:
+            self.tenants.require_key(context.invocation_metadata() or ())
+        except IdentityError as err:
+            await context.abort(err.code, err.message)
         return gateway_pb2.GetStatsResponse(
             counters={
                 **{name: metrics.count(c, **labels) for name, (c, labels) in COUNTS.items()},

@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.api_keys import operator_metadata
 from hopline.runtime.ports import address_in_use, free_ports
 from hopline.runtime.service_table import INPROC, SERVICES, ServiceName, spec
 from hopline.runtime.tls import ClientTls, channel, operator_tls
@@ -225,7 +226,9 @@ class Mesh:
         try:
             with channel(self.gateway, self.client_tls(ServiceName.GATEWAY)) as chan:
                 stats = gateway_pb2_grpc.GatewayServiceStub(chan).GetStats(
-                    gateway_pb2.GetStatsRequest(), timeout=1.0
+                    gateway_pb2.GetStatsRequest(),
+                    timeout=1.0,
+                    metadata=operator_metadata(self.env),  # GetStats needs a key when set
                 )
         except grpc.RpcError:
             return False

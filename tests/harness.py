@@ -23,6 +23,7 @@ from hopline.observability.report import Span, parse_otlp
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime import launcher
+from hopline.runtime.api_keys import operator_metadata
 from hopline.runtime.launcher import ALL, rpcs_answered
 from hopline.runtime.launcher import health_status as health
 from hopline.runtime.ports import free_ports
@@ -121,7 +122,10 @@ class Mesh(launcher.Mesh):
         """The gateway's GetStats counters, plus its cache circuit state as `circuit`."""
         with grpc.insecure_channel(self.gateway) as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-            stats = stub.GetStats(gateway_pb2.GetStatsRequest(), timeout=10)
+            # As the launcher asks: with the keys file's first key when keys are set.
+            stats = stub.GetStats(
+                gateway_pb2.GetStatsRequest(), timeout=10, metadata=operator_metadata(self.env)
+            )
             return {**stats.counters, "circuit": stats.cache_circuit}
 
     def cache_stats(self) -> cache_pb2.GetStatsResponse:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
 
 from conftest import DEFAULT_MODEL
 from harness import TOPOLOGIES, Mesh
@@ -139,3 +141,34 @@ def test_the_keys_tenant_scopes_the_cache(kmesh: Mesh) -> None:
     ours = ask(kmesh, text, auth(ACME_KEY))
     assert ours.cache.outcome == EXACT, ours.cache
     assert ours.cache.entry_id == again.cache.entry_id
+
+
+def test_counters_and_model_configs_need_a_key_probes_do_not(kmesh: Mesh) -> None:
+    """With keys configured, GetStats and KServe's ModelMetadata and ModelConfig answer only a
+    caller with a valid key; liveness and readiness stay open to the probes that use them."""
+    with grpc.insecure_channel(kmesh.gateway) as channel:
+        stats = gateway_pb2_grpc.GatewayServiceStub(channel).GetStats
+        for metadata in ((), auth("not-a-key")):
+            with pytest.raises(grpc.RpcError) as refused:
+                stats(gateway_pb2.GetStatsRequest(), timeout=30, metadata=metadata)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        counters = stats(gateway_pb2.GetStatsRequest(), timeout=30, metadata=auth(ACME_KEY))
+        assert "requests" in counters.counters
+    client = triton.InferenceServerClient(kmesh.gateway)
+    try:
+        for ask_for in (client.get_model_metadata, client.get_model_config):
+            with pytest.raises(InferenceServerException) as info:
+                ask_for(DEFAULT_MODEL)
+            assert info.value.status() == "StatusCode.UNAUTHENTICATED", info.value
+            # Who is asking first: a model that does not exist is not confirmed either.
+            with pytest.raises(InferenceServerException) as info:
+                ask_for("no-such-model")
+            assert info.value.status() == "StatusCode.UNAUTHENTICATED", info.value
+        headers = {"authorization": f"Bearer {GLOBEX_KEY}"}
+        assert client.get_model_metadata(DEFAULT_MODEL, headers=headers).name == DEFAULT_MODEL
+        assert client.get_model_config(DEFAULT_MODEL, headers=headers).config.name == DEFAULT_MODEL
+        assert client.is_server_live()
+        assert client.is_server_ready()
+        assert client.is_model_ready(DEFAULT_MODEL)
+    finally:
+        client.close()

@@ -249,7 +249,8 @@ class Mesh:
         return await self.gateway.answer(request, (), timeout_s=2.0)
 
     async def stats(self) -> gateway_pb2.GetStatsResponse:
-        return await self.gateway.GetStats(gateway_pb2.GetStatsRequest(), cast(Any, None))
+        context = cast(Any, AbortingContext())
+        return await self.gateway.GetStats(gateway_pb2.GetStatsRequest(), context)
 
     async def counters(self) -> dict[str, int]:
         return dict((await self.stats()).counters)

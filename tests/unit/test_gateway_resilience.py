@@ -25,6 +25,7 @@ from hopline.gateway.identity import (
     TenantResolver,
 )
 from hopline.gateway.resilience import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, Coalescer
+from hopline.runtime.api_keys import API_KEYS_ENV, operator_metadata
 
 # ---------------------------------------------------------------------------------------------
 # CircuitBreaker
@@ -482,3 +483,32 @@ def test_an_empty_keys_file_does_not_turn_authentication_off(tmp_path: Path) -> 
     # ... the other: refuse every call that carries no key.
     err = refused(resolver, "globex", [])
     assert err.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_with_keys_what_is_not_a_prediction_still_needs_a_key(keyed: TenantResolver) -> None:
+    """GetStats, ModelMetadata and ModelConfig call require_key: no tenant is claimed, any
+    valid key answers."""
+    for metadata in ([], [bearer("not-a-key")], [("authorization", "Basic x")]):
+        with pytest.raises(IdentityError) as info:
+            keyed.require_key(metadata)
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    for key in KEYS:
+        keyed.require_key([bearer(key)])
+    TenantResolver().require_key([])  # without keys the gateway trusts its callers
+
+
+def test_the_operators_calls_carry_a_key_from_the_file(keys_file: Path, tmp_path: Path) -> None:
+    """The launcher's GetStats (is the local tier live?) needs a key once keys are set."""
+    assert operator_metadata({}) == ()
+    first = next(iter(KEYS))
+    assert operator_metadata({API_KEYS_ENV: str(keys_file)}) == (bearer(first),)
+    assert (
+        TenantResolver(str(keys_file)).resolve(
+            "", operator_metadata({API_KEYS_ENV: str(keys_file)})
+        )
+        == KEYS[first]
+    )
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}", encoding="utf-8")
+    with pytest.raises(ValueError, match="names no API keys"):
+        operator_metadata({API_KEYS_ENV: str(empty)})

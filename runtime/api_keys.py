@@ -1,0 +1,53 @@
+"""API keys: `HOPLINE_API_KEYS` names a JSON file of key -> tenant.
+
+The gateway reads it to name each caller's tenant (gateway/identity.py); the launcher and the
+operator's tools read it to call what needs a key for themselves (`operator_metadata`), as
+they take the operator's certificate for TLS (runtime/tls.py:operator_tls).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+API_KEYS_ENV = "HOPLINE_API_KEYS"
+AUTHORIZATION = "authorization"
+
+
+def valid_tenant(tenant: str) -> bool:
+    return 0 < len(tenant) <= 128 and tenant.isprintable()
+
+
+def load_api_keys(keys_file: str) -> dict[str, str]:
+    """The file's key -> tenant map; ValueError, saying what is wrong, for anything else."""
+    try:
+        raw = json.loads(Path(keys_file).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read API keys from {keys_file}: {exc}") from exc
+    if isinstance(raw, dict) and not raw:
+        raise ValueError(
+            f"{keys_file} names no API keys: with {API_KEYS_ENV} set, every request "
+            "needs a key, so an empty file would lock everyone out"
+        )
+    if not isinstance(raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and k and valid_tenant(v) for k, v in raw.items()
+    ):
+        raise ValueError(f"{keys_file} must be a JSON object of key -> tenant strings")
+    keys: dict[str, str] = raw
+    return keys
+
+
+def bearer(key: str) -> tuple[str, str]:
+    return AUTHORIZATION, f"Bearer {key}"
+
+
+def operator_metadata(environ: Mapping[str, str] = os.environ) -> tuple[tuple[str, str], ...]:
+    """What the operator's own calls to the gateway carry: with API keys configured, the
+    first key of the file (any key answers an operator's call: none of them is about one
+    tenant's data); nothing without keys."""
+    keys_file = environ.get(API_KEYS_ENV, "")
+    if not keys_file:
+        return ()
+    return (bearer(next(iter(load_api_keys(keys_file)))),)
