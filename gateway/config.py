@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from hopline.gateway.speculation import SpeculationMode
+from hopline.runtime.api_keys import API_KEYS_ENV
 from hopline.runtime.config import (
     ServerConfig,
     env_field,
@@ -71,7 +72,7 @@ class GatewayConfig(ServerConfig):
         "HOPLINE_CACHE_BREAKER_COOLDOWN_S", 5.0, "how long an open circuit skips the cache"
     )
     api_keys: str = env_field(
-        "HOPLINE_API_KEYS", "", "JSON file of API key -> tenant; when set, a key is required"
+        API_KEYS_ENV, "", "JSON file of API key -> tenant; when set, a key is required"
     )
     upstream_timeout_s: float = env_field(
         "HOPLINE_UPSTREAM_TIMEOUT_S", 10.0, "per-hop timeout when the client sets no deadline"

@@ -1,8 +1,8 @@
 """API keys: `HOPLINE_API_KEYS` names a JSON file of key -> tenant.
 
-The gateway reads it to name each caller's tenant (gateway/identity.py); the launcher and the
-operator's tools read it to call what needs a key for themselves (`operator_metadata`), as
-they take the operator's certificate for TLS (runtime/tls.py:operator_tls).
+The gateway reads it to name each caller's tenant (gateway/identity.py); the launcher reads
+it to send a key with its own GetStats (`operator_metadata`), as it dials with the operator's
+certificate for TLS (runtime/tls.py:operator_tls).
 """
 
 from __future__ import annotations
