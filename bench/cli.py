@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from hopline.bench import hop_split
 from hopline.bench.load import (
     MAX_LATENCY_GROWTH,
@@ -47,6 +49,7 @@ from hopline.bench.targets import (
 )
 from hopline.gateway.client import CACHE_MODES, gateway_address
 from hopline.runtime import event_loop
+from hopline.runtime.api_keys import API_KEY_ENV, caller_metadata
 from hopline.runtime.cpu_quota import usable_cpus
 from hopline.runtime.event_loop import EventLoop
 from hopline.runtime.tls import operator_tls
@@ -170,6 +173,10 @@ def add_bench_command(sub: Any) -> None:
     )
     p.add_argument("--model-repo", default=os.environ.get("HOPLINE_MODEL_REPO", "models"))
     p.add_argument("--tenant", default="", help="tenant for the mesh's requests")
+    p.add_argument(
+        "--api-key",
+        help=f"API key for the mesh's requests, for a gateway with API keys [env {API_KEY_ENV}]",
+    )
     p.add_argument("--cache", default="use", choices=("use", "bypass"), help="mesh cache mode")
     p.add_argument("--timeout", type=float, default=30.0, help="per-request deadline, seconds")
     p.add_argument("--json", type=Path, help="write the results here")
@@ -228,6 +235,15 @@ class _Payloads:
         return self.target.payload(self.mix.text(i))
 
 
+class PrimeError(Exception):
+    """A target refused the requests that fill its cache: nothing of it can be measured."""
+
+    def __init__(self, target: str, err: grpc.RpcError) -> None:
+        self.code: grpc.StatusCode = err.code()
+        super().__init__(f"{target} refused the cache-filling requests: {self.code.name}: "
+                         f"{err.details()}")  # fmt: skip
+
+
 async def prime(target: Target, mix: Mix, blocking: BlockingCall | None = None) -> Mix:
     """Fill the cache with the mix's primed texts, then send each again: a repeat that is not
     a hit is a text the model's cache policy does not keep (an out-of-scope answer, a score
@@ -235,9 +251,12 @@ async def prime(target: Target, mix: Mix, blocking: BlockingCall | None = None) 
     With `blocking`, through it (the window's call: no grpc.aio channel is opened)."""
 
     async def send(text: str) -> Any:
-        if blocking is not None:
-            return await asyncio.to_thread(blocking, target.payload(text))
-        return await target.call(target.payload(text))
+        try:
+            if blocking is not None:
+                return await asyncio.to_thread(blocking, target.payload(text))
+            return await target.call(target.payload(text))
+        except grpc.RpcError as err:
+            raise PrimeError(target.name, err) from err
 
     for text in mix.prime:
         await send(text)
@@ -431,6 +450,7 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
                 timeout_s=args.timeout,
                 # The mesh over TLS when HOPLINE_TLS_CA is set, as `hopline predict` does.
                 tls=operator_tls("gateway") if base == "mesh" else None,
+                metadata=caller_metadata(args.api_key) if base == "mesh" else (),
                 connections=args.connections,
             )
         try:
@@ -483,7 +503,13 @@ def bench_once(*argv: str) -> dict[str, Any]:
 def run_bench(args: argparse.Namespace) -> int:
     if args.concurrency is None and args.rps is None:
         args.concurrency = 1
-    runs, result = event_loop.run(lambda: run_targets(args), EventLoop(args.loop))
+    try:
+        runs, result = event_loop.run(lambda: run_targets(args), EventLoop(args.loop))
+    except PrimeError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        if exc.code == grpc.StatusCode.UNAUTHENTICATED:
+            sys.stderr.write(f"(give the mesh's API key with --api-key or {API_KEY_ENV})\n")
+        return 1
     load = f"rps {args.rps:g} (open loop)" if args.rps else f"concurrency {args.concurrency}"
     doc = {
         "hopline_bench": 1,

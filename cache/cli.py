@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import grpc
+
 if TYPE_CHECKING:
     from hopline.cache.calibrate import CrossValidation
     from hopline.cache.embedder import Embedder
@@ -186,21 +188,30 @@ def _eval(args: argparse.Namespace) -> int:
                 f"{args.verified_model}'s cache policy has no verify_target: set one in its "
                 "config.json (docs/cache.md, Verified hits)"
             )
-    report = run(
-        args.clinc,
-        gateway=gateway_address(args.gateway),
-        cache=args.cache or spec("cache").address(),
-        model=args.model,
-        model_version=resolved.version,
-        policy=policy,
-        max_intents=args.max_intents,
-        concurrency=args.concurrency,
-        exact_repeats=args.exact_repeats,
-        verified_model=args.verified_model,
-        verified_policy=verified,
-        seed=args.seed,
-        out_dir=args.out,
-    )
+    try:
+        report = run(
+            args.clinc,
+            gateway=gateway_address(args.gateway),
+            cache=args.cache or spec("cache").address(),
+            model=args.model,
+            model_version=resolved.version,
+            policy=policy,
+            max_intents=args.max_intents,
+            concurrency=args.concurrency,
+            exact_repeats=args.exact_repeats,
+            verified_model=args.verified_model,
+            verified_policy=verified,
+            seed=args.seed,
+            out_dir=args.out,
+        )
+    except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise ValueError(
+                "cache eval runs each pass as a tenant of its own (eval-<time>), so that every "
+                "pass starts from an empty cache; a gateway with API keys fixes each caller's "
+                "tenant: evaluate on a mesh started without HOPLINE_API_KEYS"
+            ) from err
+        raise
     sys.stdout.write(markdown(report))
     if args.out:
         sys.stdout.write(f"\nwrote {args.out / 'cache-eval.json'} and cache-eval.md\n")
@@ -217,6 +228,9 @@ def run_cache_command(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         # Data and file errors are the user's to fix: one line, no traceback.
         sys.stderr.write(f"error: {exc}\n")
+        return 1
+    except grpc.RpcError as err:  # a service down or refusing: which, and what it said
+        sys.stderr.write(f"error: {err.code().name}: {err.details()}\n")
         return 1
 
 

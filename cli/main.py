@@ -14,6 +14,7 @@ import grpc
 
 from hopline.runtime import config as cfg
 from hopline.runtime import grpc_io
+from hopline.runtime.api_keys import API_KEY_ENV
 from hopline.runtime.service_table import SERVICES, Topology, spec
 
 SERVICE_NAMES = tuple(s.name for s in SERVICES)
@@ -100,10 +101,13 @@ def _predict(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             cache_mode=args.cache,
             timeout_s=args.timeout,
+            api_key=args.api_key,
         )
     except grpc.RpcError as err:
         code = err.code()
         sys.stderr.write(f"error: {code.name}: {err.details()}\n")
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            sys.stderr.write(f"(give your key with --api-key or {API_KEY_ENV})\n")
         return 1
     doc = to_json(response)
     if args.json:
@@ -222,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"gateway address [env HOPLINE_GATEWAY_ADDR; default {spec('gateway').default_addr}]",
     )
     pred.add_argument("--tenant", default="")
+    pred.add_argument(
+        "--api-key",
+        help=f"your API key, for a gateway with API keys; it names your tenant [env {API_KEY_ENV}, "
+        "which keeps the key out of the process list]",
+    )
     pred.add_argument("--model", default="")
     pred.add_argument("--model-version", default="")
     pred.add_argument("--top-k", type=int, default=1)

@@ -6,6 +6,7 @@ from typing import Any
 
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.api_keys import caller_metadata
 from hopline.runtime.service_table import spec
 from hopline.runtime.tls import channel, operator_tls
 
@@ -53,8 +54,10 @@ def predict(
     top_k: int = 1,
     cache_mode: str = "use",
     timeout_s: float = 10.0,
+    api_key: str | None = None,
 ) -> gateway_pb2.PredictResponse:
-    # Over TLS when HOPLINE_TLS_CA is set (with the operator's certificate, if there is one).
+    """One Predict. Over TLS when HOPLINE_TLS_CA is set (with the operator's certificate, if
+    there is one); with `api_key`, else HOPLINE_API_KEY, as the caller's API key."""
     with channel(gateway_address(gateway), operator_tls("gateway")) as chan:
         stub = gateway_pb2_grpc.GatewayServiceStub(chan)
         request = gateway_pb2.PredictRequest(
@@ -65,5 +68,7 @@ def predict(
             top_k=top_k,
             cache_mode=CACHE_MODES[cache_mode],
         )
-        response: gateway_pb2.PredictResponse = stub.Predict(request, timeout=timeout_s)
+        response: gateway_pb2.PredictResponse = stub.Predict(
+            request, timeout=timeout_s, metadata=caller_metadata(api_key)
+        )
         return response

@@ -2,7 +2,9 @@
 
 The gateway reads it to name each caller's tenant (gateway/identity.py); the launcher reads
 it to send a key with its own GetStats (`operator_metadata`), as it dials with the operator's
-certificate for TLS (runtime/tls.py:operator_tls).
+certificate for TLS (runtime/tls.py:operator_tls). hopline's client tools (`hopline predict`,
+`hopline bench`) send a caller's own key instead: `--api-key`, else `HOPLINE_API_KEY`
+(`caller_metadata`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 API_KEYS_ENV = "HOPLINE_API_KEYS"
+# One caller's key (the client tools'), not the gateway's file of them.
+API_KEY_ENV = "HOPLINE_API_KEY"
 AUTHORIZATION = "authorization"
 
 
@@ -51,3 +55,13 @@ def operator_metadata(environ: Mapping[str, str] = os.environ) -> tuple[tuple[st
     if not keys_file:
         return ()
     return (bearer(next(iter(load_api_keys(keys_file)))),)
+
+
+def caller_metadata(
+    key: str | None = None, environ: Mapping[str, str] = os.environ
+) -> tuple[tuple[str, str], ...]:
+    """What a client tool sends as its caller: `key` (its `--api-key`) where given, else
+    `HOPLINE_API_KEY`, else nothing (a gateway without API keys needs none). The key names
+    the caller's tenant at the gateway."""
+    chosen = (environ.get(API_KEY_ENV, "") if key is None else key).strip()
+    return (bearer(chosen),) if chosen else ()

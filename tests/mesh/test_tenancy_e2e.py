@@ -7,7 +7,10 @@ tenant decides which cache entries a request can ever see.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
-from conftest import DEFAULT_MODEL
+from conftest import CLINC, DEFAULT_MODEL
 from harness import TOPOLOGIES, Mesh
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -172,3 +175,74 @@ def test_counters_and_model_configs_need_a_key_probes_do_not(kmesh: Mesh) -> Non
         assert client.is_model_ready(DEFAULT_MODEL)
     finally:
         client.close()
+
+
+def hopline(mesh: Mesh, *args: str, api_key: str = "") -> subprocess.CompletedProcess[str]:
+    """The `hopline` command as a user runs it, `api_key` (if any) in HOPLINE_API_KEY."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HOPLINE_API_KEY", "HOPLINE_API_KEYS")}
+    env["HOPLINE_GATEWAY_ADDR"] = mesh.gateway
+    if api_key:
+        env["HOPLINE_API_KEY"] = api_key
+    return subprocess.run(
+        [sys.executable, "-m", "hopline", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_hopline_predict_sends_the_callers_key(kmesh: Mesh) -> None:
+    """`hopline predict` against a keyed gateway: refused without a key (with what to do),
+    the key from HOPLINE_API_KEY or --api-key names the tenant, and a key cannot claim
+    another tenant."""
+    text = "my card got charged two times, please check"
+    refused = hopline(kmesh, "predict", text, "--json")
+    assert refused.returncode == 1
+    assert "UNAUTHENTICATED" in refused.stderr, refused.stderr
+    assert "--api-key" in refused.stderr, refused.stderr
+    by_env = hopline(kmesh, "predict", text, "--json", api_key=ACME_KEY)
+    assert by_env.returncode == 0, by_env.stderr
+    assert json.loads(by_env.stdout)["tenant"] == "acme"
+    by_flag = hopline(kmesh, "predict", text, "--json", "--api-key", GLOBEX_KEY, api_key=ACME_KEY)
+    assert by_flag.returncode == 0, by_flag.stderr
+    assert json.loads(by_flag.stdout)["tenant"] == "globex"  # the flag over the environment
+    claim = hopline(kmesh, "predict", text, "--tenant", "globex", api_key=ACME_KEY)
+    assert claim.returncode == 1
+    assert "PERMISSION_DENIED" in claim.stderr, claim.stderr
+    assert "acme" in claim.stderr, claim.stderr
+
+
+def test_hopline_bench_sends_the_callers_key(kmesh: Mesh, tmp_path: Path) -> None:
+    """`hopline bench --api-key` measures a keyed gateway; without the key it says in one
+    line that the gateway refused it and how to give the key (no traceback, no figures)."""
+    out = tmp_path / "keyed.json"
+    args = ("bench", "--target", kmesh.gateway, "--mix", "exact", "--baseline", "none",
+            "--duration", "1", "--warmup", "0.2", "--model-repo", str(kmesh.repo))  # fmt: skip
+    keyed = hopline(kmesh, *args, "--json", str(out), "--api-key", ACME_KEY)
+    assert keyed.returncode == 0, keyed.stderr
+    mesh = json.loads(out.read_text())["targets"]["mesh"]
+    assert mesh["errors"] == 0, mesh["errors_by_status"]
+    assert mesh["requests"] > 0
+    assert set(mesh["cache_outcomes"]) == {"exact"}, mesh["cache_outcomes"]
+    refused = hopline(kmesh, *args)
+    assert refused.returncode == 1
+    assert "mesh refused the cache-filling requests: UNAUTHENTICATED" in refused.stderr
+    assert "--api-key" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr, refused.stderr
+
+
+def test_cache_eval_says_why_a_keyed_gateway_cannot_be_evaluated(kmesh: Mesh) -> None:
+    """`hopline cache eval` runs each pass as a fresh tenant, which keys do not allow: one
+    line that says so and what to do, not a traceback."""
+    if not CLINC.is_file():
+        pytest.skip(f"CLINC150 not found at {CLINC} (../shared/data is absent)")
+    run = hopline(
+        kmesh, "cache", "eval", "--clinc", str(CLINC), "--model", DEFAULT_MODEL,
+        "--model-repo", str(kmesh.repo), "--max-intents", "2", "--exact-repeats", "0",
+        api_key=ACME_KEY,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert "HOPLINE_API_KEYS" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr

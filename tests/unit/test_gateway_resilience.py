@@ -25,7 +25,7 @@ from hopline.gateway.identity import (
     TenantResolver,
 )
 from hopline.gateway.resilience import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, Coalescer
-from hopline.runtime.api_keys import API_KEYS_ENV, operator_metadata
+from hopline.runtime.api_keys import API_KEY_ENV, API_KEYS_ENV, caller_metadata, operator_metadata
 
 # ---------------------------------------------------------------------------------------------
 # CircuitBreaker
@@ -512,3 +512,17 @@ def test_the_operators_calls_carry_a_key_from_the_file(keys_file: Path, tmp_path
     empty.write_text("{}", encoding="utf-8")
     with pytest.raises(ValueError, match="names no API keys"):
         operator_metadata({API_KEYS_ENV: str(empty)})
+
+
+def test_a_client_tool_sends_its_callers_key(keys_file: Path) -> None:
+    """`hopline predict` and `bench`: `--api-key` first, then HOPLINE_API_KEY, else none;
+    what they send resolves to the key's tenant at a gateway with that file."""
+    first, second = list(KEYS)[:2]
+    assert caller_metadata(None, {}) == ()
+    assert caller_metadata("", {API_KEY_ENV: first}) == ()  # an empty flag sends no key
+    assert caller_metadata(None, {API_KEY_ENV: f" {first}\n"}) == (bearer(first),)
+    assert caller_metadata(second, {API_KEY_ENV: first}) == (bearer(second),)
+    resolver = TenantResolver(str(keys_file))
+    assert resolver.resolve("", caller_metadata(second, {})) == KEYS[second]
+    # The gateway's file of keys is not a caller's key: it is never sent as one.
+    assert caller_metadata(None, {API_KEYS_ENV: str(keys_file)}) == ()
