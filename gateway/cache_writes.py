@@ -5,7 +5,7 @@ its stages (gateway/store_queue.py, HOPLINE_GATEWAY_STORE_LINGER_MS), else alone
 from before StoreBatch gets Store calls for a minute at a time. Every call is a task the
 gateway waits for, briefly, when it stops, so a draining gateway's answers still reach the
 cache. Which answers are stored, and what the gateway keeps itself meanwhile, is the
-gateway's decision (GatewayService._store_later); this module only sends.
+gateway's decision (gateway/cache_path.py:CachePath.store_later); this module only sends.
 """
 
 from __future__ import annotations

@@ -4,14 +4,18 @@ Two APIs share one prediction path: the gateway's own Predict and the KServe v2 
 (hopline.gateway.open_inference), which validate, resolve the tenant and the model, and run
 `predict_text` per text.
 
-`predict_text` reads as its steps:
-1. `_answer_from_local_tier`: an exact repeat the gateway holds is answered with no hop.
-2. `_tokenize` starts, `_speculate` may start the inference too (gateway/speculation.py
-   says when), and `_look_up_cache` runs meanwhile (the lookup needs no token ids).
-3. `_record_outcome`: the one place a request's cache outcome is counted.
-4. On a miss, `_infer_once` (or the speculative one, already running): tokenize -> infer ->
-   postprocess, shared by identical concurrent misses; then `_store_later` (fire-and-forget,
-   after the model's cache policy). On a hit, the speculative inference is cancelled.
+`predict_text` reads as its steps, the cache's in gateway/cache_path.py (`cache`) and the
+model's in gateway/model_path.py (`model`):
+1. `cache.local_answer`: an exact repeat the gateway holds is answered with no hop.
+2. `cache.known_miss` may vouch the cache does not hold the key (no lookup); else
+   `model.tokenize_early` starts, `model.speculate` may start the inference too
+   (gateway/speculation.py says when), and `cache.look_up` runs meanwhile (the lookup needs
+   no token ids).
+3. `cache.record_outcome`: the one place a request's cache outcome is counted.
+4. On a miss, `model.infer_once` (or the speculative one, already running): tokenize ->
+   infer -> postprocess, shared by identical concurrent misses; then `cache.store_later`
+   (fire-and-forget, after the model's cache policy). On a hit, the speculative inference is
+   cancelled, or kept for `_verify` where the cache asked for the model's answer.
 5. `_finish`: span attributes and timings on the reply.
 The cache never makes the mesh less available: a lookup that fails or overruns its budget is
 reported as FAIL_OPEN and the request goes on to inference, and a circuit breaker stops
@@ -24,10 +28,9 @@ them, so a scrape and GetStats cannot disagree.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any, cast
 
 import grpc
@@ -35,33 +38,30 @@ from opentelemetry import trace
 from prometheus_client import Counter
 
 from hopline.gateway.admission import Admission
+from hopline.gateway.cache_path import CachePath, outcome_name
 from hopline.gateway.cache_writes import CacheWrites, spawn
 from hopline.gateway.call import PredictCall, check_cache_mode, discard
 from hopline.gateway.catalogue import ModelCatalogue
 from hopline.gateway.config import GatewayConfig
 from hopline.gateway.errors import RequestError
-from hopline.gateway.exact_tier import LocalEntry, LocalExactTier
+from hopline.gateway.exact_tier import LocalExactTier
 from hopline.gateway.identity import IdentityError, TenantResolver
 from hopline.gateway.key_mirror import KeyMirror
-from hopline.gateway.resilience import CircuitBreaker, CircuitState, Coalescer
+from hopline.gateway.model_path import ModelPath
+from hopline.gateway.resilience import CircuitBreaker, Coalescer
 from hopline.gateway.speculation import Speculation
 from hopline.gateway.stage_batching import GatewayStages
 from hopline.gateway.streaming import predict_stream
-from hopline.gateway.upstream import GatewayUpstreams, HopError, call_hop
+from hopline.gateway.upstream import GatewayUpstreams, HopError
 from hopline.observability import metrics, schema
 from hopline.observability.loop_metrics import LoopCounter
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.protos.hopline.inference.v1 import inference_pb2
-from hopline.protos.hopline.postprocess.v1 import postprocess_pb2
-from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
 from hopline.runtime.errors import ECHO_CHARS, StatusError, clip
 
 log = logging.getLogger("hopline.gateway")
-LOCAL_DETAIL = "answered by the gateway's local exact tier"
-KNOWN_MISS_DETAIL = "not held by the cache (the gateway's key mirror): no lookup was sent"
-EXACT, SEMANTIC = common_pb2.CACHE_OUTCOME_EXACT, common_pb2.CACHE_OUTCOME_SEMANTIC
 
 Context = grpc.aio.ServicerContext[gateway_pb2.PredictRequest, gateway_pb2.PredictResponse]
 
@@ -109,7 +109,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         )
         self.coalescer: Coalescer[common_pb2.Prediction] = Coalescer()
         self.speculation = Speculation(config.speculate, config.speculate_max_hit_rate)
-        self._mismatch_logged: set[str] = set()
         self.stages = (
             GatewayStages.over(
                 self.upstreams,
@@ -133,6 +132,19 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             batched=self.stages is not None,
             linger_s=config.store_linger_ms / 1e3,
             in_flight=config.batch_in_flight,
+        )
+        self.cache_path = CachePath(
+            config,
+            self.upstreams.cache,
+            self.admission,
+            self.breaker,
+            self.exact_tier,
+            self.key_mirror,
+            self.speculation,
+            self.writes,
+        )
+        self.model_path = ModelPath(
+            self.upstreams, self.stages, self.coalescer, self.speculation, self.cache_path
         )
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -309,20 +321,21 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> gateway_pb2.PredictResponse:
         """One validated text through cache and hops; raises HopError when a hop fails."""
         call = PredictCall.new(text, info, tenant, top_k, cache_mode, timeout_s, started)
+        cache, model = self.cache_path, self.model_path
         speculative: asyncio.Future[tuple[common_pb2.Prediction, bool]] | None = None
-        prediction = self._answer_from_local_tier(call)
+        prediction = cache.local_answer(call)
         # Refused at once (a RequestError) past the in-flight limit or the deadline's reach.
         with self.admission.admit(call, free=prediction is not None):
-            if prediction is None and not self._known_miss(call):
-                if call.use_cache and not self._expects_embedding(call):
-                    self._tokenize_early(call)  # beside the lookup
-                speculative = self._speculate(call)
-                prediction = await self._look_up_cache(call)
-            self._record_outcome(call)
+            if prediction is None and not cache.known_miss(call):
+                if call.use_cache and not cache.expects_embedding(call):
+                    model.tokenize_early(call)  # beside the lookup
+                speculative = model.speculate(call)
+                prediction = await cache.look_up(call)
+            cache.record_outcome(call)
             if prediction is None:
-                prediction, ran_here = await (speculative or self._infer_once(call))
+                prediction, ran_here = await (speculative or model.infer_once(call))
                 if ran_here and call.may_store:
-                    self._store_later(call, prediction)
+                    cache.store_later(call, prediction)
                 self.writes.report(call, prediction)
             elif call.verify_id:  # the cache wants the model's answer too, after this reply
                 self.writes.spawn(self._verify(call, speculative))
@@ -332,235 +345,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                     discard(speculative)
                     metrics.SPECULATIVE.labels("wasted").inc()
         return self._finish(call, prediction)
-
-    def _answer_from_local_tier(self, call: PredictCall) -> common_pb2.Prediction | None:
-        if not call.use_cache:
-            return None
-        now = time.time()
-        local = self.exact_tier.get(call.key, now)
-        if local is None:
-            return None
-        call.local = True
-        call.cache.outcome = EXACT
-        call.cache.similarity = 1.0
-        call.cache.entry_id = call.key
-        call.cache.age_s = max(0.0, now - local.created_at)
-        call.cache.detail = LOCAL_DETAIL
-        return local.prediction
-
-    def _expects_embedding(self, call: PredictCall) -> bool:
-        """Whether the lookup will bring the text's embedding for the model's head: then the
-        miss needs no token ids and no speculative run (a second encoder run at once)."""
-        info = call.info
-        return (
-            self.config.share_embeddings
-            and bool(info.head_embedder)
-            and info.cache.mode == "semantic"
-            and call.use_cache
-        )
-
-    def _known_miss(self, call: PredictCall) -> bool:
-        """A miss the key mirror vouches for: an exact-only model, and a key the cache does
-        not hold, so no Lookup is sent (gateway/key_mirror.py)."""
-        if not (
-            call.use_cache
-            and call.info.cache.mode == "exact"
-            and self.key_mirror.known_miss(call.key)
-        ):
-            return False
-        metrics.KNOWN_MISSES.inc()
-        call.known_miss = True
-        call.cache.outcome = common_pb2.CACHE_OUTCOME_MISS
-        call.cache.detail = KNOWN_MISS_DETAIL
-        return True
-
-    def _tokenize_early(self, call: PredictCall) -> None:
-        """Ask for the text's token ids now, in a task of their own, so the cache lookup
-        overlaps them (a request with no lookup to wait for tokenizes in its own task)."""
-        call.tokenizing = asyncio.ensure_future(self._tokenize_hop(call))
-
-    async def _tokens(self, call: PredictCall) -> tokenizer_pb2.TokenizeResponse:
-        """The text's token ids: the early request's, else asked for now."""
-        if call.tokenizing is not None:
-            return await call.tokenizing
-        return await self._tokenize_hop(call)
-
-    def _tokenize_hop(self, call: PredictCall) -> Awaitable[tokenizer_pb2.TokenizeResponse]:
-        tokenizer = self.upstreams.tokenizer
-        return call_hop(
-            schema.SPAN_TOKENIZE,
-            tokenizer.target,
-            self.stages.tokenize if self.stages else tokenizer.stub().Tokenize,
-            tokenizer_pb2.TokenizeRequest(
-                model=call.info.name, model_version=call.info.version, texts=[call.text]
-            ),
-            call.timeout_s,
-            call.timings,
-        )
-
-    async def _look_up_cache(self, call: PredictCall) -> common_pb2.Prediction | None:
-        """The cache's hit, or None with MISS, FAIL_OPEN or SKIPPED set on the reply."""
-        info = call.info
-        if not call.use_cache:
-            call.cache.outcome = common_pb2.CACHE_OUTCOME_SKIPPED
-            call.cache.detail = (
-                f"cache mode {info.cache.mode!r} for {info.name}"
-                if info.cache.mode == "off"
-                else f"request cache_mode {common_pb2.CacheMode.Name(call.mode)}"
-            )
-            return None
-        if not self.breaker.allow():
-            call.cache.outcome = common_pb2.CACHE_OUTCOME_FAIL_OPEN
-            call.fail_open_reason = "circuit_open"
-            call.cache.detail = (
-                f"cache circuit open after repeated failures; retrying the cache in "
-                f"{self.breaker.retry_in():.1f}s"
-            )
-            return None
-        if self.admission.skip_lookup(call):
-            return None  # no time for it, or an overloaded cache: the reply says which
-        generation = self.exact_tier.generation
-        cache = self.upstreams.cache
-        try:
-            found: cache_pb2.LookupResponse = await call_hop(
-                schema.SPAN_CACHE_LOOKUP,
-                cache.target,
-                cache.stub().Lookup,
-                cache_pb2.LookupRequest(
-                    scope=call.scope,
-                    text=call.text,
-                    mode=info.cache.mode,
-                    threshold=info.cache.threshold,
-                    verify_target=info.cache.verify_target,
-                    verify_confidence=info.cache.verify_confidence,
-                ),
-                self.admission.lookup_budget_s(call),
-                call.timings,
-            )
-        except HopError as err:
-            self.admission.lookup_finished(overran=err.code == grpc.StatusCode.DEADLINE_EXCEEDED)
-            self.breaker.failure()
-            call.cache.outcome = common_pb2.CACHE_OUTCOME_FAIL_OPEN
-            call.fail_open_reason = err.code.name.lower()
-            call.cache.detail = err.message
-            log.warning("cache fail-open", extra={"reason": err.message})
-            return None
-        self.admission.lookup_finished(overran=False)
-        self.breaker.success()
-        call.verify_id = found.verify_id
-        self._take_embedding(call, found)
-        hit = found.outcome in (EXACT, SEMANTIC)
-        self.speculation.record(info.name, hit)
-        if not hit:
-            call.cache.outcome = common_pb2.CACHE_OUTCOME_MISS
-            return None
-        call.cache.outcome = found.outcome
-        call.cache.similarity = found.similarity
-        call.cache.entry_id = found.entry_id
-        call.cache.age_s = found.age_s
-        if found.outcome == EXACT:
-            self._keep_locally(call, found.prediction, time.time() - found.age_s, generation)
-        return found.prediction
-
-    def _take_embedding(self, call: PredictCall, found: cache_pb2.LookupResponse) -> None:
-        """Keep the lookup's query embedding where the model's head takes it."""
-        if not (found.embedder and self._expects_embedding(call)):
-            return
-        if found.embedder == call.info.head_embedder:
-            call.embedding = found.query_embedding
-        elif call.info.head_embedder not in self._mismatch_logged:
-            self._mismatch_logged.add(call.info.head_embedder)  # once per model encoder
-            log.warning(
-                "the cache's embeddings are not this model's: its misses run on token ids",
-                extra={
-                    "model": f"{call.info.name}/{call.info.version}",
-                    "head_embedder": call.info.head_embedder,
-                    "cache_embedder": found.embedder,
-                },
-            )
-
-    def _speculate(
-        self, call: PredictCall
-    ) -> asyncio.Future[tuple[common_pb2.Prediction, bool]] | None:
-        """The inference started now, beside the lookup, when the policy says it pays."""
-        # Only beside a lookup that will be made (allow() would take a half-open probe).
-        if not (call.use_cache and self.breaker.state == CircuitState.CLOSED):
-            return None
-        if self._expects_embedding(call):
-            return None
-        if not self.speculation.should(call.info.name):
-            return None
-        call.speculative = True
-        return asyncio.ensure_future(self._infer_once(call))
-
-    def _record_outcome(self, call: PredictCall) -> None:
-        """The one place a request's cache outcome is counted (GetStats reads these)."""
-        _outcome_counter(call.info.name, _outcome(call.cache.outcome)).inc()
-        if call.local:
-            metrics.LOCAL_EXACT_HITS.inc()
-        if call.cache.outcome == common_pb2.CACHE_OUTCOME_FAIL_OPEN:
-            metrics.CACHE_FAIL_OPEN.labels(call.fail_open_reason).inc()
-
-    async def _infer_once(self, call: PredictCall) -> tuple[common_pb2.Prediction, bool]:
-        """An inference for this text, shared with identical plain misses running now, and
-        whether it ran for this request (the one that ran it stores the answer)."""
-        if call.mode != common_pb2.CACHE_MODE_USE:
-            # REFRESH and BYPASS ask for an inference of their own.
-            return await self._tokenize_infer_postprocess(call), True
-        waited = time.perf_counter()
-        prediction, shared = await self.coalescer.run(
-            call.key, lambda: self._tokenize_infer_postprocess(call)
-        )
-        if shared:
-            call.drop_tokens()
-            metrics.COALESCED.inc()
-            call.cache.coalesced = True
-            call.timings["coalesced_wait"] = (time.perf_counter() - waited) * 1e3
-        if call.speculative:
-            metrics.SPECULATIVE.labels("used").inc()
-        return prediction, not shared
-
-    async def _tokenize_infer_postprocess(self, call: PredictCall) -> common_pb2.Prediction:
-        metrics.INFERENCES.inc()
-        info, inference, postprocess = (
-            call.info,
-            self.upstreams.inference,
-            self.upstreams.postprocess,
-        )
-        if call.embedding is not None:
-            inputs = [call.embedding]  # the head alone (_take_embedding)
-        else:
-            tokens = await self._tokens(call)
-            inputs = [tokens.input_ids, tokens.attention_mask]
-        inferred: inference_pb2.InferResponse = await call_hop(
-            schema.SPAN_INFERENCE,
-            inference.target,
-            self.stages.infer if self.stages else inference.stub().Infer,
-            inference_pb2.InferRequest(
-                model=info.name,
-                model_version=info.version,
-                inputs=inputs,
-                outputs=["logits"],
-            ),
-            call.timeout_s,
-            call.timings,
-        )
-        call.timings["inference.queue"] = inferred.queue_ms
-        call.timings["inference.compute"] = inferred.compute_ms
-        post: postprocess_pb2.PostprocessResponse = await call_hop(
-            schema.SPAN_POSTPROCESS,
-            postprocess.target,
-            self.stages.postprocess if self.stages else postprocess.stub().Postprocess,
-            postprocess_pb2.PostprocessRequest(
-                model=info.name,
-                model_version=info.version,
-                outputs=inferred.outputs,
-                top_k=call.top_k,
-            ),
-            call.timeout_s,
-            call.timings,
-        )
-        return post.predictions[0]
 
     async def _verify(
         self,
@@ -573,44 +357,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             if speculative is not None:
                 prediction, _ = await speculative
             else:
-                prediction = await self._tokenize_infer_postprocess(call)
+                prediction = await self.model_path.tokenize_infer_postprocess(call)
         except HopError as err:
             log.warning("verification inference failed", extra={"status": err.code.name})
             return
         await self.writes.send_report(call, prediction)
-
-    def _store_later(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
-        """Write the answer to the cache off the reply's path, if the model's policy wants it."""
-        policy = call.info.cache
-        if (prediction.out_of_scope and not policy.store_out_of_scope) or (
-            prediction.score < policy.min_score
-        ):
-            metrics.CACHE_STORES.labels("skipped_policy").inc()
-            return
-        if self.breaker.state != CircuitState.CLOSED:
-            return  # a failing cache gets no writes either; the probe lookup decides
-        # Held from now: a repeat arriving before the store returns is looked up (the cache
-        # answers it from its pending writes), never vouched a miss. A store that fails
-        # leaves a key held wrongly, which only costs a lookup.
-        self.key_mirror.hold(call.scope, (call.key,))
-        # Kept from now too: a store lingers before it is sent (HOPLINE_GATEWAY_STORE_LINGER_MS),
-        # and a repeat meanwhile is this gateway's to answer. One the cache then refuses is
-        # still the model's answer for this scope, so it may be served until it expires.
-        self._keep_locally(call, prediction, time.time(), self.exact_tier.generation)
-        self.writes.store(call, prediction)
-
-    def _keep_locally(
-        self,
-        call: PredictCall,
-        prediction: common_pb2.Prediction,
-        created: float,
-        generation: int,
-    ) -> None:
-        """Copy an exact entry to the local tier, expiring when the cache's entry does."""
-        ttl_s = call.info.cache.ttl_s
-        if ttl_s > 0:
-            entry = LocalEntry(prediction, call.scope_key, created, created + ttl_s)
-            self.exact_tier.put(call.key, entry, generation)
 
     @staticmethod
     def _finish(
@@ -625,7 +376,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                     schema.MODEL: response.model,
                     schema.MODEL_VERSION: response.model_version,
                     schema.TENANT: response.tenant,
-                    schema.CACHE_OUTCOME: _outcome(response.cache.outcome),
+                    schema.CACHE_OUTCOME: outcome_name(response.cache.outcome),
                     schema.CACHE_SIMILARITY: response.cache.similarity,
                     schema.CACHE_COALESCED: response.cache.coalesced,
                     schema.CACHE_LOCAL: call.local,
@@ -639,19 +390,3 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             common_pb2.HopTiming(hop=h, ms=ms) for h, ms in call.timings.items()
         )
         return response
-
-
-_OUTCOMES = {
-    number: name.removeprefix("CACHE_OUTCOME_").lower()
-    for name, number in common_pb2.CacheOutcome.items()
-}
-
-
-def _outcome(outcome: common_pb2.CacheOutcome.ValueType) -> str:
-    return _OUTCOMES[outcome]
-
-
-@functools.lru_cache(maxsize=4096)
-def _outcome_counter(model: str, outcome: str) -> Any:
-    """The counter's child, resolved once per (model, outcome): labels() costs a lock."""
-    return metrics.CACHE_OUTCOMES.labels(model, outcome)

@@ -1,0 +1,245 @@
+"""The gateway's side of the cache, on a request's path: what the gateway answers or vouches
+for itself, the Lookup hop, and the store after a miss.
+
+GatewayService.predict_text calls these in order (gateway/service.py says when):
+`local_answer` (an exact repeat from the local tier, no hop), `known_miss` (an exact-only key
+the key mirror vouches the cache does not hold: no Lookup), `look_up` (the Lookup hop within
+its budget, behind the circuit breaker; a failure or overrun is FAIL_OPEN, never the
+request's error), `record_outcome` (the one place an outcome is counted) and `store_later`
+(the model's cache policy, then the write off the reply's path).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from hopline.gateway.admission import Admission
+from hopline.gateway.cache_writes import CacheWrites
+from hopline.gateway.call import PredictCall
+from hopline.gateway.config import GatewayConfig
+from hopline.gateway.exact_tier import LocalEntry, LocalExactTier
+from hopline.gateway.key_mirror import KeyMirror
+from hopline.gateway.resilience import CircuitBreaker, CircuitState
+from hopline.gateway.speculation import Speculation
+from hopline.gateway.upstream import HopError, Pool, call_hop
+from hopline.observability import metrics, schema
+from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.common.v1 import common_pb2
+
+log = logging.getLogger("hopline.gateway")
+LOCAL_DETAIL = "answered by the gateway's local exact tier"
+KNOWN_MISS_DETAIL = "not held by the cache (the gateway's key mirror): no lookup was sent"
+EXACT, SEMANTIC = common_pb2.CACHE_OUTCOME_EXACT, common_pb2.CACHE_OUTCOME_SEMANTIC
+
+
+class CachePath:
+    """The cache's steps of predict_text, over the gateway's shared parts (the service holds
+    the same objects: GetStats reads them, and the model's steps ask `expects_embedding`)."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        cache: Pool[cache_pb2_grpc.CacheServiceAsyncStub],
+        admission: Admission,
+        breaker: CircuitBreaker,
+        exact_tier: LocalExactTier,
+        key_mirror: KeyMirror,
+        speculation: Speculation,
+        writes: CacheWrites,
+    ) -> None:
+        self.config = config
+        self.cache = cache
+        self.admission = admission
+        self.breaker = breaker
+        self.exact_tier = exact_tier
+        self.key_mirror = key_mirror
+        self.speculation = speculation
+        self.writes = writes
+        self._mismatch_logged: set[str] = set()
+
+    def local_answer(self, call: PredictCall) -> common_pb2.Prediction | None:
+        """An exact repeat this gateway holds, answered with no hop (the tier serves only
+        while its watch of the cache is live: gateway/exact_tier.py)."""
+        if not call.use_cache:
+            return None
+        now = time.time()
+        local = self.exact_tier.get(call.key, now)
+        if local is None:
+            return None
+        call.local = True
+        call.cache.outcome = EXACT
+        call.cache.similarity = 1.0
+        call.cache.entry_id = call.key
+        call.cache.age_s = max(0.0, now - local.created_at)
+        call.cache.detail = LOCAL_DETAIL
+        return local.prediction
+
+    def expects_embedding(self, call: PredictCall) -> bool:
+        """Whether the lookup will bring the text's embedding for the model's head: then the
+        miss needs no token ids and no speculative run (a second encoder run at once)."""
+        info = call.info
+        return (
+            self.config.share_embeddings
+            and bool(info.head_embedder)
+            and info.cache.mode == "semantic"
+            and call.use_cache
+        )
+
+    def known_miss(self, call: PredictCall) -> bool:
+        """A miss the key mirror vouches for: an exact-only model, and a key the cache does
+        not hold, so no Lookup is sent (gateway/key_mirror.py)."""
+        if not (
+            call.use_cache
+            and call.info.cache.mode == "exact"
+            and self.key_mirror.known_miss(call.key)
+        ):
+            return False
+        metrics.KNOWN_MISSES.inc()
+        call.known_miss = True
+        call.cache.outcome = common_pb2.CACHE_OUTCOME_MISS
+        call.cache.detail = KNOWN_MISS_DETAIL
+        return True
+
+    async def look_up(self, call: PredictCall) -> common_pb2.Prediction | None:
+        """The cache's hit, or None with MISS, FAIL_OPEN or SKIPPED set on the reply."""
+        info = call.info
+        if not call.use_cache:
+            call.cache.outcome = common_pb2.CACHE_OUTCOME_SKIPPED
+            call.cache.detail = (
+                f"cache mode {info.cache.mode!r} for {info.name}"
+                if info.cache.mode == "off"
+                else f"request cache_mode {common_pb2.CacheMode.Name(call.mode)}"
+            )
+            return None
+        if not self.breaker.allow():
+            call.cache.outcome = common_pb2.CACHE_OUTCOME_FAIL_OPEN
+            call.fail_open_reason = "circuit_open"
+            call.cache.detail = (
+                f"cache circuit open after repeated failures; retrying the cache in "
+                f"{self.breaker.retry_in():.1f}s"
+            )
+            return None
+        if self.admission.skip_lookup(call):
+            return None  # no time for it, or an overloaded cache: the reply says which
+        generation = self.exact_tier.generation
+        cache = self.cache
+        try:
+            found: cache_pb2.LookupResponse = await call_hop(
+                schema.SPAN_CACHE_LOOKUP,
+                cache.target,
+                cache.stub().Lookup,
+                cache_pb2.LookupRequest(
+                    scope=call.scope,
+                    text=call.text,
+                    mode=info.cache.mode,
+                    threshold=info.cache.threshold,
+                    verify_target=info.cache.verify_target,
+                    verify_confidence=info.cache.verify_confidence,
+                ),
+                self.admission.lookup_budget_s(call),
+                call.timings,
+            )
+        except HopError as err:
+            self.admission.lookup_finished(overran=err.code == grpc.StatusCode.DEADLINE_EXCEEDED)
+            self.breaker.failure()
+            call.cache.outcome = common_pb2.CACHE_OUTCOME_FAIL_OPEN
+            call.fail_open_reason = err.code.name.lower()
+            call.cache.detail = err.message
+            log.warning("cache fail-open", extra={"reason": err.message})
+            return None
+        self.admission.lookup_finished(overran=False)
+        self.breaker.success()
+        call.verify_id = found.verify_id
+        self._take_embedding(call, found)
+        hit = found.outcome in (EXACT, SEMANTIC)
+        self.speculation.record(info.name, hit)
+        if not hit:
+            call.cache.outcome = common_pb2.CACHE_OUTCOME_MISS
+            return None
+        call.cache.outcome = found.outcome
+        call.cache.similarity = found.similarity
+        call.cache.entry_id = found.entry_id
+        call.cache.age_s = found.age_s
+        if found.outcome == EXACT:
+            self._keep_locally(call, found.prediction, time.time() - found.age_s, generation)
+        return found.prediction
+
+    def _take_embedding(self, call: PredictCall, found: cache_pb2.LookupResponse) -> None:
+        """Keep the lookup's query embedding where the model's head takes it."""
+        if not (found.embedder and self.expects_embedding(call)):
+            return
+        if found.embedder == call.info.head_embedder:
+            call.embedding = found.query_embedding
+        elif call.info.head_embedder not in self._mismatch_logged:
+            self._mismatch_logged.add(call.info.head_embedder)  # once per model encoder
+            log.warning(
+                "the cache's embeddings are not this model's: its misses run on token ids",
+                extra={
+                    "model": f"{call.info.name}/{call.info.version}",
+                    "head_embedder": call.info.head_embedder,
+                    "cache_embedder": found.embedder,
+                },
+            )
+
+    @staticmethod
+    def record_outcome(call: PredictCall) -> None:
+        """The one place a request's cache outcome is counted (GetStats reads these)."""
+        _outcome_counter(call.info.name, outcome_name(call.cache.outcome)).inc()
+        if call.local:
+            metrics.LOCAL_EXACT_HITS.inc()
+        if call.cache.outcome == common_pb2.CACHE_OUTCOME_FAIL_OPEN:
+            metrics.CACHE_FAIL_OPEN.labels(call.fail_open_reason).inc()
+
+    def store_later(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
+        """Write the answer to the cache off the reply's path, if the model's policy wants it."""
+        policy = call.info.cache
+        if (prediction.out_of_scope and not policy.store_out_of_scope) or (
+            prediction.score < policy.min_score
+        ):
+            metrics.CACHE_STORES.labels("skipped_policy").inc()
+            return
+        if self.breaker.state != CircuitState.CLOSED:
+            return  # a failing cache gets no writes either; the probe lookup decides
+        # Held from now: a repeat arriving before the store returns is looked up (the cache
+        # answers it from its pending writes), never vouched a miss. A store that fails
+        # leaves a key held wrongly, which only costs a lookup.
+        self.key_mirror.hold(call.scope, (call.key,))
+        # Kept from now too: a store lingers before it is sent (HOPLINE_GATEWAY_STORE_LINGER_MS),
+        # and a repeat meanwhile is this gateway's to answer. One the cache then refuses is
+        # still the model's answer for this scope, so it may be served until it expires.
+        self._keep_locally(call, prediction, time.time(), self.exact_tier.generation)
+        self.writes.store(call, prediction)
+
+    def _keep_locally(
+        self,
+        call: PredictCall,
+        prediction: common_pb2.Prediction,
+        created: float,
+        generation: int,
+    ) -> None:
+        """Copy an exact entry to the local tier, expiring when the cache's entry does."""
+        ttl_s = call.info.cache.ttl_s
+        if ttl_s > 0:
+            entry = LocalEntry(prediction, call.scope_key, created, created + ttl_s)
+            self.exact_tier.put(call.key, entry, generation)
+
+
+_OUTCOMES = {
+    number: name.removeprefix("CACHE_OUTCOME_").lower()
+    for name, number in common_pb2.CacheOutcome.items()
+}
+
+
+def outcome_name(outcome: common_pb2.CacheOutcome.ValueType) -> str:
+    return _OUTCOMES[outcome]
+
+
+@functools.lru_cache(maxsize=4096)
+def _outcome_counter(model: str, outcome: str) -> Any:
+    """The counter's child, resolved once per (model, outcome): labels() costs a lock."""
+    return metrics.CACHE_OUTCOMES.labels(model, outcome)

@@ -1,0 +1,145 @@
+"""The model's side of a request's path in the gateway: tokenize, infer, postprocess.
+
+GatewayService.predict_text calls `tokenize_early` (the Tokenize hop as a task, to overlap
+the cache lookup), `speculate` (the whole inference beside the lookup, where the model's
+recent lookups mostly miss: gateway/speculation.py) and, on a miss, `infer_once`: one
+inference shared by identical plain misses in flight (the Coalescer), each stage through
+`call_hop` (spans, timings, deadline), as one RPC per request or a stage batch
+(gateway/stage_batching.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+
+from hopline.gateway.cache_path import CachePath
+from hopline.gateway.call import PredictCall
+from hopline.gateway.resilience import CircuitState, Coalescer
+from hopline.gateway.speculation import Speculation
+from hopline.gateway.stage_batching import GatewayStages
+from hopline.gateway.upstream import GatewayUpstreams, call_hop
+from hopline.observability import metrics, schema
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.inference.v1 import inference_pb2
+from hopline.protos.hopline.postprocess.v1 import postprocess_pb2
+from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
+
+
+class ModelPath:
+    """The model's steps of predict_text, over the gateway's upstreams (or their stage
+    batches) and the coalescer the service holds."""
+
+    def __init__(
+        self,
+        upstreams: GatewayUpstreams,
+        stages: GatewayStages | None,
+        coalescer: Coalescer[common_pb2.Prediction],
+        speculation: Speculation,
+        cache_path: CachePath,
+    ) -> None:
+        self.upstreams = upstreams
+        self.stages = stages
+        self.coalescer = coalescer
+        self.speculation = speculation
+        self.cache_path = cache_path
+
+    def tokenize_early(self, call: PredictCall) -> None:
+        """Ask for the text's token ids now, in a task of their own, so the cache lookup
+        overlaps them (a request with no lookup to wait for tokenizes in its own task)."""
+        call.tokenizing = asyncio.ensure_future(self._tokenize_hop(call))
+
+    async def _tokens(self, call: PredictCall) -> tokenizer_pb2.TokenizeResponse:
+        """The text's token ids: the early request's, else asked for now."""
+        if call.tokenizing is not None:
+            return await call.tokenizing
+        return await self._tokenize_hop(call)
+
+    def _tokenize_hop(self, call: PredictCall) -> Awaitable[tokenizer_pb2.TokenizeResponse]:
+        tokenizer = self.upstreams.tokenizer
+        return call_hop(
+            schema.SPAN_TOKENIZE,
+            tokenizer.target,
+            self.stages.tokenize if self.stages else tokenizer.stub().Tokenize,
+            tokenizer_pb2.TokenizeRequest(
+                model=call.info.name, model_version=call.info.version, texts=[call.text]
+            ),
+            call.timeout_s,
+            call.timings,
+        )
+
+    def speculate(
+        self, call: PredictCall
+    ) -> asyncio.Future[tuple[common_pb2.Prediction, bool]] | None:
+        """The inference started now, beside the lookup, when the policy says it pays."""
+        # Only beside a lookup that will be made (allow() would take a half-open probe).
+        if not (call.use_cache and self.cache_path.breaker.state == CircuitState.CLOSED):
+            return None
+        if self.cache_path.expects_embedding(call):
+            return None
+        if not self.speculation.should(call.info.name):
+            return None
+        call.speculative = True
+        return asyncio.ensure_future(self.infer_once(call))
+
+    async def infer_once(self, call: PredictCall) -> tuple[common_pb2.Prediction, bool]:
+        """An inference for this text, shared with identical plain misses running now, and
+        whether it ran for this request (the one that ran it stores the answer)."""
+        if call.mode != common_pb2.CACHE_MODE_USE:
+            # REFRESH and BYPASS ask for an inference of their own.
+            return await self.tokenize_infer_postprocess(call), True
+        waited = time.perf_counter()
+        prediction, shared = await self.coalescer.run(
+            call.key, lambda: self.tokenize_infer_postprocess(call)
+        )
+        if shared:
+            call.drop_tokens()
+            metrics.COALESCED.inc()
+            call.cache.coalesced = True
+            call.timings["coalesced_wait"] = (time.perf_counter() - waited) * 1e3
+        if call.speculative:
+            metrics.SPECULATIVE.labels("used").inc()
+        return prediction, not shared
+
+    async def tokenize_infer_postprocess(self, call: PredictCall) -> common_pb2.Prediction:
+        metrics.INFERENCES.inc()
+        info, inference, postprocess = (
+            call.info,
+            self.upstreams.inference,
+            self.upstreams.postprocess,
+        )
+        if call.embedding is not None:
+            inputs = [call.embedding]  # the head alone (_take_embedding)
+        else:
+            tokens = await self._tokens(call)
+            inputs = [tokens.input_ids, tokens.attention_mask]
+        inferred: inference_pb2.InferResponse = await call_hop(
+            schema.SPAN_INFERENCE,
+            inference.target,
+            self.stages.infer if self.stages else inference.stub().Infer,
+            inference_pb2.InferRequest(
+                model=info.name,
+                model_version=info.version,
+                inputs=inputs,
+                outputs=["logits"],
+            ),
+            call.timeout_s,
+            call.timings,
+        )
+        call.timings["inference.queue"] = inferred.queue_ms
+        call.timings["inference.compute"] = inferred.compute_ms
+        post: postprocess_pb2.PostprocessResponse = await call_hop(
+            schema.SPAN_POSTPROCESS,
+            postprocess.target,
+            self.stages.postprocess if self.stages else postprocess.stub().Postprocess,
+            postprocess_pb2.PostprocessRequest(
+                model=info.name,
+                model_version=info.version,
+                outputs=inferred.outputs,
+                top_k=call.top_k,
+            ),
+            call.timeout_s,
+            call.timings,
+        )
+        return post.predictions[0]
