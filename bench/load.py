@@ -61,7 +61,20 @@ class Run:
 
     @property
     def completed(self) -> int:
+        """Calls that finished in the window, answered or failed."""
         return len(self.latencies_ns)
+
+    @property
+    def answered_ns(self) -> list[int]:
+        """The latencies of the calls answered OK: what throughput and the percentiles are
+        of. A failed call is often the fastest of all (an unreachable target refuses in
+        microseconds), so counting it would flatter a failing target."""
+        pairs = zip(self.latencies_ns, self.statuses, strict=True)
+        return [ns for ns, status in pairs if status == OK]
+
+    @property
+    def answered(self) -> int:
+        return self.statuses.count(OK)
 
     @property
     def errors(self) -> dict[str, int]:

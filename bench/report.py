@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from hopline.bench.load import OK, Run, percentiles_ms
+from hopline.bench.load import Run, percentiles_ms
 from hopline.runtime.cpu_quota import usable_cpus
 
 Describe = Callable[[Any], tuple[str | None, dict[str, float]]]
@@ -27,11 +27,13 @@ def summarise(run: Run, describe: Describe) -> dict[str, Any]:
         for hop, ms in timings.items():
             hops.setdefault(hop, []).append(ms)
     errors = run.errors
+    answered = run.answered_ns
     return {
-        **percentiles_ms(run.latencies_ns),
-        "mean_ms": float(np.mean(run.latencies_ns)) / 1e6 if run.latencies_ns else float("nan"),
-        "throughput_rps": run.completed / run.duration_s if run.duration_s else 0.0,
-        "requests": run.completed,
+        # Of the requests answered OK; the failed ones are counted in `errors`, apart.
+        **percentiles_ms(answered),
+        "mean_ms": float(np.mean(answered)) / 1e6 if answered else float("nan"),
+        "throughput_rps": len(answered) / run.duration_s if run.duration_s else 0.0,
+        "requests": len(answered),
         "errors": sum(errors.values()),
         "errors_by_status": errors,
         "offered_rps": run.offered_rps,
@@ -62,9 +64,9 @@ def cpu_per_request(run: Run) -> dict[str, float]:
     mesh, its children such as milvus-lite, and whatever else ran). Under a closed loop the
     cores are the limit, so two targets' throughputs stand about as the inverse of their
     machine figures. Empty when nothing was answered."""
-    if not run.completed:
+    if not run.answered:
         return {}
-    per = 1e3 / run.completed
+    per = 1e3 / run.answered
     return {
         # /proc/stat's first line is every online core's, whatever this process may run on.
         "machine": run.machine_busy * (os.cpu_count() or 1) * run.duration_s * per,
@@ -80,13 +82,12 @@ def window_figures(run: Run, describe: Describe | None = None) -> dict[str, floa
     compute (`inference.compute`, where the replies carry it): two meshes are two processes,
     and a model computes up to a tenth faster in one process than in the next for the whole
     of its life on these machines, which a comparison of two meshes' p50s takes in whole."""
+    answered = run.answered_ns  # in run.responses' order
     figures = {
-        "throughput_rps": run.completed / run.duration_s if run.duration_s else 0.0,
-        "p50_ms": percentiles_ms(run.latencies_ns)["p50_ms"],
+        "throughput_rps": len(answered) / run.duration_s if run.duration_s else 0.0,
+        "p50_ms": percentiles_ms(answered)["p50_ms"],
     }
     if describe is not None:
-        pairs = zip(run.latencies_ns, run.statuses, strict=True)
-        answered = [ns for ns, status in pairs if status == OK]  # run.responses' order
         less = [
             ns / 1e6 - timings[COMPUTE]
             for ns, response in zip(answered, run.responses, strict=True)
@@ -222,9 +223,9 @@ def write_png(runs: Mapping[str, Run], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, run in runs.items():
-        if not run.latencies_ns:
+        if not run.answered:
             continue
-        ms = np.sort(np.asarray(run.latencies_ns, dtype=np.float64) / 1e6)
+        ms = np.sort(np.asarray(run.answered_ns, dtype=np.float64) / 1e6)
         ax.plot(ms, np.arange(1, len(ms) + 1) / len(ms), label=f"{name} (n={len(ms)})")
     ax.set_xscale("log")
     ax.set_xlabel("latency (ms, log scale)")

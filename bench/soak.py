@@ -173,7 +173,7 @@ async def soak(mesh: Mesh, args: argparse.Namespace) -> dict[str, Any]:
                 duration_s=args.probe_s,
                 warmup_s=3.0,
             )
-            capacity = probe.completed / probe.duration_s
+            capacity = probe.answered / probe.duration_s
             rps = LOAD_SHARE * capacity
             sys.stdout.write(f"capacity {capacity:.1f} rps; soaking at {rps:.1f} rps\n")
         rows: list[dict[str, Any]] = []
@@ -206,7 +206,7 @@ async def soak(mesh: Mesh, args: argparse.Namespace) -> dict[str, Any]:
                 "minute": minute + 1,
                 "requests": run.completed,
                 "errors": run.errors,
-                **{k: round(v, 2) for k, v in percentiles_ms(run.latencies_ns).items()},
+                **{k: round(v, 2) for k, v in percentiles_ms(run.answered_ns).items()},
                 "rss_mb": rss,
                 "rss_high_mb": spread.high,
                 "rss_low_mb": spread.low,

@@ -1,13 +1,17 @@
-"""bench/report.py:ratios: the comparisons the performance targets are written against."""
+"""bench/report.py: the comparisons the performance targets are written against, and what a
+window's figures are of."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import pytest
 
-from hopline.bench.report import ratios
-from hopline.bench.suite import front_door_share
+from hopline.bench.load import Run
+from hopline.bench.report import ratios, summarise, window_figures
+from hopline.bench.suite import front_door_share, peer_judgement
 
 
 def _target(p50: float, p99: float, rps: float) -> dict[str, Any]:
@@ -62,3 +66,52 @@ def test_the_c32_row_says_where_the_front_door_stands() -> None:
     )
     del targets["grpc_batched"]
     assert front_door_share(targets, "mesh") == "no grpc_batched run"
+
+
+def _answered(p99: float, rps: float, errors: int) -> dict[str, Any]:
+    return {"p50_ms": p99 / 3, "p99_ms": p99, "throughput_rps": rps, "errors": errors}
+
+
+def test_against_a_peer_errors_count_and_a_failing_peer_loses_on_latency() -> None:
+    """Figures are of answered requests (bench/report.py:summarise): a peer that timed some
+    out has a p99 without them, so its errors, not its p99, decide latency; the mesh's own
+    errors fail the row whatever its figures."""
+    mesh = _answered(p99=100.0, rps=300.0, errors=0)
+    assert peer_judgement(mesh, _answered(p99=400.0, rps=80.0, errors=0))[1]
+    assert not peer_judgement(mesh, _answered(p99=90.0, rps=80.0, errors=0))[1]
+    assert peer_judgement(mesh, _answered(p99=90.0, rps=80.0, errors=1304))[1]
+    assert peer_judgement(mesh, _answered(p99=float("nan"), rps=0.0, errors=2122))[1]
+    assert not peer_judgement(mesh, _answered(p99=90.0, rps=310.0, errors=5))[1]  # more rps
+    assert not peer_judgement(_answered(p99=100.0, rps=300.0, errors=1), _answered(
+        p99=400.0, rps=80.0, errors=0))[1]  # fmt: skip
+    ratio, _, how = peer_judgement(mesh, _answered(p99=400.0, rps=75.0, errors=3))
+    assert ratio == pytest.approx(4.0)
+    assert "errors 0 vs 3" in how
+
+
+def test_a_windows_figures_are_of_the_requests_answered() -> None:
+    """A refusal is fast: 1,000 refused calls at 0.05 ms beside 100 answers at 10 ms must
+    read as 100 requests at 10 ms and 1,000 errors, not 1,100 requests at 0.05 ms."""
+    refused, answered = ["UNAVAILABLE"] * 1000, ["OK"] * 100
+    run = Run(
+        latencies_ns=[50_000] * 1000 + [10_000_000] * 100,
+        statuses=refused + answered,
+        responses=[b""] * 100,
+        duration_s=2.0,
+        loadgen_cpu_s=0.2,
+        machine_busy=0.5,
+    )
+    record = summarise(run, lambda _: (None, {}))
+    assert record["requests"] == 100
+    assert record["throughput_rps"] == pytest.approx(50.0)
+    assert record["p50_ms"] == pytest.approx(10.0, rel=1e-3)
+    assert record["mean_ms"] == pytest.approx(10.0)
+    assert (record["errors"], record["errors_by_status"]) == (1000, {"UNAVAILABLE": 1000})
+    assert record["cpu_ms_per_request"]["load_generator"] == pytest.approx(2.0)
+    assert window_figures(run) == pytest.approx({"throughput_rps": 50.0, "p50_ms": 10.0}, rel=1e-3)
+    nothing = dataclasses.replace(
+        run, latencies_ns=[50_000] * 10, statuses=refused[:10], responses=[]
+    )
+    none_answered = summarise(nothing, lambda _: (None, {}))
+    assert (none_answered["requests"], none_answered["throughput_rps"]) == (0, 0.0)
+    assert math.isnan(none_answered["p50_ms"])
