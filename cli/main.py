@@ -144,6 +144,19 @@ def _model_build(args: argparse.Namespace) -> int:
             raise SystemExit("--name is required with --train")
     else:
         raise SystemExit("give --train FILE --name NAME, or --default")
+    check_sentences = Path(args.check_sentences) if args.check_sentences else None
+    if check_sentences is not None and args.precision == "fp32":
+        sys.stderr.write(
+            "hopline model build: --check-sentences is for an int8 or fp16 build (it checks "
+            "the conversion against FP32); an fp32 build has nothing to check\n"
+        )
+        return 2
+    if check_sentences is not None and not check_sentences.is_file():
+        # Said now, not after the minute of embedding and training before the check.
+        sys.stderr.write(
+            f"hopline model build: --check-sentences {check_sentences}: no such file\n"
+        )
+        return 2
     try:
         target = build_model(
             train,
@@ -158,7 +171,7 @@ def _model_build(args: argparse.Namespace) -> int:
             cache_min_score=args.cache_min_score,
             precision=Precision(args.precision),
             providers=args.providers.split(",") if args.providers else None,
-            check_sentences=Path(args.check_sentences) if args.check_sentences else None,
+            check_sentences=check_sentences,
             # Flags left unset keep CheckLimits' defaults: one source for each limit.
             check_limits=CheckLimits(
                 **{
@@ -168,8 +181,13 @@ def _model_build(args: argparse.Namespace) -> int:
                 }
             ),
         )
-    except (PrecisionCheckError, ProviderConfigError) as exc:
-        sys.stderr.write(f"hopline model build: {exc}\n")
+    except (PrecisionCheckError, ProviderConfigError, ValueError, OSError) as exc:
+        # The builder's ValueErrors (TrainingDataError, a bad version) and OSErrors (a file
+        # missing, a version that exists) are the user's to fix: one line, no traceback.
+        said = str(exc)
+        if isinstance(exc, FileNotFoundError) and exc.filename:
+            said = f"{exc.filename}: no such file"
+        sys.stderr.write(f"hopline model build: {said}\n")
         return 1
     info = json.loads((target / "config.json").read_text())
     line = (

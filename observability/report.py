@@ -158,6 +158,11 @@ def fetch_jaeger(
         if err.code == 404:  # api_v3 answers 404 when no trace matches
             return []
         raise
+    except urllib.error.URLError as err:  # nothing answered there at all
+        raise OSError(
+            f"cannot reach Jaeger's query API at {base}: {err.reason} (`make jaeger` starts "
+            "one on this machine; --jaeger takes its query address, port 16686 by default)"
+        ) from err
     return read_json_documents(body)
 
 

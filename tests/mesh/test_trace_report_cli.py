@@ -1,5 +1,6 @@
 """`hopline trace report` as a user runs it, a process reading hand-made OTLP JSON files: the
-hop that owns the tail, the table of every hop, and an empty input refused. The analysis
+hop that owns the tail, the table of every hop, an empty input refused, and an address where
+no Jaeger answers named. The analysis
 itself is unit-tested in tests/unit/test_trace_report.py."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PREDICT, STATS, otlp_request, otlp_resource, otlp_span
+from harness import free_port
 from hopline.observability.report import analyse, parse_otlp
 
 
@@ -90,3 +92,19 @@ def test_report_refuses_an_empty_input(tmp_path: Path) -> None:
     )
     assert run.returncode == 1
     assert "no traces" in run.stderr
+
+
+def test_report_says_where_it_looked_for_jaeger() -> None:
+    """No Jaeger at the address: which address, why, and how to start one; no traceback."""
+    address = f"http://127.0.0.1:{free_port()}"
+    run = subprocess.run(
+        [sys.executable, "-m", "hopline", "trace", "report", "--jaeger", address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 1
+    assert f"cannot reach Jaeger's query API at {address}" in run.stderr, run.stderr
+    assert "make jaeger" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr

@@ -1,0 +1,56 @@
+"""`hopline model build` with input it cannot use: one line saying what is wrong, a non-zero
+exit, no traceback and nothing published. Each case runs the real command; all of them fail
+before the encoder is built, so none takes longer than the command's start-up."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import DEFAULT_MODEL
+
+
+def build(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hopline", "model", "build", "--repo", str(repo), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.fixture
+def repo(default_repo: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL / "1", root / DEFAULT_MODEL / "1")
+    return root
+
+
+def test_unusable_input_is_one_line_and_publishes_nothing(repo: Path, tmp_path: Path) -> None:
+    one_label = tmp_path / "one-label.json"
+    one_label.write_text(json.dumps([["refund please", "refund"], ["money back", "refund"]]))
+    cases = {
+        "no such file": ("--train", str(tmp_path / "missing.json"), "--name", "m"),
+        "need at least two labels": ("--train", str(one_label), "--name", "m"),
+        "model versions are immutable": ("--default", "--version", "1"),
+        "must be a positive integer": ("--default", "--version", "v2"),
+        "an fp32 build has nothing to check": ("--default", "--check-sentences", str(one_label)),
+        "--check-sentences": (
+            "--default", "--precision", "int8", "--check-sentences", str(tmp_path / "nope"),
+        ),
+    }  # fmt: skip
+    for said, args in cases.items():
+        done = build(repo, *args)
+        assert done.returncode != 0, (args, done.stdout)
+        assert "Traceback" not in done.stderr, (args, done.stderr)
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith("hopline model build: "), (args, done.stderr)
+        assert said in last, (args, last)
+    assert sorted(p.name for p in repo.iterdir()) == [DEFAULT_MODEL]
+    assert sorted(p.name for p in (repo / DEFAULT_MODEL).iterdir()) == ["1"]
