@@ -1,7 +1,6 @@
 """`hopline trace report` as a user runs it, a process reading hand-made OTLP JSON files: the
 hop that owns the tail, the table of every hop, an empty input refused, and an address where
-no Jaeger answers named. The analysis
-itself is unit-tested in tests/unit/test_trace_report.py."""
+no Jaeger answers named. The analysis itself is unit-tested in tests/unit/test_trace_report.py."""
 
 from __future__ import annotations
 
