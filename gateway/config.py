@@ -14,6 +14,8 @@ from hopline.runtime.config import (
     metrics_port_field,
     upstream_field,
 )
+from hopline.runtime.ports import port_problem
+from hopline.runtime.service_table import spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,3 +214,18 @@ class GatewayConfig(ServerConfig):
         10.0,
         "first ejection's length; each further ejection of a replica lasts longer",
     )
+
+    def address_problems(self) -> list[str]:
+        """Upstream addresses whose port gRPC would take modulo 65536 (runtime/ports.py),
+        each named by its variable: such a gateway would wait for an upstream forever."""
+        addrs = {
+            "tokenizer": self.tokenizer_addr,
+            "cache": self.cache_addr,
+            "inference": self.inference_addr,
+            "postprocess": self.postprocess_addr,
+        }
+        return [
+            f"{spec(name).addr_env}={problem}"
+            for name, addr in addrs.items()
+            if (problem := port_problem(addr)) is not None
+        ]

@@ -157,6 +157,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     # -- life cycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
+        problems = self.config.address_problems()
+        if problems:
+            raise ValueError("; ".join(problems))
         # Not SERVING until co-located services are, and inference has said which models exist.
         await self.upstreams.start()
         while True:

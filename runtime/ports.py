@@ -86,3 +86,15 @@ def address_in_use(address: str) -> bool:
         except OSError:
             return True
     return False
+
+
+def port_problem(address: str) -> str | None:
+    """What is wrong with the port of a host:port address, or None. gRPC takes a port past
+    65535 modulo 65536 (127.0.0.1:99999 binds 34463), so a typo would start a service on a
+    port nobody dials. Other forms (unix:PATH, dns:///NAME, inproc) are left to their users."""
+    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")) or ":" not in address:
+        return None
+    port = address.rpartition(":")[2]
+    if not port.isdigit() or int(port) > 65535:
+        return f"{address!r}: the port must be a number from 0 to 65535"
+    return None

@@ -26,6 +26,7 @@ from hopline.runtime.interceptors import (
     StreamBehaviour,
     WrappingRegistrar,
 )
+from hopline.runtime.ports import port_problem
 from hopline.runtime.service_table import SERVICES
 from hopline.runtime.tls import (
     PeerCheck,
@@ -201,6 +202,10 @@ def role_of(service: object) -> str:
 
 def _bind(server: grpc.aio.Server, config: ServerConfig, tls: TlsFiles) -> int | None:
     """Bind the port, over TLS when the config has a certificate; None when it cannot."""
+    problem = port_problem(config.listen)
+    if problem is not None:
+        log.error("cannot bind", extra={"listen": config.listen, "error": problem})
+        return None
     try:
         credentials = server_credentials(tls, config.tls_peers)
         if credentials is None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -136,3 +138,24 @@ def test_a_taken_port_is_refused_not_shared(mesh: Mesh) -> None:
     assert "cannot bind" in said
     assert mesh.addrs["tokenizer"] in said
     assert health(mesh.addrs["tokenizer"]) == SERVING
+
+
+def test_a_port_past_65535_is_refused_not_wrapped(mesh: Mesh) -> None:
+    """gRPC takes a port modulo 65536 (127.0.0.1:99999 binds 34463): a typo would start a
+    service where nobody dials it, or a gateway waiting for an upstream forever. Both refuse
+    at start-up and name the variable."""
+    typo = "127.0.0.1:99999"
+    env = {**mesh.env, "HOPLINE_POSTPROCESS_ADDR": typo, "HOPLINE_METRICS_PORT": "0"}
+    said = serve_refused("postprocess", env)
+    assert f"{typo!r}: the port must be a number from 0 to 65535" in said, said
+    gateway = subprocess.run(
+        [sys.executable, "-m", "hopline", "serve", "gateway"],
+        env={**env, "HOPLINE_GATEWAY_ADDR": "127.0.0.1:0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    said = gateway.stdout + gateway.stderr
+    assert gateway.returncode == 1, said
+    assert f"HOPLINE_POSTPROCESS_ADDR={typo!r}: the port must be" in said, said

@@ -17,6 +17,7 @@ from hopline.runtime.ports import (
     QUIET_SPAN,
     address_in_use,
     free_ports,
+    port_problem,
     quiet_range,
 )
 from hopline.runtime.service_table import spec
@@ -68,3 +69,12 @@ def test_quiet_range_reads_the_kernels_ephemeral_range(tmp_path: Path) -> None:
     ranges.write_text("1500\t65535\n")  # no room below: the kernel's own choice instead
     assert quiet_range(ranges) is None
     assert quiet_range(tmp_path / "absent") is None
+
+
+def test_a_port_gRPC_would_wrap_is_a_problem() -> None:
+    """gRPC binds and dials a port past 65535 modulo 65536; other address forms are their
+    users' to judge."""
+    for fine in ("127.0.0.1:0", "0.0.0.0:65535", "[::1]:8001", "unix:/tmp/x.sock", "dns:///a:80"):
+        assert port_problem(fine) is None, fine
+    for wrong in ("127.0.0.1:65536", "127.0.0.1:99999", "host:http", "127.0.0.1:"):
+        assert port_problem(wrong) == f"{wrong!r}: the port must be a number from 0 to 65535"
