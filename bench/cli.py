@@ -93,6 +93,26 @@ def round_robin(queue: Sequence[str], rounds: int) -> Iterator[str]:
         yield from queue if round_no % 2 == 0 else reversed(queue)
 
 
+def positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse type: a number of `kind` above 0, else argparse's own error line."""
+
+    def parse(raw: str) -> float:
+        value = kind(raw)
+        if not value > 0:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be above 0, got {raw}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def at_least_zero(raw: str) -> float:
+    value = float(raw)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {raw}")
+    return value
+
+
 def add_bench_command(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
@@ -106,10 +126,16 @@ def add_bench_command(sub: Any) -> None:
         "'none' measures only the baselines",
     )
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, help="closed loop with N callers (default 1)")
-    load.add_argument("--rps", type=float, help="open loop: Poisson arrivals at R per second")
-    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per target")
-    p.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds first")
+    load.add_argument(
+        "--concurrency", type=positive(int), help="closed loop with N callers (default 1)"
+    )
+    load.add_argument(
+        "--rps", type=positive(float), help="open loop: Poisson arrivals at R per second"
+    )
+    p.add_argument(
+        "--duration", type=positive(float), default=10.0, help="measured seconds per target"
+    )
+    p.add_argument("--warmup", type=at_least_zero, default=3.0, help="unmeasured seconds first")
     p.add_argument("--mix", default="miss", choices=("miss", "exact", "semantic", "clinc"))
     p.add_argument("--clinc", type=Path, help="CLINC150 data_full.json (default: ../shared)")
     p.add_argument(
@@ -120,7 +146,7 @@ def add_bench_command(sub: Any) -> None:
     )
     p.add_argument(
         "--idle-ms",
-        type=float,
+        type=at_least_zero,
         default=10.0,
         help="echo_idle: each caller's idle time before each call, not counted in its latency "
         "(closed loop only: refused with --rps); default about a model run on a CPU",
@@ -152,14 +178,14 @@ def add_bench_command(sub: Any) -> None:
     )
     p.add_argument(
         "--connections",
-        type=int,
+        type=positive(int),
         default=1,
         help="gRPC connections to each mesh or peer target, calls spread over them in turn "
         "(a gateway with HOPLINE_GATEWAY_WORKERS gives each connection to one worker)",
     )
     p.add_argument(
         "--rounds",
-        type=int,
+        type=positive(int),
         default=1,
         help="measure the whole list of targets this many times in turn, pooling each "
         "target's windows; every other round runs the list backwards (A/B on a shared machine)",
@@ -178,7 +204,9 @@ def add_bench_command(sub: Any) -> None:
         help=f"API key for the mesh's requests, for a gateway with API keys [env {API_KEY_ENV}]",
     )
     p.add_argument("--cache", default="use", choices=("use", "bypass"), help="mesh cache mode")
-    p.add_argument("--timeout", type=float, default=30.0, help="per-request deadline, seconds")
+    p.add_argument(
+        "--timeout", type=positive(float), default=30.0, help="per-request deadline, seconds"
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--png", type=Path, help="write a latency CDF per target here")
     p.add_argument(
