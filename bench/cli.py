@@ -47,6 +47,7 @@ from hopline.bench.targets import (
     Target,
     inprocess_threads,
 )
+from hopline.cli.arg_types import at_least_zero, positive
 from hopline.gateway.client import CACHE_MODES, gateway_address
 from hopline.runtime import event_loop
 from hopline.runtime.api_keys import API_KEY_ENV, caller_metadata
@@ -91,26 +92,6 @@ def round_robin(queue: Sequence[str], rounds: int) -> Iterator[str]:
     """
     for round_no in range(max(1, rounds)):
         yield from queue if round_no % 2 == 0 else reversed(queue)
-
-
-def positive(kind: Callable[[str], float]) -> Callable[[str], float]:
-    """An argparse type: a number of `kind` above 0, else argparse's own error line."""
-
-    def parse(raw: str) -> float:
-        value = kind(raw)
-        if not value > 0:  # NaN too
-            raise argparse.ArgumentTypeError(f"must be above 0, got {raw}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
-    return parse
-
-
-def at_least_zero(raw: str) -> float:
-    value = float(raw)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {raw}")
-    return value
 
 
 def add_bench_command(sub: Any) -> None:

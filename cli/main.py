@@ -222,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service (see `hopline serve NAME --help`)")
     serve.add_argument("service", choices=SERVICE_NAMES)
 
+    from hopline.cli.arg_types import positive
     from hopline.cli.run import DEFAULT_TOPOLOGY
 
     run = sub.add_parser("run", help="start the mesh locally (--topology), stop it on Ctrl-C")
@@ -253,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--model-version", default="")
     pred.add_argument("--top-k", type=int, default=1)
     pred.add_argument("--cache", default="use", choices=("use", "bypass", "refresh"))
-    pred.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
+    pred.add_argument("--timeout", type=positive(float), default=10.0, help="deadline in seconds")
     pred.add_argument("--json", action="store_true", help="one JSON object (stable keys)")
 
     model = sub.add_parser("model", help="model repository commands")

@@ -64,7 +64,9 @@ from hopline.model.quantize import (
 from hopline.model.repository import (
     CONFIG_FILE,
     SENTENCE_EMBEDDING,
+    CachePolicy,
     ModelRepository,
+    cache_problem,
     load_config,
     validate_name,
 )
@@ -195,6 +197,17 @@ def build_model(
     """Build and write one immutable model version; returns its directory. Raises
     PrecisionCheckError, publishing nothing, when a conversion strays from FP32."""
     validate_name(name)
+    min_score = (
+        cache_min_score
+        if cache_min_score is not None
+        else SEMANTIC_MIN_SCORE
+        if cache_mode == "semantic"
+        else 0.0
+    )
+    cache = CachePolicy(mode=cache_mode, threshold=cache_threshold, min_score=min_score)
+    # Said now, not after the minute of work, and never by a published version that the
+    # services then refuse to load.
+    _check_settings(oos_threshold, in_scope_reject_rate, cache)
     provider_specs = parse_providers(providers or DEFAULT_PROVIDERS[precision])
     started = time.perf_counter()
     examples = load_examples(train_file, split)
@@ -279,17 +292,7 @@ def build_model(
             precision,
             provider_specs,
             head_embedder,
-            {
-                "mode": cache_mode,
-                "threshold": cache_threshold,
-                "min_score": (
-                    cache_min_score
-                    if cache_min_score is not None
-                    else SEMANTIC_MIN_SCORE
-                    if cache_mode == "semantic"
-                    else 0.0
-                ),
-            },
+            {"mode": cache.mode, "threshold": cache.threshold, "min_score": cache.min_score},
             build={
                 "weights": WEIGHTS_PACKAGE,
                 "weights_sha256": _sha256(weights / "model.safetensors"),
@@ -314,6 +317,27 @@ def build_model(
         raise
     load_config(target)  # refuse to report success for a version the services cannot load
     return target
+
+
+def _check_settings(
+    oos_threshold: float | None, in_scope_reject_rate: float, cache: CachePolicy
+) -> None:
+    """ValueError, saying which, for a setting no version can use: the model's scores are
+    probabilities, so an out-of-scope threshold or a min_score outside 0-1 would send every
+    answer (or none) out of scope or out of the cache."""
+    if oos_threshold is not None and not 0.0 <= oos_threshold <= 1.0:
+        raise ValueError(f"--oos-threshold must be from 0 to 1 (a score), got {oos_threshold}")
+    if not 0.0 <= in_scope_reject_rate < 1.0:
+        raise ValueError(
+            f"--reject-rate must be from 0 up to (not including) 1, got {in_scope_reject_rate}"
+        )
+    if not 0.0 <= cache.min_score <= 1.0:
+        raise ValueError(f"--cache-min-score must be from 0 to 1 (a score), got {cache.min_score}")
+    problem = cache_problem(cache)
+    if problem is not None:
+        raise ValueError(
+            f"{problem}: got --cache-mode {cache.mode} --cache-threshold {cache.threshold}"
+        )
 
 
 def _check_graph(

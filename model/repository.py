@@ -97,6 +97,18 @@ def _specs(raw: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
     return tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in raw)
 
 
+def cache_problem(cache: CachePolicy) -> str | None:
+    """What makes a cache policy unusable, or None: the services refuse such a version, and
+    `hopline model build` refuses to build one."""
+    if cache.mode not in ("off", "exact", "semantic"):
+        return "cache.mode must be off, exact or semantic"
+    if not 0.0 < cache.threshold <= 1.0 or cache.ttl_s <= 0 or cache.max_entries < 1:
+        return "cache needs 0 < threshold <= 1, ttl_s > 0 and max_entries >= 1"
+    if not 0.0 <= cache.verify_target < 1.0 or not 0.0 < cache.verify_confidence < 1.0:
+        return "cache needs 0 <= verify_target < 1 and 0 < verify_confidence < 1"
+    return None
+
+
 def load_config(path: Path) -> ModelConfig:
     """Read `<path>/config.json` and check that the files it names exist."""
     try:
@@ -132,16 +144,9 @@ def load_config(path: Path) -> ModelConfig:
             f"{path}: config says {cfg.name}/{cfg.version}, the directory says "
             f"{path.parent.name}/{path.name}"
         )
-    if cfg.cache.mode not in ("off", "exact", "semantic"):
-        raise InvalidModelError(f"{path}: cache.mode must be off, exact or semantic")
-    if not 0.0 < cfg.cache.threshold <= 1.0 or cfg.cache.ttl_s <= 0 or cfg.cache.max_entries < 1:
-        raise InvalidModelError(
-            f"{path}: cache needs 0 < threshold <= 1, ttl_s > 0 and max_entries >= 1"
-        )
-    if not 0.0 <= cfg.cache.verify_target < 1.0 or not 0.0 < cfg.cache.verify_confidence < 1.0:
-        raise InvalidModelError(
-            f"{path}: cache needs 0 <= verify_target < 1 and 0 < verify_confidence < 1"
-        )
+    problem = cache_problem(cfg.cache)
+    if problem is not None:
+        raise InvalidModelError(f"{path}: {problem}")
     if cfg.head_embedder and "head" not in cfg.files:
         raise InvalidModelError(f"{path}: head_embedder is set but files has no head")
     for role in cfg.files:

@@ -44,6 +44,12 @@ def test_unusable_input_is_one_line_and_publishes_nothing(repo: Path, tmp_path: 
         "--check-sentences": (
             "--default", "--precision", "int8", "--check-sentences", str(tmp_path / "nope"),
         ),
+        # Settings no version can use: refused before the build, never published (a cache
+        # threshold of 3 used to be published, then refused by the services and the builder).
+        "--oos-threshold must be from 0 to 1": ("--default", "--oos-threshold", "7"),
+        "--reject-rate must be from 0 up to": ("--default", "--reject-rate", "5"),
+        "0 < threshold <= 1": ("--default", "--cache-threshold", "3"),
+        "--cache-min-score must be from 0 to 1": ("--default", "--cache-min-score", "-1"),
     }  # fmt: skip
     for said, args in cases.items():
         done = build(repo, *args)
