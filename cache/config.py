@@ -10,7 +10,15 @@ from pathlib import Path
 from hopline.cache.milvus_lite import is_local
 from hopline.cache.store import LookupConsistency
 from hopline.model.session import Spin
-from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
+from hopline.runtime.config import (
+    AT_LEAST_ONE,
+    POSITIVE,
+    Range,
+    ServerConfig,
+    env_field,
+    listen_field,
+    metrics_port_field,
+)
 
 
 class ExactFallback(enum.StrEnum):
@@ -44,15 +52,19 @@ class CacheConfig(ServerConfig):
         5.0,
         "bound on each Milvus call, connecting included (a milvus-lite file's server gets 30 s "
         "to start)",
+        valid=POSITIVE,
     )
     max_entries: int = env_field(
-        "HOPLINE_CACHE_MAX_ENTRIES", 1_000_000, "bound per (tenant, model) when a model sets none"
+        "HOPLINE_CACHE_MAX_ENTRIES",
+        1_000_000,
+        "bound per (tenant, model) when a model sets none",
+        valid=AT_LEAST_ONE,
     )
     default_ttl_s: float = env_field(
-        "HOPLINE_CACHE_TTL_S", 3600.0, "time to live when a store names none"
+        "HOPLINE_CACHE_TTL_S", 3600.0, "time to live when a store names none", valid=POSITIVE
     )
     sweep_interval_s: float = env_field(
-        "HOPLINE_CACHE_SWEEP_S", 30.0, "how often expired entries are deleted"
+        "HOPLINE_CACHE_SWEEP_S", 30.0, "how often expired entries are deleted", valid=POSITIVE
     )
     # Each batch costs a key query, an insert and a count in Milvus whatever its size, and
     # that CPU lands on the cores the model runs on. Misses one at a time (colocated, 2 cores,
@@ -66,13 +78,17 @@ class CacheConfig(ServerConfig):
         "HOPLINE_CACHE_FLUSH_MS", 300.0, "how long stores gather before one batched write"
     )
     max_pending: int = env_field(
-        "HOPLINE_CACHE_MAX_PENDING", 10_000, "stores waiting for Milvus before new ones are refused"
+        "HOPLINE_CACHE_MAX_PENDING",
+        10_000,
+        "stores waiting for Milvus before new ones are refused",
+        valid=AT_LEAST_ONE,
     )
     agreement_margin: float = env_field(
         "HOPLINE_CACHE_AGREEMENT_MARGIN",
         0.05,
         "a semantic hit is refused when an entry within this much below the threshold "
         "carries another answer",
+        valid=Range(high=1),
     )
     exact_index: bool = env_field(
         "HOPLINE_CACHE_EXACT_INDEX",
@@ -170,4 +186,5 @@ class CacheConfig(ServerConfig):
         64,
         "semantic searches of one scope that wait while Milvus is busy go as one call of up "
         "to this many vectors (cache/search_batching.py); 1: each alone",
+        valid=AT_LEAST_ONE,
     )

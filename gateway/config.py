@@ -8,6 +8,9 @@ import dataclasses
 from hopline.gateway.speculation import SpeculationMode
 from hopline.runtime.api_keys import API_KEYS_ENV
 from hopline.runtime.config import (
+    AT_LEAST_ONE,
+    POSITIVE,
+    Range,
     ServerConfig,
     env_field,
     listen_field,
@@ -60,15 +63,22 @@ class GatewayConfig(ServerConfig):
         1,
         "connections the gateway keeps to each upstream address (more for an upstream behind "
         "one virtual IP, where each connection reaches one replica)",
+        valid=AT_LEAST_ONE,
     )
     # Measured through the gateway on 2 cores, full CLINC150 eval (15k entries, a store after
     # every miss): semantic lookups p99 25 ms, p50 17 ms. 40 ms leaves room for a busier
     # machine without letting a sick cache add more than a model run to every request.
     cache_budget_ms: float = env_field(
-        "HOPLINE_CACHE_BUDGET_MS", 40.0, "a cache lookup slower than this fails open"
+        "HOPLINE_CACHE_BUDGET_MS",
+        40.0,
+        "a cache lookup slower than this fails open",
+        valid=POSITIVE,
     )
     cache_breaker_failures: int = env_field(
-        "HOPLINE_CACHE_BREAKER_FAILURES", 5, "consecutive cache failures that open the circuit"
+        "HOPLINE_CACHE_BREAKER_FAILURES",
+        5,
+        "consecutive cache failures that open the circuit",
+        valid=AT_LEAST_ONE,
     )
     cache_breaker_cooldown_s: float = env_field(
         "HOPLINE_CACHE_BREAKER_COOLDOWN_S", 5.0, "how long an open circuit skips the cache"
@@ -77,18 +87,25 @@ class GatewayConfig(ServerConfig):
         API_KEYS_ENV, "", "JSON file of API key -> tenant; when set, a key is required"
     )
     upstream_timeout_s: float = env_field(
-        "HOPLINE_UPSTREAM_TIMEOUT_S", 10.0, "per-hop timeout when the client sets no deadline"
+        "HOPLINE_UPSTREAM_TIMEOUT_S",
+        10.0,
+        "per-hop timeout when the client sets no deadline",
+        valid=POSITIVE,
     )
     max_text_bytes: int = env_field(
-        "HOPLINE_MAX_TEXT_BYTES", 16384, "longest text accepted, in UTF-8 bytes"
+        "HOPLINE_MAX_TEXT_BYTES", 16384, "longest text accepted, in UTF-8 bytes", valid=AT_LEAST_ONE
     )
     stream_max_in_flight: int = env_field(
         "HOPLINE_STREAM_MAX_IN_FLIGHT",
         64,
         "requests of one PredictStream answered at once; past it the gateway stops reading",
+        valid=AT_LEAST_ONE,
     )
     model_refresh_s: float = env_field(
-        "HOPLINE_MODEL_REFRESH_S", 10.0, "how often the model list is re-read from inference"
+        "HOPLINE_MODEL_REFRESH_S",
+        10.0,
+        "how often the model list is re-read from inference",
+        valid=POSITIVE,
     )
     upstream_retry_attempts: int = env_field(
         "HOPLINE_UPSTREAM_RETRY_ATTEMPTS",
@@ -116,6 +133,7 @@ class GatewayConfig(ServerConfig):
         32,
         "misses that wait for a busy stage go to it together, up to this many rows per RPC "
         "(1: one RPC per request); a lone request never waits (gateway/stage_batching.py)",
+        valid=AT_LEAST_ONE,
     )
     # 1: one RPC per stage and model on its way, the rest wait for it and go together in the
     # next. At 2, most tokenize and postprocess calls (about a millisecond each) found a free
@@ -129,6 +147,7 @@ class GatewayConfig(ServerConfig):
         "HOPLINE_GATEWAY_BATCH_IN_FLIGHT",
         1,
         "RPCs per stage and model on their way before further misses queue into one batch",
+        valid=AT_LEAST_ONE,
     )
     batch_gather: bool = env_field(
         "HOPLINE_GATEWAY_BATCH_GATHER",
@@ -172,6 +191,7 @@ class GatewayConfig(ServerConfig):
         0.2,
         "with speculate=auto: share of cache-service lookups hitting above which a model's "
         "misses wait for the lookup before inference (each hit wastes a started inference)",
+        valid=Range(high=1),
     )
     upstream_retry_token_ratio: float = env_field(
         "HOPLINE_UPSTREAM_RETRY_TOKEN_RATIO",
@@ -200,6 +220,7 @@ class GatewayConfig(ServerConfig):
         "HOPLINE_UPSTREAM_EJECT_FAILURE_PERCENT",
         50,
         "a replica whose calls fail this often over an interval is ejected (0: never)",
+        valid=Range(high=100),
     )
     upstream_eject_min_requests: int = env_field(
         "HOPLINE_UPSTREAM_EJECT_MIN_REQUESTS",
@@ -207,12 +228,13 @@ class GatewayConfig(ServerConfig):
         "calls a replica needs in an interval (per gateway channel) to be judged",
     )
     upstream_eject_interval_s: float = env_field(
-        "HOPLINE_UPSTREAM_EJECT_INTERVAL_S", 1.0, "how often replicas are judged"
+        "HOPLINE_UPSTREAM_EJECT_INTERVAL_S", 1.0, "how often replicas are judged", valid=POSITIVE
     )
     upstream_eject_base_s: float = env_field(
         "HOPLINE_UPSTREAM_EJECT_BASE_S",
         10.0,
         "first ejection's length; each further ejection of a replica lasts longer",
+        valid=POSITIVE,
     )
 
     def address_problems(self) -> list[str]:

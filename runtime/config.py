@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import math
 import os
 from collections.abc import Sequence
 from typing import Any, TypeVar, get_type_hints
@@ -19,9 +20,35 @@ from hopline.runtime.service_table import spec
 T = TypeVar("T")
 
 
-def env_field(env: str, default: Any, help: str) -> Any:
-    """A config field read from `--flag-name` or the env var `env`."""
-    return dataclasses.field(default=default, metadata={"env": env, "help": help})
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take: from `low` (above it, with `open_low`) to
+    `high`. A setting outside is refused at start-up, naming it, instead of a service that
+    runs on it (a negative timeout, a zero batch) and fails on every request."""
+
+    low: float | None = 0.0
+    open_low: bool = False
+    high: float | None = None
+
+    def problem(self, value: float) -> str | None:
+        if math.isnan(value):
+            return "must be a number"
+        if self.low is not None and (value <= self.low if self.open_low else value < self.low):
+            return f"must be {'above' if self.open_low else 'at least'} {self.low:g}"
+        if self.high is not None and value > self.high:
+            return f"must be at most {self.high:g}"
+        return None
+
+
+NON_NEGATIVE = Range()  # every count, size, time and rate unless its field says otherwise
+POSITIVE = Range(open_low=True)  # a time or budget that 0 would make fail every request
+AT_LEAST_ONE = Range(1.0)  # a count of which none would serve nothing
+
+
+def env_field(env: str, default: Any, help: str, valid: Range = NON_NEGATIVE) -> Any:
+    """A config field read from `--flag-name` or the env var `env`; `valid` bounds an int or
+    float field's value."""
+    return dataclasses.field(default=default, metadata={"env": env, "help": help, "valid": valid})
 
 
 def _parse_bool(raw: str) -> bool:
@@ -77,6 +104,7 @@ def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
         flag = getattr(ns, f.name, None)
         if flag is not None:
             values[f.name] = flag
+            _check_range(f, hints[f.name], flag, f"--{f.name.replace('_', '-')} {flag!r}")
             continue
         raw = os.environ.get(f.metadata["env"])
         if raw is not None:
@@ -84,7 +112,16 @@ def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
                 values[f.name] = _converter(hints[f.name])(raw)
             except ValueError as exc:
                 raise SystemExit(f"invalid {f.metadata['env']}={raw!r}: {exc}") from exc
+            _check_range(f, hints[f.name], values[f.name], f"{f.metadata['env']}={raw!r}")
     return cls(**values)
+
+
+def _check_range(f: dataclasses.Field[Any], kind: Any, value: Any, given: str) -> None:
+    if kind not in (int, float):
+        return
+    problem = f.metadata["valid"].problem(value)
+    if problem is not None:
+        raise SystemExit(f"invalid {given}: {problem}")
 
 
 def load(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = None) -> T:
@@ -119,6 +156,7 @@ def metrics_port_field(service: str) -> Any:
         "HOPLINE_METRICS_PORT",
         spec(service).metrics_port,
         "port of the Prometheus /metrics endpoint (0: none)",
+        valid=Range(high=65535),
     )
 
 
@@ -136,7 +174,10 @@ class ServerConfig:
         "HOPLINE_DRAIN_GRACE_S", 8.0, "seconds in-flight RPCs get to finish after accepting stops"
     )
     max_message_bytes: int = env_field(
-        "HOPLINE_MAX_MESSAGE_BYTES", 4 * 1024 * 1024, "largest gRPC message accepted or sent"
+        "HOPLINE_MAX_MESSAGE_BYTES",
+        4 * 1024 * 1024,
+        "largest gRPC message accepted or sent",
+        valid=AT_LEAST_ONE,
     )
     max_connection_age_s: float = env_field(
         "HOPLINE_MAX_CONNECTION_AGE_S",
@@ -156,7 +197,9 @@ class ServerConfig:
         "127.0.0.1",
         "address the /metrics endpoint binds (0.0.0.0 in a pod)",
     )
-    metrics_port: int = env_field("HOPLINE_METRICS_PORT", 0, "port of /metrics (0: none)")
+    metrics_port: int = env_field(
+        "HOPLINE_METRICS_PORT", 0, "port of /metrics (0: none)", valid=Range(high=65535)
+    )
     reflection: bool = env_field(
         "HOPLINE_REFLECTION", True, "serve gRPC server reflection on the service's port"
     )

@@ -28,7 +28,13 @@ from hopline.observability.tracing import tracer
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.runtime.batching import QueueFullError
-from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
+from hopline.runtime.config import (
+    Range,
+    ServerConfig,
+    env_field,
+    listen_field,
+    metrics_port_field,
+)
 from hopline.runtime.priority import nicer_executor, on_nicer_thread
 from hopline.runtime.tensors import TensorError, dtype_name, from_tensor, to_tensor
 from hopline.services.inference.backend import (
@@ -87,6 +93,7 @@ class InferenceConfig(ServerConfig):
         5,
         "how many steps nicer than the event loop the threads that run models are (Linux; "
         "0: the same): the loop preempts a run when a request needs it",
+        valid=Range(high=19),
     )
 
 

@@ -14,7 +14,13 @@ from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepos
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.observability import schema
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
+from hopline.runtime.config import (
+    AT_LEAST_ONE,
+    ServerConfig,
+    env_field,
+    listen_field,
+    metrics_port_field,
+)
 from hopline.runtime.tensors import to_tensor
 
 
@@ -23,9 +29,11 @@ class TokenizerConfig(ServerConfig):
     listen: str = listen_field("tokenizer")
     metrics_port: int = metrics_port_field("tokenizer")
     model_repo: str = env_field("HOPLINE_MODEL_REPO", "models", "model repository directory")
-    max_batch: int = env_field("HOPLINE_TOKENIZER_MAX_BATCH", 256, "most texts in one request")
+    max_batch: int = env_field(
+        "HOPLINE_TOKENIZER_MAX_BATCH", 256, "most texts in one request", valid=AT_LEAST_ONE
+    )
     max_text_bytes: int = env_field(
-        "HOPLINE_MAX_TEXT_BYTES", 16384, "longest text accepted, in UTF-8 bytes"
+        "HOPLINE_MAX_TEXT_BYTES", 16384, "longest text accepted, in UTF-8 bytes", valid=AT_LEAST_ONE
     )
 
 

@@ -1,0 +1,76 @@
+"""A numeric setting outside what it can mean is refused when the config is read
+(runtime/config.py:Range), naming the variable or flag and the bound, before a service
+starts: a zero timeout or a negative batch used to start a service that failed every
+request, or did something no one asked for."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hopline.cache.config import CacheConfig
+from hopline.gateway.config import GatewayConfig
+from hopline.runtime import config as cfg
+from hopline.runtime.service_table import SERVICES
+from hopline.services.inference.service import InferenceConfig
+
+
+@pytest.mark.parametrize(
+    ("env", "raw", "said"),
+    [
+        ("HOPLINE_UPSTREAM_TIMEOUT_S", "0", "must be above 0"),
+        ("HOPLINE_CACHE_BUDGET_MS", "-5", "must be above 0"),
+        ("HOPLINE_CACHE_BUDGET_MS", "nan", "must be a number"),
+        ("HOPLINE_GATEWAY_BATCH_MAX_ROWS", "0", "must be at least 1"),
+        ("HOPLINE_MAX_TEXT_BYTES", "0", "must be at least 1"),
+        ("HOPLINE_GATEWAY_STORE_LINGER_MS", "-1", "must be at least 0"),
+        ("HOPLINE_GATEWAY_MAX_IN_FLIGHT", "-1", "must be at least 0"),
+        ("HOPLINE_UPSTREAM_EJECT_FAILURE_PERCENT", "150", "must be at most 100"),
+        ("HOPLINE_GATEWAY_SPECULATE_MAX_HIT_RATE", "1.5", "must be at most 1"),
+        ("HOPLINE_METRICS_PORT", "70000", "must be at most 65535"),
+    ],
+)
+def test_the_gateway_refuses_a_setting_outside_its_range(
+    monkeypatch: pytest.MonkeyPatch, env: str, raw: str, said: str
+) -> None:
+    monkeypatch.setenv(env, raw)
+    with pytest.raises(SystemExit) as refused:
+        cfg.load(GatewayConfig, [])
+    assert str(refused.value) == f"invalid {env}={raw!r}: {said}"
+
+
+def test_a_flag_is_held_to_the_same_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SystemExit) as refused:
+        cfg.load(GatewayConfig, ["--max-text-bytes", "0"])
+    assert str(refused.value) == "invalid --max-text-bytes 0: must be at least 1"
+    monkeypatch.setenv("HOPLINE_CACHE_TTL_S", "0")
+    with pytest.raises(SystemExit, match="HOPLINE_CACHE_TTL_S='0': must be above 0"):
+        cfg.load(CacheConfig, [])
+    monkeypatch.setenv("HOPLINE_INFERENCE_NICE", "20")
+    with pytest.raises(SystemExit, match="HOPLINE_INFERENCE_NICE='20': must be at most 19"):
+        cfg.load(InferenceConfig, [])
+
+
+def test_the_edges_and_the_meaningful_zeros_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """0 where the settings table gives it a meaning (no limit, none, off) stays valid."""
+    for env, raw in {
+        "HOPLINE_GATEWAY_MAX_IN_FLIGHT": "0",  # no limit
+        "HOPLINE_GATEWAY_EXACT_ENTRIES": "0",  # no local tier
+        "HOPLINE_GATEWAY_BATCH_LINGER_MS": "0",  # one event-loop turn
+        "HOPLINE_METRICS_PORT": "65535",
+        "HOPLINE_GATEWAY_BATCH_MAX_ROWS": "1",  # one RPC per request
+    }.items():
+        monkeypatch.setenv(env, raw)
+    config = cfg.load(GatewayConfig, [])
+    assert (config.max_in_flight, config.local_exact_entries, config.metrics_port) == (0, 0, 65535)
+
+
+def test_every_services_defaults_are_in_range() -> None:
+    """The defaults themselves must pass the ranges they are read against."""
+    for service in SERVICES:
+        config_cls, _ = service.load()
+        for f in dataclasses.fields(config_cls):
+            if isinstance(f.default, int | float) and not isinstance(f.default, bool):
+                problem = f.metadata["valid"].problem(f.default)
+                assert problem is None, (service.name, f.metadata["env"], problem)
