@@ -8,7 +8,6 @@ part of what hopline ships, so a machine that cannot build them has not tested t
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import uuid
 
@@ -16,57 +15,10 @@ import pytest
 
 from conftest import ROOT
 from harness import Mesh
-
-OUTPUT = re.compile(
-    r"^label=(?P<label>\S+) score=(?P<score>[0-9.]+) model=(?P<model>\S+)/(?P<version>\S+) "
-    r"cache=(?P<cache>\S+) trace_id=(?P<trace>[0-9a-f]{32})$"
-)
+from polyglot import LANGUAGES, OUTPUT, run_example
 
 
-def java_command() -> list[str]:
-    classpath = ROOT / "clients/java/target/classpath.txt"
-    if not classpath.is_file():
-        pytest.fail(f"{classpath} is missing: run `make clients` (Maven Central, JDK 17+)")
-    java = shutil.which("java")
-    if java is None:
-        pytest.fail("no `java` on PATH: the Java client needs a JDK 17+")
-    classes = ROOT / "clients/java/target/classes"
-    return [
-        java,
-        "-cp",
-        f"{classes}:{classpath.read_text().strip()}",
-        "dev.hopline.example.Predict",
-    ]
-
-
-def go_command() -> list[str]:
-    binary = ROOT / "build/clients/go-predict"
-    if not binary.is_file():
-        pytest.fail(f"{binary} is missing: run `make clients` (Go toolchain, Go module proxy)")
-    return [str(binary)]
-
-
-def node_command() -> list[str]:
-    script = ROOT / "clients/node/dist/src/predict.js"
-    if not script.is_file():
-        pytest.fail(f"{script} is missing: run `make clients` (Node 18+, npm)")
-    node = shutil.which("node")
-    if node is None:
-        pytest.fail("no `node` on PATH: the Node client needs Node 18+")
-    return [node, str(script)]
-
-
-def run_example(
-    lang: str, addr: str, text: str, timeout_ms: int
-) -> subprocess.CompletedProcess[str]:
-    if lang == "go":
-        cmd = [*go_command(), "-addr", addr, "-text", text, "-timeout", f"{timeout_ms}ms"]
-    else:
-        cmd = [*(java_command() if lang == "java" else node_command()), addr, text, str(timeout_ms)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-
-
-@pytest.mark.parametrize("lang", ["go", "java", "node"])
+@pytest.mark.parametrize("lang", LANGUAGES)
 def test_example_prints_the_label_and_trace_id(mesh: Mesh, lang: str) -> None:
     # Unique text: a miss through every hop, not an answer some other test left in the cache.
     text = f"I want a refund for my purchase {uuid.uuid4().hex[:8]}"
@@ -80,7 +32,7 @@ def test_example_prints_the_label_and_trace_id(mesh: Mesh, lang: str) -> None:
     assert 0 < float(match["score"]) <= 1
 
 
-@pytest.mark.parametrize("lang", ["go", "java", "node"])
+@pytest.mark.parametrize("lang", LANGUAGES)
 def test_example_reports_a_refusal_with_its_status(mesh: Mesh, lang: str) -> None:
     """An empty text is refused by the gateway; the example names the status and exits 1."""
     out = run_example(lang, mesh.gateway, "   ", 10_000)

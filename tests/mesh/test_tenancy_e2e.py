@@ -23,6 +23,7 @@ from conftest import CLINC, DEFAULT_MODEL
 from harness import TOPOLOGIES, Mesh
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from polyglot import LANGUAGES, OUTPUT, run_example
 
 # Every test here passes with the stateless stages in their own processes and in the gateway.
 MESH_TOPOLOGIES = TOPOLOGIES
@@ -246,3 +247,18 @@ def test_cache_eval_says_why_a_keyed_gateway_cannot_be_evaluated(kmesh: Mesh) ->
     assert run.returncode == 1
     assert "HOPLINE_API_KEYS" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_the_generated_clients_send_a_key_from_the_environment(kmesh: Mesh, lang: str) -> None:
+    """The Go, Java and Node examples send HOPLINE_API_KEY as `authorization: Bearer`, as
+    `hopline predict` does; without it the keyed gateway refuses them."""
+    text = f"please refund my last order ({lang})"
+    refused = run_example(lang, kmesh.gateway, text, 10_000)
+    assert refused.returncode == 1, refused.stdout
+    assert "UNAUTHENTICATED" in refused.stderr.upper().replace("_", ""), refused.stderr
+    answered = run_example(lang, kmesh.gateway, text, 10_000, api_key=ACME_KEY)
+    assert answered.returncode == 0, answered.stderr
+    match = OUTPUT.match(answered.stdout.strip())
+    assert match, answered.stdout
+    assert match["label"] == "refund_request"

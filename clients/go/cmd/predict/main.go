@@ -1,5 +1,6 @@
 // Command predict calls hopline's gateway once, with a deadline, and prints the answer and
-// the trace id to look the request up in Jaeger.
+// the trace id to look the request up in Jaeger. With HOPLINE_API_KEY set it sends that key
+// (a gateway with HOPLINE_API_KEYS needs one; the key names the tenant).
 //
 //	go run ./cmd/predict -addr 127.0.0.1:8001 -text "where is my order"
 package main
@@ -13,6 +14,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	commonv1 "hopline.dev/clients/go/gen/hopline/common/v1"
@@ -35,6 +37,9 @@ func main() {
 
 	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
 	defer cancel()
+	if key := os.Getenv("HOPLINE_API_KEY"); key != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+key)
+	}
 	reply, err := gatewayv1.NewGatewayServiceClient(conn).Predict(ctx, &gatewayv1.PredictRequest{
 		Text:   *text,
 		Tenant: *tenant,

@@ -5,12 +5,15 @@ import hopline.gateway.v1.Gateway.PredictResponse;
 import hopline.gateway.v1.GatewayServiceGrpc;
 import io.grpc.ManagedChannel;
 import io.grpc.ManagedChannelBuilder;
+import io.grpc.Metadata;
 import io.grpc.StatusRuntimeException;
+import io.grpc.stub.MetadataUtils;
 import java.util.concurrent.TimeUnit;
 
 /**
  * Calls hopline's gateway once, with a deadline, and prints the answer and the trace id to look
- * the request up in Jaeger.
+ * the request up in Jaeger. With HOPLINE_API_KEY set it sends that key (a gateway with
+ * HOPLINE_API_KEYS needs one; the key names the tenant).
  *
  * <p>Usage: {@code java -cp ... dev.hopline.example.Predict [addr] [text] [timeout-ms]}
  */
@@ -23,9 +26,16 @@ public final class Predict {
     long timeoutMs = args.length > 2 ? Long.parseLong(args[2]) : 5000;
 
     ManagedChannel channel = ManagedChannelBuilder.forTarget(addr).usePlaintext().build();
+    Metadata headers = new Metadata();
+    String key = System.getenv("HOPLINE_API_KEY");
+    if (key != null && !key.isEmpty()) {
+      headers.put(
+          Metadata.Key.of("authorization", Metadata.ASCII_STRING_MARSHALLER), "Bearer " + key);
+    }
     try {
       PredictResponse reply =
           GatewayServiceGrpc.newBlockingStub(channel)
+              .withInterceptors(MetadataUtils.newAttachHeadersInterceptor(headers))
               .withDeadlineAfter(timeoutMs, TimeUnit.MILLISECONDS)
               .predict(PredictRequest.newBuilder().setText(text).build());
       System.out.printf(

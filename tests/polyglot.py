@@ -1,0 +1,67 @@
+"""The generated Go, Java and Node clients' examples, run as a user runs them (built by `make
+clients`; a missing build fails the test that needs it, with the reason)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import ROOT
+
+LANGUAGES = ("go", "java", "node")
+
+OUTPUT = re.compile(
+    r"^label=(?P<label>\S+) score=(?P<score>[0-9.]+) model=(?P<model>\S+)/(?P<version>\S+) "
+    r"cache=(?P<cache>\S+) trace_id=(?P<trace>[0-9a-f]{32})$"
+)
+
+
+def java_command() -> list[str]:
+    classpath = ROOT / "clients/java/target/classpath.txt"
+    if not classpath.is_file():
+        pytest.fail(f"{classpath} is missing: run `make clients` (Maven Central, JDK 17+)")
+    java = shutil.which("java")
+    if java is None:
+        pytest.fail("no `java` on PATH: the Java client needs a JDK 17+")
+    classes = ROOT / "clients/java/target/classes"
+    return [
+        java,
+        "-cp",
+        f"{classes}:{classpath.read_text().strip()}",
+        "dev.hopline.example.Predict",
+    ]
+
+
+def go_command() -> list[str]:
+    binary = ROOT / "build/clients/go-predict"
+    if not binary.is_file():
+        pytest.fail(f"{binary} is missing: run `make clients` (Go toolchain, Go module proxy)")
+    return [str(binary)]
+
+
+def node_command() -> list[str]:
+    script = ROOT / "clients/node/dist/src/predict.js"
+    if not script.is_file():
+        pytest.fail(f"{script} is missing: run `make clients` (Node 18+, npm)")
+    node = shutil.which("node")
+    if node is None:
+        pytest.fail("no `node` on PATH: the Node client needs Node 18+")
+    return [node, str(script)]
+
+
+def run_example(
+    lang: str, addr: str, text: str, timeout_ms: int, api_key: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """One run of `lang`'s example, with `api_key` (if any) in HOPLINE_API_KEY."""
+    if lang == "go":
+        cmd = [*go_command(), "-addr", addr, "-text", text, "-timeout", f"{timeout_ms}ms"]
+    else:
+        cmd = [*(java_command() if lang == "java" else node_command()), addr, text, str(timeout_ms)]
+    env = {k: v for k, v in os.environ.items() if k != "HOPLINE_API_KEY"}
+    if api_key:
+        env["HOPLINE_API_KEY"] = api_key
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env=env)
