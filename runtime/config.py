@@ -192,6 +192,13 @@ class ServerConfig:
     )
     log_level: str = env_field("HOPLINE_LOG_LEVEL", "info", "debug, info, warning or error")
     log_format: str = env_field("HOPLINE_LOG_FORMAT", "json", "json (structured) or text")
+    health_port: int = env_field(
+        "HOPLINE_HEALTH_PORT",
+        0,
+        "a plaintext port serving grpc.health.v1 alone, on the listen address's host, for "
+        "probes that cannot speak TLS (Kubernetes' gRPC probes) to a TLS-only service (0: none)",
+        valid=Range(high=65535),
+    )
     metrics_host: str = env_field(
         "HOPLINE_METRICS_HOST",
         "127.0.0.1",

@@ -239,6 +239,34 @@ async def _listen(
     return True
 
 
+async def _serve_probes(config: ServerConfig, health: HealthServicer) -> bool:
+    """grpc.health.v1 alone, in plaintext, on `HOPLINE_HEALTH_PORT` of the listen address's
+    host (loopback for a Unix socket), when set: Kubernetes' gRPC probes cannot speak TLS,
+    and a service with a certificate serves only TLS on its own port. It answers from the
+    service's own health servicer, so it says NOT_SERVING, SERVING and draining as that does,
+    and nothing but health is reachable on it. Kept for the life of the process."""
+    if config.health_port <= 0:
+        return True
+    host = "127.0.0.1" if config.listen.startswith("unix:") else config.listen.rpartition(":")[0]
+    address = f"{host}:{config.health_port}"
+    probes = grpc.aio.server(
+        options=server_options(config.max_message_bytes, reuse_port=worker_index() is not None)
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health, probes)
+    try:
+        probes.add_insecure_port(address)
+    except RuntimeError as exc:
+        log.error("cannot bind the health port", extra={"listen": address, "error": str(exc)})
+        return False
+    await probes.start()
+    _PROBE_SERVERS.append(probes)  # referenced: a server that is collected stops serving
+    log.info("health port", extra={"listen": address})
+    return True
+
+
+_PROBE_SERVERS: list[grpc.aio.Server] = []
+
+
 async def serve(service: Service, config: ServerConfig) -> int:
     """Run `service` until SIGTERM/SIGINT, then drain and end the process (exit code 0).
 
@@ -281,6 +309,9 @@ async def serve(service: Service, config: ServerConfig) -> int:
     late_bind = index is not None
     if not late_bind and not await _listen(server, config, tls, peers):
         return 2
+    if not late_bind and not await _serve_probes(config, health):
+        await server.stop(0)
+        return 2
     if index is None:
         start_metrics_server(config.metrics_host, config.metrics_port)
     else:  # the supervisor serves the service's port, every worker's metrics merged
@@ -300,7 +331,9 @@ async def serve(service: Service, config: ServerConfig) -> int:
             log.error("start-up failed", extra={"error": f"{type(failure).__name__}: {failure}"})
             await server.stop(0)
             return 1
-        if late_bind and not await _listen(server, config, tls, peers):
+        if late_bind and not (
+            await _listen(server, config, tls, peers) and await _serve_probes(config, health)
+        ):
             await service.stop()
             return 2
         collector.settle()  # before the first request, so none waits for its full collection

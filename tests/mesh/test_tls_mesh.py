@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +22,14 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import Mesh
+from harness import NOT_SERVING, SERVING, Mesh, health
 from hopline.cli.certs import ROLES, env_for, make_certs
 from hopline.gateway.client import predict as cli_predict
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.protos.hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
+from hopline.runtime.ports import free_ports
 from hopline.runtime.tls import ClientTls, TlsFiles, channel, client_tls
 
 EXACT = common_pb2.CACHE_OUTCOME_EXACT
@@ -187,3 +192,51 @@ def test_hopline_predict_dials_tls_from_the_environment(
     for key, value in env_for(tmesh.tls).items():
         monkeypatch.setenv(key, value)
     assert refused(ask) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_tls_service_answers_plaintext_probes_on_its_health_port(
+    tmesh: TlsMesh, tmp_path: Path
+) -> None:
+    """Kubernetes' gRPC probes cannot speak TLS. With HOPLINE_HEALTH_PORT a TLS-only service
+    also serves grpc.health.v1 alone in plaintext there: SERVING once ready, nothing else
+    reachable on it, NOT_SERVING from the moment it drains; its own port still refuses
+    plaintext."""
+    port, probe_port, metrics = free_ports(3)
+    address, probe = f"127.0.0.1:{port}", f"127.0.0.1:{probe_port}"
+    log = (tmp_path / "postprocess-probed.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hopline", "serve", "postprocess"],
+        env={
+            **tmesh.env,
+            "HOPLINE_POSTPROCESS_ADDR": address,
+            "HOPLINE_HEALTH_PORT": str(probe_port),
+            "HOPLINE_METRICS_PORT": str(metrics),
+            "HOPLINE_DRAIN_DELAY_S": "3",
+        },
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while health(probe) != SERVING:
+            assert proc.poll() is None, (tmp_path / "postprocess-probed.log").read_text()
+            assert time.monotonic() < deadline, "the probe port never said SERVING"
+            time.sleep(0.1)
+        with grpc.insecure_channel(probe) as chan:
+            stub = postprocess_pb2_grpc.PostprocessServiceStub(chan)
+            code = refused(stub.Postprocess, postprocess_pb2.PostprocessRequest(), 5)
+            assert code == grpc.StatusCode.UNIMPLEMENTED
+        assert health(address) is None  # plaintext on the service's own port: no answer
+        assert health(address, tls=as_role(tmesh.tls, "operator", "postprocess")) == SERVING
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 2.5  # within the drain delay: still up, not serving
+        while health(probe) == SERVING:
+            assert time.monotonic() < deadline, "the probe port did not follow the drain"
+            time.sleep(0.05)
+        assert health(probe) == NOT_SERVING
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
