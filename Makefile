@@ -359,6 +359,6 @@ $(CONTROL_PLANE)/kwok:
 	@mkdir -p $(@D)
 	$(K8S_GOENV) GOBIN=$(@D) go install sigs.k8s.io/kwok/cmd/kwok@$(KWOK_VERSION)
 
-k8s-rollout: $(CONTROL_PLANE)/kube-apiserver $(CONTROL_PLANE)/kwok
+k8s-rollout: $(CONTROL_PLANE)/kube-apiserver $(CONTROL_PLANE)/kwok $(STAMPS)/install
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends etcd-server >/dev/null; }
-	deploy/k8s/rollout/run.sh $(CONTROL_PLANE) deploy/k8s/overlays/production
+	PY=$(PY) deploy/k8s/rollout/run.sh $(CONTROL_PLANE) deploy/k8s/overlays/production

@@ -125,8 +125,27 @@ done
 
 log "kubectl apply -k $overlay"
 kubectl kustomize "$overlay" > "$work/objects.yaml"
+# The Secrets the overlay's pods mount (the mtls component's certificates and API keys) are
+# the operator's to create before the apply, as its README says: made here from a throwaway
+# CA (`make certs`' code) with the component's own script.
+if grep -q 'secretName: hopline-' "$work/objects.yaml"; then
+  log "the mtls component's Secrets, from a throwaway CA"
+  "${PY:-python3}" -m hopline.cli.certs "$work/tls" >/dev/null
+  echo '{"rollout-key": "rollout"}' > "$work/api-keys.json"
+  kubectl create namespace hopline >/dev/null
+  "$(dirname "$0")/../components/mtls/create-secrets.sh" "$work/tls" "$work/api-keys.json" >/dev/null
+fi
 # kustomize orders Namespaces first, so one apply creates everything.
 kubectl apply -f "$work/objects.yaml"
+# kwok's nodes run no containers, so a pod whose Secret is missing would still come up here;
+# a real kubelet would leave it ContainerCreating. Check every Secret a workload mounts exists.
+for ref in $(kubectl get deploy,statefulset -A -o jsonpath='{range .items[*]}{.metadata.namespace}/{range .spec.template.spec.volumes[*]}{.secret.secretName},{end}{"\n"}{end}' | sort -u); do
+  ns=${ref%%/*}
+  for secret in $(tr ',' ' ' <<< "${ref#*/}"); do
+    kubectl -n "$ns" get secret "$secret" >/dev/null 2>&1 ||
+      { echo "a workload in $ns mounts Secret $secret, which does not exist"; exit 1; }
+  done
+done
 workloads=$(kubectl get deploy,statefulset -A -o jsonpath='{range .items[*]}{.metadata.namespace}/{.kind}/{.metadata.name}{"\n"}{end}')
 [ -n "$workloads" ] || { echo "no Deployment or StatefulSet was created"; exit 1; }
 count=0
