@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import ssl
 from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -100,11 +101,26 @@ def server_credentials(files: TlsFiles, peers: str) -> grpc.ServerCredentials | 
             f"{CA_ENV} is needed to verify client certificates (this service only serves "
             f"the identities {peers!r}); set it, or empty the peers setting"
         )
+    key, cert = files._read(files.key, KEY_ENV), files._read(files.cert, CERT_ENV)
+    _check_pair(files)
     return grpc.ssl_server_credentials(
-        [(files._read(files.key, KEY_ENV), files._read(files.cert, CERT_ENV))],
+        [(key, cert)],
         root_certificates=files._read(files.ca, CA_ENV) if files.ca else None,
         require_client_auth=require,
     )
+
+
+def _check_pair(files: TlsFiles) -> None:
+    """A certificate and key that do not belong together (or are not PEM) fail gRPC's bind
+    with only "Failed to bind to address"; say which files instead."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(files.cert, files.key)
+    except ssl.SSLError as exc:
+        raise TlsConfigError(
+            f"{CERT_ENV}={files.cert!r} and {KEY_ENV}={files.key!r} are not a certificate and "
+            f"its private key in PEM ({exc.reason or exc}): check that the key is this "
+            "certificate's"
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)

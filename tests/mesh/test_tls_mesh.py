@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import NOT_SERVING, SERVING, Mesh, health
+from harness import NOT_SERVING, SERVING, Mesh, health, serve_refused
 from hopline.cli.certs import ROLES, env_for, make_certs
 from hopline.gateway.client import predict as cli_predict
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
@@ -240,3 +240,18 @@ def test_a_tls_service_answers_plaintext_probes_on_its_health_port(
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_a_key_that_is_not_the_certificates_is_named(tmesh: TlsMesh) -> None:
+    """gRPC's own bind error says only "Failed to bind to address": a service given another
+    role's key says which two files do not belong together, and does not start."""
+    env = {
+        **tmesh.env,
+        "HOPLINE_TLS_CERT": str(tmesh.tls / "postprocess.crt"),
+        "HOPLINE_TLS_KEY": str(tmesh.tls / "gateway.key"),
+        "HOPLINE_POSTPROCESS_ADDR": f"127.0.0.1:{free_ports(1)[0]}",
+        "HOPLINE_METRICS_PORT": "0",
+    }
+    said = serve_refused("postprocess", env)
+    assert "are not a certificate and its private key" in said, said
+    assert "gateway.key" in said
