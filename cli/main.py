@@ -89,7 +89,8 @@ def _serve(name: str, argv: Sequence[str]) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from hopline.gateway.client import predict, to_json
+    from hopline.gateway.client import gateway_address, predict, to_json
+    from hopline.runtime.tls import CA_ENV
 
     try:
         response = predict(
@@ -108,6 +109,12 @@ def _predict(args: argparse.Namespace) -> int:
         sys.stderr.write(f"error: {code.name}: {err.details()}\n")
         if code == grpc.StatusCode.UNAUTHENTICATED:
             sys.stderr.write(f"(give your key with --api-key or {API_KEY_ENV})\n")
+        elif code == grpc.StatusCode.UNAVAILABLE:
+            over = "TLS (HOPLINE_TLS_CA is set)" if os.environ.get(CA_ENV) else "plaintext"
+            sys.stderr.write(
+                f"(no gateway answered at {gateway_address(args.gateway)} over {over}: "
+                "`make run` starts the mesh; --gateway or HOPLINE_GATEWAY_ADDR names another)\n"
+            )
         return 1
     doc = to_json(response)
     if args.json:
