@@ -249,8 +249,8 @@ class PrimeError(Exception):
 
     def __init__(self, target: str, err: grpc.RpcError) -> None:
         self.code: grpc.StatusCode = err.code()
-        super().__init__(f"{target} refused the cache-filling requests: {self.code.name}: "
-                         f"{err.details()}")  # fmt: skip
+        said = f"{self.code.name}: {err.details()}"
+        super().__init__(f"{target} refused the cache-filling requests: {said}")
 
 
 async def prime(target: Target, mix: Mix, blocking: BlockingCall | None = None) -> Mix:
