@@ -11,9 +11,6 @@ namespace on free loopback ports, so no container network has to be set up.
 from __future__ import annotations
 
 import json
-import os
-import resource
-import shutil
 import subprocess
 import time
 import uuid
@@ -22,80 +19,51 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from containers import (
+    IMAGE_UID,
+    container_names,
+    podman,
+    remove,
+    require_image,
+    start,
+    stop_cleanly,
+    wait_serving,
+)
 from harness import SERVING, free_port, health
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime.service_table import SERVICES, ServiceName
 
-IMAGE = os.environ.get("HOPLINE_IMAGE", "localhost/hopline:0.1.0")
-# crun refuses this host's hybrid cgroups; podman's default file and process limits are
-# above what this host lets a process have, so the container gets this process's own.
-NOFILE = resource.getrlimit(resource.RLIMIT_NOFILE)
-# runc here refuses this process's own process limit (96k) but takes 32k.
-NPROC = min(resource.getrlimit(resource.RLIMIT_NPROC)[1], 32768)
-RUN = [
-    "podman", "run", "-d", "--runtime", "runc", "--network", "host",
-    "--ulimit", f"nofile={NOFILE[0]}:{NOFILE[1]}", "--ulimit", f"nproc={NPROC}:{NPROC}",
-]  # fmt: skip
 UPSTREAMS = [s.name for s in SERVICES if s.name != ServiceName.GATEWAY]
-
-
-def podman(*args: str, timeout: float = 120) -> str:
-    out = subprocess.run(
-        ["podman", *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if out.returncode != 0:
-        raise AssertionError(f"podman {' '.join(args)}: {out.stderr.strip()}")
-    return out.stdout.strip()
 
 
 @pytest.fixture(scope="module")
 def containers() -> Iterator[dict[str, str]]:
     """name -> address of the five services, each in a container of its own."""
-    if shutil.which("podman") is None:
-        pytest.fail("podman is missing: `make image-smoke` installs it (Debian)")
-    if subprocess.run(["podman", "image", "exists", IMAGE], check=False).returncode != 0:
-        pytest.fail(f"{IMAGE} is missing: run `make image`")
+    require_image()
     addrs = {str(s.name): f"127.0.0.1:{free_port()}" for s in SERVICES}
-    dial = [f"HOPLINE_{name.upper()}_ADDR={addrs[name]}" for name in UPSTREAMS]
-    tag = uuid.uuid4().hex[:8]
-    names = {s.name: f"hopline-smoke-{s.name}-{tag}" for s in SERVICES}
+    dial = {f"HOPLINE_{name.upper()}_ADDR": addrs[name] for name in UPSTREAMS}
+    names = container_names("smoke")
     try:
         for service in SERVICES:
-            env = [f"HOPLINE_{service.name.upper()}_ADDR={addrs[service.name]}"]
-            env += ["HOPLINE_METRICS_PORT=0", "HOPLINE_DRAIN_DELAY_S=0.2"]
+            env = {f"HOPLINE_{service.name.upper()}_ADDR": addrs[service.name]}
+            env |= {"HOPLINE_METRICS_PORT": "0", "HOPLINE_DRAIN_DELAY_S": "0.2"}
             if service.name == ServiceName.GATEWAY:
-                env += dial
-            flags = [arg for e in env for arg in ("-e", e)]
-            podman(*RUN[1:], "--name", names[service.name], *flags, IMAGE, service.name)
+                env |= dial
+            start(names[service.name], service.name, env)
             if service.name != ServiceName.GATEWAY:
                 wait_serving(addrs[service.name], names[service.name])
         wait_serving(addrs[ServiceName.GATEWAY], names[ServiceName.GATEWAY])
         yield {**addrs, **{f"{name}:container": names[name] for name in names}}
     finally:
-        for name in names.values():
-            subprocess.run(
-                ["podman", "rm", "-f", "-t", "30", name], capture_output=True, check=False
-            )
-
-
-def wait_serving(addr: str, container: str, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while health(addr) != SERVING:
-        state = podman("inspect", "-f", "{{.State.Status}}", container)
-        if state != "running":
-            logs = podman("logs", "--tail", "30", container)
-            raise AssertionError(f"{container} is {state} before SERVING:\n{logs}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{container} not SERVING within {timeout_s} s")
-        time.sleep(0.5)
+        remove(list(names.values()))
 
 
 def test_every_service_is_serving_as_the_image_user(containers: dict[str, str]) -> None:
     for service in SERVICES:
         assert health(containers[service.name]) == SERVING, service.name
         container = containers[f"{service.name}:container"]
-        assert podman("exec", container, "id", "-u") == "10001", service.name
+        assert podman("exec", container, "id", "-u") == IMAGE_UID, service.name
 
 
 def test_a_mesh_of_containers_answers_a_predict(containers: dict[str, str]) -> None:
@@ -116,12 +84,7 @@ def test_a_mesh_of_containers_answers_a_predict(containers: dict[str, str]) -> N
 
 def test_each_container_drains_to_exit_code_zero(containers: dict[str, str]) -> None:
     for service in reversed(SERVICES):  # the gateway first, as a rollout would
-        container = containers[f"{service.name}:container"]
-        podman("stop", "-t", "30", container)
-        code = podman("inspect", "-f", "{{.State.ExitCode}}", container)
-        assert code == "0", (
-            f"{service.name} exited {code}: {podman('logs', '--tail', '20', container)}"
-        )
+        stop_cleanly(containers[f"{service.name}:container"], service.name)
 
 
 def test_a_container_with_a_cpu_limit_sizes_its_threads_to_it() -> None:
@@ -130,10 +93,9 @@ def test_a_container_with_a_cpu_limit_sizes_its_threads_to_it() -> None:
     pools to it (runtime/cpu_quota.py); it still serves."""
     addr = f"127.0.0.1:{free_port()}"
     name = f"hopline-smoke-cpus-{uuid.uuid4().hex[:8]}"
-    env = [f"HOPLINE_INFERENCE_ADDR={addr}", "HOPLINE_METRICS_PORT=0"]
-    flags = [arg for e in env for arg in ("-e", e)]
+    env = {"HOPLINE_INFERENCE_ADDR": addr, "HOPLINE_METRICS_PORT": "0"}
     try:
-        podman(*RUN[1:], "--cpus", "1", "--name", name, *flags, IMAGE, ServiceName.INFERENCE)
+        start(name, ServiceName.INFERENCE, env, ["--cpus", "1"])
         wait_serving(addr, name)
         # The services log to stderr, which `podman logs` gives back on its own stderr.
         logs = subprocess.run(
@@ -150,4 +112,4 @@ def test_a_container_with_a_cpu_limit_sizes_its_threads_to_it() -> None:
             "OMP_NUM_THREADS": "1",
         }
     finally:
-        subprocess.run(["podman", "rm", "-f", "-t", "30", name], capture_output=True, check=False)
+        remove([name])
