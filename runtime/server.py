@@ -208,10 +208,14 @@ def _bind(server: grpc.aio.Server, config: ServerConfig, tls: TlsFiles) -> int |
         return None
     try:
         credentials = server_credentials(tls, config.tls_peers)
+    except TlsConfigError as exc:  # a certificate or key missing, unreadable or mismatched
+        log.error("cannot serve TLS", extra={"listen": config.listen, "error": str(exc)})
+        return None
+    try:
         if credentials is None:
             return server.add_insecure_port(config.listen)
         return server.add_secure_port(config.listen, credentials)
-    except (RuntimeError, TlsConfigError) as exc:
+    except RuntimeError as exc:
         log.error("cannot bind", extra={"listen": config.listen, "error": str(exc)})
         return None
 

@@ -253,5 +253,6 @@ def test_a_key_that_is_not_the_certificates_is_named(tmesh: TlsMesh) -> None:
         "HOPLINE_METRICS_PORT": "0",
     }
     said = serve_refused("postprocess", env)
+    assert "cannot serve TLS" in said, said  # not "cannot bind": the port was never the matter
     assert "are not a certificate and its private key" in said, said
     assert "gateway.key" in said
