@@ -3,7 +3,7 @@ each row's result counts on its own, and recorded requests keep a store span eac
 
 The cache here is a stand-in StoreBatch method that records its calls and refuses rows the
 way the real cache does (a per-row code in the reply); the real cache answers them in
-tests/mesh/test_cache_store_batch.py, and whole meshes in tests/unit/test_gateway_orchestration.py
+tests/mesh/test_cache_store_batch.py, and a whole gateway's in tests/unit/test_gateway_cache_path.py
 and tests/mesh/test_colocation.py.
 """
 
