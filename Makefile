@@ -297,7 +297,8 @@ compose-check:
 	@command -v docker-compose >/dev/null || { \
 		echo "docker-compose is missing: apt-get install docker-compose (Debian)"; exit 1; }
 	docker-compose -f deploy/compose/compose.yaml config -q
-	@echo "deploy/compose/compose.yaml: valid"
+	docker-compose -f deploy/compose/compose.yaml -f deploy/compose/compose.mtls.yaml config -q
+	@echo "deploy/compose/compose.yaml, and with compose.mtls.yaml over it: valid"
 
 deploy-check: k8s-check compose-check
 

@@ -1,9 +1,11 @@
 """The image as the production overlay runs it (deploy/k8s/components/mtls), as containers:
 each service holds only its own certificate, key and the CA, mounted read-only at
 /etc/hopline/tls and readable by the image's group alone (a Secret's `defaultMode: 0440`
-under `fsGroup: 10001`), and the gateway its API keys; probes reach the plaintext health
-port (HOPLINE_HEALTH_PORT), as Kubernetes' gRPC probes do; the services call each other over
-mTLS, and a client reaches the front door over TLS with an API key.
+under `fsGroup: 10001`; here laid out by deploy/compose/mtls-secrets.sh, whose folders
+deploy/compose/compose.mtls.yaml mounts the same way), and the gateway its API keys; probes
+reach the plaintext health port (HOPLINE_HEALTH_PORT), as Kubernetes' gRPC probes do; the
+services call each other over mTLS, and a client reaches the front door over TLS with an
+API key.
 
 Kubernetes' own rollout test (`make k8s-rollout`) runs no container (kwok's nodes are
 fake), so this is where the overlay's settings meet the image's processes. Ports differ per
@@ -14,8 +16,8 @@ Run by `make image-smoke` (see test_image_smoke.py for what it needs).
 from __future__ import annotations
 
 import json
-import os
-import shutil
+import stat
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,7 @@ from hopline.runtime.tls import OPERATOR, ClientTls, TlsFiles, channel, client_t
 GATEWAY = ServiceName.GATEWAY
 TLS_DIR, KEYS_DIR = "/etc/hopline/tls", "/etc/hopline/api-keys"  # the component's mounts
 API_KEY = "acme-image-mtls-3b9e"
+SECRETS_SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "compose" / "mtls-secrets.sh"
 TEXT = "my card was charged twice for the same order"
 
 
@@ -52,20 +55,19 @@ class Production:
     probes: dict[str, str]  # service -> its plaintext health address
     names: dict[str, str]  # service -> container
     certs: Path  # the CA and every role's certificate, on the host
+    secrets: Path  # deploy/compose/mtls-secrets.sh's folders, one mounted in each container
 
 
-def secret(folder: Path, files: dict[str, Path]) -> Path:
-    """A folder laid out and permitted as Kubernetes mounts a Secret into the pod: the
-    files root-owned, group `fsGroup`, mode 0440; nobody else may read them."""
-    folder.mkdir(parents=True)
-    for name, source in files.items():
-        target = folder / name
-        shutil.copyfile(source, target)
-        os.chown(target, 0, int(IMAGE_UID))
-        target.chmod(0o440)
-    os.chown(folder, 0, int(IMAGE_UID))
-    folder.chmod(0o750)
-    return folder
+def lay_out_secrets(certs: Path, keys: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """deploy/compose/mtls-secrets.sh: a folder per service as compose.mtls.yaml mounts it
+    (and as Kubernetes mounts a Secret with defaultMode 0440 under fsGroup 10001)."""
+    return subprocess.run(
+        [str(SECRETS_SCRIPT), str(certs), str(keys), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,30 +87,27 @@ def production(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Production]
         "HOPLINE_METRICS_PORT": "0",
         "HOPLINE_DRAIN_DELAY_S": "0.2",
     }
+    laid_out = lay_out_secrets(certs, keys, work / "secrets")
+    assert laid_out.returncode == 0, laid_out.stderr
     try:
         for service in SERVICES:
-            own = secret(
-                work / "secrets" / service.name,
-                {
-                    "tls.crt": certs / f"{service.name}.crt",
-                    "tls.key": certs / f"{service.name}.key",
-                    "ca.crt": certs / "ca.crt",
-                },
-            )
             env = {**shared, "HOPLINE_HEALTH_PORT": str(probes[service.name])}
-            mounts = ["-v", f"{own}:{TLS_DIR}:ro"]
+            mounts = ["-v", f"{work / 'secrets' / service.name}:{TLS_DIR}:ro"]
             if service.name == GATEWAY:
                 env |= {f"HOPLINE_{name.upper()}_ADDR": addr for name, addr in addrs.items()}
                 env["HOPLINE_API_KEYS"] = f"{KEYS_DIR}/keys.json"
-                api_keys = secret(work / "secrets" / "api-keys", {"keys.json": keys})
-                mounts += ["-v", f"{api_keys}:{KEYS_DIR}:ro"]
+                mounts += ["-v", f"{work / 'secrets' / 'api-keys'}:{KEYS_DIR}:ro"]
             else:
                 env[f"HOPLINE_{service.name.upper()}_ADDR"] = addrs[service.name]
             start(names[service.name], service.name, env, mounts)
         for service in SERVICES:
             wait_serving(f"127.0.0.1:{probes[service.name]}", names[service.name])
         yield Production(
-            addrs, {k: f"127.0.0.1:{port}" for k, port in probes.items()}, names, certs
+            addrs,
+            {k: f"127.0.0.1:{port}" for k, port in probes.items()},
+            names,
+            certs,
+            work / "secrets",
         )
     finally:
         remove(list(names.values()))
@@ -134,6 +133,23 @@ def test_probes_answer_in_plaintext_and_the_services_only_over_mtls(
         if name != GATEWAY:  # only the gateway's front door takes clients without a certificate
             anonymous = as_role(production.certs, None, name)
             assert health(production.addrs[name], tls=anonymous) is None, name
+
+
+def test_the_secrets_script_lays_out_what_only_the_image_group_reads(
+    production: Production, tmp_path: Path
+) -> None:
+    for service in SERVICES:
+        folder = production.secrets / service.name
+        assert sorted(p.name for p in folder.iterdir()) == ["ca.crt", "tls.crt", "tls.key"]
+        for path in (folder, *folder.iterdir()):
+            info = path.stat()
+            assert (info.st_uid, info.st_gid) == (0, int(IMAGE_UID)), path
+            assert stat.S_IMODE(info.st_mode) == (0o750 if path.is_dir() else 0o440), path
+    missing = lay_out_secrets(tmp_path / "no-certs", tmp_path / "keys.json", tmp_path / "out")
+    assert missing.returncode == 1
+    assert "cannot read" in missing.stderr
+    assert "make certs" in missing.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_each_container_holds_only_its_own_key(production: Production) -> None:

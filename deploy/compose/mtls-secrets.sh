@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The files compose.mtls.yaml mounts, from a directory of `make certs`' files (ca.crt,
+# <service>.crt, <service>.key) and an API keys file (JSON: key -> tenant):
+#
+#   deploy/compose/mtls-secrets.sh .hopline/tls api-keys.json [OUT]
+#
+# OUT (default deploy/compose/secrets) gets a folder per service holding only that
+# service's tls.crt, tls.key and ca.crt, and api-keys/keys.json: root-owned, group 10001
+# (the image's user), mode 0440, so each container reads its own key and nothing else does,
+# as a Kubernetes Secret mounted with defaultMode 0440 under fsGroup 10001. Run as root (the
+# group change needs it). For anything beyond trying it out, issue the certificates from
+# your own CA; each must name its service (DNS name or common name).
+set -euo pipefail
+certs=$1
+keys=$2
+out=${3:-"$(dirname "$0")/secrets"}
+group=10001
+if [ "$(id -u)" -ne 0 ]; then
+  echo "run as root: the files must belong to group $group (the image's user)" >&2
+  exit 1
+fi
+for file in "$certs/ca.crt" "$keys"; do
+  [ -r "$file" ] || { echo "cannot read $file (make certs writes a CA and certificates)" >&2; exit 1; }
+done
+
+place() {  # place FOLDER NAME=SOURCE...
+  local folder=$1
+  shift
+  install -d -m 0750 -o 0 -g "$group" "$folder"
+  for pair in "$@"; do
+    install -m 0440 -o 0 -g "$group" "${pair#*=}" "$folder/${pair%%=*}"
+  done
+}
+
+for service in gateway tokenizer cache inference postprocess; do
+  for part in crt key; do
+    [ -r "$certs/$service.$part" ] || { echo "cannot read $certs/$service.$part" >&2; exit 1; }
+  done
+  place "$out/$service" tls.crt="$certs/$service.crt" tls.key="$certs/$service.key" \
+    ca.crt="$certs/ca.crt"
+done
+place "$out/api-keys" keys.json="$keys"
+echo "secrets in $out"
