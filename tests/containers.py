@@ -14,9 +14,13 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 
+import grpc
 import pytest
 
 from harness import SERVING, health
+from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.runtime.service_table import SERVICES
 
 IMAGE = os.environ.get("HOPLINE_IMAGE", "localhost/hopline:0.1.0")
@@ -96,3 +100,27 @@ def stop_cleanly(container: str, service: str) -> None:
     podman("stop", "-t", "30", container)
     code = podman("inspect", "-f", "{{.State.ExitCode}}", container)
     assert code == "0", f"{service} exited {code}: {logs(container, 20)}"
+
+
+def stored(
+    cache: grpc.Channel, reply: gateway_pb2.PredictResponse, text: str, timeout_s: float = 30
+) -> cache_pb2.LookupResponse:
+    """The cache's own exact entry for the answer `reply` gave to `text`, under the scope the
+    gateway files it in (gateway/call.py:PredictCall.new), once the gateway's store (sent
+    after the reply) has landed. A repeat through the gateway cannot show this: its local
+    tier answers a repeat from the moment it schedules the store."""
+    scope = common_pb2.Scope(
+        tenant=reply.tenant,
+        model=reply.model,
+        model_version=reply.model_version,
+        parameters={"top_k": "1"},
+    )
+    lookup = cache_pb2.LookupRequest(scope=scope, text=text, mode="exact")
+    stub = cache_pb2_grpc.CacheServiceStub(cache)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found: cache_pb2.LookupResponse = stub.Lookup(lookup, timeout=timeout_s)
+        if found.outcome == common_pb2.CACHE_OUTCOME_EXACT:
+            return found
+        assert time.monotonic() < deadline, "the gateway's store never reached the cache"
+        time.sleep(0.1)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import stat
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,11 +33,11 @@ from containers import (
     require_image,
     start,
     stop_cleanly,
+    stored,
     wait_serving,
 )
 from harness import SERVING, free_port, health
 from hopline.cli.certs import ROLES, make_certs
-from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime.service_table import SERVICES, ServiceName
@@ -174,25 +173,6 @@ def predict(production: Production, key: str | None) -> gateway_pb2.PredictRespo
         return reply
 
 
-def cache_lookup(
-    production: Production, reply: gateway_pb2.PredictResponse
-) -> cache_pb2.LookupResponse:
-    """The cache container asked directly, as an operator over mTLS, for `reply`'s answer
-    under the scope the gateway files acme's answers in (gateway/call.py:PredictCall.new)."""
-    scope = common_pb2.Scope(
-        tenant="acme",
-        model=reply.model,
-        model_version=reply.model_version,
-        parameters={"top_k": "1"},
-    )
-    operator = as_role(production.certs, OPERATOR, ServiceName.CACHE)
-    with channel(production.addrs[ServiceName.CACHE], operator) as chan:
-        found: cache_pb2.LookupResponse = cache_pb2_grpc.CacheServiceStub(chan).Lookup(
-            cache_pb2.LookupRequest(scope=scope, text=TEXT, mode="exact"), timeout=30
-        )
-        return found
-
-
 def test_the_front_door_answers_over_tls_with_a_key_and_the_cache_over_mtls(
     production: Production,
 ) -> None:
@@ -203,12 +183,10 @@ def test_the_front_door_answers_over_tls_with_a_key_and_the_cache_over_mtls(
     assert first.prediction.label
     assert first.cache.outcome == common_pb2.CACHE_OUTCOME_MISS  # tokenizer, model, postprocess
     assert first.tenant == "acme"
-    # The gateway stores its answer in the cache container after the reply, over mTLS.
-    deadline = time.monotonic() + 30
-    while (stored := cache_lookup(production, first)).outcome != common_pb2.CACHE_OUTCOME_EXACT:
-        assert time.monotonic() < deadline, "the answer never reached the cache container"
-        time.sleep(0.1)
-    assert stored.prediction.label == first.prediction.label
+    # The gateway's store reached the cache container over mTLS: asked there as an operator.
+    operator = as_role(production.certs, OPERATOR, ServiceName.CACHE)
+    with channel(production.addrs[ServiceName.CACHE], operator) as to_cache:
+        assert stored(to_cache, first, TEXT).prediction.label == first.prediction.label
     again = predict(production, API_KEY)
     assert again.cache.outcome == common_pb2.CACHE_OUTCOME_EXACT
     assert again.prediction.label == first.prediction.label

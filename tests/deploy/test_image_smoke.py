@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -27,10 +26,10 @@ from containers import (
     require_image,
     start,
     stop_cleanly,
+    stored,
     wait_serving,
 )
 from harness import SERVING, free_port, health
-from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime.service_table import SERVICES, ServiceName
@@ -75,22 +74,8 @@ def test_a_mesh_of_containers_answers_a_predict(containers: dict[str, str]) -> N
         first = stub.Predict(gateway_pb2.PredictRequest(text=text), timeout=60)
         assert first.prediction.label
         assert first.cache.outcome == common_pb2.CACHE_OUTCOME_MISS
-        # The store reaches the cache container after the reply (a repeat alone could be
-        # answered by the gateway's own local tier): ask the cache directly.
-        scope = common_pb2.Scope(
-            tenant=first.tenant,
-            model=first.model,
-            model_version=first.model_version,
-            parameters={"top_k": "1"},
-        )
-        lookup = cache_pb2.LookupRequest(scope=scope, text=text, mode="exact")
         with grpc.insecure_channel(containers[ServiceName.CACHE]) as to_cache:
-            cache = cache_pb2_grpc.CacheServiceStub(to_cache)
-            deadline = time.monotonic() + 30
-            while (stored := cache.Lookup(lookup, timeout=30)).outcome != EXACT:
-                assert time.monotonic() < deadline, "the store never reached the cache container"
-                time.sleep(0.1)
-        assert stored.prediction.label == first.prediction.label
+            assert stored(to_cache, first, text).prediction.label == first.prediction.label
         again = stub.Predict(gateway_pb2.PredictRequest(text=text), timeout=60)
         assert again.cache.outcome == EXACT
         assert again.prediction.label == first.prediction.label
