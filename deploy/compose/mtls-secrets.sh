@@ -19,9 +19,8 @@ if [ "$(id -u)" -ne 0 ]; then
   echo "run as root: the files must belong to group $group (the image's user)" >&2
   exit 1
 fi
-for file in "$certs/ca.crt" "$keys"; do
-  [ -r "$file" ] || { echo "cannot read $file (make certs writes a CA and certificates)" >&2; exit 1; }
-done
+[ -r "$certs/ca.crt" ] || { echo "cannot read $certs/ca.crt (make certs writes a CA and certificates)" >&2; exit 1; }
+[ -r "$keys" ] || { echo "cannot read $keys (the API keys: JSON, key -> tenant)" >&2; exit 1; }
 
 place() {  # place FOLDER NAME=SOURCE...
   local folder=$1
