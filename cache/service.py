@@ -35,17 +35,11 @@ from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
 from hopline.cache.lookup import CacheLookup
 from hopline.cache.milvus_lite import is_local
+from hopline.cache.milvus_rows import MAX_TEXT_BYTES, row_problem
+from hopline.cache.milvus_store import MilvusStore
 from hopline.cache.semantic_search import SemanticSearch
 from hopline.cache.shared_invalidations import SharedInvalidations, follow
-from hopline.cache.store import (
-    MAX_TEXT_BYTES,
-    CacheStore,
-    CacheStoreError,
-    Entry,
-    MilvusStore,
-    ScopeFilter,
-    row_problem,
-)
+from hopline.cache.store import CacheStore, CacheStoreError, Entry, ScopeFilter
 from hopline.cache.tombstones import Tombstones
 from hopline.cache.vector_index import (
     VectorIndex,

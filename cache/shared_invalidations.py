@@ -33,7 +33,8 @@ from typing import Any
 
 import grpc
 
-from hopline.cache.store import CONSISTENCY, CacheStoreError, _quiet_imports, _reason
+from hopline.cache.milvus_store import CONSISTENCY, milvus_reason, quiet_pymilvus
+from hopline.cache.store import CacheStoreError
 from hopline.protos.hopline.cache.v1 import cache_pb2
 
 log = logging.getLogger("hopline.cache.shared_invalidations")
@@ -57,7 +58,7 @@ class SharedInvalidations:
         self.origin = uuid.uuid4().hex
         self._seen: dict[str, float] = {}  # event id -> its stamp, pruned below the window
         self._newest = time.time()  # only events from now on: the index was just rebuilt
-        pymilvus = _quiet_imports()
+        pymilvus = quiet_pymilvus()
         self._exc: type[Exception] = pymilvus.MilvusException
         try:
             self._client = pymilvus.MilvusClient(uri, timeout=timeout_s)
@@ -65,7 +66,7 @@ class SharedInvalidations:
                 self._create(pymilvus)
             self._client.load_collection(self.collection, timeout=timeout_s * 6)
         except (self._exc, grpc.RpcError) as exc:
-            raise CacheStoreError(f"Milvus at {uri}: {_reason(exc)}") from exc
+            raise CacheStoreError(f"Milvus at {uri}: {milvus_reason(exc)}") from exc
 
     def _create(self, pymilvus: Any) -> None:
         dt = pymilvus.DataType
@@ -146,7 +147,7 @@ class SharedInvalidations:
         try:
             return fn(*args, timeout=self.timeout_s, **kwargs)
         except (self._exc, grpc.RpcError) as exc:
-            raise CacheStoreError(f"Milvus at {self.uri}: {_reason(exc)}") from exc
+            raise CacheStoreError(f"Milvus at {self.uri}: {milvus_reason(exc)}") from exc
 
 
 def _split(

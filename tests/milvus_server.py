@@ -24,7 +24,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from hopline.cache.store import _quiet_imports
+from hopline.cache.milvus_store import quiet_pymilvus
 from hopline.runtime import grpc_io
 from hopline.runtime.ports import free_ports
 
@@ -148,7 +148,7 @@ class MilvusServer:
 
     def _wait_ready(self, timeout_s: float) -> None:
         """Ready when pymilvus can list collections: the port alone opens before that."""
-        MilvusClient = _quiet_imports().MilvusClient
+        MilvusClient = quiet_pymilvus().MilvusClient
 
         deadline = time.monotonic() + timeout_s
         last = ""

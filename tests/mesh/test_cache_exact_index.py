@@ -15,8 +15,9 @@ from pathlib import Path
 from cache_service import cache, lookup, run, scope, store, written
 
 from hopline.cache.config import ExactFallback
+from hopline.cache.milvus_store import MilvusStore
 from hopline.cache.service import CacheService
-from hopline.cache.store import CacheStoreError, MilvusStore
+from hopline.cache.store import CacheStoreError
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 

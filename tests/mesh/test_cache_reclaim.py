@@ -26,7 +26,9 @@ from cache_service import cache, lookup, store, written
 
 from hopline.cache.entry_bounds import HEADROOM
 from hopline.cache.generations import generation_name
-from hopline.cache.store import RECLAIM_MIN_DEAD, Entry, MilvusStore, ScopeFilter, Vector, _row
+from hopline.cache.milvus_rows import to_row
+from hopline.cache.milvus_store import RECLAIM_MIN_DEAD, MilvusStore
+from hopline.cache.store import Entry, ScopeFilter, Vector
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 
@@ -189,7 +191,7 @@ def test_an_unfinished_reclaim_is_dropped_and_a_finished_one_kept(tmp_path: Path
         s._create(generation_name(BASE, 1))
         assert s._client is not None
         s._client.load_collection(generation_name(BASE, 1))
-        finished = [_row(entry(i), vector(i)) for i in range(0, 50)]
+        finished = [to_row(entry(i), vector(i)) for i in range(0, 50)]
         s._client.insert(generation_name(BASE, 1), finished)
         s._client.drop_collection(BASE)  # and its commit
     with opened(db) as s:

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hopline.cache.store import Entry, MilvusStore, Vector
+from hopline.cache.milvus_store import MilvusStore
+from hopline.cache.store import Entry, Vector
 
 DIM = 4
 WINDOW = 16_384  # Milvus's and milvus-lite's most rows for one query

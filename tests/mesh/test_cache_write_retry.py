@@ -19,8 +19,9 @@ import pytest
 from cache_service import cache, lookup, run, scope, store, written
 
 from hopline.cache import writer as writer_module
+from hopline.cache.milvus_store import MilvusStore
 from hopline.cache.service import CacheService
-from hopline.cache.store import CacheStoreError, Entry, MilvusStore
+from hopline.cache.store import CacheStoreError, Entry
 from hopline.cache.writer import MAX_WRITE_ATTEMPTS, WRITE_ROWS
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2

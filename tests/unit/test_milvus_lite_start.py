@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hopline.cache.store import CacheStoreError, MilvusStore
+from hopline.cache.milvus_store import MilvusStore
+from hopline.cache.store import CacheStoreError
 from hopline.runtime import grpc_io
 
 

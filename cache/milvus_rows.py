@@ -1,0 +1,102 @@
+"""A cache entry as a row of its Milvus collection, and back: the one place that knows the
+collection's fields and how long Milvus lets each be.
+
+Filters compare only hex digests and numbers: no tenant or model name is ever spliced into an
+expression, and a key reaches one only as the SHA-256 hex digest `entry_id` lets through.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+
+from hopline.cache.keys import digest, scope_digest
+from hopline.cache.store import Entry, Scope, Vector
+
+MAX_TEXT_BYTES = 65_535  # Milvus VARCHAR limit, in bytes
+SCOPE_NAME_MAX = 256  # bytes of a tenant, model or version name the collection holds
+SCALARS = (
+    "scope_key",
+    "tenant_key",
+    "model_key",
+    "version_key",
+    "tenant",
+    "model",
+    "model_version",
+    "params",
+    "text",
+    "response",
+    "created_at",
+    "expires_at",
+)
+
+
+def entry_id(key: str) -> str:
+    # Keys are our own SHA-256 digests; anything else must never reach a filter expression.
+    if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+        raise ValueError(f"not a cache entry id: {key[:80]!r}")
+    return key
+
+
+def deleted_count(result: Any) -> int:
+    # pymilvus returns {"delete_count": n} from a server and a list of ids from milvus-lite.
+    if isinstance(result, dict):
+        return int(result.get("delete_count", 0))
+    return len(result)
+
+
+def row_problem(scope: Scope, text: str, response: bytes) -> str:
+    """Why the collection cannot hold a row of these fields ('' when it can): Milvus refuses a
+    VARCHAR over its field's length, and with it every row of the write that carried it."""
+    for field, value in zip(("tenant", "model", "model_version"), scope[:3], strict=True):
+        if len(value.encode("utf-8")) > SCOPE_NAME_MAX:
+            return f"scope {field} is over {SCOPE_NAME_MAX} bytes"
+    if len(scope[3].encode("utf-8")) > MAX_TEXT_BYTES:
+        return f"scope parameters are over {MAX_TEXT_BYTES} bytes"
+    if len(text.encode("utf-8")) > MAX_TEXT_BYTES:
+        return f"text is over {MAX_TEXT_BYTES} bytes"
+    if len(base64.b64encode(response)) > MAX_TEXT_BYTES:
+        return f"the prediction is over {MAX_TEXT_BYTES * 3 // 4} bytes serialised"
+    return ""
+
+
+def to_row(entry: Entry, vector: Vector) -> dict[str, Any]:
+    tenant, model, version, params = entry.scope
+    if problem := row_problem(entry.scope, entry.text, entry.response):
+        raise ValueError(problem)
+    response = base64.b64encode(entry.response).decode("ascii")
+    return {
+        "id": entry_id(entry.key),
+        "vector": vector.astype(np.float32).tolist(),
+        "scope_key": scope_digest(entry.scope),
+        "tenant_key": digest("tenant", tenant),
+        "model_key": digest("model", model),
+        "version_key": digest("version", model, version),
+        "tenant": tenant,
+        "model": model,
+        "model_version": version,
+        "params": params,
+        "text": entry.text,
+        "response": response,
+        "created_at": entry.created_at,
+        "expires_at": entry.expires_at,
+    }
+
+
+def from_hit(hit: Any) -> tuple[Entry, float]:
+    row = dict(hit["entity"])
+    row["id"] = hit["id"]
+    return from_row(row), float(hit["distance"])
+
+
+def from_row(row: dict[str, Any]) -> Entry:
+    return Entry(
+        key=str(row["id"]),
+        scope=(row["tenant"], row["model"], row["model_version"], row["params"]),
+        text=row["text"],
+        response=base64.b64decode(row["response"]),
+        created_at=float(row["created_at"]),
+        expires_at=float(row["expires_at"]),
+    )

@@ -1,0 +1,469 @@
+"""MilvusStore: the cache's entries in one Milvus collection per embedding model.
+
+A file path runs embedded milvus-lite, an http(s) URI a Milvus standalone or cluster. Calls
+block (pymilvus is synchronous); the servicer runs them on its own threads. What a row holds
+is cache/milvus_rows.py's; the generations a milvus-lite reclaim copies into,
+cache/generations.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import json
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from hopline.cache import milvus_lite as lite
+from hopline.cache.generations import (
+    CATCH_UP_ROUNDS,
+    HELD_REPLAY_MAX,
+    RECLAIM_PAGE,
+    Gate,
+    Reclaimed,
+    Write,
+    current_and_abandoned,
+    generation_name,
+    generation_of,
+)
+from hopline.cache.keys import scope_digest
+from hopline.cache.milvus_lite import is_local
+from hopline.cache.milvus_rows import (
+    MAX_TEXT_BYTES,
+    SCALARS,
+    SCOPE_NAME_MAX,
+    deleted_count,
+    entry_id,
+    from_hit,
+    from_row,
+    to_row,
+)
+from hopline.cache.store import (
+    LIVE_PAGE,
+    CacheStoreError,
+    Entry,
+    LookupConsistency,
+    Scope,
+    ScopeFilter,
+    Vector,
+)
+
+log = logging.getLogger("hopline.cache.milvus_store")
+
+# Reads off the request path see every acknowledged write: eviction must count what is really
+# there, a store must know which keys exist. Lookups choose (LookupConsistency).
+CONSISTENCY = "Strong"
+RECLAIM_MIN_DEAD = 1000  # below this many deleted rows a reclaim is not worth its copy
+# Rows per page of the scan for a scope's oldest (two short fields a row): on 94,500 rows in
+# milvus-lite 1.0-1.1 s in pages of 2,000, 0.36-0.38 s in pages of 16,000.
+AGES_PAGE = 16_000
+T = TypeVar("T")
+
+
+def quiet_pymilvus() -> Any:
+    # milvus-lite 2.5 imports pkg_resources, which warns on import; the warning is about
+    # milvus-lite's packaging, not about anything hopline can act on.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import pymilvus
+
+        with contextlib.suppress(ImportError):
+            import milvus_lite  # noqa: F401
+    return pymilvus
+
+
+def milvus_reason(exc: BaseException) -> str:
+    """What pymilvus or gRPC said, on one line and at most 300 characters."""
+    message = getattr(exc, "message", None) or str(exc)
+    return " ".join(str(message).split())[:300]
+
+
+class MilvusStore:
+    def __init__(
+        self,
+        uri: str,
+        collection: str,
+        dim: int,
+        *,
+        index_type: str = "AUTOINDEX",
+        timeout_s: float = 5.0,
+        reclaim_ratio: float = 0.0,
+        lookup_consistency: LookupConsistency = LookupConsistency.STRONG,
+        start_timeout_s: float = lite.START_TIMEOUT_S,
+    ) -> None:
+        self.uri = uri
+        self.start_timeout_s = start_timeout_s  # milvus-lite's server start, by file only
+        self.lookup_level = lookup_consistency.milvus_level
+        self.base = collection
+        self.collection = collection  # the generation in use (cache/generations.py)
+        self.dim = dim
+        self.timeout_s = timeout_s
+        self.index_type = index_type
+        # milvus-lite only: reclaim once deleted rows reach this many times the live ones.
+        self.reclaim_ratio = reclaim_ratio
+        self._gate = Gate()
+        self._dead = 0  # rows deleted or replaced since this generation was opened
+        self._dead_lock = threading.Lock()
+        pymilvus = quiet_pymilvus()
+        self._pymilvus = pymilvus
+        # pymilvus logs to its own stderr handler; route it through the service's logs.
+        pymilvus_log = logging.getLogger("pymilvus")
+        pymilvus_log.handlers.clear()
+        pymilvus_log.propagate = True
+        self._exc: type[Exception] = pymilvus.MilvusException
+        self._client = self._connect(pymilvus)
+        try:
+            self.collection = self._open_generation()
+            if self._client.has_collection(self.collection, timeout=timeout_s):
+                self._validate()
+            else:
+                self._create(self.collection)
+            self._client.load_collection(self.collection, timeout=timeout_s * 6)
+        except (self._exc, grpc.RpcError) as exc:
+            self.close()
+            raise CacheStoreError(f"Milvus at {uri}: {milvus_reason(exc)}") from exc
+
+    def _connect(self, pymilvus: Any) -> Any:
+        if not is_local(self.uri):
+            try:
+                return pymilvus.MilvusClient(self.uri, timeout=self.timeout_s)
+            except Exception as exc:  # pymilvus raises many kinds here
+                hint = f"no Milvus answered within {self.timeout_s:g}s (HOPLINE_CACHE_URI)"
+                raise CacheStoreError(
+                    f"cannot open Milvus at {self.uri}: {hint} ({milvus_reason(exc)})"
+                ) from exc
+        path = Path(self.uri)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            lite.check_database_file(path)
+        except lite.NotADatabase as exc:
+            raise CacheStoreError(str(exc)) from exc
+        lite.quiet_iterator_timestamps()
+        try:
+            return lite.connect(pymilvus, self.uri, self.timeout_s, self.start_timeout_s)
+        except lite.StartFailed as exc:
+            raise CacheStoreError(f"cannot open Milvus at {self.uri}: {exc}") from exc
+
+    def _open_generation(self) -> str:
+        """The lowest generation present; copies above it are unfinished reclaims: dropped."""
+        names = self._client.list_collections(timeout=self.timeout_s)
+        current, abandoned = current_and_abandoned(self.base, names)
+        for name in abandoned:
+            log.warning(
+                "dropping an unfinished reclaim copy", extra={"collection": name, "uri": self.uri}
+            )
+            self._client.drop_collection(name, timeout=self.timeout_s)
+        return current
+
+    def _create(self, collection: str) -> None:
+        dt = self._pymilvus.DataType
+        schema = self._pymilvus.MilvusClient.create_schema(
+            auto_id=False, enable_dynamic_field=False
+        )
+        schema.add_field("id", dt.VARCHAR, is_primary=True, max_length=64)
+        schema.add_field("vector", dt.FLOAT_VECTOR, dim=self.dim)
+        for name in ("scope_key", "tenant_key", "model_key", "version_key"):
+            schema.add_field(name, dt.VARCHAR, max_length=64)
+        for name in ("tenant", "model", "model_version"):
+            schema.add_field(name, dt.VARCHAR, max_length=SCOPE_NAME_MAX)
+        for name in ("params", "text", "response"):
+            schema.add_field(name, dt.VARCHAR, max_length=MAX_TEXT_BYTES)
+        schema.add_field("created_at", dt.DOUBLE)
+        schema.add_field("expires_at", dt.DOUBLE)
+        index = self._client.prepare_index_params()
+        index.add_index(field_name="vector", index_type=self.index_type, metric_type="COSINE")
+        self._client.create_collection(
+            collection,
+            schema=schema,
+            index_params=index,
+            consistency_level=CONSISTENCY,
+            timeout=self.timeout_s * 6,
+        )
+        log.info(
+            "created cache collection",
+            extra={"collection": collection, "uri": self.uri, "index": self.index_type},
+        )
+
+    def _validate(self) -> None:
+        """Refuse a collection whose vectors cannot be compared with ours."""
+        desc = self._client.describe_collection(self.collection, timeout=self.timeout_s)
+        fields = {f["name"]: f for f in desc["fields"]}
+        missing = [n for n in ("id", "vector", *SCALARS) if n not in fields]
+        where = f"collection {self.collection!r} at {self.uri}"
+        if missing:
+            raise CacheStoreError(
+                f"{where} lacks fields {missing}: it was not written by this hopline version; "
+                "use another HOPLINE_CACHE_URI or drop the collection"
+            )
+        dim = int(fields["vector"].get("params", {}).get("dim", -1))
+        if dim != self.dim:
+            raise CacheStoreError(
+                f"{where} holds {dim}-d vectors but the embedder makes {self.dim}-d ones; "
+                "use another HOPLINE_CACHE_URI or drop the collection"
+            )
+        metric = self._client.describe_index(self.collection, "vector", timeout=self.timeout_s).get(
+            "metric_type"
+        )
+        if metric != "COSINE":
+            raise CacheStoreError(f"{where} is indexed with metric {metric}; hopline needs COSINE")
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def get(self, key: str, now: float) -> Entry | None:
+        rows = self._call(
+            "query",
+            filter=f'id == "{entry_id(key)}" and expires_at > {now!r}',
+            output_fields=["id", *SCALARS],
+            consistency_level=self.lookup_level,
+        )
+        return from_row(rows[0]) if rows else None
+
+    def live(self, now: float, page: int = LIVE_PAGE) -> list[Entry]:
+        """Every live entry's scalar fields (no vectors), in pages: the exact index's rebuild."""
+        return self._scan(f"expires_at > {now!r}", ["id", *SCALARS], from_row, page)
+
+    def vectors_of(self, scope: Scope, now: float) -> list[tuple[str, Vector]]:
+        return self._scan(
+            f'scope_key == "{scope_digest(scope)}" and expires_at > {now!r}',
+            ["id", "vector"],
+            lambda row: (str(row["id"]), np.asarray(row["vector"], dtype=np.float32)),
+        )
+
+    def _scan(
+        self,
+        expression: str,
+        fields: list[str],
+        each: Callable[[dict[str, Any]], T],
+        page: int = LIVE_PAGE,
+    ) -> list[T]:
+        """`each` of every row matching `expression`, read in pages: a plain query returns at
+        most 16,384 rows (Milvus's result window, milvus-lite's too), whatever it matches."""
+        found: list[T] = []
+        with self._gate.call():
+            if self._client is None:
+                raise CacheStoreError("the cache store is closed")
+            try:
+                pages = self._client.query_iterator(
+                    self.collection,
+                    batch_size=page,
+                    filter=expression,
+                    output_fields=fields,
+                    consistency_level=CONSISTENCY,
+                    timeout=self.timeout_s,
+                )
+                try:
+                    while rows := pages.next():
+                        found.extend(each(row) for row in rows)
+                finally:
+                    pages.close()
+            except (self._exc, grpc.RpcError) as exc:
+                raise CacheStoreError(f"Milvus at {self.uri}: {milvus_reason(exc)}") from exc
+        return found
+
+    def search(
+        self, vectors: Sequence[Vector], scope: Scope, now: float, limit: int
+    ) -> list[list[tuple[Entry, float]]]:
+        hits = self._call(
+            "search",
+            data=[v.astype(np.float32).tolist() for v in vectors],
+            limit=limit,
+            filter=f'scope_key == "{scope_digest(scope)}" and expires_at > {now!r}',
+            output_fields=list(SCALARS),
+            search_params={"metric_type": "COSINE"},
+            consistency_level=self.lookup_level,
+        )
+        return [[from_hit(hit) for hit in per_query] for per_query in hits]
+
+    def count(self, tenant: str = "", model: str = "") -> int:
+        expression = ScopeFilter(tenant, model).expression()
+        rows = self._call(
+            "query",
+            filter=expression,
+            output_fields=["count(*)"],
+            consistency_level=CONSISTENCY,
+        )
+        return int(rows[0]["count(*)"])
+
+    def oldest(self, tenant: str, model: str, n: int) -> list[str]:
+        expression = ScopeFilter(tenant, model).expression()
+        ages = self._scan(
+            expression, ["id", "created_at"], lambda r: (r["created_at"], r["id"]), AGES_PAGE
+        )
+        return [str(key) for _, key in heapq.nsmallest(n, ages)]
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def upsert(self, rows: Sequence[tuple[Entry, Vector]]) -> None:
+        """Insert new keys, replace existing ones.
+
+        Most stores follow a miss, so their keys are new. milvus-lite 2.5.1 pays about 30 ms
+        for any upsert (a delete by key, then an insert) against 3 ms for an insert, and
+        searches stall behind it (bench: lookup p50 6.7 -> 30 ms with a store per lookup):
+        one key query sorts the batch, and only keys already present take the upsert.
+        Two cache replicas on one Milvus server racing to insert the same new key can leave
+        a duplicate row; it holds the same scope, text and answer, and a delete by key or
+        scope removes both.
+        """
+        if rows:
+            records = [to_row(e, v) for e, v in rows]
+            self._write(lambda name: self._upsert_into(name, records))
+
+    def _upsert_into(self, collection: str, records: list[dict[str, Any]]) -> int:
+        """Returns the rows replaced: each leaves a deleted row behind in milvus-lite."""
+        present = self._client.query(
+            collection,
+            filter=f"id in {json.dumps([r['id'] for r in records])}",
+            output_fields=["id"],
+            consistency_level=CONSISTENCY,
+            timeout=self.timeout_s,
+        )
+        existing = {str(r["id"]) for r in present}
+        fresh = [r for r in records if r["id"] not in existing]
+        known = [r for r in records if r["id"] in existing]
+        if fresh:
+            self._client.insert(collection, fresh, timeout=self.timeout_s)
+        if known:
+            self._client.upsert(collection, known, timeout=self.timeout_s)
+        return len(known)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        ids = [entry_id(k) for k in keys]
+        return self._write(lambda name: self._delete_from(name, ids=ids))
+
+    def delete_scope(self, scope: ScopeFilter) -> int:
+        if scope.is_empty():
+            raise ValueError("refusing to delete every tenant's entries")
+        expression = scope.expression()
+        return self._write(lambda name: self._delete_from(name, filter=expression))
+
+    def expire(self, now: float) -> int:
+        expression = f"expires_at <= {now!r}"
+        return self._write(lambda name: self._delete_from(name, filter=expression))
+
+    def _delete_from(self, collection: str, **which: Any) -> int:
+        return deleted_count(self._client.delete(collection, timeout=self.timeout_s, **which))
+
+    def _write(self, write: Write) -> int:
+        """Applies `write` to the generation in use; during a reclaim, also records it."""
+        with self._gate.call():
+            if self._client is None:
+                raise CacheStoreError("the cache store is closed")
+            try:
+                removed = write(self.collection)
+            except (self._exc, grpc.RpcError) as exc:
+                raise CacheStoreError(f"Milvus at {self.uri}: {milvus_reason(exc)}") from exc
+            self._gate.record(write)
+            with self._dead_lock:
+                self._dead += removed
+            return removed
+
+    # -- reclaiming milvus-lite's memory (cache/generations.py) ---------------------------
+
+    def reclaim(self, now: float) -> Reclaimed | None:
+        """Copies the live rows to the next generation once the deleted rows milvus-lite still
+        holds reach `reclaim_ratio` times the live ones (and RECLAIM_MIN_DEAD); None otherwise.
+
+        Lookups and writes go on during the copy, against the old generation; the writes are
+        recorded and applied to the copy, and only those of the last moment are applied while
+        calls wait. A Milvus server compacts by itself: this is for milvus-lite only.
+        """
+        if not self.reclaim_ratio or not is_local(self.uri) or self._client is None:
+            return None
+        if self._dead < RECLAIM_MIN_DEAD or self._dead < self.reclaim_ratio * self.count():
+            return None
+        started = time.perf_counter()
+        old = self.collection
+        new = generation_name(self.base, (generation_of(self.base, old) or 0) + 1)
+        freed = self._dead
+        try:
+            if self._client.has_collection(new, timeout=self.timeout_s):
+                self._client.drop_collection(new, timeout=self.timeout_s)
+            self._create(new)
+            self._client.load_collection(new, timeout=self.timeout_s * 6)
+            self._gate.open_journal()
+            copied = self._copy_live(old, new, now)
+            replayed = self._catch_up(new)
+            with self._gate.held():
+                switch_started = time.perf_counter()
+                replayed += self._replay(self._gate.close_journal(), new)
+                self._client.drop_collection(old, timeout=self.timeout_s)  # the commit
+                self.collection = new
+                with self._dead_lock:
+                    self._dead = 0
+                switch_ms = (time.perf_counter() - switch_started) * 1e3
+        except (self._exc, grpc.RpcError, CacheStoreError) as exc:
+            with self._gate.held():
+                self._gate.close_journal()
+            if self.collection == old and self._client is not None:
+                with contextlib.suppress(Exception):  # the next open drops it anyway
+                    self._client.drop_collection(new, timeout=self.timeout_s)
+            raise CacheStoreError(f"reclaiming {old} at {self.uri}: {milvus_reason(exc)}") from exc
+        return Reclaimed(new, copied, freed, replayed, time.perf_counter() - started, switch_ms)
+
+    def _copy_live(self, source: str, target: str, now: float) -> int:
+        pages = self._client.query_iterator(
+            source,
+            batch_size=RECLAIM_PAGE,
+            filter=f"expires_at > {now!r}",
+            output_fields=["id", "vector", *SCALARS],
+            consistency_level=CONSISTENCY,
+            timeout=self.timeout_s,
+        )
+        copied = 0
+        try:
+            while rows := pages.next():
+                self._client.insert(target, rows, timeout=self.timeout_s)
+                copied += len(rows)
+        finally:
+            pages.close()
+        return copied
+
+    def _catch_up(self, target: str) -> int:
+        """Replays the recorded writes while calls go on, round after round while new ones
+        keep arriving, so that the switch, which holds every call, has only a few left."""
+        replayed = 0
+        for _ in range(CATCH_UP_ROUNDS):
+            writes = self._gate.take_journal()
+            replayed += self._replay(writes, target)
+            if len(writes) <= HELD_REPLAY_MAX:
+                break
+        return replayed
+
+    def _replay(self, writes: list[Write], target: str) -> int:
+        for write in writes:
+            write(target)
+        return len(writes)
+
+    def close(self) -> None:
+        client, self._client = getattr(self, "_client", None), None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a broken client must not mask the cause
+                log.debug("closing the Milvus client failed", exc_info=True)
+            if is_local(self.uri):
+                lite.stop_server(Path(self.uri))
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The client's `method(<generation in use>, *args, ...)`; a reclaim's switch waits."""
+        with self._gate.call():
+            if self._client is None:
+                raise CacheStoreError("the cache store is closed")
+            try:
+                fn = getattr(self._client, method)
+                return fn(self.collection, *args, timeout=self.timeout_s, **kwargs)
+            except (self._exc, grpc.RpcError) as exc:
+                # A stalled server surfaces as a bare gRPC DEADLINE_EXCEEDED, not a
+                # MilvusException.
+                raise CacheStoreError(f"Milvus at {self.uri}: {milvus_reason(exc)}") from exc
