@@ -5,9 +5,8 @@ same-answer or different-answer. At threshold t a pair is a hit when its cosine 
 false-hit rate is the share of hits that carry a different answer, the definition the cache's
 evaluation uses. `calibrate` picks the lowest threshold whose false-hit rate meets the target
 there and at every higher threshold, with at least `min_hits` hits under it.
-`calibrate_checked` adds what the command reports: the same rule cross-validated (chosen on
-k-1 folds, measured on the fold it did not see), acceptance only when the held-out rate meets
-the target, and, when it refuses, how many more pairs the evidence rule needs.
+The same rule out of sample is cache/cross_validation.py's; what `hopline cache calibrate`
+decides from both, cache/checked_calibration.py's.
 
 Texts are embedded as the cache service embeds them: `normalise_text(text)`.
 """
@@ -18,7 +17,6 @@ import logging
 import math
 from dataclasses import asdict, dataclass
 from statistics import NormalDist
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -202,7 +200,7 @@ def pairs_needed(curve: Curve, target: float, min_hits: int, confidence: float) 
     return math.ceil(best - 1e-9) if math.isfinite(best) else None
 
 
-def _more_pairs_sentence(needed: int | None, pairs: int, hint: str) -> str:
+def more_pairs_sentence(needed: int | None, pairs: int, hint: str) -> str:
     if needed is None:
         return (
             "more pairs at these rates would not help: wherever the rule could rest, the "
@@ -285,7 +283,7 @@ def calibrate(
             else ""
         )
         raise NoThresholdError(
-            f"{head}{detail}; {_more_pairs_sentence(needed, curve.pairs, hint)}{advice}",
+            f"{head}{detail}; {more_pairs_sentence(needed, curve.pairs, hint)}{advice}",
             curve,
             needed,
         )
@@ -303,293 +301,3 @@ def calibrate(
         confidence=confidence,
         false_hit_bound=float(rates[k]),
     )
-
-
-# --- out of sample: cross-validation and the accept/refuse decision --------------------------
-
-
-def fold_ids(similarities: npt.ArrayLike, same: npt.ArrayLike, folds: int, seed: int) -> Any:
-    """A fold number per pair, stratified by label, the same for a seed.
-
-    Each label's pairs are shuffled (seeded) and dealt out in turn, so every fold holds the
-    same share of different-answer pairs. Not stratified by similarity as well: dealing
-    similarity-ranked pairs in turn gives every fold a copy of the same curve, and the
-    held-out rate then equals the in-sample one by construction, hiding the very noise
-    cross-validation is there to expose.
-    """
-    s = np.asarray(similarities, dtype=np.float64).ravel()
-    y = np.asarray(same, dtype=bool).ravel()
-    rng = np.random.default_rng(seed)
-    ids = np.empty(s.size, dtype=np.int64)
-    start = 0
-    for label in (False, True):
-        index = rng.permutation(np.flatnonzero(y == label))
-        # Continue the deal where the other label stopped, so fold sizes differ by one.
-        ids[index] = (np.arange(index.size) + start) % folds
-        start += index.size
-    return ids
-
-
-@dataclass(frozen=True)
-class Fold:
-    """One fold: the threshold the rule chose without it, and what it did on it."""
-
-    threshold: float | None  # None: the rule refused on the other folds
-    train_hits: int
-    train_false_hits: int
-    pairs: int
-    hits: int
-    false_hits: int
-
-    @property
-    def false_hit_rate(self) -> float:
-        return self.false_hits / self.hits if self.hits else 0.0
-
-
-@dataclass(frozen=True)
-class CrossValidation:
-    folds: tuple[Fold, ...]
-    seed: int
-
-    @property
-    def hits(self) -> int:
-        return sum(f.hits for f in self.folds)
-
-    @property
-    def false_hits(self) -> int:
-        return sum(f.false_hits for f in self.folds)
-
-    @property
-    def pairs(self) -> int:
-        return sum(f.pairs for f in self.folds)
-
-    @property
-    def false_hit_rate(self) -> float:
-        """Pooled over the folds: every pair is held out once."""
-        return self.false_hits / self.hits if self.hits else 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.pairs if self.pairs else 0.0
-
-    @property
-    def train_false_hit_rate(self) -> float:
-        """The same thresholds on the pairs they were chosen on, pooled: the optimism is the
-        gap to the held-out rate."""
-        hits = sum(f.train_hits for f in self.folds)
-        return sum(f.train_false_hits for f in self.folds) / hits if hits else 0.0
-
-    @property
-    def refused(self) -> int:
-        return sum(f.threshold is None for f in self.folds)
-
-
-def cross_validate(
-    similarities: npt.ArrayLike,
-    same: npt.ArrayLike,
-    target: float,
-    min_hits: int,
-    confidence: float,
-    folds: int = 5,
-    seed: int = 0,
-) -> CrossValidation:
-    """The rule run `folds` times, each on all pairs but one fold and measured on that fold.
-
-    A fold whose other pairs give no threshold serves nothing: no hits, no false hits.
-    """
-    if folds < 2:
-        raise ValueError(f"cross-validation needs at least 2 folds, got {folds}")
-    s = np.asarray(similarities, dtype=np.float64).ravel()
-    y = np.asarray(same, dtype=bool).ravel()
-    ids = fold_ids(s, y, folds, seed)
-    out: list[Fold] = []
-    for k in range(folds):
-        test = ids == k
-        try:
-            r = calibrate(s[~test], y[~test], target, min_hits, confidence)
-        except ValueError:  # NoThresholdError, or no same-answer pair left to train on
-            out.append(Fold(None, 0, 0, int(test.sum()), 0, 0))
-            continue
-        hit = test & (s >= r.threshold)
-        out.append(
-            Fold(
-                r.threshold,
-                r.hits,
-                r.false_hits,
-                int(test.sum()),
-                int(hit.sum()),
-                int((hit & ~y).sum()),
-            )
-        )
-    return CrossValidation(tuple(out), seed)
-
-
-# Tried, in order, for a suggestion when the held-out rate misses the target.
-CONFIDENCE_LADDER = (0.8, 0.9, 0.95, 0.975, 0.99, 0.995, 0.999)
-
-
-@dataclass(frozen=True, eq=False)
-class Report:
-    """What `hopline cache calibrate` decided, and the evidence for it."""
-
-    target: float
-    min_hits: int
-    confidence: float
-    evidence_min_hits: int  # default_min_hits(target): what the warnings measure against
-    curve: Curve
-    # The rule's choice on all pairs (None: none meets the rule); accepted or not.
-    candidate: Calibration | None
-    cross_validation: CrossValidation | None
-    accepted: bool
-    refusal: str  # "", "no_threshold" or "held_out"
-    reason: str
-    pairs_needed: int | None  # in all; None: more pairs at these rates would not help
-    warnings: tuple[str, ...]
-    suggested_confidence: float | None = None
-
-    @property
-    def threshold(self) -> float | None:
-        return self.candidate.threshold if self.accepted and self.candidate else None
-
-    @property
-    def more_pairs(self) -> int | None:
-        if self.pairs_needed is None:
-            return None
-        return max(self.pairs_needed - self.curve.pairs, 1)
-
-
-def calibrate_checked(
-    similarities: npt.ArrayLike,
-    same: npt.ArrayLike,
-    target: float,
-    min_hits: int | None = None,
-    confidence: float = 0.9,
-    folds: int = 5,
-    seed: int = 0,
-) -> Report:
-    """Choose on all pairs; accept only if the same rule meets the target out of sample.
-
-    The threshold is chosen on every pair (the most evidence), and the rule that chose it is
-    cross-validated: chosen on k-1 folds, measured on the fold it did not see. The pooled
-    held-out false-hit rate must be <= the target (and rest on at least one hit). Never
-    raises NoThresholdError: a refusal is a Report with `accepted` False and the reason.
-    """
-    evidence = default_min_hits(target)
-    rule_min_hits = evidence if min_hits is None else min_hits
-    warnings: list[str] = []
-    if confidence == 0:
-        warnings.append(
-            "--confidence 0 compares the measured false-hit rate itself, with no margin for "
-            "noise: the lowest threshold that only just meets the target on these pairs "
-            "misses it on about half of new samples"
-        )
-    try:
-        candidate: Calibration | None = calibrate(
-            similarities, same, target, rule_min_hits, confidence
-        )
-    except NoThresholdError as exc:
-        return Report(
-            target,
-            rule_min_hits,
-            confidence,
-            evidence,
-            exc.curve if exc.curve is not None else sweep(similarities, same),
-            None,
-            None,
-            False,
-            "no_threshold",
-            str(exc),
-            exc.pairs_needed,
-            tuple(warnings),
-        )
-    assert candidate is not None
-    if candidate.hits < evidence:
-        warnings.append(
-            f"the threshold rests on {candidate.hits} hits, fewer than the evidence rule's "
-            f"{evidence} (2 / target: two false hits' worth); --min-hits {rule_min_hits} "
-            "allows it"
-        )
-    cv = cross_validate(similarities, same, target, rule_min_hits, confidence, folds, seed)
-    curve = candidate.curve
-    refusal, reason, needed, suggestion = "", "", None, None
-    if cv.refused:
-        # Each fold holds (k-1)/k of the pairs: for every fold to choose, the evidence rule
-        # needs its figure on the whole curve k/(k-1) times over.
-        on_all = pairs_needed(curve, target, rule_min_hits, confidence)
-        fold_need = None if on_all is None else math.ceil(on_all * folds / (folds - 1))
-        if cv.hits == 0:
-            refusal, needed = "held_out", fold_need
-            reason = (
-                f"the threshold {candidate.threshold:.4f} meets a false-hit rate of "
-                f"{target:g} on all {curve.pairs} pairs, but the rule finds none on any "
-                f"{folds - 1} of {folds} folds, so nothing shows it holds on pairs it did not "
-                f"see; {_more_pairs_sentence(fold_need, curve.pairs, '')}"
-            )
-        else:
-            more = (
-                ""
-                if fold_need is None
-                else f" (about {max(fold_need - curve.pairs, 1)} more pairs would let every "
-                "fold choose one)"
-            )
-            warnings.append(
-                f"{cv.refused} of {folds} folds found no threshold on the other folds' pairs: "
-                f"the evidence is marginal{more}"
-            )
-    if not refusal and cv.false_hit_rate > target:
-        refusal = "held_out"
-        suggestion = _suggest_confidence(
-            similarities, same, target, rule_min_hits, confidence, folds, seed
-        )
-        fix = (
-            f"--confidence {suggestion:g} passes"
-            if suggestion is not None
-            else f"no --confidence up to {CONFIDENCE_LADDER[-1]:g} passes"
-        )
-        reason = (
-            f"the threshold {candidate.threshold:.4f} meets a false-hit rate of {target:g} on "
-            f"the pairs it was chosen on ({candidate.false_hit_rate:.4f}), but the same rule "
-            f"misses it on pairs it did not see: held-out false-hit rate "
-            f"{cv.false_hit_rate:.4f} ({cv.false_hits} of {cv.hits} held-out hits wrong, "
-            f"{folds}-fold cross-validation, seed {seed}); the choice is fitted to noise in "
-            "these pairs. More pairs alone do not fix this (the margin the bound leaves and "
-            f"the noise it guards against shrink together); raise --confidence ({fix})"
-        )
-    return Report(
-        target,
-        rule_min_hits,
-        confidence,
-        evidence,
-        curve,
-        candidate,
-        cv,
-        not refusal,
-        refusal,
-        reason,
-        needed,
-        tuple(warnings),
-        suggestion,
-    )
-
-
-def _suggest_confidence(
-    similarities: npt.ArrayLike,
-    same: npt.ArrayLike,
-    target: float,
-    min_hits: int,
-    confidence: float,
-    folds: int,
-    seed: int,
-) -> float | None:
-    """The lowest confidence above `confidence` whose choice passes cross-validation."""
-    for c in CONFIDENCE_LADDER:
-        if c <= confidence:
-            continue
-        try:
-            calibrate(similarities, same, target, min_hits, c)
-        except NoThresholdError:
-            return None  # higher confidences are stricter still
-        cv = cross_validate(similarities, same, target, min_hits, c, folds, seed)
-        if cv.hits and cv.false_hit_rate <= target:
-            return c
-    return None

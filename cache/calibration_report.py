@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from hopline.cache.calibrate import Report, upper_bound
+from hopline.cache.calibrate import upper_bound
+from hopline.cache.checked_calibration import Report
 
 
 def config_threshold(threshold: float, next_lower: float | None) -> str:
@@ -43,7 +44,7 @@ def to_json(report: Report) -> dict[str, Any]:
     cv = report.cross_validation
     doc: dict[str, Any] = {
         "accepted": report.accepted,
-        "refusal": report.refusal or None,
+        "refusal": report.refusal.value if report.refusal else None,
         "reason": report.reason or None,
         "warnings": list(report.warnings),
         "pairs_needed": report.pairs_needed,

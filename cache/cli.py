@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 if TYPE_CHECKING:
-    from hopline.cache.calibrate import CrossValidation
+    from hopline.cache.cross_validation import CrossValidation
     from hopline.cache.embedder import Embedder
 
 Examples = list[tuple[str, str]]
@@ -333,7 +333,7 @@ def _model_labels(
 def _calibrate(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from hopline.cache.calibrate import calibrate_checked, default_min_hits, upper_bound
+    from hopline.cache.calibrate import default_min_hits, upper_bound
     from hopline.cache.calibration_report import (
         config_threshold,
         digits_of,
@@ -341,6 +341,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         plot,
         to_json,
     )
+    from hopline.cache.checked_calibration import calibrate_checked
     from hopline.cache.pairs import pair_similarities, read_pairs
 
     target = args.target_false_hit_rate

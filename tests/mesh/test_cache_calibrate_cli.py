@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import CLINC, check_conservative, false_hit_rate
-from hopline.cache.calibrate import calibrate, calibrate_checked
+from hopline.cache.calibrate import calibrate
+from hopline.cache.checked_calibration import calibrate_checked
 from hopline.cache.embedder import Embedder
 from hopline.cache.pairs import Pair, derive_pairs, read_pairs, write_pairs
 from hopline.model.build import DEFAULT_TRAIN_FILE, default_weights_dir, load_examples

@@ -15,13 +15,7 @@ import numpy.typing as npt
 import pytest
 
 from conftest import check_conservative, false_hit_rate
-from hopline.cache.calibrate import (
-    NoThresholdError,
-    calibrate,
-    calibrate_checked,
-    fold_ids,
-    pairs_needed,
-)
+from hopline.cache.calibrate import NoThresholdError, calibrate, pairs_needed
 from hopline.cache.calibration_report import (
     config_threshold,
     digits_of,
@@ -30,6 +24,8 @@ from hopline.cache.calibration_report import (
     plot_range,
     to_json,
 )
+from hopline.cache.checked_calibration import calibrate_checked
+from hopline.cache.cross_validation import fold_ids
 from hopline.cache.keys import normalise_text
 from hopline.cache.pairs import (
     Pair,
