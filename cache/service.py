@@ -7,7 +7,10 @@ semantic, the MiniLM embedding searched in the scope's live entries (cache/seman
 accepted at the model's threshold.
 Store: the entry is visible to the exact tier at once (a pending buffer) and written to
 Milvus in batches by one writer task, which also enforces each (tenant, model)'s entry
-bound, oldest first, and puts written entries into the exact index (cache/writer.py).
+bound, oldest first, and puts written entries into the exact index (cache/writer.py); a
+store is checked and taken in cache/intake.py.
+Invalidate (cache/invalidation.py): out of every tier in memory, then out of Milvus, then told
+to the gateways' watches and to other replicas on the same Milvus server.
 Start-up rebuilds the index from Milvus before the service reports SERVING.
 """
 
@@ -28,18 +31,19 @@ import grpc
 import numpy as np
 from opentelemetry import trace
 
+from hopline.cache import intake, invalidation
 from hopline.cache.config import CacheConfig
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.entry_bounds import COUNT_REFRESH_S, EntryBounds
 from hopline.cache.exact_index import ExactIndex
-from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
+from hopline.cache.keys import ScopeError, scope_tuple
 from hopline.cache.lookup import CacheLookup
 from hopline.cache.milvus_lite import is_local
-from hopline.cache.milvus_rows import MAX_TEXT_BYTES, row_problem
+from hopline.cache.milvus_rows import MAX_TEXT_BYTES
 from hopline.cache.milvus_store import MilvusStore
 from hopline.cache.semantic_search import SemanticSearch
 from hopline.cache.shared_invalidations import SharedInvalidations, follow
-from hopline.cache.store import CacheStore, CacheStoreError, Entry, ScopeFilter
+from hopline.cache.store import CacheStore, CacheStoreError, ScopeFilter
 from hopline.cache.tombstones import Tombstones
 from hopline.cache.vector_index import (
     VectorIndex,
@@ -183,7 +187,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         ]
         if self.peers is not None:
             poll_s = self.config.peer_poll_ms / 1e3
-            follower = follow(self.peers, self.io_call, self._apply_peer, poll_s)
+            follower = follow(
+                self.peers, self.io_call, lambda event: invalidation.apply_peer(self, event), poll_s
+            )
             self._tasks.append(asyncio.create_task(follower, name="peers"))
         self._ready = True
 
@@ -282,7 +288,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             scope = scope_tuple(request.scope)
         except ScopeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if request.mode not in ("", "exact", "semantic"):
+        if request.mode not in intake.MODES:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"mode must be 'exact' or 'semantic', got {request.mode!r}",
@@ -320,7 +326,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         request: cache_pb2.StoreRequest,
         context: grpc.aio.ServicerContext[cache_pb2.StoreRequest, cache_pb2.StoreResponse],
     ) -> cache_pb2.StoreResponse:
-        result = await self._take(request)
+        result = await intake.take(self, request)
         if result.code:
             await context.abort(status_code(result.code), result.message)
         return cache_pb2.StoreResponse(entry_id=result.entry_id)
@@ -338,77 +344,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 f"{len(request.stores)} stores in one call; send at most {STORE_BATCH_MAX}",
             )
         # Together: semantic stores' embeddings share the encoder's batches.
-        results = await asyncio.gather(*(self._take(store) for store in request.stores))
+        results = await asyncio.gather(*(intake.take(self, store) for store in request.stores))
         return cache_pb2.StoreBatchResponse(results=results)
-
-    async def _take(self, request: cache_pb2.StoreRequest) -> cache_pb2.StoreResult:
-        """One store accepted into the pending buffer, or refused with the status and message
-        Store ends with."""
-        try:
-            scope = scope_tuple(request.scope)
-        except ScopeError as exc:
-            return _refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not request.text.strip():
-            return _refused(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
-        if request.ttl_s < 0 or request.max_entries < 0:
-            return _refused(
-                grpc.StatusCode.INVALID_ARGUMENT, "ttl_s and max_entries must not be negative"
-            )
-        if not math.isfinite(request.ttl_s):
-            # NaN never expires and is never served, yet counts against the tenant's bound.
-            return _refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"ttl_s must be a finite number of seconds (0: the default), got {request.ttl_s}",
-            )
-        if not request.prediction.label:
-            return _refused(
-                grpc.StatusCode.INVALID_ARGUMENT, "refusing to cache a prediction with no label"
-            )
-        if len(self.writes) >= self.config.max_pending:
-            return _refused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(self.writes)} stores are waiting for Milvus; retry later",
-            )
-        if request.mode not in ("", "exact", "semantic"):
-            return _refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"mode must be 'exact' or 'semantic', got {request.mode!r}",
-            )
-        assert self.embedder is not None
-        text = normalise_text(request.text)
-        response = request.prediction.SerializeToString()
-        if problem := row_problem(scope, text, response):
-            # Refused here: Milvus would refuse the row, and with it its whole write.
-            return _refused(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        vector = self.lookups.recall(text)
-        if request.mode == "exact":
-            # Never searched: the gateway looks exact-mode scopes up by key only. A unit
-            # placeholder keeps the collection's schema; a direct semantic lookup on such a
-            # scope compares against it and stays far below any threshold.
-            vector = self.placeholder
-        elif vector is None:
-            try:
-                vector = await self.embedder.embed(text)
-            except QueueFullError as exc:
-                return _refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"embedder overloaded: {exc}; retry later"
-                )
-            self.counters["store_embeddings"] += 1
-        now = time.time()
-        key = exact_key(scope, request.text)
-        limit = min(request.max_entries or self.config.max_entries, self.config.max_entries)
-        entry = Entry(
-            key=key,
-            scope=scope,
-            text=text,
-            response=response,
-            created_at=now,
-            expires_at=now + (request.ttl_s or self.config.default_ttl_s),
-        )
-        self.writes.add(key, (entry, vector, limit), trace.get_current_span().get_span_context())
-        self.feed.held(key, scope)
-        self.counters["stores"] += 1
-        return cache_pb2.StoreResult(entry_id=key)
 
     async def Invalidate(
         self,
@@ -436,54 +373,14 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         bad = [i for i in ids if len(i) != 64 or i.strip("0123456789abcdef")]
         if bad:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not cache entry ids: {bad[:3]}")
-        self.writes.drop(ids, scope)  # first: the writer cannot resurrect them after the delete
-        self._unindex(ids, scope)  # no lookup is answered from memory after this point
-        self.tombstones.bury(ids, scope, time.monotonic())  # nor from a lagging read
-        store = self.require_store()
         try:
-            removed = await self.io_call(store.delete, ids)
-            if scope is not None:
-                removed += await self.io_call(store.delete_scope, scope)
-        except CacheStoreError as exc:
+            removed = await invalidation.invalidate(self, ids, scope)
+        except CacheStoreError as exc:  # NotShared too: its message says what was done
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        # Again after the delete: a store written while it ran is gone from Milvus too, and
-        # the index keeps mirroring Milvus.
-        self._unindex(ids, scope)
-        # After the delete: a watcher's lookup that starts after this event cannot read the
-        # entry any more, and one in flight across it is not copied (see the gateway's tier).
-        event = cache_pb2.WatchInvalidationsResponse(
-            scope=request.scope if scope is not None else None, entry_ids=ids
-        )
-        self.feed.publish(event)
-        try:
-            await self.share(event)
-        except CacheStoreError as exc:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"deleted, but the other cache replicas were not told ({exc}); retry",
-            )
         return cache_pb2.InvalidateResponse(removed=removed)
 
     async def share(self, event: cache_pb2.WatchInvalidationsResponse) -> None:
-        if self.peers is not None:
-            await self.io_call(self.peers.append, event)
-
-    def _apply_peer(self, event: cache_pb2.WatchInvalidationsResponse) -> None:
-        """Another replica's invalidation or eviction, applied as if it had come here."""
-        ids = list(event.entry_ids)
-        s = event.scope
-        scope = ScopeFilter(s.tenant, s.model, s.model_version) if event.HasField("scope") else None
-        self.writes.drop(ids, scope)
-        self._unindex(ids, scope)
-        self.tombstones.bury(ids, scope, time.monotonic())
-        self.feed.publish(event)
-
-    def _unindex(self, ids: list[str], scope: ScopeFilter | None) -> None:
-        if self.index is None:
-            return
-        self.index.remove(ids)
-        if scope is not None:
-            self.index.remove_scope(scope)
+        await invalidation.share(self, event)
 
     async def WatchInvalidations(
         self,
@@ -578,7 +475,3 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             verified_after_reply=self.verifier.counts["after_reply"],
             verify_rules=self.verifier.rules_for_stats(),
         )
-
-
-def _refused(code: grpc.StatusCode, message: str) -> cache_pb2.StoreResult:
-    return cache_pb2.StoreResult(code=code.value[0], message=message)

@@ -1,0 +1,111 @@
+"""A store request checked and taken into the cache's pending writes (cache/writer.py), or
+refused with the status Store ends with and StoreBatch reports per store.
+
+Taken means visible to the exact tier at once: the writer puts it into Milvus later, in
+batches. A semantic store's vector is the one its lookup computed where the lookup remembered
+it (cache/lookup.py's `recall`); otherwise the encoder runs here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Protocol
+
+import grpc
+from opentelemetry import trace
+
+from hopline.cache.config import CacheConfig
+from hopline.cache.embedder import Embedder, Vector
+from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
+from hopline.cache.lookup import CacheLookup
+from hopline.cache.milvus_rows import row_problem
+from hopline.cache.store import Entry
+from hopline.cache.watch_feed import WatchFeed
+from hopline.cache.writer import PendingWrites
+from hopline.protos.hopline.cache.v1 import cache_pb2
+from hopline.runtime.batching import QueueFullError
+
+MODES = ("", "exact", "semantic")  # cache.proto's mode strings; "" is the model's own
+
+
+class IntakeHost(Protocol):
+    """What taking a store uses of the cache service."""
+
+    config: CacheConfig
+    writes: PendingWrites
+    lookups: CacheLookup
+    feed: WatchFeed
+    counters: dict[str, int]
+    embedder: Embedder | None
+    placeholder: Vector  # an exact-only store's vector
+
+
+async def take(host: IntakeHost, request: cache_pb2.StoreRequest) -> cache_pb2.StoreResult:
+    """The store's entry id once taken, or its refusal's code and message."""
+    try:
+        scope = scope_tuple(request.scope)
+    except ScopeError as exc:
+        return refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if problem := _request_problem(request):
+        return refused(grpc.StatusCode.INVALID_ARGUMENT, problem)
+    if len(host.writes) >= host.config.max_pending:
+        return refused(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{len(host.writes)} stores are waiting for Milvus; retry later",
+        )
+    assert host.embedder is not None
+    text = normalise_text(request.text)
+    response = request.prediction.SerializeToString()
+    if problem := row_problem(scope, text, response):
+        # Refused here: Milvus would refuse the row, and with it its whole write.
+        return refused(grpc.StatusCode.INVALID_ARGUMENT, problem)
+    vector = host.lookups.recall(text)
+    if request.mode == "exact":
+        # Never searched: the gateway looks exact-mode scopes up by key only. A unit
+        # placeholder keeps the collection's schema; a direct semantic lookup on such a
+        # scope compares against it and stays far below any threshold.
+        vector = host.placeholder
+    elif vector is None:
+        try:
+            vector = await host.embedder.embed(text)
+        except QueueFullError as exc:
+            return refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"embedder overloaded: {exc}; retry later"
+            )
+        host.counters["store_embeddings"] += 1
+    now = time.time()
+    key = exact_key(scope, request.text)
+    limit = min(request.max_entries or host.config.max_entries, host.config.max_entries)
+    entry = Entry(
+        key=key,
+        scope=scope,
+        text=text,
+        response=response,
+        created_at=now,
+        expires_at=now + (request.ttl_s or host.config.default_ttl_s),
+    )
+    host.writes.add(key, (entry, vector, limit), trace.get_current_span().get_span_context())
+    host.feed.held(key, scope)
+    host.counters["stores"] += 1
+    return cache_pb2.StoreResult(entry_id=key)
+
+
+def _request_problem(request: cache_pb2.StoreRequest) -> str:
+    """What makes the request itself unusable ('' when nothing does)."""
+    if not request.text.strip():
+        return "text is empty"
+    if request.ttl_s < 0 or request.max_entries < 0:
+        return "ttl_s and max_entries must not be negative"
+    if not math.isfinite(request.ttl_s):
+        # NaN never expires and is never served, yet counts against the tenant's bound.
+        return f"ttl_s must be a finite number of seconds (0: the default), got {request.ttl_s}"
+    if not request.prediction.label:
+        return "refusing to cache a prediction with no label"
+    if request.mode not in MODES:
+        return f"mode must be 'exact' or 'semantic', got {request.mode!r}"
+    return ""
+
+
+def refused(code: grpc.StatusCode, message: str) -> cache_pb2.StoreResult:
+    return cache_pb2.StoreResult(code=code.value[0], message=message)

@@ -1,0 +1,103 @@
+"""Entries removed by an Invalidate, by another replica's invalidation or eviction, in the
+order that keeps every reader from serving them again.
+
+The pending writes first (the writer cannot resurrect them after the delete), then the exact
+index (no lookup is answered from memory after that), then the tombstones (nor from a read of
+Milvus that lags the delete); then Milvus itself, the index once more (a store written while
+the delete ran is gone from Milvus too), and only then the event for the gateways' watches
+and the other replicas (a lookup that starts after the event cannot read the entry any more).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from hopline.cache.exact_index import ExactIndex
+from hopline.cache.shared_invalidations import SharedInvalidations
+from hopline.cache.store import CacheStore, CacheStoreError, ScopeFilter
+from hopline.cache.tombstones import Tombstones
+from hopline.cache.watch_feed import WatchFeed
+from hopline.cache.writer import PendingWrites
+from hopline.protos.hopline.cache.v1 import cache_pb2
+from hopline.protos.hopline.common.v1 import common_pb2
+
+Event = cache_pb2.WatchInvalidationsResponse
+
+
+class NotShared(CacheStoreError):
+    """Deleted here, but the other replicas on the Milvus server were not told."""
+
+
+class InvalidationHost(Protocol):
+    """What an invalidation uses of the cache service."""
+
+    index: ExactIndex | None
+    peers: SharedInvalidations | None
+    writes: PendingWrites
+    tombstones: Tombstones
+    feed: WatchFeed
+
+    def require_store(self) -> CacheStore: ...
+
+    async def io_call(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+
+async def invalidate(host: InvalidationHost, ids: list[str], scope: ScopeFilter | None) -> int:
+    """Removes the entries `ids` and, with a scope, every entry of it; returns the rows Milvus
+    deleted. Raises CacheStoreError when Milvus fails, NotShared when only the replicas'
+    notice does."""
+    forget(host, ids, scope)
+    store = host.require_store()
+    removed: int = await host.io_call(store.delete, ids)
+    if scope is not None:
+        removed += await host.io_call(store.delete_scope, scope)
+    unindex(host, ids, scope)
+    event = Event(scope=_scope_message(scope), entry_ids=ids)
+    host.feed.publish(event)
+    try:
+        await share(host, event)
+    except CacheStoreError as exc:
+        raise NotShared(
+            f"deleted, but the other cache replicas were not told ({exc}); retry"
+        ) from exc
+    return removed
+
+
+def apply_peer(host: InvalidationHost, event: Event) -> None:
+    """Another replica's invalidation or eviction, applied as if it had come here."""
+    ids = list(event.entry_ids)
+    s = event.scope
+    scope = ScopeFilter(s.tenant, s.model, s.model_version) if event.HasField("scope") else None
+    forget(host, ids, scope)
+    host.feed.publish(event)
+
+
+async def share(host: InvalidationHost, event: Event) -> None:
+    """Tells the other replicas on the same Milvus server, where there are any."""
+    if host.peers is not None:
+        await host.io_call(host.peers.append, event)
+
+
+def forget(host: InvalidationHost, ids: list[str], scope: ScopeFilter | None) -> None:
+    """Out of every tier this process answers from, before Milvus is touched."""
+    host.writes.drop(ids, scope)
+    unindex(host, ids, scope)
+    host.tombstones.bury(ids, scope, time.monotonic())
+
+
+def unindex(host: InvalidationHost, ids: list[str], scope: ScopeFilter | None) -> None:
+    if host.index is None:
+        return
+    host.index.remove(ids)
+    if scope is not None:
+        host.index.remove_scope(scope)
+
+
+def _scope_message(scope: ScopeFilter | None) -> common_pb2.Scope | None:
+    if scope is None:
+        return None
+    return common_pb2.Scope(
+        tenant=scope.tenant, model=scope.model, model_version=scope.model_version
+    )
