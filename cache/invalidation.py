@@ -11,15 +11,13 @@ and the other replicas (a lookup that starts after the event cannot read the ent
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from hopline.cache.exact_index import ExactIndex
-from hopline.cache.shared_invalidations import SharedInvalidations
-from hopline.cache.store import CacheStore, CacheStoreError, ScopeFilter
+from hopline.cache.store import CacheStoreError, ScopeFilter
 from hopline.cache.tombstones import Tombstones
 from hopline.cache.watch_feed import WatchFeed
-from hopline.cache.writer import PendingWrites
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 
@@ -30,16 +28,39 @@ class NotShared(CacheStoreError):
     """Deleted here, but the other replicas on the Milvus server were not told."""
 
 
+class Drops(Protocol):
+    def drop(self, ids: list[str], scope: ScopeFilter | None) -> None: ...
+
+
+class Deletes(Protocol):
+    def delete(self, keys: Sequence[str]) -> int: ...
+
+    def delete_scope(self, scope: ScopeFilter) -> int: ...
+
+
+class ReplicaLog(Protocol):
+    def append(self, event: Event) -> None: ...
+
+
 class InvalidationHost(Protocol):
-    """What an invalidation uses of the cache service."""
+    """What an invalidation uses of the cache service (read-only: it calls, never assigns)."""
 
-    index: ExactIndex | None
-    peers: SharedInvalidations | None
-    writes: PendingWrites
-    tombstones: Tombstones
-    feed: WatchFeed
+    @property
+    def index(self) -> ExactIndex | None: ...
 
-    def require_store(self) -> CacheStore: ...
+    @property
+    def peers(self) -> ReplicaLog | None: ...
+
+    @property
+    def writes(self) -> Drops: ...
+
+    @property
+    def tombstones(self) -> Tombstones: ...
+
+    @property
+    def feed(self) -> WatchFeed: ...
+
+    def require_store(self) -> Deletes: ...
 
     async def io_call(self, fn: Callable[..., Any], *args: Any) -> Any: ...
 
