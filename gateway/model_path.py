@@ -16,10 +16,11 @@ from collections.abc import Awaitable
 
 from hopline.gateway.cache_path import CachePath
 from hopline.gateway.call import PredictCall
+from hopline.gateway.direct_hop import StageHop
 from hopline.gateway.resilience import CircuitState, Coalescer
 from hopline.gateway.speculation import Speculation
 from hopline.gateway.stage_batching import GatewayStages
-from hopline.gateway.upstream import GatewayUpstreams, call_hop
+from hopline.gateway.upstream import GatewayUpstreams
 from hopline.observability import metrics, schema
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
@@ -40,7 +41,18 @@ class ModelPath:
         cache_path: CachePath,
     ) -> None:
         self.upstreams = upstreams
-        self.stages = stages
+        tokenize, infer, post = (
+            (stages.tokenize, stages.infer, stages.postprocess) if stages else (None, None, None)
+        )
+        self.tokenize = StageHop[tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeResponse](
+            schema.SPAN_TOKENIZE, upstreams.tokenizer, tokenize, "Tokenize"
+        )
+        self.infer = StageHop[inference_pb2.InferRequest, inference_pb2.InferResponse](
+            schema.SPAN_INFERENCE, upstreams.inference, infer, "Infer"
+        )
+        self.postprocess = StageHop[
+            postprocess_pb2.PostprocessRequest, postprocess_pb2.PostprocessResponse
+        ](schema.SPAN_POSTPROCESS, upstreams.postprocess, post, "Postprocess")
         self.coalescer = coalescer
         self.speculation = speculation
         self.cache_path = cache_path
@@ -57,11 +69,7 @@ class ModelPath:
         return await self._tokenize_hop(call)
 
     def _tokenize_hop(self, call: PredictCall) -> Awaitable[tokenizer_pb2.TokenizeResponse]:
-        tokenizer = self.upstreams.tokenizer
-        return call_hop(
-            schema.SPAN_TOKENIZE,
-            tokenizer.target,
-            self.stages.tokenize if self.stages else tokenizer.stub().Tokenize,
+        return self.tokenize(
             tokenizer_pb2.TokenizeRequest(
                 model=call.info.name, model_version=call.info.version, texts=[call.text]
             ),
@@ -104,20 +112,13 @@ class ModelPath:
 
     async def tokenize_infer_postprocess(self, call: PredictCall) -> common_pb2.Prediction:
         metrics.INFERENCES.inc()
-        info, inference, postprocess = (
-            call.info,
-            self.upstreams.inference,
-            self.upstreams.postprocess,
-        )
+        info = call.info
         if call.embedding is not None:
             inputs = [call.embedding]  # the head alone (_take_embedding)
         else:
             tokens = await self._tokens(call)
             inputs = [tokens.input_ids, tokens.attention_mask]
-        inferred: inference_pb2.InferResponse = await call_hop(
-            schema.SPAN_INFERENCE,
-            inference.target,
-            self.stages.infer if self.stages else inference.stub().Infer,
+        inferred = await self.infer(
             inference_pb2.InferRequest(
                 model=info.name,
                 model_version=info.version,
@@ -129,10 +130,7 @@ class ModelPath:
         )
         call.timings["inference.queue"] = inferred.queue_ms
         call.timings["inference.compute"] = inferred.compute_ms
-        post: postprocess_pb2.PostprocessResponse = await call_hop(
-            schema.SPAN_POSTPROCESS,
-            postprocess.target,
-            self.stages.postprocess if self.stages else postprocess.stub().Postprocess,
+        post = await self.postprocess(
             postprocess_pb2.PostprocessRequest(
                 model=info.name,
                 model_version=info.version,

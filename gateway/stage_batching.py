@@ -161,9 +161,22 @@ class BatchedStage(Generic[Req, Rep]):
         try:
             return await self._call(request, budget_s, metadata)
         finally:
-            self._release(key)
+            self.release(key)
 
-    def _release(self, key: Hashable) -> None:
+    def occupy(self, request: Req) -> Hashable | None:
+        """Take a free slot for `request`, sent by the caller itself (gateway/direct_hop.py):
+        its key, to `release` when the call ends; None when `__call__` would queue it or
+        gather company for it."""
+        key = self._codec.key(request)
+        if key in self._queues or self._busy.get(key, 0) >= self._in_flight:
+            return None
+        if self._gathers(request):
+            return None
+        self._busy[key] = self._busy.get(key, 0) + 1
+        return key
+
+    def release(self, key: Hashable) -> None:
+        """A call that held a slot of `key` ended: the rows queued meanwhile may go."""
         self._busy[key] -= 1
         if self._busy[key] == 0:
             del self._busy[key]
@@ -213,7 +226,7 @@ class BatchedStage(Generic[Req, Rep]):
         try:
             await self._send_rows(rows)
         finally:
-            self._release(key)
+            self.release(key)
 
     async def _send_rows(self, rows: list[_Row[Req, Rep]]) -> None:
         timeout = max(r.deadline for r in rows) - time.monotonic()

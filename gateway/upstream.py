@@ -36,7 +36,7 @@ from hopline.protos.hopline.inference.v1 import inference_pb2_grpc
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2_grpc
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2_grpc
 from hopline.runtime.errors import StatusError
-from hopline.runtime.inproc import INPROC, InProcessService
+from hopline.runtime.inproc import INPROC, DirectCall, InProcessService
 from hopline.runtime.service_table import ServiceName, spec
 from hopline.runtime.tls import ClientTls, TlsFiles, aio_channel, client_tls
 
@@ -267,6 +267,11 @@ class CoLocated(Generic[StubT]):
     def stub(self) -> StubT:
         return self._stub
 
+    def direct(self, rpc: str) -> DirectCall | None:
+        """The method `rpc` with no layers between the gateway and the servicer, for calls
+        whose trace is not recorded (runtime/inproc.py:DirectCall)."""
+        return self.service.direct(rpc)
+
     async def start(self) -> None:
         await self.service.start()
 
@@ -408,6 +413,22 @@ def _hop_error(hop: str, target: str, err: grpc.aio.AioRpcError) -> HopError:
     )
 
 
+def hop_failure(hop: str, target: str, err: grpc.aio.AioRpcError) -> HopError:
+    """The HopError a failed call of `hop` becomes; the upstream's own failures logged."""
+    failure = _hop_error(hop, target, err)
+    if failure.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
+        log.warning(
+            "hop failed",
+            extra={
+                "hop": hop,
+                "target": target,
+                "status": err.code().name,
+                "details": failure.details,
+            },
+        )
+    return failure
+
+
 async def call_hop(
     hop: str,
     target: str,
@@ -434,19 +455,9 @@ async def call_hop(
             return await rpc(request, timeout=timeout_s, metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as err:
             code = err.code()
-            failure = _hop_error(hop, target, err)
+            failure = hop_failure(hop, target, err)
             # The span has the address (server.address) and the upstream's own details.
             span.set_status(Status(StatusCode.ERROR, f"{code.name}: {failure.details}"))
-            if failure.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
-                log.warning(
-                    "hop failed",
-                    extra={
-                        "hop": hop,
-                        "target": target,
-                        "status": code.name,
-                        "details": failure.details,
-                    },
-                )
             raise failure from None
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED

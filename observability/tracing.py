@@ -346,6 +346,31 @@ def _cancelled_code(context: Context) -> grpc.StatusCode:
     return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
 
 
+class RpcMeter:
+    """One method's server metrics: its calls in flight and their latency by status (the
+    children resolved once per method and status)."""
+
+    def __init__(self, method: str) -> None:
+        self.service, _, self.method = method.lstrip("/").rpartition("/")
+        self._in_flight = metrics.RPC_IN_FLIGHT.labels(self.service, self.method)
+        self._durations: dict[grpc.StatusCode, Any] = {}
+
+    def enter(self) -> None:
+        self._in_flight.inc()
+
+    def leave(
+        self, code: grpc.StatusCode, started: float, exemplar: dict[str, str] | None = None
+    ) -> None:
+        """A call that started at `started` (time.perf_counter) ended with `code`."""
+        self._in_flight.dec()
+        histogram = self._durations.get(code)
+        if histogram is None:
+            histogram = self._durations[code] = metrics.RPC_DURATION.labels(
+                self.service, self.method, code.name
+            )
+        histogram.observe(time.perf_counter() - started, exemplar)
+
+
 class _TracedRpc:
     """One method's span name, attributes and metric children."""
 
@@ -354,8 +379,7 @@ class _TracedRpc:
         service, _, rpc_method = self.name.rpartition("/")
         self.service, self.method = service, rpc_method
         self.attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc_method}
-        self.in_flight = metrics.RPC_IN_FLIGHT.labels(service, rpc_method)
-        self.durations: dict[grpc.StatusCode, Any] = {}
+        self.meter = RpcMeter(self.name)
         self.test_delay_s = test_delay_s
 
     def start(self, context: Context) -> tuple[trace.Span, _Token | None, bool]:
@@ -366,7 +390,7 @@ class _TracedRpc:
         the generator-based managers the API offers (`start_as_current_span`, `use_span`)
         cost more than the rest of it together (`_stop` undoes it)."""
         metadata = context.invocation_metadata() or ()
-        self.in_flight.inc()
+        self.meter.enter()
         if _carries_context(metadata):
             current = trace.get_current_span()
             if names_unsampled_current(metadata, current.get_span_context()):
@@ -399,15 +423,9 @@ class _TracedRpc:
         code: grpc.StatusCode | None,
         started: float,
     ) -> None:
-        self.in_flight.dec()
         # None until the handler sets a code, whatever the stubs say.
         code = code or cast("grpc.StatusCode | None", context.code()) or grpc.StatusCode.OK
         if code is not grpc.StatusCode.OK:
             span.set_status(Status(StatusCode.ERROR, code.name))
         span.set_attribute("rpc.grpc.status_code", code.value[0])
-        histogram = self.durations.get(code)
-        if histogram is None:
-            histogram = self.durations[code] = metrics.RPC_DURATION.labels(
-                self.service, self.method, code.name
-            )
-        histogram.observe(time.perf_counter() - started, metrics.span_exemplar(span))
+        self.meter.leave(code, started, metrics.span_exemplar(span))

@@ -28,7 +28,7 @@ from typing import Any, NoReturn, cast
 
 import grpc
 
-from hopline.observability.tracing import ServerTracing
+from hopline.observability.tracing import RpcMeter, ServerTracing
 from hopline.runtime import config as cfg
 from hopline.runtime.interceptors import Context, Handler, RpcWrapper, wrap_behaviour
 from hopline.runtime.server import ReadinessGate, Service
@@ -36,7 +36,7 @@ from hopline.runtime.service_table import INPROC, ServiceSpec
 
 log = logging.getLogger("hopline.runtime.inproc")
 
-__all__ = ["INPROC", "InProcessChannel", "InProcessService"]
+__all__ = ["INPROC", "DirectCall", "InProcessChannel", "InProcessService"]
 
 
 class _Aborted(Exception):
@@ -132,6 +132,54 @@ class _StreamCall:
         return True
 
 
+class DirectCall:
+    """One unary method of a co-located service with its server-side wrappers folded into
+    this one step: the readiness gate (refusal and the drain's count), the deadline, the
+    RPC's metrics, statuses as AioRpcError. What it leaves out is the server span, so a
+    caller uses it only where none would be recorded (gateway/direct_hop.py:StageHop, for a
+    request whose trace is not recorded that finds its stage free); the call runs in the
+    caller's context, as a co-located call whose trace is not recorded already does."""
+
+    def __init__(self, method: str, behaviour: Any, gate: ReadinessGate) -> None:
+        self._behaviour = behaviour
+        self._gate = gate
+        self._meter = RpcMeter(method)
+
+    def admits(self) -> bool:
+        """Whether the service takes calls now (else the stub's path refuses them)."""
+        return self._gate.refusal() is None
+
+    async def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (a stub's signature: the call's deadline)
+        metadata: Sequence[tuple[str, str | bytes]] | None = None,
+        **_: Any,
+    ) -> Any:
+        context = _Context(metadata or (), timeout)
+        refusal = self._gate.refusal()
+        if refusal is not None:
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, refusal)
+        self._gate.enter()
+        self._meter.enter()
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._behaviour(request, cast(Context, context))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except (_Aborted, TimeoutError, Exception) as exc:
+            failure = context.failure(exc)
+            code = failure.code()
+            raise failure from None
+        finally:
+            self._meter.leave(code, started)
+            self._gate.leave()
+
+
 class _UnaryStream:
     def __init__(self, behaviour: Any) -> None:
         self._behaviour = behaviour
@@ -198,6 +246,22 @@ class InProcessService:
         servicer.register(cast(grpc.aio.Server, registrar))
         wrappers = [self._gate, ServerTracing(test_delay_ms)]
         self.channel = InProcessChannel(registrar.methods, wrappers)
+        self._methods = registrar.methods
+        self._test_delay_ms = test_delay_ms
+
+    def direct(self, rpc: str) -> DirectCall | None:
+        """The unary method named `rpc` (`Tokenize`) as a DirectCall; None where every call
+        must take the stub's path: a test's delay (HOPLINE_TEST_DELAY_MS) is the span
+        wrapper's to add."""
+        if self._test_delay_ms:
+            return None
+        paths = [path for path in self._methods if path.rpartition("/")[2] == rpc]
+        if len(paths) != 1:
+            raise ValueError(f"{self.name} has no unary method {rpc!r}")
+        behaviour = self._methods[paths[0]].unary_unary
+        if behaviour is None:
+            raise ValueError(f"{paths[0]} is not a unary method")
+        return DirectCall(paths[0], behaviour, self._gate)
 
     @classmethod
     def load(cls, service: ServiceSpec) -> InProcessService:

@@ -84,16 +84,18 @@ class ReadinessGate(RpcWrapper):
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def _refusal(self) -> str | None:
+    def refusal(self) -> str | None:
+        """Why a call is refused now (starting, draining), None when it is admitted."""
         if self.draining:
             return DRAINING
         return None if self.ready else NOT_READY
 
-    def _enter(self) -> None:
+    def enter(self) -> None:
+        """An admitted call starts (a drain waits for it); `leave` when it ends."""
         self._in_flight += 1
         self._idle.clear()
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
         self._in_flight -= 1
         if self._in_flight == 0:
             self._idle.set()
@@ -110,28 +112,28 @@ class ReadinessGate(RpcWrapper):
 
     def wrap(self, method: str, inner: Behaviour) -> Behaviour:
         async def gated(request: Any, context: Context) -> Any:
-            refusal = self._refusal()
+            refusal = self.refusal()
             if refusal is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
-            self._enter()
+            self.enter()
             try:
                 return await inner(request, context)
             finally:
-                self._leave()
+                self.leave()
 
         return gated
 
     def wrap_stream(self, method: str, inner: StreamBehaviour) -> StreamBehaviour:
         async def gated(request: Any, context: Context) -> AsyncIterator[Any]:
-            refusal = self._refusal()
+            refusal = self.refusal()
             if refusal is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
-            self._enter()
+            self.enter()
             try:
                 async for reply in inner(request, context):
                     yield reply
             finally:
-                self._leave()
+                self.leave()
 
         return gated
 

@@ -11,9 +11,10 @@ from hopline.observability import schema
 
 # Every folder of Python code (a missing one would be skipped silently by rglob: checked below).
 PACKAGES = ("runtime", "model", "services", "gateway", "cache", "observability", "cli", "bench")
-# call_hop opens the gateway's client span for a hop, named by its first argument;
-# child_span opens a span under the current one (when its trace is recorded).
-SPAN_CALLS = {"start_as_current_span", "start_span", "call_hop", "child_span"}
+# call_hop opens the gateway's client span for a hop, named by its first argument (a
+# StageHop passes its own first argument on to it); child_span opens a span under the
+# current one (when its trace is recorded).
+SPAN_CALLS = {"start_as_current_span", "start_span", "call_hop", "child_span", "StageHop"}
 # OpenTelemetry semantic conventions the code also uses.
 SEMCONV = ("rpc.", "server.")
 
@@ -58,6 +59,8 @@ def _used() -> tuple[set[str], set[str], list[str]]:
             if not isinstance(node, ast.Call):
                 continue
             func = node.func
+            if isinstance(func, ast.Subscript):  # a generic class's call: StageHop[A, B](...)
+                func = func.value
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
             where = f"{path.relative_to(ROOT)}:{node.lineno}"
             if called in SPAN_CALLS and node.args:
@@ -97,14 +100,16 @@ def test_code_uses_only_declared_attributes_and_every_declared_one() -> None:
 def test_every_declared_span_is_opened_somewhere() -> None:
     spans, _, dynamic = _used()
     # Only two span names are computed: the server span (named after the RPC) and the hop
-    # span call_hop opens with the name its callers pass; child_span passes its own on, and
-    # so does the tracer itself (spans.py: start_as_current_span calls start_span).
+    # span call_hop opens with the name its callers pass; child_span and StageHop pass
+    # theirs on, and so does the tracer itself (spans.py: start_as_current_span calls
+    # start_span).
     assert sorted({p.split(":")[0] for p in dynamic}) == [
+        "gateway/direct_hop.py",
         "gateway/upstream.py",
         "observability/spans.py",
         "observability/tracing.py",
     ]
-    assert len(dynamic) == 4, dynamic
+    assert len(dynamic) == 5, dynamic
     assert set(schema.SPANS) == spans, set(schema.SPANS) ^ spans
 
 
