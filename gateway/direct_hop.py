@@ -12,8 +12,8 @@ the hop's timing and its `hopline_hop_duration_seconds`, the service's RPC metri
 failures as the same HopError. A recorded request, a busy stage and a remote service take the
 layered path, so traces and `hopline trace report` read as before.
 
-Measured (docs/performance.md, "The co-located hops called directly"): at one caller the
-layers cost about 80 us a hop at the gateway on the 2-core VM.
+Measured (docs/performance.md, "Co-located hops without their layers"): 40-110 us less a
+hop at the gateway, at one caller and at 32, on the 2-core VM; c=32 throughput level.
 """
 
 from __future__ import annotations
