@@ -15,6 +15,7 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,20 +34,19 @@ from hopline.runtime.service_table import ServiceName, spec
 from hopline.runtime.tensors import to_tensor
 
 
-def _hops(
-    pool: CoLocated[Any], hop: str, rpc: str, codec: Codec[Any, Any]
-) -> tuple[StageHop[Any, Any], StageHop[Any, Any]]:
-    stage: BatchedStage[Any, Any] = BatchedStage(
-        hop, lambda: getattr(pool.stub(), rpc), codec, 1, lambda _: 32
-    )
-    short = StageHop[Any, Any](hop, pool, stage, rpc)
-    layered = StageHop[Any, Any](hop, pool, stage, rpc)
-    layered._direct = None  # the layered path, as a recorded trace takes
+def _stage(pool: CoLocated[Any], hop: str, rpc: str, codec: Codec[Any, Any]) -> Any:
+    return BatchedStage(hop, lambda: getattr(pool.stub(), rpc), codec, 1, lambda _: 32)
+
+
+def _ways(make: Callable[[], StageHop[Any, Any]]) -> tuple[StageHop[Any, Any], ...]:
+    """The short way and the layered path (as a recorded trace takes) of one hop."""
+    short, layered = make(), make()
+    layered._direct = None
     return short, layered
 
 
 async def _blocks(
-    hops: tuple[StageHop[Any, Any], StageHop[Any, Any]], request: Any, calls: int, blocks: int
+    hops: tuple[StageHop[Any, Any], ...], request: Any, calls: int, blocks: int
 ) -> dict[str, list[float]]:
     """Microseconds a call, per block, each way; the order alternates block by block."""
     short, layered = hops
@@ -75,12 +75,26 @@ async def _main(args: argparse.Namespace) -> None:
     cases = [
         (
             schema.SPAN_TOKENIZE,
-            _hops(tokenizer, schema.SPAN_TOKENIZE, "Tokenize", TokenizeCodec()),
+            _ways(
+                lambda: StageHop[Any, Any](
+                    schema.SPAN_TOKENIZE,
+                    tokenizer,
+                    _stage(tokenizer, schema.SPAN_TOKENIZE, "Tokenize", TokenizeCodec()),
+                    "Tokenize",
+                )
+            ),
             tokenizer_pb2.TokenizeRequest(model=args.model, texts=["I forgot my password again"]),
         ),
         (
             schema.SPAN_POSTPROCESS,
-            _hops(postprocess, schema.SPAN_POSTPROCESS, "Postprocess", PostprocessCodec()),
+            _ways(
+                lambda: StageHop[Any, Any](
+                    schema.SPAN_POSTPROCESS,
+                    postprocess,
+                    _stage(postprocess, schema.SPAN_POSTPROCESS, "Postprocess", PostprocessCodec()),
+                    "Postprocess",
+                )
+            ),
             postprocess_pb2.PostprocessRequest(
                 model=args.model,
                 outputs=[to_tensor("logits", np.zeros((1, labels), dtype=np.float32))],
