@@ -224,12 +224,14 @@ def span_exemplar(span: trace.Span) -> dict[str, str] | None:
     return {"trace_id": format(ctx.trace_id, "032x")}
 
 
-def count(metric: Counter | LoopCounter, **labels: str) -> int:
-    """A counter's value, summed over every label not given (this process's count)."""
+def count(metric: Counter | LoopCounter | LoopHistogram, **labels: str) -> int:
+    """A counter's value, or how many observations a histogram holds, summed over every label
+    not given (this process's count)."""
+    suffix = "_count" if isinstance(metric, LoopHistogram) else "_total"
     total = 0.0
     for family in metric.collect():
         for sample in family.samples:
-            if sample.name.endswith("_total") and all(
+            if sample.name.endswith(suffix) and all(
                 sample.labels.get(k) == v for k, v in labels.items()
             ):
                 total += sample.value

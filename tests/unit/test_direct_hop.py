@@ -68,17 +68,6 @@ def _stage(pool: _CountingPool) -> BatchedStage[Any, Any]:
     )
 
 
-def _histogram_count(metric: Any, **labels: str) -> int:
-    total = 0.0
-    for family in metric.collect():
-        for sample in family.samples:
-            if sample.name.endswith("_count") and all(
-                sample.labels.get(k) == v for k, v in labels.items()
-            ):
-                total += sample.value
-    return int(total)
-
-
 def _run(pool: _CountingPool, scenario: Callable[[], Awaitable[Any]]) -> Any:
     async def started() -> Any:
         await pool.start()
@@ -103,8 +92,8 @@ def test_a_lone_unrecorded_request_goes_straight_to_the_servicer(
     pool = _tokenizer(default_repo, monkeypatch)
     stage = _stage(pool) if batched else None
     hop = Tokenize(schema.SPAN_TOKENIZE, pool, stage, "Tokenize")
-    hops = _histogram_count(metrics.HOP_DURATION, hop=schema.SPAN_TOKENIZE, code="OK")
-    rpcs = _histogram_count(metrics.RPC_DURATION, service=TOKENIZE_RPC[0], method="Tokenize")
+    hops = metrics.count(metrics.HOP_DURATION, hop=schema.SPAN_TOKENIZE, code="OK")
+    rpcs = metrics.count(metrics.RPC_DURATION, service=TOKENIZE_RPC[0], method="Tokenize")
 
     async def scenario() -> tuple[Any, Any, dict[str, float]]:
         timings: dict[str, float] = {}
@@ -116,11 +105,10 @@ def test_a_lone_unrecorded_request_goes_straight_to_the_servicer(
     assert direct == layered
     assert pool.stubs == 1  # the layered call above, not the hop
     assert timings[schema.SPAN_TOKENIZE] > 0
-    assert _histogram_count(metrics.HOP_DURATION, hop=schema.SPAN_TOKENIZE, code="OK") == hops + 1
+    assert metrics.count(metrics.HOP_DURATION, hop=schema.SPAN_TOKENIZE, code="OK") == hops + 1
     # The hop's call and the stub's both count as the service's RPCs.
     assert (
-        _histogram_count(metrics.RPC_DURATION, service=TOKENIZE_RPC[0], method="Tokenize")
-        == rpcs + 2
+        metrics.count(metrics.RPC_DURATION, service=TOKENIZE_RPC[0], method="Tokenize") == rpcs + 2
     )
     if stage is not None:
         assert stage._busy == {}
