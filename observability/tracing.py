@@ -285,6 +285,9 @@ class ServerTracing(RpcWrapper):
             except asyncio.CancelledError:
                 code = _cancelled_code(context)
                 raise
+            except Exception as exc:
+                code = _failed_code(span, context, exc)
+                raise
             finally:
                 rpc.finish(span, context, code, started)
                 _stop(span, token, own)
@@ -307,6 +310,9 @@ class ServerTracing(RpcWrapper):
                     yield reply
             except asyncio.CancelledError:  # the client went away, or its deadline passed
                 code = _cancelled_code(context)
+                raise
+            except Exception as exc:
+                code = _failed_code(span, context, exc)
                 raise
             finally:
                 span.set_attribute(schema.STREAM_MESSAGES_SENT, sent)
@@ -344,6 +350,16 @@ def _cancelled_code(context: Context) -> grpc.StatusCode:
     remaining = cast("float | None", context.time_remaining())
     expired = remaining is not None and remaining <= 0
     return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+
+
+def _failed_code(span: trace.Span, context: Context, exc: Exception) -> grpc.StatusCode | None:
+    """The status of a handler that raised: None where it aborted (the context has the
+    code), else UNKNOWN, which is what gRPC sends its caller for an exception it did not
+    expect; the span records that exception, since nothing else on the server does."""
+    if context.code() is not None:
+        return None
+    span.record_exception(exc)
+    return grpc.StatusCode.UNKNOWN
 
 
 class RpcMeter:

@@ -1,0 +1,134 @@
+"""How the server's span wrapper (observability/tracing.py:ServerTracing) records a handler
+that fails: an abort under the code it chose, an exception it did not expect under UNKNOWN
+(what gRPC tells the caller), with the exception on the span. Real grpc.aio servers on
+loopback, and the in-process channel that co-located services are called through."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.trace import StatusCode
+
+from hopline.observability import metrics, tracing
+from hopline.observability.tracing import ServerTracing
+from hopline.runtime.inproc import InProcessChannel
+
+SERVICE = "hopline.test.v1.Failing"
+Behaviour = Callable[[bytes, Any], Awaitable[bytes]]
+
+
+async def _raises(request: bytes, context: Any) -> bytes:
+    raise ValueError("a servicer bug")
+
+
+async def _aborts(request: bytes, context: Any) -> bytes:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
+    raise AssertionError("abort returned")
+
+
+async def _answers(request: bytes, context: Any) -> bytes:
+    return request
+
+
+HANDLERS: dict[str, Behaviour] = {"Raises": _raises, "Aborts": _aborts, "Answers": _answers}
+
+
+def _recorder(monkeypatch: pytest.MonkeyPatch) -> InMemorySpanExporter:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_ON)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_TRACER", provider.get_tracer("hopline"))
+    return exporter
+
+
+def _recorded(method: str, code: grpc.StatusCode) -> int:
+    return metrics.count(metrics.RPC_DURATION, service=SERVICE, method=method, code=code.name)
+
+
+async def _over_grpc(method: str) -> grpc.StatusCode:
+    wrapper = ServerTracing()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                SERVICE,
+                {
+                    name: grpc.unary_unary_rpc_method_handler(
+                        wrapper.wrap(f"/{SERVICE}/{name}", behaviour)
+                    )
+                    for name, behaviour in HANDLERS.items()
+                },
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                call = channel.unary_unary(f"/{SERVICE}/{method}", None, None)
+                await call(b"x", timeout=10)
+            except grpc.aio.AioRpcError as err:
+                return err.code()
+            return grpc.StatusCode.OK
+    finally:
+        await server.stop(None)
+
+
+async def _in_process(method: str) -> grpc.StatusCode:
+    handlers = {
+        f"/{SERVICE}/{name}": grpc.unary_unary_rpc_method_handler(behaviour)
+        for name, behaviour in HANDLERS.items()
+    }
+    channel = InProcessChannel(handlers, [ServerTracing()])
+    try:
+        await channel.unary_unary(f"/{SERVICE}/{method}")(b"x", timeout=10)
+    except grpc.aio.AioRpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+CASES = [
+    ("Raises", grpc.StatusCode.UNKNOWN),
+    ("Aborts", grpc.StatusCode.INVALID_ARGUMENT),
+    ("Answers", grpc.StatusCode.OK),
+]
+
+
+@pytest.mark.parametrize("transport", [_over_grpc, _in_process], ids=["grpc", "in_process"])
+@pytest.mark.parametrize(("method", "expected"), CASES)
+def test_a_failed_rpc_is_recorded_under_the_status_its_caller_sees(
+    monkeypatch: pytest.MonkeyPatch,
+    transport: Callable[[str], Coroutine[Any, Any, grpc.StatusCode]],
+    method: str,
+    expected: grpc.StatusCode,
+) -> None:
+    exporter = _recorder(monkeypatch)
+    before = {code: _recorded(method, code) for code in grpc.StatusCode}
+
+    seen = asyncio.run(transport(method))
+
+    assert seen == expected
+    added = {code: _recorded(method, code) - before[code] for code in grpc.StatusCode}
+    assert added == {code: int(code == expected) for code in grpc.StatusCode}
+    (span,) = exporter.get_finished_spans()
+    assert span.name == f"{SERVICE}/{method}"
+    assert span.attributes is not None
+    assert span.attributes["rpc.grpc.status_code"] == expected.value[0]
+    failed = expected is not grpc.StatusCode.OK
+    assert span.status.status_code == (StatusCode.ERROR if failed else StatusCode.UNSET)
+    exceptions = [event for event in span.events if event.name == "exception"]
+    if expected is grpc.StatusCode.UNKNOWN:
+        (event,) = exceptions
+        assert event.attributes is not None
+        assert event.attributes["exception.type"] == "ValueError"
+    else:
+        assert exceptions == []  # an abort is the handler's answer, not an exception
