@@ -16,6 +16,7 @@ import grpc
 from opentelemetry import trace
 
 from hopline.cache.config import CacheConfig
+from hopline.cache.counts import CacheCount, CacheCounts
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
 from hopline.cache.lookup import CacheLookup
@@ -36,7 +37,7 @@ class IntakeHost(Protocol):
     writes: PendingWrites
     lookups: CacheLookup
     feed: WatchFeed
-    counters: dict[str, int]
+    counts: CacheCounts
     embedder: Embedder | None
     placeholder: Vector  # an exact-only store's vector
 
@@ -73,7 +74,7 @@ async def take(host: IntakeHost, request: cache_pb2.StoreRequest) -> cache_pb2.S
             return refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"embedder overloaded: {exc}; retry later"
             )
-        host.counters["store_embeddings"] += 1
+        host.counts.add(CacheCount.STORE_EMBEDDINGS)
     now = time.time()
     key = exact_key(scope, request.text)
     limit = min(request.max_entries or host.config.max_entries, host.config.max_entries)
@@ -87,7 +88,7 @@ async def take(host: IntakeHost, request: cache_pb2.StoreRequest) -> cache_pb2.S
     )
     host.writes.add(key, (entry, vector, limit), trace.get_current_span().get_span_context())
     host.feed.held(key, scope)
-    host.counters["stores"] += 1
+    host.counts.add(CacheCount.STORES)
     return cache_pb2.StoreResult(entry_id=key)
 
 

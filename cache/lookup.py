@@ -24,6 +24,7 @@ import numpy as np
 
 from hopline.cache.acceptance import accept, eligible
 from hopline.cache.config import CacheConfig, ExactFallback
+from hopline.cache.counts import CacheCount, CacheCounts
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import exact_key, normalise_text
@@ -37,7 +38,7 @@ from hopline.cache.verify import VerifyPolicy
 from hopline.cache.writer import PendingWrites
 from hopline.model.repository import SENTENCE_EMBEDDING
 from hopline.model.tokenizer import unseen
-from hopline.observability import metrics, schema
+from hopline.observability import schema
 from hopline.observability.tracing import child_span
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -54,7 +55,7 @@ class LookupHost(Protocol):
     peers: SharedInvalidations | None
     writes: PendingWrites
     tombstones: Tombstones
-    counters: dict[str, int]
+    counts: CacheCounts
     embedder: Embedder | None
     semantic: SemanticSearch
     verifier: Verifier
@@ -93,13 +94,13 @@ class CacheLookup:
             if entry is None and host.index is not None:
                 entry = host.index.get(key, now)
                 if entry is not None:
-                    host.counters["index_hits"] += 1
+                    host.counts.add(CacheCount.INDEX_HITS)
             if entry is None and self.reads_milvus(semantic):
                 if semantic:
                     # The embedding does not depend on the exact read: run both at once, so a
                     # miss pays max(read, embed) rather than their sum (a key query is ~2 ms).
                     embedding = asyncio.create_task(self._embed_timed(normalised))
-                host.counters["exact_reads"] += 1
+                host.counts.add(CacheCount.EXACT_READS)
                 try:
                     entry = self._unburied(await host.io_call(store.get, key, now))
                 except BaseException:
@@ -110,8 +111,7 @@ class CacheLookup:
         if entry is not None and entry.scope == scope and entry.expires_at > now:
             if embedding is not None:
                 _detach(embedding)  # the encoder run is paid; its vector is still remembered
-            host.counters["exact_hits"] += 1
-            metrics.CACHE_LOOKUPS.labels("exact").inc()
+            host.counts.add(CacheCount.EXACT_HITS)
             return _hit(response, common_pb2.CACHE_OUTCOME_EXACT, entry, 1.0, now)
         if semantic:
             if embedding is None:
@@ -138,26 +138,24 @@ class CacheLookup:
                     normalised,
                     self._unseen,
                 )
-                host.counters["unseen_mismatches"] += verdict.unseen_mismatches
-                host.counters["ambiguous"] += int(verdict.ambiguous)
+                host.counts.add(CacheCount.UNSEEN_MISMATCHES, verdict.unseen_mismatches)
+                host.counts.add(CacheCount.AMBIGUOUS, int(verdict.ambiguous))
                 hit = verdict.hit
             else:
                 candidates, mismatches = eligible(found, scope, now, normalised, self._unseen)
-                host.counters["unseen_mismatches"] += mismatches
+                host.counts.add(CacheCount.UNSEEN_MISMATCHES, mismatches)
                 hit, response.verify_id = host.verifier.serve(scope, candidates, verify)
             if hit is not None:
-                host.counters["semantic_hits"] += 1
-                metrics.CACHE_LOOKUPS.labels("semantic").inc()
+                host.counts.add(CacheCount.SEMANTIC_HITS)
                 return _hit(response, common_pb2.CACHE_OUTCOME_SEMANTIC, *hit, now)
-        host.counters["misses"] += 1
-        metrics.CACHE_LOOKUPS.labels("miss").inc()
+        host.counts.add(CacheCount.MISSES)
         response.outcome = common_pb2.CACHE_OUTCOME_MISS
         return response
 
     def _unburied(self, entry: Entry | None) -> Entry | None:
         """`entry` as read from Milvus, or None when it was deleted within tombstone_s."""
         if entry is not None and self.host.tombstones.hides(entry, time.monotonic()):
-            self.host.counters["buried"] += 1
+            self.host.counts.add(CacheCount.BURIED)
             return None
         return entry
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 from opentelemetry import trace
 
+from hopline.cache.counts import CacheCount, CacheCounts
 from hopline.cache.embedder import Vector
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.search_batching import SearchBatcher, Searched
@@ -37,7 +38,7 @@ class SearchHost(Protocol):
     """What the semantic search uses of the cache service."""
 
     index: ExactIndex | None
-    counters: dict[str, int]
+    counts: CacheCounts
     placeholder: Vector  # an exact-only entry's vector: never read back into memory
 
     def require_store(self) -> CacheStore: ...
@@ -61,17 +62,17 @@ class SemanticSearch:
 
     async def search(self, vector: Vector, scope: Scope, now: float) -> Searched:
         """The scope's nearest live entries to `vector`, at most SEMANTIC_CANDIDATES."""
-        counters = self.host.counters
+        counts = self.host.counts
         index = self.host.index
         vectors = index.vectors if index is not None else None
         span = trace.get_current_span()
         if vectors is not None and vectors.holds_whole(scope):
-            counters["memory_searches"] += 1
+            counts.add(CacheCount.MEMORY_SEARCHES)
             span.set_attribute(schema.CACHE_SEARCH_IN, SearchIn.MEMORY.value)
             return await self.memory.search(vector, scope, now, SEMANTIC_CANDIDATES)
         if vectors is not None and vectors.needs_reading(scope):
             self._read_back(scope)
-        counters["milvus_searches"] += 1
+        counts.add(CacheCount.MILVUS_SEARCHES)
         span.set_attribute(schema.CACHE_SEARCH_IN, SearchIn.MILVUS.value)
         return await self.milvus.search(vector, scope, now, SEMANTIC_CANDIDATES)
 
@@ -125,7 +126,9 @@ class SemanticSearch:
                     semantic = [
                         (key, v) for key, v in rows if not np.array_equal(v, host.placeholder)
                     ]
-                    host.counters["vectors_read"] += index.vectors.absorb(scope, semantic, index)
+                    host.counts.add(
+                        CacheCount.VECTORS_READ, index.vectors.absorb(scope, semantic, index)
+                    )
             except CacheStoreError as exc:  # the next lookup of the scope tries again
                 log.warning("reading a scope's vectors failed", extra={"error": str(exc)})
             finally:

@@ -33,6 +33,7 @@ from opentelemetry import trace
 
 from hopline.cache import intake, invalidation
 from hopline.cache.config import CacheConfig
+from hopline.cache.counts import CacheCount, CacheCounts
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.entry_bounds import COUNT_REFRESH_S, EntryBounds
 from hopline.cache.exact_index import ExactIndex
@@ -58,6 +59,12 @@ from hopline.runtime.batching import QueueFullError
 from hopline.runtime.errors import clip, status_code
 
 log = logging.getLogger("hopline.cache")
+# The counts GetStatsResponse has a field for, by the field's name.
+STATS_COUNTS = tuple(
+    count
+    for count in CacheCount
+    if count.value in cache_pb2.GetStatsResponse.DESCRIPTOR.fields_by_name
+)
 
 # Milvus calls block: two threads so a batched write never stalls every lookup.
 IO_THREADS = 2
@@ -90,32 +97,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.bounds = EntryBounds(math.inf if is_local(config.uri) else COUNT_REFRESH_S)
         self.embedder: Embedder | None = None
         self.verifier = Verifier(config.verify_state_path())
-        self.counters = dict.fromkeys(
-            (
-                "lookups",
-                "exact_hits",
-                "semantic_hits",
-                "misses",
-                "stores",
-                "store_errors",
-                "evictions",
-                "expirations",
-                "store_embeddings",
-                "ambiguous",
-                "unseen_mismatches",
-                "index_hits",  # exact hits answered by the in-memory index
-                "exact_reads",  # exact lookups that read Milvus by key (fallback, or no index)
-                "index_rebuilt",  # entries the start-up rebuild put into the index
-                "reclaims",  # milvus-lite collections rebuilt to free deleted rows
-                "buried",  # entries a lookup read from Milvus after they were deleted
-                "eviction_scans",  # evictions that scanned Milvus for the oldest entries
-                "write_retries",  # batched writes Milvus failed, their rows written again
-                "memory_searches",  # semantic searches answered by the in-memory vectors
-                "milvus_searches",  # semantic searches that went to Milvus
-                "vectors_read",  # vectors read back from Milvus into memory after a start
-            ),
-            0,
-        )
+        self.counts = CacheCounts()
         self.lookup_ms: deque[float] = deque(maxlen=10_000)
         # Accepted stores not yet in Milvus; the exact tier reads them so a repeat hits at once.
         self.writes = PendingWrites(self, config.flush_interval_ms / 1e3)
@@ -198,7 +180,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         started = time.perf_counter()
         now = time.time()
         live = await self.io_call(store.live, now)
-        self.counters["index_rebuilt"] = index.load(live, now)
+        self.counts.add(CacheCount.INDEX_REBUILT, index.load(live, now))
         log.info(
             "exact index rebuilt",
             extra={
@@ -247,9 +229,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 # Lookups already skip them; this frees memory, and tells the key listings.
                 self.feed.let_go(self.index.expire(time.time()))
             try:
-                self.counters["expirations"] += await self.io_call(
-                    self.require_store().expire, time.time()
-                )
+                expired = await self.io_call(self.require_store().expire, time.time())
+                self.counts.add(CacheCount.EXPIRATIONS, expired)
             except CacheStoreError as exc:
                 log.warning("expiry sweep failed", extra={"error": str(exc)})
 
@@ -263,7 +244,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 log.warning("reclaiming deleted rows failed", extra={"error": str(exc)})
                 continue
             if done is not None:
-                self.counters["reclaims"] += 1
+                self.counts.add(CacheCount.RECLAIMS)
                 log.info(
                     "reclaimed deleted rows",
                     extra={
@@ -317,7 +298,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"embedder overloaded: {exc}")
-        self.counters["lookups"] += 1
+        self.counts.add(CacheCount.LOOKUPS)
         self.lookup_ms.append((time.perf_counter() - started) * 1e3)
         return response
 
@@ -447,22 +428,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         except CacheStoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         times = np.array(self.lookup_ms or [0.0])
-        c = self.counters
         return cache_pb2.GetStatsResponse(
             entries=entries,
-            lookups=c["lookups"],
-            exact_hits=c["exact_hits"],
-            semantic_hits=c["semantic_hits"],
-            misses=c["misses"],
-            ambiguous=c["ambiguous"],
-            stores=c["stores"],
-            store_errors=c["store_errors"],
-            evictions=c["evictions"],
-            reclaims=c["reclaims"],
-            write_retries=c["write_retries"],
-            memory_searches=c["memory_searches"],
-            milvus_searches=c["milvus_searches"],
-            expirations=c["expirations"],
+            **{count.value: self.counts[count] for count in STATS_COUNTS},
             lookup_mean_ms=float(times.mean()),
             lookup_p50_ms=float(np.percentile(times, 50)),
             lookup_p99_ms=float(np.percentile(times, 99)),

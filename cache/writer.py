@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Link, SpanContext
 
+from hopline.cache.counts import CacheCount, CacheCounts
 from hopline.cache.embedder import Vector
 from hopline.cache.entry_bounds import EntryBounds, Group, eviction_size
 from hopline.cache.exact_index import ExactIndex
@@ -59,7 +60,7 @@ class WriteHost(Protocol):
     bounds: EntryBounds
     tombstones: Tombstones
     feed: WatchFeed
-    counters: dict[str, int]
+    counts: CacheCounts
     peers: SharedInvalidations | None
     placeholder: Vector  # an exact-only store's vector: never put into the vector index
 
@@ -173,7 +174,7 @@ class PendingWrites:
                     host.require_store().upsert, [(e, v) for e, v, _ in batch.values()]
                 )
         except ValueError as exc:  # rows Milvus refuses: writing them again cannot help
-            host.counters["store_errors"] += len(batch)
+            host.counts.add(CacheCount.STORE_ERRORS, len(batch))
             log.warning("cache write refused", extra={"error": str(exc), "entries": len(batch)})
             for key, item in batch.items():
                 if self._pending.get(key) is item:
@@ -182,7 +183,7 @@ class PendingWrites:
         except CacheStoreError as exc:
             # A write that timed out may have landed all the same: invalidated meanwhile,
             # its keys are deleted again below, the rest are written again (an upsert).
-            host.counters["write_retries"] += 1
+            host.counts.add(CacheCount.WRITE_RETRIES)
             self._redelete.update(k for k in batch if k not in self._pending)
             self._failed_again(batch)
             await self._delete_again()
@@ -227,7 +228,7 @@ class PendingWrites:
             if index is not None and key not in index:
                 self._redelete.add(key)
         if dropped:
-            self.host.counters["store_errors"] += len(dropped)
+            self.host.counts.add(CacheCount.STORE_ERRORS, len(dropped))
             self.host.feed.let_go(dropped)
             log.error(
                 "cache stores dropped: Milvus failed every write of them",
@@ -276,7 +277,7 @@ class PendingWrites:
         except CacheStoreError as exc:
             log.warning("eviction failed", extra={"error": str(exc), "entries": len(doomed)})
             return
-        host.counters["evictions"] += removed
+        host.counts.add(CacheCount.EVICTIONS, removed)
         for group, keys in chosen.items():
             if removed == len(doomed):
                 host.bounds.evicted(group, len(keys))
@@ -302,7 +303,7 @@ class PendingWrites:
             return []
         if (doomed := self._oldest_held(tenant, model, count, excess)) is not None:
             return doomed
-        host.counters["eviction_scans"] += 1
+        host.counts.add(CacheCount.EVICTION_SCANS)
         oldest: list[str] = await host.io_call(store.oldest, tenant, model, excess)
         return oldest
 

@@ -176,6 +176,12 @@ CACHE_LOOKUPS = LoopCounter(
     "Cache service lookups by tier answered (exact, semantic, miss)",
     ("tier",),
 )
+CACHE_EVENTS = LoopCounter(
+    "hopline_cache_events_total",
+    "The cache service's work by event (cache/counts.py:CacheCount): lookups taken, stores, "
+    "store errors, evictions, expirations, write retries, searches in memory or in Milvus, ...",
+    ("event",),
+)
 CACHE_VERIFY_CANDIDATES = Counter(
     "hopline_cache_verify_candidates_total",
     "Semantic candidates decided by a verified-hit rule, by decision (serve, "

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from cache_service import cache, lookup, run, scope, store, written
 
+from hopline.cache.counts import CacheCount
 from hopline.cache.entry_bounds import HEADROOM
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -61,7 +62,7 @@ def test_a_full_scope_evicts_its_oldest_a_headroom_at_a_time(
             over = STORES - LIMIT
             evictions = over // (int(LIMIT * HEADROOM) + 1) + 1
             assert calls["count"] <= evictions + 2 + STORES // 100, calls
-            scans = service.counters["eviction_scans"]
+            scans = service.counts[CacheCount.EVICTION_SCANS]
             assert calls["oldest"] == scans, (calls, scans)
             if index_room is None:
                 assert scans == 0
@@ -112,7 +113,7 @@ def test_the_scopes_over_their_bounds_after_one_write_share_one_delete(tmp_path:
             await written(stub)
             assert calls["delete"] == 1
             victims = 1 + int(bound * HEADROOM)
-            assert service.counters["evictions"] == victims * len(tenants)
+            assert service.counts[CacheCount.EVICTIONS] == victims * len(tenants)
             for tenant in tenants:
                 outcomes = [
                     (await lookup(stub, f"{tenant} text {i}", scope=scope(tenant))).outcome

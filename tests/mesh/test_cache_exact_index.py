@@ -15,6 +15,7 @@ from pathlib import Path
 from cache_service import cache, lookup, run, scope, store, written
 
 from hopline.cache.config import ExactFallback
+from hopline.cache.counts import CacheCount
 from hopline.cache.milvus_store import MilvusStore
 from hopline.cache.service import CacheService
 from hopline.cache.store import CacheStoreError
@@ -46,7 +47,7 @@ def test_exact_hits_are_answered_from_memory_without_milvus(tmp_path: Path) -> N
             assert (await lookup(stub, "WHERE is my   parcel")).outcome == EXACT
             await written(stub)
             asked = milvus_reads_fail(service)
-            before = dict(service.counters)
+            before = {count: service.counts[count] for count in CacheCount}
             hit = await lookup(stub, "where is my parcel")
             assert hit.outcome == EXACT
             assert hit.prediction.label == "order_status"
@@ -56,14 +57,14 @@ def test_exact_hits_are_answered_from_memory_without_milvus(tmp_path: Path) -> N
             other = await lookup(stub, "where is my parcel", scope=scope(tenant="idx-other"))
             assert other.outcome == MISS
             assert asked == []
-            assert service.counters["index_hits"] == before["index_hits"] + 1
-            assert service.counters["exact_reads"] == before["exact_reads"]
+            assert service.counts[CacheCount.INDEX_HITS] == before[CacheCount.INDEX_HITS] + 1
+            assert service.counts[CacheCount.EXACT_READS] == before[CacheCount.EXACT_READS]
             # Nor a semantic-policy one on milvus-lite, one writer per file: the fallback read
             # is for a Milvus server, where another replica may have written the key.
             missed = await lookup(stub, "not stored either", mode="semantic", threshold=0.9)
             assert missed.outcome == MISS
             assert asked == []
-            assert service.counters["exact_reads"] == before["exact_reads"]
+            assert service.counts[CacheCount.EXACT_READS] == before[CacheCount.EXACT_READS]
 
     run(body)
 
@@ -76,9 +77,9 @@ def test_fallback_all_reads_milvus_on_an_index_miss(tmp_path: Path) -> None:
             await written(stub)
             assert service.index is not None
             service.index.remove([key])  # as if another replica had written it
-            before = service.counters["exact_reads"]
+            before = service.counts[CacheCount.EXACT_READS]
             assert (await lookup(stub, "cancel my order")).outcome == EXACT
-            assert service.counters["exact_reads"] == before + 1
+            assert service.counts[CacheCount.EXACT_READS] == before + 1
 
     run(body)
 
@@ -94,13 +95,13 @@ def test_a_restart_rebuilds_the_index(tmp_path: Path) -> None:
             await written(stub)
         await asyncio.sleep(0.6)  # the short-lived entry expires while the cache is down
         async with cache(tmp_path / "cache.db") as (service, stub):
-            assert service.counters["index_rebuilt"] == len(texts)
+            assert service.counts[CacheCount.INDEX_REBUILT] == len(texts)
             asked = milvus_reads_fail(service)
             for text in texts:
                 assert (await lookup(stub, text)).outcome == EXACT, text
             assert (await lookup(stub, "short lived")).outcome == MISS
             assert asked == []
-            assert service.counters["index_hits"] == len(texts)
+            assert service.counts[CacheCount.INDEX_HITS] == len(texts)
 
     run(body)
 

@@ -12,6 +12,7 @@ import pytest
 from cache_service import cache, lookup, run, scope, store, written
 
 from hopline.cache.config import ExactFallback
+from hopline.cache.counts import CacheCount
 from hopline.cache.keys import exact_key, scope_tuple
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -90,7 +91,7 @@ def test_a_batch_past_its_bound_is_refused_whole(tmp_path: Path) -> None:
                 await stub.StoreBatch(cache_pb2.StoreBatchRequest(stores=batch), timeout=30)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "at most 1024" in (err.value.details() or "")
-            assert service.counters["stores"] == 0
+            assert service.counts[CacheCount.STORES] == 0
 
     run(body)
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from cache_service import cache, lookup, run, scope, store, written
 
+from hopline.cache.counts import CacheCount
 from hopline.cache.keys import normalise_text, scope_tuple
 from hopline.cache.semantic_search import SEMANTIC_CANDIDATES
 from hopline.cache.service import CacheService
@@ -52,9 +53,9 @@ async def semantic(stub: object, text: str, tenant: str = "vec") -> cache_pb2.Lo
     return await lookup(stub, text, scope=scope(tenant=tenant), mode="semantic", threshold=0.7)
 
 
-async def until(service: CacheService, counter: str, value: int) -> None:
+async def until(service: CacheService, counter: CacheCount, value: int) -> None:
     deadline = time.monotonic() + 20
-    while service.counters[counter] < value:
+    while service.counts[counter] < value:
         assert time.monotonic() < deadline, f"{counter} never reached {value}"
         await asyncio.sleep(0.02)
 
@@ -71,7 +72,7 @@ def test_memory_finds_what_milvus_finds(tmp_path: Path) -> None:
                 now = time.time()
                 memory = await service.semantic.search(vector, sc, now)
                 milvus = await service.semantic.milvus.search(vector, sc, now, SEMANTIC_CANDIDATES)
-                assert service.counters["memory_searches"] == i
+                assert service.counts[CacheCount.MEMORY_SEARCHES] == i
                 assert [e.key for e, _ in memory.found] == [e.key for e, _ in milvus.found]
                 np.testing.assert_allclose(
                     [s for _, s in memory.found], [s for _, s in milvus.found], atol=1e-4
@@ -87,7 +88,7 @@ def test_semantic_hits_come_from_memory_and_leave_with_their_entries(tmp_path: P
     async def body() -> None:
         async with cache(tmp_path / "cache.db") as (service, stub):
             await store_semantic(stub, STORED)
-            before = dict(service.counters)
+            before = {count: service.counts[count] for count in CacheCount}
             hit = await semantic(stub, "someone stole my card")
             assert hit.outcome == SEMANTIC
             assert hit.prediction.label == "my card was stolen"
@@ -95,8 +96,8 @@ def test_semantic_hits_come_from_memory_and_leave_with_their_entries(tmp_path: P
             other = await semantic(stub, "someone stole my card", tenant="vec-other")
             assert other.outcome == MISS
             stats = await stub.GetStats(cache_pb2.GetStatsRequest())
-            assert stats.memory_searches == before["memory_searches"] + 2
-            assert stats.milvus_searches == before["milvus_searches"]
+            assert stats.memory_searches == before[CacheCount.MEMORY_SEARCHES] + 2
+            assert stats.milvus_searches == before[CacheCount.MILVUS_SEARCHES]
 
             await stub.Invalidate(cache_pb2.InvalidateRequest(entry_ids=[hit.entry_id]))
             # The nearest left is "how much is left on my gift card", at 0.41: a miss.
@@ -122,13 +123,13 @@ def test_a_restart_reads_the_vectors_back_before_searching_memory(tmp_path: Path
             # while the scope's vectors are read back.
             hit = await semantic(stub, "I forgot my password")
             assert (hit.outcome, hit.entry_id) == (SEMANTIC, first.entry_id)
-            assert service.counters["milvus_searches"] == 1
-            await until(service, "vectors_read", len(STORED))
+            assert service.counts[CacheCount.MILVUS_SEARCHES] == 1
+            await until(service, CacheCount.VECTORS_READ, len(STORED))
             again = await semantic(stub, "I forgot my password")
             assert (again.outcome, again.entry_id) == (SEMANTIC, first.entry_id)
             assert abs(again.similarity - hit.similarity) < 1e-4
-            assert service.counters["memory_searches"] == 1
-            assert service.counters["milvus_searches"] == 1
+            assert service.counts[CacheCount.MEMORY_SEARCHES] == 1
+            assert service.counts[CacheCount.MILVUS_SEARCHES] == 1
 
     run(body)
 
@@ -155,7 +156,7 @@ def test_searches_waiting_together_share_one_product(
             assert [answer(r) for r in together] == alone
             assert service.semantic.memory.searches == 2 * len(asked)
             assert service.semantic.memory.calls - calls < len(asked)  # some shared a call
-            assert service.counters["milvus_searches"] == 0
+            assert service.counts[CacheCount.MILVUS_SEARCHES] == 0
             assert sum(a[0] == SEMANTIC for a in alone) >= len(QUERIES) // 2
 
     run(body)
@@ -166,7 +167,7 @@ def test_switched_off_every_search_goes_to_milvus(tmp_path: Path) -> None:
         async with cache(tmp_path / "cache.db", semantic_index=False) as (service, stub):
             await store_semantic(stub, STORED[:3])
             assert (await semantic(stub, "please cancel the subscription")).outcome == SEMANTIC
-            assert service.counters["memory_searches"] == 0
-            assert service.counters["milvus_searches"] == 1
+            assert service.counts[CacheCount.MEMORY_SEARCHES] == 0
+            assert service.counts[CacheCount.MILVUS_SEARCHES] == 1
 
     run(body)

@@ -19,6 +19,7 @@ import pytest
 from cache_service import cache, lookup, run, scope, store, written
 
 from hopline.cache import writer as writer_module
+from hopline.cache.counts import CacheCount
 from hopline.cache.milvus_store import MilvusStore
 from hopline.cache.service import CacheService
 from hopline.cache.store import CacheStoreError, Entry
@@ -187,7 +188,9 @@ def test_a_store_milvus_keeps_refusing_is_dropped_and_holds_nothing_back(tmp_pat
             fail_every_write_of(service, "refused every time", lands=False)
             poison = scope(tenant="poison")
             await store(stub, "refused every time", scope=poison)
-            await until(lambda: bool(service.counters["write_retries"]), "the write never failed")
+            await until(
+                lambda: bool(service.counts[CacheCount.WRITE_RETRIES]), "the write never failed"
+            )
             # Stored behind it: written once the refused store is given up.
             await store(stub, "written after", scope=poison)
             await written(stub)
@@ -210,7 +213,7 @@ def test_a_store_given_up_after_writes_that_landed_is_not_left_in_milvus(tmp_pat
             fail_every_write_of(service, "lands and times out", lands=True)
             landed = scope(tenant="landed")
             key = await store(stub, "lands and times out", scope=landed)
-            await until(lambda: bool(service.counters["store_errors"]), "never given up")
+            await until(lambda: bool(service.counts[CacheCount.STORE_ERRORS]), "never given up")
             await written(stub)
             assert service.index is not None
             assert key not in service.index
