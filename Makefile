@@ -239,13 +239,15 @@ $(MILVUS_STANDALONE):
 milvus-standalone: $(MILVUS_STANDALONE)
 
 # The cache's test files against a Milvus server reached by URI, once on milvus-lite's own
-# server and once on the standalone (HOPLINE_TEST_MILVUS: each mesh starts a server of its own).
+# server and once on the standalone (HOPLINE_TEST_MILVUS: each mesh starts a server of its own);
+# then the cache against a standalone with authentication and TLS, one-way and mutual.
 CACHE_SERVER_TESTS := tests/mesh/test_cache.py tests/mesh/test_cache_exact_index.py \
 	tests/mesh/test_exact_tier.py tests/mesh/test_cache_unseen.py tests/mesh/test_cache_shared_milvus.py \
 	tests/mesh/test_cache_startup.py tests/mesh/test_tenancy_e2e.py tests/mesh/test_cache_verified.py
 milvus-server-tests: model $(MILVUS_STANDALONE)
 	HOPLINE_MODEL_REPO=$(MODEL_REPO) HOPLINE_TEST_MILVUS=lite-server $(BIN)/pytest $(CACHE_SERVER_TESTS)
 	HOPLINE_MODEL_REPO=$(MODEL_REPO) HOPLINE_TEST_MILVUS=standalone $(BIN)/pytest $(CACHE_SERVER_TESTS)
+	HOPLINE_MODEL_REPO=$(MODEL_REPO) $(BIN)/pytest tests/deploy/test_cache_milvus_security.py
 
 # Kubernetes manifests, offline: each overlay rendered by kustomize and validated, strict, by
 # kubeconform against the JSON schemas the PyPI package kubernetes-validate bundles (laid out

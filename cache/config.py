@@ -38,6 +38,26 @@ class CacheConfig(ServerConfig):
         ".hopline/cache.db",
         "Milvus: a file path runs embedded milvus-lite, http(s)://host:port a Milvus server",
     )
+    # A Milvus server that authenticates or encrypts (cache/milvus_access.py).
+    milvus_token_file: str = env_field(
+        "HOPLINE_CACHE_MILVUS_TOKEN_FILE",
+        "",
+        "file holding the token a Milvus server with authentication takes ('user:password' or "
+        "an API key; unset: none sent)",
+    )
+    milvus_ca: str = env_field(
+        "HOPLINE_CACHE_MILVUS_CA",
+        "",
+        "PEM CA that verifies an https:// Milvus server (unset: the system's roots)",
+    )
+    milvus_client_cert: str = env_field(
+        "HOPLINE_CACHE_MILVUS_CLIENT_CERT",
+        "",
+        "PEM certificate the cache presents to a Milvus server with mutual TLS (tlsMode 2)",
+    )
+    milvus_client_key: str = env_field(
+        "HOPLINE_CACHE_MILVUS_CLIENT_KEY", "", "PEM private key of HOPLINE_CACHE_MILVUS_CLIENT_CERT"
+    )
     work_dir: str = env_field(
         "HOPLINE_CACHE_DIR", ".hopline", "where the built embedding encoder is kept"
     )

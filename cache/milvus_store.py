@@ -35,6 +35,7 @@ from hopline.cache.generations import (
     generation_of,
 )
 from hopline.cache.keys import scope_digest
+from hopline.cache.milvus_access import NO_ACCESS, MilvusAccess
 from hopline.cache.milvus_lite import is_local
 from hopline.cache.milvus_rows import (
     MAX_TEXT_BYTES,
@@ -99,8 +100,10 @@ class MilvusStore:
         reclaim_ratio: float = 0.0,
         lookup_consistency: LookupConsistency = LookupConsistency.STRONG,
         start_timeout_s: float = lite.START_TIMEOUT_S,
+        access: MilvusAccess = NO_ACCESS,
     ) -> None:
         self.uri = uri
+        self.access = access  # a Milvus server's token and TLS
         self.start_timeout_s = start_timeout_s  # milvus-lite's server start, by file only
         self.lookup_level = lookup_consistency.milvus_level
         self.base = collection
@@ -135,9 +138,15 @@ class MilvusStore:
     def _connect(self, pymilvus: Any) -> Any:
         if not is_local(self.uri):
             try:
-                return pymilvus.MilvusClient(self.uri, timeout=self.timeout_s)
+                return pymilvus.MilvusClient(
+                    self.uri, timeout=self.timeout_s, dedicated=True, **self.access.client_kwargs()
+                )
             except Exception as exc:  # pymilvus raises many kinds here
-                hint = f"no Milvus answered within {self.timeout_s:g}s (HOPLINE_CACHE_URI)"
+                # pymilvus says the same whether nothing answered or the server refused us.
+                hint = (
+                    f"no Milvus answered within {self.timeout_s:g}s (HOPLINE_CACHE_URI), "
+                    + self.access.refusal_hint(self.uri)
+                )
                 raise CacheStoreError(
                     f"cannot open Milvus at {self.uri}: {hint} ({milvus_reason(exc)})"
                 ) from exc

@@ -39,6 +39,7 @@ from hopline.cache.entry_bounds import COUNT_REFRESH_S, EntryBounds
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, scope_tuple
 from hopline.cache.lookup import CacheLookup
+from hopline.cache.milvus_access import MilvusAccess
 from hopline.cache.milvus_lite import is_local
 from hopline.cache.milvus_rows import MAX_TEXT_BYTES
 from hopline.cache.milvus_store import MilvusStore
@@ -117,6 +118,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         cache_pb2_grpc.add_CacheServiceServicer_to_server(self, server)
 
     async def start(self) -> None:
+        access = MilvusAccess.of(self.config)  # first: a wrong setting fails with its name
         loop = asyncio.get_running_loop()
         work = Path(self.config.work_dir)
         self.embedder = await loop.run_in_executor(
@@ -142,6 +144,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 timeout_s=self.config.milvus_timeout_s,
                 reclaim_ratio=self.config.reclaim_ratio,
                 lookup_consistency=self.config.lookup_consistency,
+                access=access,
             ),
         )
         entries = await self.io_call(self.store.count)
@@ -152,7 +155,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         if not is_local(self.config.uri) and self.config.peer_poll_ms > 0:
             # Before the rebuild: its first read reaches back past it (SKEW_S).
             self.peers = await self.io_call(
-                SharedInvalidations, self.config.uri, model.collection, self.config.milvus_timeout_s
+                SharedInvalidations,
+                self.config.uri,
+                model.collection,
+                self.config.milvus_timeout_s,
+                access,
             )
         if self.index is not None:
             if self.config.semantic_index and is_local(self.config.uri):

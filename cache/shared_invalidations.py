@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 
+from hopline.cache.milvus_access import NO_ACCESS, MilvusAccess
 from hopline.cache.milvus_store import CONSISTENCY, milvus_reason, quiet_pymilvus
 from hopline.cache.store import CacheStoreError
 from hopline.protos.hopline.cache.v1 import cache_pb2
@@ -51,7 +52,9 @@ _IDS_PER_ROW = 400
 class SharedInvalidations:
     """The log collection, read and written by one replica (`origin`). Calls block."""
 
-    def __init__(self, uri: str, collection: str, timeout_s: float) -> None:
+    def __init__(
+        self, uri: str, collection: str, timeout_s: float, access: MilvusAccess = NO_ACCESS
+    ) -> None:
         self.uri = uri
         self.collection = f"{collection}_invalidations"
         self.timeout_s = timeout_s
@@ -61,7 +64,9 @@ class SharedInvalidations:
         pymilvus = quiet_pymilvus()
         self._exc: type[Exception] = pymilvus.MilvusException
         try:
-            self._client = pymilvus.MilvusClient(uri, timeout=timeout_s)
+            self._client = pymilvus.MilvusClient(
+                uri, timeout=timeout_s, dedicated=True, **access.client_kwargs()
+            )
             if not self._client.has_collection(self.collection, timeout=timeout_s):
                 self._create(pymilvus)
             self._client.load_collection(self.collection, timeout=timeout_s * 6)

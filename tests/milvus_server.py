@@ -16,6 +16,7 @@ milvus-lite's server nor hopline's collection naming gives a mesh a database of 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import importlib.util
 import os
@@ -114,22 +115,78 @@ def _standalone_command(data: Path, port: int) -> tuple[list[str], dict[str, str
     return command, dict(os.environ, ETCD_CONFIG_PATH=str(etcd))
 
 
+ROOT_TOKEN = "root:Milvus"  # the root user a Milvus with authentication starts with
+
+
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """A standalone that authenticates and serves TLS with the certificates in `certs`
+    (cli/certs.py's layout: ca.crt, milvus.crt and .key; cache.crt and .key for the client);
+    `mutual` asks every client for a certificate the CA signed (tlsMode 2, else 1). Settings
+    go in by environment, as `_standalone_command`'s do."""
+
+    certs: Path
+    mutual: bool = False
+
+    def server_env(self) -> dict[str, str]:
+        return {
+            "COMMON_SECURITY_AUTHORIZATIONENABLED": "true",
+            "COMMON_SECURITY_TLSMODE": "2" if self.mutual else "1",
+            "TLS_SERVERPEMPATH": str(self.certs / "milvus.crt"),
+            "TLS_SERVERKEYPATH": str(self.certs / "milvus.key"),
+            "TLS_CAPEMPATH": str(self.certs / "ca.crt"),
+        }
+
+    def cache_settings(self) -> dict[str, str]:
+        """CacheConfig's fields for a cache this server takes (the token in a file)."""
+        token = self.certs / "milvus-token"
+        token.write_text(ROOT_TOKEN + "\n")
+        settings = {"milvus_token_file": str(token), "milvus_ca": str(self.certs / "ca.crt")}
+        if self.mutual:
+            settings["milvus_client_cert"] = str(self.certs / "cache.crt")
+            settings["milvus_client_key"] = str(self.certs / "cache.key")
+        return settings
+
+    def client_kwargs(self) -> dict[str, str]:
+        kwargs = {"token": ROOT_TOKEN}
+        if self.mutual:
+            kwargs |= {
+                "ca_pem_path": str(self.certs / "ca.crt"),
+                "client_pem_path": str(self.certs / "cache.crt"),
+                "client_key_path": str(self.certs / "cache.key"),
+            }
+        else:
+            kwargs["server_pem_path"] = str(self.certs / "ca.crt")
+        return kwargs
+
+
 class MilvusServer:
     """One server process over `data`; `uri` is what HOPLINE_CACHE_URI takes."""
 
-    def __init__(self, data: Path, kind: MilvusKind = MilvusKind.LITE_SERVER) -> None:
+    def __init__(
+        self,
+        data: Path,
+        kind: MilvusKind = MilvusKind.LITE_SERVER,
+        security: Security | None = None,
+    ) -> None:
         if kind is MilvusKind.FILE:
             raise ValueError("a file URI needs no server")
+        if security is not None and kind is not MilvusKind.STANDALONE:
+            raise ValueError("only the standalone authenticates and serves TLS")
         self.kind = kind
         self.data = data
+        self.security = security
         self.port = free_ports(1)[0]
-        self.uri = f"http://127.0.0.1:{self.port}"
+        scheme = "http" if security is None else "https"
+        self.uri = f"{scheme}://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 180.0) -> MilvusServer:
         self.data.mkdir(parents=True, exist_ok=True)
         build = _lite_command if self.kind is MilvusKind.LITE_SERVER else _standalone_command
         command, env = build(self.data, self.port)
+        if self.security is not None:
+            env = {**env, **self.security.server_env()}
         with (self.data / "server.log").open("ab") as log:
             self.process = subprocess.Popen(
                 command,
@@ -157,7 +214,8 @@ class MilvusServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"Milvus {self.kind.value} exited: {self.log_tail()}")
             try:
-                client = MilvusClient(self.uri, timeout=2)
+                access = {} if self.security is None else self.security.client_kwargs()
+                client = MilvusClient(self.uri, timeout=2, dedicated=True, **access)
                 client.list_collections(timeout=2)
                 client.close()
                 return

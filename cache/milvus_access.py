@@ -1,0 +1,136 @@
+"""What the cache presents to a Milvus server beyond its address: a token, where the server
+authenticates (`common.security.authorizationEnabled`; 'user:password' or an API key), and
+TLS, where it encrypts (`common.security.tlsMode` 1: a CA that verifies the server; 2, mutual
+TLS: this client's certificate and key too). milvus-lite by file takes neither.
+
+Read once at start-up from HOPLINE_CACHE_MILVUS_* (cache/config.py); every file is checked
+then, so a wrong path fails the start with the setting's name instead of a connection that
+times out. The token is read from a file, as a Kubernetes Secret or a compose secret mounts
+it, and is never logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Protocol
+
+from hopline.cache.milvus_lite import is_local
+from hopline.cache.store import CacheStoreError
+
+TOKEN_ENV = "HOPLINE_CACHE_MILVUS_TOKEN_FILE"
+CA_ENV = "HOPLINE_CACHE_MILVUS_CA"
+CERT_ENV = "HOPLINE_CACHE_MILVUS_CLIENT_CERT"
+KEY_ENV = "HOPLINE_CACHE_MILVUS_CLIENT_KEY"
+
+
+class AccessSettings(Protocol):
+    """The part of CacheConfig this reads."""
+
+    @property
+    def uri(self) -> str: ...
+    @property
+    def milvus_token_file(self) -> str: ...
+    @property
+    def milvus_ca(self) -> str: ...
+    @property
+    def milvus_client_cert(self) -> str: ...
+    @property
+    def milvus_client_key(self) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class MilvusAccess:
+    token: str = dataclasses.field(default="", repr=False)
+    ca: str = ""
+    client_cert: str = ""
+    client_key: str = ""
+
+    @classmethod
+    def of(cls, settings: AccessSettings) -> MilvusAccess:
+        """The settings checked against each other and the URI, the token read; raises
+        CacheStoreError with what to change."""
+        named = {
+            TOKEN_ENV: settings.milvus_token_file,
+            CA_ENV: settings.milvus_ca,
+            CERT_ENV: settings.milvus_client_cert,
+            KEY_ENV: settings.milvus_client_key,
+        }
+        given = [env for env, value in named.items() if value]
+        if not given:
+            return cls()
+        uri = settings.uri
+        if is_local(uri):
+            raise CacheStoreError(
+                f"{', '.join(given)} set, but HOPLINE_CACHE_URI {uri!r} is a milvus-lite file, "
+                "which takes no token or TLS: unset them, or give a Milvus server's URI"
+            )
+        tls = [env for env in given if env != TOKEN_ENV]
+        if tls and not uri.startswith("https://"):
+            raise CacheStoreError(
+                f"{', '.join(tls)} set, but HOPLINE_CACHE_URI {uri!r} does not start with "
+                "https://: TLS to Milvus needs an https:// URI"
+            )
+        if bool(settings.milvus_client_cert) != bool(settings.milvus_client_key):
+            raise CacheStoreError(f"{CERT_ENV} and {KEY_ENV} go together: set both, or neither")
+        if settings.milvus_client_cert and not settings.milvus_ca:
+            raise CacheStoreError(
+                f"{CERT_ENV} needs {CA_ENV}: mutual TLS verifies the server by that CA"
+            )
+        for env in tls:
+            _readable(named[env], env)
+        token = ""
+        if settings.milvus_token_file:
+            token = _readable(settings.milvus_token_file, TOKEN_ENV).strip()
+            if not token:
+                raise CacheStoreError(f"{TOKEN_ENV} {settings.milvus_token_file!r} is empty")
+        return cls(
+            token,
+            settings.milvus_ca,
+            settings.milvus_client_cert,
+            settings.milvus_client_key,
+        )
+
+    def client_kwargs(self) -> dict[str, str]:
+        """pymilvus.MilvusClient's keywords for this access (an https:// URI turns TLS on).
+
+        Pass `dedicated=True` beside them: pymilvus shares one connection among the clients
+        of a process with the same address and token, whatever their TLS settings or scheme,
+        so a client after the first would silently ride the first one's channel."""
+        kwargs: dict[str, str] = {}
+        if self.token:
+            kwargs["token"] = self.token
+        if self.client_cert:
+            # pymilvus sends a client certificate only on this path, with the CA beside it.
+            kwargs |= {
+                "ca_pem_path": self.ca,
+                "client_pem_path": self.client_cert,
+                "client_key_path": self.client_key,
+            }
+        elif self.ca:
+            kwargs["server_pem_path"] = self.ca  # the root that verifies the server
+        return kwargs
+
+    def refusal_hint(self, uri: str) -> str:
+        """What a server that does not take the connection may want, for the start-up error."""
+        token = (
+            f"refused the token in {TOKEN_ENV}" if self.token else f"wants a token ({TOKEN_ENV})"
+        )
+        tls = (
+            f"refused this client's TLS ({CA_ENV}, {CERT_ENV})"
+            if uri.startswith("https://")
+            else f"wants TLS (an https:// URI and {CA_ENV})"
+        )
+        return f"or it {token}, or it {tls}"
+
+
+NO_ACCESS = MilvusAccess()  # milvus-lite, or a server that asks for nothing
+
+
+def _readable(path: str, env: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise CacheStoreError(f"cannot read {env} {path!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise CacheStoreError(f"{env} {path!r} is not text (PEM, or a token)") from None

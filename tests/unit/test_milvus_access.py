@@ -1,0 +1,122 @@
+"""The cache's settings for a Milvus server that authenticates or encrypts
+(cache/milvus_access.py): checked against each other and the URI before anything connects,
+each refusal naming the setting to change, and turned into pymilvus' keywords. The server
+side, a real Milvus standalone with authentication and TLS, is
+tests/deploy/test_cache_milvus_security.py (`make milvus-server-tests`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from hopline.cache.config import CacheConfig
+from hopline.cache.milvus_access import (
+    CA_ENV,
+    CERT_ENV,
+    KEY_ENV,
+    NO_ACCESS,
+    TOKEN_ENV,
+    MilvusAccess,
+)
+from hopline.cache.store import CacheStoreError
+
+SERVER = "https://milvus.example:19530"
+
+
+@pytest.fixture
+def pems(tmp_path: Path) -> dict[str, str]:
+    files = {}
+    for name in ("ca.crt", "cache.crt", "cache.key", "token"):
+        (tmp_path / name).write_text("root:Milvus\n" if name == "token" else f"PEM {name}\n")
+        files[name] = str(tmp_path / name)
+    return files
+
+
+def _config(**settings: str) -> CacheConfig:
+    config: CacheConfig = dataclasses.replace(CacheConfig(), **settings)  # type: ignore[arg-type]
+    return config
+
+
+def test_nothing_set_is_no_access_whatever_the_uri() -> None:
+    assert MilvusAccess.of(_config()) == NO_ACCESS
+    assert MilvusAccess.of(_config(uri=SERVER)).client_kwargs() == {}
+
+
+def test_a_token_is_read_from_its_file_and_never_shown(pems: dict[str, str]) -> None:
+    access = MilvusAccess.of(_config(uri="http://milvus:19530", milvus_token_file=pems["token"]))
+    assert access.client_kwargs() == {"token": "root:Milvus"}
+    assert "Milvus" not in repr(access).replace("MilvusAccess", "")
+
+
+def test_a_ca_alone_verifies_the_server_and_a_client_pair_makes_it_mutual(
+    pems: dict[str, str],
+) -> None:
+    one_way = MilvusAccess.of(_config(uri=SERVER, milvus_ca=pems["ca.crt"]))
+    assert one_way.client_kwargs() == {"server_pem_path": pems["ca.crt"]}
+    mutual = MilvusAccess.of(
+        _config(
+            uri=SERVER,
+            milvus_ca=pems["ca.crt"],
+            milvus_client_cert=pems["cache.crt"],
+            milvus_client_key=pems["cache.key"],
+            milvus_token_file=pems["token"],
+        )
+    )
+    assert mutual.client_kwargs() == {
+        "token": "root:Milvus",
+        "ca_pem_path": pems["ca.crt"],
+        "client_pem_path": pems["cache.crt"],
+        "client_key_path": pems["cache.key"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"milvus_ca": "ca.crt"}, f"{CA_ENV} set, but HOPLINE_CACHE_URI '.hopline/cache.db' is a"),
+        (
+            {"uri": "http://milvus:19530", "milvus_ca": "ca.crt"},
+            f"{CA_ENV} set, but HOPLINE_CACHE_URI 'http://milvus:19530' does not start with https",
+        ),
+        (
+            {"uri": SERVER, "milvus_client_cert": "cache.crt", "milvus_ca": "ca.crt"},
+            f"{CERT_ENV} and {KEY_ENV} go together",
+        ),
+        (
+            {"uri": SERVER, "milvus_client_cert": "cache.crt", "milvus_client_key": "cache.key"},
+            f"{CERT_ENV} needs {CA_ENV}",
+        ),
+        ({"uri": SERVER, "milvus_ca": "missing.crt"}, f"cannot read {CA_ENV} '"),
+        ({"uri": SERVER, "milvus_token_file": "missing"}, f"cannot read {TOKEN_ENV} '"),
+        ({"uri": SERVER, "milvus_token_file": "empty"}, f"{TOKEN_ENV} '"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_by_name(
+    tmp_path: Path, pems: dict[str, str], settings: dict[str, str], message: str
+) -> None:
+    (tmp_path / "empty").write_text("\n")
+    resolved = {
+        key: (
+            pems.get(value, str(tmp_path / value))
+            if key != "uri" and not value.startswith(".")
+            else value
+        )
+        for key, value in settings.items()
+    }
+    with pytest.raises(CacheStoreError) as refused:
+        MilvusAccess.of(_config(**resolved))
+    assert str(refused.value).startswith(message)
+    if settings.get("milvus_token_file") == "empty":
+        assert str(refused.value).endswith("is empty")
+
+
+def test_the_start_up_error_says_what_the_server_may_want() -> None:
+    assert MilvusAccess().refusal_hint("http://milvus:19530") == (
+        f"or it wants a token ({TOKEN_ENV}), or it wants TLS (an https:// URI and {CA_ENV})"
+    )
+    assert MilvusAccess(token="t", ca="ca.crt").refusal_hint(SERVER) == (
+        f"or it refused the token in {TOKEN_ENV}, or it refused this client's TLS "
+        f"({CA_ENV}, {CERT_ENV})"
+    )
