@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Secrets the mtls component mounts, from a directory of `make certs`' files
-# (ca.crt, <service>.crt, <service>.key) and an API keys file (JSON: key -> tenant):
+# (ca.crt, <service>.crt, <service>.key) and an API keys file (JSON: key -> tenant), and the
+# production overlay's Milvus ones (milvus.crt and .key; a root password made here):
 #
 #   deploy/k8s/components/mtls/create-secrets.sh .hopline/tls api-keys.json [namespace]
 #
@@ -18,3 +19,14 @@ for service in gateway tokenizer cache inference postprocess; do
 done
 kubectl -n "$namespace" create secret generic hopline-api-keys \
   --from-file=keys.json="$keys" --dry-run=client -o yaml | kubectl apply -f -
+# The production overlay's Milvus: its server certificate (one naming `milvus`: make certs
+# writes milvus.crt), and the root password it takes at its first start with the cache's token
+# beside it, made once: Milvus keeps the first password, so a second run must not change it.
+kubectl -n "$namespace" create secret generic hopline-tls-milvus \
+  --from-file=tls.crt="$certs/milvus.crt" --from-file=tls.key="$certs/milvus.key" \
+  --from-file=ca.crt="$certs/ca.crt" --dry-run=client -o yaml | kubectl apply -f -
+if ! kubectl -n "$namespace" get secret hopline-milvus-token >/dev/null 2>&1; then
+  password=$(openssl rand -hex 24)
+  kubectl -n "$namespace" create secret generic hopline-milvus-token \
+    --from-literal=password="$password" --from-literal=token="root:$password" >/dev/null
+fi
