@@ -5,7 +5,8 @@
 #   deploy/compose/mtls-secrets.sh .hopline/tls api-keys.json [OUT]
 #
 # OUT (default deploy/compose/secrets) gets a folder per service holding only that
-# service's tls.crt, tls.key and ca.crt, and api-keys/keys.json: root-owned, group 10001
+# service's tls.crt, tls.key and ca.crt, api-keys/keys.json, milvus/ (the Milvus server's
+# certificate) and milvus-token/token (the cache's token for it): root-owned, group 10001
 # (the image's user), mode 0440, so each container reads its own key and nothing else does,
 # as a Kubernetes Secret mounted with defaultMode 0440 under fsGroup 10001. Run as root (the
 # group change needs it). For anything beyond trying it out, issue the certificates from
@@ -21,6 +22,9 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 [ -r "$certs/ca.crt" ] || { echo "cannot read $certs/ca.crt (make certs writes a CA and certificates)" >&2; exit 1; }
 [ -r "$keys" ] || { echo "cannot read $keys (the API keys: JSON, key -> tenant)" >&2; exit 1; }
+for part in crt key; do
+  [ -r "$certs/milvus.$part" ] || { echo "cannot read $certs/milvus.$part (make certs writes the Milvus server's certificate)" >&2; exit 1; }
+done
 
 place() {  # place FOLDER NAME=SOURCE...
   local folder=$1
@@ -39,4 +43,19 @@ for service in gateway tokenizer cache inference postprocess; do
     ca.crt="$certs/ca.crt"
 done
 place "$out/api-keys" keys.json="$keys"
+# Milvus (compose.mtls.yaml: authentication and mutual TLS): its server certificate, and its
+# root password, made once (Milvus takes it at its first start and keeps it; root-only here):
+# for Milvus in milvus-config/user.yaml, its configuration file for settings over the image's,
+# and for the cache as milvus-token/token.
+place "$out/milvus" tls.crt="$certs/milvus.crt" tls.key="$certs/milvus.key" ca.crt="$certs/ca.crt"
+if [ ! -s "$out/milvus-root-password" ]; then
+  (umask 077 && openssl rand -hex 24 > "$out/milvus-root-password")
+fi
+password=$(cat "$out/milvus-root-password")
+made=$(mktemp -d)
+printf 'common:\n  security:\n    defaultRootPassword: "%s"\n' "$password" > "$made/user.yaml"
+printf 'root:%s\n' "$password" > "$made/token"
+place "$out/milvus-config" user.yaml="$made/user.yaml"
+place "$out/milvus-token" token="$made/token"
+rm -rf "$made"
 echo "secrets in $out"

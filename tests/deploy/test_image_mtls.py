@@ -75,7 +75,7 @@ def lay_out_secrets(certs: Path, keys: Path, out: Path) -> subprocess.CompletedP
 def production(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Production]:
     require_image()
     work = tmp_path_factory.mktemp("image-mtls")
-    certs = make_certs(work / "ca", ROLES)
+    certs = make_certs(work / "ca", (*ROLES, "milvus"))
     keys = work / "keys.json"
     keys.write_text(json.dumps({API_KEY: "acme"}), encoding="utf-8")
     names = container_names("mtls")
@@ -139,13 +139,27 @@ def test_probes_answer_in_plaintext_and_the_services_only_over_mtls(
 def test_the_secrets_script_lays_out_what_only_the_image_group_reads(
     production: Production, tmp_path: Path
 ) -> None:
-    for service in SERVICES:
-        folder = production.secrets / service.name
-        assert sorted(p.name for p in folder.iterdir()) == ["ca.crt", "tls.crt", "tls.key"]
+    folders = {str(service.name): "ca.crt tls.crt tls.key" for service in SERVICES}
+    # Milvus's certificate, its configuration with the root password, the cache's token.
+    folders |= {
+        "milvus": "ca.crt tls.crt tls.key",
+        "milvus-config": "user.yaml",
+        "milvus-token": "token",
+    }
+    for name, files in folders.items():
+        folder = production.secrets / name
+        assert sorted(p.name for p in folder.iterdir()) == files.split(), name
         for path in (folder, *folder.iterdir()):
             info = path.stat()
             assert (info.st_uid, info.st_gid) == (0, int(IMAGE_UID)), path
             assert stat.S_IMODE(info.st_mode) == (0o750 if path.is_dir() else 0o440), path
+    root_password = production.secrets / "milvus-root-password"
+    assert stat.S_IMODE(root_password.stat().st_mode) == 0o600  # root's alone
+    password = root_password.read_text().strip()
+    token = (production.secrets / "milvus-token" / "token").read_text()
+    assert (len(password), token) == (48, f"root:{password}\n")
+    user_yaml = (production.secrets / "milvus-config" / "user.yaml").read_text()
+    assert f'defaultRootPassword: "{password}"' in user_yaml
     missing = lay_out_secrets(tmp_path / "no-certs", tmp_path / "keys.json", tmp_path / "out")
     assert missing.returncode == 1
     assert "cannot read" in missing.stderr
