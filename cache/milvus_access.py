@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Protocol
 
+from hopline.cache.config import CacheConfig
 from hopline.cache.milvus_lite import is_local
 from hopline.cache.store import CacheStoreError
 
@@ -22,21 +22,6 @@ TOKEN_ENV = "HOPLINE_CACHE_MILVUS_TOKEN_FILE"
 CA_ENV = "HOPLINE_CACHE_MILVUS_CA"
 CERT_ENV = "HOPLINE_CACHE_MILVUS_CLIENT_CERT"
 KEY_ENV = "HOPLINE_CACHE_MILVUS_CLIENT_KEY"
-
-
-class AccessSettings(Protocol):
-    """The part of CacheConfig this reads."""
-
-    @property
-    def uri(self) -> str: ...
-    @property
-    def milvus_token_file(self) -> str: ...
-    @property
-    def milvus_ca(self) -> str: ...
-    @property
-    def milvus_client_cert(self) -> str: ...
-    @property
-    def milvus_client_key(self) -> str: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,19 +32,19 @@ class MilvusAccess:
     client_key: str = ""
 
     @classmethod
-    def of(cls, settings: AccessSettings) -> MilvusAccess:
+    def of(cls, config: CacheConfig) -> MilvusAccess:
         """The settings checked against each other and the URI, the token read; raises
         CacheStoreError with what to change."""
         named = {
-            TOKEN_ENV: settings.milvus_token_file,
-            CA_ENV: settings.milvus_ca,
-            CERT_ENV: settings.milvus_client_cert,
-            KEY_ENV: settings.milvus_client_key,
+            TOKEN_ENV: config.milvus_token_file,
+            CA_ENV: config.milvus_ca,
+            CERT_ENV: config.milvus_client_cert,
+            KEY_ENV: config.milvus_client_key,
         }
         given = [env for env, value in named.items() if value]
         if not given:
             return cls()
-        uri = settings.uri
+        uri = config.uri
         if is_local(uri):
             raise CacheStoreError(
                 f"{', '.join(given)} set, but HOPLINE_CACHE_URI {uri!r} is a milvus-lite file, "
@@ -71,24 +56,24 @@ class MilvusAccess:
                 f"{', '.join(tls)} set, but HOPLINE_CACHE_URI {uri!r} does not start with "
                 "https://: TLS to Milvus needs an https:// URI"
             )
-        if bool(settings.milvus_client_cert) != bool(settings.milvus_client_key):
+        if bool(config.milvus_client_cert) != bool(config.milvus_client_key):
             raise CacheStoreError(f"{CERT_ENV} and {KEY_ENV} go together: set both, or neither")
-        if settings.milvus_client_cert and not settings.milvus_ca:
+        if config.milvus_client_cert and not config.milvus_ca:
             raise CacheStoreError(
                 f"{CERT_ENV} needs {CA_ENV}: mutual TLS verifies the server by that CA"
             )
         for env in tls:
             _readable(named[env], env)
         token = ""
-        if settings.milvus_token_file:
-            token = _readable(settings.milvus_token_file, TOKEN_ENV).strip()
+        if config.milvus_token_file:
+            token = _readable(config.milvus_token_file, TOKEN_ENV).strip()
             if not token:
-                raise CacheStoreError(f"{TOKEN_ENV} {settings.milvus_token_file!r} is empty")
+                raise CacheStoreError(f"{TOKEN_ENV} {config.milvus_token_file!r} is empty")
         return cls(
             token,
-            settings.milvus_ca,
-            settings.milvus_client_cert,
-            settings.milvus_client_key,
+            config.milvus_ca,
+            config.milvus_client_cert,
+            config.milvus_client_key,
         )
 
     def client_kwargs(self) -> dict[str, str]:
