@@ -20,6 +20,12 @@ from hopline.runtime.config import (
     metrics_port_field,
 )
 
+# A Milvus server's access settings, named here once (cache/milvus_access.py checks them).
+MILVUS_TOKEN_ENV = "HOPLINE_CACHE_MILVUS_TOKEN_FILE"
+MILVUS_CA_ENV = "HOPLINE_CACHE_MILVUS_CA"
+MILVUS_CERT_ENV = "HOPLINE_CACHE_MILVUS_CLIENT_CERT"
+MILVUS_KEY_ENV = "HOPLINE_CACHE_MILVUS_CLIENT_KEY"
+
 
 class ExactFallback(enum.StrEnum):
     """Which lookups read Milvus by key when the in-memory exact index has no entry."""
@@ -40,23 +46,23 @@ class CacheConfig(ServerConfig):
     )
     # A Milvus server that authenticates or encrypts (cache/milvus_access.py).
     milvus_token_file: str = env_field(
-        "HOPLINE_CACHE_MILVUS_TOKEN_FILE",
+        MILVUS_TOKEN_ENV,
         "",
         "file holding the token a Milvus server with authentication takes ('user:password' or "
         "an API key; unset: none sent)",
     )
     milvus_ca: str = env_field(
-        "HOPLINE_CACHE_MILVUS_CA",
+        MILVUS_CA_ENV,
         "",
         "PEM CA that verifies an https:// Milvus server (unset: the system's roots)",
     )
     milvus_client_cert: str = env_field(
-        "HOPLINE_CACHE_MILVUS_CLIENT_CERT",
+        MILVUS_CERT_ENV,
         "",
         "PEM certificate the cache presents to a Milvus server with mutual TLS (tlsMode 2)",
     )
     milvus_client_key: str = env_field(
-        "HOPLINE_CACHE_MILVUS_CLIENT_KEY", "", "PEM private key of HOPLINE_CACHE_MILVUS_CLIENT_CERT"
+        MILVUS_KEY_ENV, "", "PEM private key of HOPLINE_CACHE_MILVUS_CLIENT_CERT"
     )
     work_dir: str = env_field(
         "HOPLINE_CACHE_DIR", ".hopline", "where the built embedding encoder is kept"

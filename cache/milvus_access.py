@@ -14,14 +14,15 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from hopline.cache.config import CacheConfig
+from hopline.cache.config import (
+    MILVUS_CA_ENV,
+    MILVUS_CERT_ENV,
+    MILVUS_KEY_ENV,
+    MILVUS_TOKEN_ENV,
+    CacheConfig,
+)
 from hopline.cache.milvus_lite import is_local
 from hopline.cache.store import CacheStoreError
-
-TOKEN_ENV = "HOPLINE_CACHE_MILVUS_TOKEN_FILE"
-CA_ENV = "HOPLINE_CACHE_MILVUS_CA"
-CERT_ENV = "HOPLINE_CACHE_MILVUS_CLIENT_CERT"
-KEY_ENV = "HOPLINE_CACHE_MILVUS_CLIENT_KEY"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +37,10 @@ class MilvusAccess:
         """The settings checked against each other and the URI, the token read; raises
         CacheStoreError with what to change."""
         named = {
-            TOKEN_ENV: config.milvus_token_file,
-            CA_ENV: config.milvus_ca,
-            CERT_ENV: config.milvus_client_cert,
-            KEY_ENV: config.milvus_client_key,
+            MILVUS_TOKEN_ENV: config.milvus_token_file,
+            MILVUS_CA_ENV: config.milvus_ca,
+            MILVUS_CERT_ENV: config.milvus_client_cert,
+            MILVUS_KEY_ENV: config.milvus_client_key,
         }
         given = [env for env, value in named.items() if value]
         if not given:
@@ -50,25 +51,28 @@ class MilvusAccess:
                 f"{', '.join(given)} set, but HOPLINE_CACHE_URI {uri!r} is a milvus-lite file, "
                 "which takes no token or TLS: unset them, or give a Milvus server's URI"
             )
-        tls = [env for env in given if env != TOKEN_ENV]
+        tls = [env for env in given if env != MILVUS_TOKEN_ENV]
         if tls and not uri.startswith("https://"):
             raise CacheStoreError(
                 f"{', '.join(tls)} set, but HOPLINE_CACHE_URI {uri!r} does not start with "
                 "https://: TLS to Milvus needs an https:// URI"
             )
         if bool(config.milvus_client_cert) != bool(config.milvus_client_key):
-            raise CacheStoreError(f"{CERT_ENV} and {KEY_ENV} go together: set both, or neither")
+            raise CacheStoreError(
+                f"{MILVUS_CERT_ENV} and {MILVUS_KEY_ENV} go together: set both, or neither"
+            )
         if config.milvus_client_cert and not config.milvus_ca:
             raise CacheStoreError(
-                f"{CERT_ENV} needs {CA_ENV}: mutual TLS verifies the server by that CA"
+                f"{MILVUS_CERT_ENV} needs {MILVUS_CA_ENV}: "
+                "mutual TLS verifies the server by that CA"
             )
         for env in tls:
             _readable(named[env], env)
         token = ""
         if config.milvus_token_file:
-            token = _readable(config.milvus_token_file, TOKEN_ENV).strip()
+            token = _readable(config.milvus_token_file, MILVUS_TOKEN_ENV).strip()
             if not token:
-                raise CacheStoreError(f"{TOKEN_ENV} {config.milvus_token_file!r} is empty")
+                raise CacheStoreError(f"{MILVUS_TOKEN_ENV} {config.milvus_token_file!r} is empty")
         return cls(
             token,
             config.milvus_ca,
@@ -99,12 +103,14 @@ class MilvusAccess:
     def refusal_hint(self, uri: str) -> str:
         """What a server that does not take the connection may want, for the start-up error."""
         token = (
-            f"refused the token in {TOKEN_ENV}" if self.token else f"wants a token ({TOKEN_ENV})"
+            f"refused the token in {MILVUS_TOKEN_ENV}"
+            if self.token
+            else f"wants a token ({MILVUS_TOKEN_ENV})"
         )
         tls = (
-            f"refused this client's TLS ({CA_ENV}, {CERT_ENV})"
+            f"refused this client's TLS ({MILVUS_CA_ENV}, {MILVUS_CERT_ENV})"
             if uri.startswith("https://")
-            else f"wants TLS (an https:// URI and {CA_ENV})"
+            else f"wants TLS (an https:// URI and {MILVUS_CA_ENV})"
         )
         return f"or it {token}, or it {tls}"
 

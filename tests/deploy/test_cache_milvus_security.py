@@ -19,7 +19,7 @@ import pytest
 from cache_service import cache, lookup, run, store, written
 from milvus_server import MilvusKind, MilvusServer, Security
 
-from hopline.cache.milvus_access import CA_ENV, CERT_ENV, TOKEN_ENV
+from hopline.cache.config import MILVUS_CA_ENV, MILVUS_CERT_ENV, MILVUS_TOKEN_ENV
 from hopline.cache.store import CacheStoreError
 from hopline.cli.certs import make_certs
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -70,18 +70,18 @@ def test_a_cache_the_server_refuses_says_what_to_set(server: MilvusServer) -> No
     assert server.security is not None
     access = server.security.cache_settings()
     no_token = {k: v for k, v in access.items() if k != "milvus_token_file"}
-    assert f"or it wants a token ({TOKEN_ENV})" in _start_fails(server.uri, **no_token)
+    assert f"or it wants a token ({MILVUS_TOKEN_ENV})" in _start_fails(server.uri, **no_token)
 
     wrong = Path(access["milvus_token_file"]).with_name("wrong-token")
     wrong.write_text("root:not-the-password\n")
     message = _start_fails(server.uri, **{**access, "milvus_token_file": str(wrong)})
-    assert f"or it refused the token in {TOKEN_ENV}" in message
+    assert f"or it refused the token in {MILVUS_TOKEN_ENV}" in message
 
     # A CA that did not sign the server's certificate: the handshake fails.
     stranger = make_certs(Path(access["milvus_ca"]).parent.parent / "stranger", roles=())
     message = _start_fails(server.uri, **{**access, "milvus_ca": str(stranger / "ca.crt")})
-    assert f"or it refused this client's TLS ({CA_ENV}, {CERT_ENV})" in message
+    assert f"or it refused this client's TLS ({MILVUS_CA_ENV}, {MILVUS_CERT_ENV})" in message
 
     plaintext = server.uri.replace("https://", "http://")
     message = _start_fails(plaintext, milvus_token_file=access["milvus_token_file"])
-    assert f"or it wants TLS (an https:// URI and {CA_ENV})" in message
+    assert f"or it wants TLS (an https:// URI and {MILVUS_CA_ENV})" in message

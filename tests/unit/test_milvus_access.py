@@ -11,15 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from hopline.cache.config import CacheConfig
-from hopline.cache.milvus_access import (
-    CA_ENV,
-    CERT_ENV,
-    KEY_ENV,
-    NO_ACCESS,
-    TOKEN_ENV,
-    MilvusAccess,
+from hopline.cache.config import (
+    MILVUS_CA_ENV,
+    MILVUS_CERT_ENV,
+    MILVUS_KEY_ENV,
+    MILVUS_TOKEN_ENV,
+    CacheConfig,
 )
+from hopline.cache.milvus_access import NO_ACCESS, MilvusAccess
 from hopline.cache.store import CacheStoreError
 
 SERVER = "https://milvus.example:19530"
@@ -75,22 +74,26 @@ def test_a_ca_alone_verifies_the_server_and_a_client_pair_makes_it_mutual(
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"milvus_ca": "ca.crt"}, f"{CA_ENV} set, but HOPLINE_CACHE_URI '.hopline/cache.db' is a"),
+        (
+            {"milvus_ca": "ca.crt"},
+            f"{MILVUS_CA_ENV} set, but HOPLINE_CACHE_URI '.hopline/cache.db' is a",
+        ),
         (
             {"uri": "http://milvus:19530", "milvus_ca": "ca.crt"},
-            f"{CA_ENV} set, but HOPLINE_CACHE_URI 'http://milvus:19530' does not start with https",
+            f"{MILVUS_CA_ENV} set, but HOPLINE_CACHE_URI 'http://milvus:19530' does not "
+            "start with https",
         ),
         (
             {"uri": SERVER, "milvus_client_cert": "cache.crt", "milvus_ca": "ca.crt"},
-            f"{CERT_ENV} and {KEY_ENV} go together",
+            f"{MILVUS_CERT_ENV} and {MILVUS_KEY_ENV} go together",
         ),
         (
             {"uri": SERVER, "milvus_client_cert": "cache.crt", "milvus_client_key": "cache.key"},
-            f"{CERT_ENV} needs {CA_ENV}",
+            f"{MILVUS_CERT_ENV} needs {MILVUS_CA_ENV}",
         ),
-        ({"uri": SERVER, "milvus_ca": "missing.crt"}, f"cannot read {CA_ENV} '"),
-        ({"uri": SERVER, "milvus_token_file": "missing"}, f"cannot read {TOKEN_ENV} '"),
-        ({"uri": SERVER, "milvus_token_file": "empty"}, f"{TOKEN_ENV} '"),
+        ({"uri": SERVER, "milvus_ca": "missing.crt"}, f"cannot read {MILVUS_CA_ENV} '"),
+        ({"uri": SERVER, "milvus_token_file": "missing"}, f"cannot read {MILVUS_TOKEN_ENV} '"),
+        ({"uri": SERVER, "milvus_token_file": "empty"}, f"{MILVUS_TOKEN_ENV} '"),
     ],
 )
 def test_settings_that_cannot_work_are_refused_by_name(
@@ -114,9 +117,10 @@ def test_settings_that_cannot_work_are_refused_by_name(
 
 def test_the_start_up_error_says_what_the_server_may_want() -> None:
     assert MilvusAccess().refusal_hint("http://milvus:19530") == (
-        f"or it wants a token ({TOKEN_ENV}), or it wants TLS (an https:// URI and {CA_ENV})"
+        f"or it wants a token ({MILVUS_TOKEN_ENV}), "
+        f"or it wants TLS (an https:// URI and {MILVUS_CA_ENV})"
     )
     assert MilvusAccess(token="t", ca="ca.crt").refusal_hint(SERVER) == (
-        f"or it refused the token in {TOKEN_ENV}, or it refused this client's TLS "
-        f"({CA_ENV}, {CERT_ENV})"
+        f"or it refused the token in {MILVUS_TOKEN_ENV}, or it refused this client's TLS "
+        f"({MILVUS_CA_ENV}, {MILVUS_CERT_ENV})"
     )
