@@ -124,9 +124,10 @@ class GatewayConfig(ServerConfig):
     )
     upstream_retry_tokens: int = env_field(
         "HOPLINE_UPSTREAM_RETRY_TOKENS",
-        20,
+        0,
         "retry budget per upstream: a failed attempt spends a token, retries stop while "
-        "fewer than half are left",
+        "fewer than half are left (0: twice HOPLINE_GATEWAY_MAX_IN_FLIGHT, at most 1000, so "
+        "every call in flight on a replica that dies can still be retried)",
     )
     batch_max_rows: int = env_field(
         "HOPLINE_GATEWAY_BATCH_MAX_ROWS",

@@ -103,6 +103,7 @@ RETRY_METHODS: dict[str, tuple[str, ...]] = {
 # large, and a retry would add load to an overload or fail again the same way.
 RETRYABLE_CODES = ("UNAVAILABLE", "CANCELLED")
 MAX_ATTEMPTS_CAP = 5  # gRPC's own limit on maxAttempts: it clamps higher values to 5
+MAX_RETRY_TOKENS = 1000  # gRPC's own limit on retryThrottling's maxTokens
 
 
 def _seconds(ms: float) -> str:
@@ -146,13 +147,31 @@ def retry_service_config(
                 },
             }
         ],
-        # gRPC accepts an integer maxTokens in (0, 1000] (a float fails the channel) and a
-        # tokenRatio above 0 (3 decimals).
+        # gRPC accepts an integer maxTokens in (0, MAX_RETRY_TOKENS] (a float fails the
+        # channel) and a tokenRatio above 0 (3 decimals).
         "retryThrottling": {
-            "maxTokens": min(max(int(budget_tokens), 1), 1000),
+            "maxTokens": min(max(int(budget_tokens), 1), MAX_RETRY_TOKENS),
             "tokenRatio": max(round(token_ratio, 3), 0.001),
         },
     }
+
+
+def retry_budget(config: GatewayConfig) -> int:
+    """The retry budget's tokens: HOPLINE_UPSTREAM_RETRY_TOKENS, or, at its default 0, enough
+    for every call the gateway may have in flight to fail at once and still be retried.
+
+    A replica that dies fails every call it holds in one moment, and each failure spends a
+    token: a budget smaller than twice that backlog stops retrying part of it, and those calls
+    reach clients as UNAVAILABLE though the other replica is up. Killing one of two tokenizer
+    replicas holding 32 of 64 calls failed 24 of them with the former fixed budget of 20
+    tokens, none with this one (tests/mesh/test_replicas.py). The budget still ends retries
+    when every replica keeps failing: past the backlog, one retry per 1/token_ratio successes.
+    """
+    if config.upstream_retry_tokens:
+        return config.upstream_retry_tokens
+    if not config.max_in_flight:
+        return MAX_RETRY_TOKENS
+    return min(2 * config.max_in_flight, MAX_RETRY_TOKENS)
 
 
 def config_retry_policy(config: GatewayConfig) -> dict[str, Any] | None:
@@ -161,7 +180,7 @@ def config_retry_policy(config: GatewayConfig) -> dict[str, Any] | None:
         config.upstream_retry_attempts,
         config.upstream_retry_backoff_ms,
         config.upstream_retry_max_backoff_ms,
-        config.upstream_retry_tokens,
+        retry_budget(config),
         config.upstream_retry_token_ratio,
     )
 

@@ -181,3 +181,71 @@ def test_without_retries_a_lost_replica_costs_only_clear_unavailables(
     assert run.sent == REQUESTS
     assert set(run.failures.values()) <= {"UNAVAILABLE: inference service unavailable"}
     assert run.survivor_calls_after_kill >= REQUESTS - run.killed_after - len(run.failures)
+
+
+IN_FLIGHT = 64  # calls in flight at once when the replica holding half of them dies
+HOLD_MS = 4_000  # how long the slow replica holds each call (HOPLINE_TEST_DELAY_MS)
+
+
+def test_a_replica_killed_with_many_calls_in_flight_fails_none(
+    repo: Path, tmp_path: Path, second_replica: dict[str, object]
+) -> None:
+    """A replica dies while a backlog of calls waits on it, as one slowed by a long request
+    or a busy core does: every one of those calls fails at once, and each must be retried on
+    the replica left. The slow replica is made so with HOPLINE_TEST_DELAY_MS (test-only: the
+    same tokenizer, holding each call HOLD_MS before answering it), since a backlog of a set
+    size cannot be made on demand by load alone; it is SIGKILLed while it holds its share of
+    IN_FLIGHT calls, none of which it has answered."""
+    fast, slow, fast_metrics, slow_metrics = free_port(), free_port(), free_port(), free_port()
+    mesh = Mesh(
+        repo,
+        tmp_path,
+        addrs={"tokenizer": f"127.0.0.1:{fast}"},
+        service_env={
+            "gateway": {
+                "HOPLINE_TOKENIZER_ADDR": f"ipv4:127.0.0.1:{fast},127.0.0.1:{slow}",
+                "HOPLINE_GATEWAY_BATCH_MAX_ROWS": "1",  # one Tokenize per request
+            }
+        },
+        **LEAN,
+    )
+    mesh.metrics_ports["tokenizer"] = fast_metrics
+    held = spawn_replica(
+        mesh, "tokenizer", slow, slow_metrics, {"HOPLINE_TEST_DELAY_MS": str(HOLD_MS)}, "slow"
+    )
+    second_replica["proc"] = held
+    failures: dict[int, str] = {}
+    try:
+        mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
+        with grpc.insecure_channel(mesh.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            before = served_ok(fast_metrics, "Tokenize")
+            futures = [
+                stub.Predict.future(
+                    gateway_pb2.PredictRequest(
+                        text=f"where is my order {uuid.uuid4()}",
+                        cache_mode=common_pb2.CACHE_MODE_BYPASS,
+                    ),
+                    timeout=HOLD_MS / 1e3 + 30,
+                )
+                for _ in range(IN_FLIGHT)
+            ]
+            # Wait until the fast replica has answered its share: the rest is held by the slow.
+            deadline = time.monotonic() + HOLD_MS / 2e3
+            while served_ok(fast_metrics, "Tokenize") - before < IN_FLIGHT // 2 - 2:
+                assert time.monotonic() < deadline, "the fast replica never took its share"
+                time.sleep(0.05)
+            held_back = IN_FLIGHT - (served_ok(fast_metrics, "Tokenize") - before)
+            held.kill()  # SIGKILL while it holds its calls
+            held.wait()
+            for i, future in enumerate(futures):
+                try:
+                    future.result()
+                except grpc.RpcError as err:
+                    failures[i] = f"{err.code().name}: {err.details()}"
+            answered_by_fast = served_ok(fast_metrics, "Tokenize") - before
+    finally:
+        mesh.stop()
+    assert held_back >= IN_FLIGHT // 4, f"only {held_back} calls were held by the slow replica"
+    assert failures == {}, f"{len(failures)} of {IN_FLIGHT} failed: {failures}"
+    assert answered_by_fast == IN_FLIGHT

@@ -17,6 +17,7 @@ from hopline.gateway.upstream import (
     Upstream,
     channel_options,
     config_retry_policy,
+    retry_budget,
     retry_service_config,
     upstream_service_config,
 )
@@ -41,7 +42,9 @@ def test_defaults() -> None:
     assert retry["initialBackoff"] == "0.010s"
     assert retry["maxBackoff"] == "0.100s"
     assert retry["backoffMultiplier"] == 2
-    assert policy()["retryThrottling"] == {"maxTokens": 20, "tokenRatio": 0.1}
+    # Twice the gateway's 256 requests in flight: all of them may fail at once on a replica
+    # that dies, and each must still be retried (retry_budget).
+    assert policy()["retryThrottling"] == {"maxTokens": 512, "tokenRatio": 0.1}
     # No per-attempt timeout: every attempt shares the call's one deadline.
     assert "timeout" not in method
     assert "perAttemptRecvTimeout" not in retry
@@ -148,3 +151,20 @@ def test_grpc_accepts_the_service_config() -> None:
             await upstream.close()
 
     assert asyncio.run(states()) == [grpc.ChannelConnectivity.IDLE] * 2
+
+
+@pytest.mark.parametrize(
+    ("tokens", "max_in_flight", "budget"),
+    [(0, 256, 512), (0, 10, 20), (0, 600, 1000), (0, 0, 1000), (7, 256, 7)],
+)
+def test_the_retry_budget_follows_the_in_flight_limit_unless_set(
+    tokens: int, max_in_flight: int, budget: int
+) -> None:
+    config = GatewayConfig(upstream_retry_tokens=tokens, max_in_flight=max_in_flight)
+    assert retry_budget(config) == budget
+    assert (
+        policy(upstream_retry_tokens=tokens, max_in_flight=max_in_flight)["retryThrottling"][
+            "maxTokens"
+        ]
+        == budget
+    )
