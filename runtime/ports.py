@@ -8,12 +8,22 @@ side by side, started after their meshes' ports were chosen, and the second one'
 coordinator, finding its default 53100 taken, took the next port up, 53101, which a port-0
 probe had handed to a mesh's inference service. Below the range only a program that names
 the port can take it; the bind probe sees those already listening.
+
+Another hopline process drawing at the same moment (a second test session, a bench beside
+one) would not be seen by the probe either: a port chosen there is not bound until its
+service starts. So each chosen port is also claimed, by a lock on a file named after it in
+`CLAIMS_DIR`, held until the process that chose it exits, and a port another process holds is
+drawn again. A drain test lost a run that way (stop 74): its inference service found the
+port it was given taken, while a second pytest session ran on the same machine.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import random
 import socket
+import tempfile
 from pathlib import Path
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -25,8 +35,32 @@ QUIET_SPAN = 8192
 # each other and other test processes' too often.
 QUIET_MIN = 1024
 _TRIES_PER_PORT = 64
+# One folder per user: a shared one in /tmp would let another user's files stand in for it.
+CLAIMS_DIR = Path(tempfile.gettempdir()) / f"hopline-ports-{os.getuid()}"
 
-_handed_out: set[int] = set()
+# Ports this process chose, each with its claim's open file: closing it (here never, the exit
+# does) would release the claim.
+_handed_out: dict[int, int | None] = {}
+
+
+def claim(port: int, claims_dir: Path = CLAIMS_DIR) -> bool:
+    """Whether this process now holds `port`: False when this or another process claimed it.
+    Where the folder cannot be written, every port not yet handed out here is granted."""
+    if port in _handed_out:
+        return False
+    try:
+        claims_dir.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(claims_dir / str(port), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        _handed_out[port] = None
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _handed_out[port] = fd
+    return True
 
 
 def quiet_range(ephemeral_file: Path = EPHEMERAL_RANGE_FILE) -> range | None:
@@ -41,7 +75,8 @@ def quiet_range(ephemeral_file: Path = EPHEMERAL_RANGE_FILE) -> range | None:
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports free now on `host`, none handed out before by this process.
+    """`count` distinct ports free now on `host`, none handed out before by this process nor
+    claimed by another (`claim`).
 
     All probe sockets stay open until every port is chosen, and ports handed out earlier are
     skipped: the kernel may give back a port it gave a moment ago, and two servers told the
@@ -62,8 +97,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             except OSError:
                 continue  # taken (or in TIME_WAIT): draw again
             port = int(probe.getsockname()[1])
-            if port not in _handed_out:
-                _handed_out.add(port)
+            if claim(port):
                 ports.append(port)
         return ports
     finally:

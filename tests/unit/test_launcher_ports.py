@@ -6,16 +6,21 @@ services failed to bind). No process is started."""
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from hopline.runtime import ports
 from hopline.runtime.launcher import Mesh, MeshError
 from hopline.runtime.ports import (
     EPHEMERAL_RANGE_FILE,
     QUIET_SPAN,
     address_in_use,
+    claim,
     free_ports,
     port_problem,
     quiet_range,
@@ -78,3 +83,38 @@ def test_a_port_gRPC_would_wrap_is_a_problem() -> None:
         assert port_problem(fine) is None, fine
     for wrong in ("127.0.0.1:65536", "127.0.0.1:99999", "host:http", "127.0.0.1:"):
         assert port_problem(wrong) == f"{wrong!r}: the port must be a number from 0 to 65535"
+
+
+CLAIMER = """
+import sys
+from hopline.runtime.ports import claim
+print(all(claim(int(port)) for port in sys.argv[1:]), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_port_another_process_chose_is_not_handed_out_until_it_exits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two test sessions (or a bench beside one) draw from the same quiet range. A port the
+    other chose is not listened on until its service starts, so the bind probe alone would
+    hand it out here too; its claim keeps it out. The draws are narrowed to eight ports, all
+    claimed by a second process: every port chosen here must come from elsewhere."""
+    start = random.randrange(40_000, 60_000, 8)  # clear of the ports drawn by other tests
+    window = range(start, start + 8)
+    other = subprocess.Popen(
+        [sys.executable, "-c", CLAIMER, *map(str, window)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert other.stdout is not None
+        assert other.stdout.readline().strip() == "True", "the other process claimed no port"
+        monkeypatch.setattr(ports, "quiet_range", lambda: window)
+        chosen = free_ports(3)
+        assert not set(chosen) & set(window), f"{chosen} holds a port the other process chose"
+        assert not claim(window[0])
+    finally:
+        other.communicate("")
+    assert claim(window[0]), "the claim outlived the process that held it"
