@@ -4,6 +4,7 @@ folder per mesh, quick start-up settings, and reads of the gateway's and cache's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -27,7 +28,7 @@ from hopline.runtime.api_keys import operator_metadata
 from hopline.runtime.launcher import ALL, rpcs_answered
 from hopline.runtime.launcher import health_status as health
 from hopline.runtime.ports import free_ports
-from hopline.runtime.service_table import Topology
+from hopline.runtime.service_table import Topology, spec
 
 __all__ = [
     "ALL",
@@ -35,13 +36,14 @@ __all__ = [
     "SERVING",
     "TOPOLOGIES",
     "Mesh",
+    "SecondReplica",
     "Topology",
     "beside_faulty_inference",
+    "beside_second_replica",
     "free_port",
     "health",
     "rpcs_answered",
     "served_ok",
-    "spawn_faulty_replica",
     "spawn_replica",
 ]
 
@@ -188,51 +190,71 @@ def spawn_replica(
     return proc
 
 
-def spawn_faulty_replica(
-    mesh: Mesh, name: str, port: int, metrics_port: int, code: str
-) -> subprocess.Popen[bytes]:
-    """A replica of `name` whose every service RPC fails with `code` (HOPLINE_TEST_FAULT,
-    test-only), SERVING all the same, as a replica with a broken model, or one stopping,
-    would be."""
-    return spawn_replica(mesh, name, port, metrics_port, {"HOPLINE_TEST_FAULT": code}, "faulty")
-
-
 def served_ok(metrics_port: int, method: str = "") -> float:
     """RPCs a service process answered OK (of `method` only, where given)."""
     return rpcs_answered(metrics_port, method, "OK")
+
+
+@dataclasses.dataclass
+class SecondReplica:
+    """The replica a test started beside a mesh's own (`beside_second_replica`)."""
+
+    proc: subprocess.Popen[bytes]
+    metrics_port: int
+
+
+@contextlib.contextmanager
+def beside_second_replica(
+    repo: Path,
+    workdir: Path,
+    service: str,
+    replica_env: dict[str, str],
+    label: str,
+    gateway_env: dict[str, str],
+) -> Iterator[tuple[Mesh, SecondReplica]]:
+    """A started mesh over `repo` (no cache) whose gateway round-robins, over one channel,
+    between its own `service` and a second replica started with `replica_env` as well, on
+    one ONNX Runtime thread each (the two share the cores). Yields the mesh and that replica;
+    stops both after (a test may kill the replica first)."""
+    own, second, second_metrics = free_port(), free_port(), free_port()
+    mesh = Mesh(
+        repo,
+        workdir,
+        addrs={service: f"127.0.0.1:{own}"},
+        service_env={
+            "gateway": {
+                spec(service).addr_env: f"ipv4:127.0.0.1:{own},127.0.0.1:{second}",
+                "HOPLINE_CHANNELS_PER_UPSTREAM": "1",
+                **gateway_env,
+            }
+        },
+        HOPLINE_INFERENCE_THREADS="1",
+    )
+    proc = spawn_replica(mesh, service, second, second_metrics, replica_env, label)
+    try:
+        mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
+        yield mesh, SecondReplica(proc, second_metrics)
+    finally:
+        mesh.stop()
+        proc.kill()
+        proc.wait()
 
 
 @contextlib.contextmanager
 def beside_faulty_inference(
     default_repo: Path, workdir: Path, model: str, code: str, gateway_env: dict[str, str]
 ) -> Iterator[tuple[Mesh, int]]:
-    """A started mesh (no cache) whose gateway round-robins, over one channel, between its own
-    inference and a second replica whose every call fails with `code` (`spawn_faulty_replica`).
-    Yields the mesh and the faulty replica's metrics port; stops both after."""
+    """`beside_second_replica` of inference, the second one failing every call with `code`
+    (HOPLINE_TEST_FAULT, test-only), SERVING all the same, as a replica with a broken model,
+    or one stopping, would be. Yields the mesh and the faulty replica's metrics port."""
     repo = workdir / "models"
     shutil.copytree(default_repo / model, repo / model)
-    good, bad, bad_metrics = free_port(), free_port(), free_port()
-    mesh = Mesh(
-        repo,
-        workdir,
-        addrs={"inference": f"127.0.0.1:{good}"},
-        service_env={
-            "gateway": {
-                "HOPLINE_INFERENCE_ADDR": f"ipv4:127.0.0.1:{good},127.0.0.1:{bad}",
-                "HOPLINE_CHANNELS_PER_UPSTREAM": "1",
-                **gateway_env,
-            }
-        },
-        HOPLINE_INFERENCE_THREADS="1",  # two replicas share the cores
-    )
-    faulty = spawn_faulty_replica(mesh, "inference", bad, bad_metrics, code)
-    try:
-        mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
-        yield mesh, bad_metrics
-    finally:
-        mesh.stop()
-        faulty.kill()
-        faulty.wait()
+    fault = {"HOPLINE_TEST_FAULT": code}
+    with beside_second_replica(repo, workdir, "inference", fault, "faulty", gateway_env) as (
+        mesh,
+        faulty,
+    ):
+        yield mesh, faulty.metrics_port
 
 
 def add_model(repo: Path, source: Path, name: str, version: str, **cache: Any) -> None:

@@ -10,11 +10,10 @@ stall shows up as failures rather than as fewer requests sent.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,19 +22,15 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import Mesh, free_port, served_ok, spawn_replica
+from harness import Mesh, beside_second_replica, served_ok
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from hopline.runtime.service_table import spec
 
 RPS = 60
 REQUESTS = 420  # 7 s at RPS
 KILL_AT = 180  # SIGKILL one replica after this many requests were sent (3 s in)
 TIMEOUT_S = 5.0
 METHODS = {"inference": "Infer", "tokenizer": "Tokenize"}
-# Both replicas share the machine's cores; one ONNX Runtime thread each keeps them from
-# fighting over them.
-LEAN = {"HOPLINE_INFERENCE_THREADS": "1"}
 
 
 @dataclass
@@ -53,17 +48,6 @@ def repo(default_repo: Path, tmp_path: Path) -> Path:
     models = tmp_path / "models"
     shutil.copytree(default_repo / DEFAULT_MODEL, models / DEFAULT_MODEL)
     return models
-
-
-@pytest.fixture
-def second_replica(repo: Path, tmp_path: Path) -> Iterator[dict[str, object]]:
-    """A factory's state: the extra replica the test starts beside the mesh's own."""
-    state: dict[str, object] = {}
-    yield state
-    proc = state.get("proc")
-    if isinstance(proc, subprocess.Popen) and proc.poll() is None:
-        proc.kill()
-        proc.wait()
 
 
 def traffic(mesh: Mesh, service: str, run: Run, survivor_metrics: int) -> None:
@@ -111,46 +95,28 @@ def traffic(mesh: Mesh, service: str, run: Run, survivor_metrics: int) -> None:
 
 
 def run_with_replicas(
-    repo: Path,
-    tmp_path: Path,
-    state: dict[str, object],
-    service: str,
-    attempts: int,
-    batch_rows: int = 1,
+    repo: Path, tmp_path: Path, service: str, attempts: int, batch_rows: int = 1
 ) -> Run:
-    """A mesh whose `service` runs twice, traffic through it, one replica SIGKILLed."""
-    ports = (free_port(), free_port())
-    survivor_metrics = free_port()
-    mesh = Mesh(
-        repo,
-        tmp_path,
-        addrs={service: f"127.0.0.1:{ports[0]}"},
-        service_env={
-            "gateway": {
-                spec(service).addr_env: f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
-                "HOPLINE_UPSTREAM_RETRY_ATTEMPTS": str(attempts),
-                "HOPLINE_GATEWAY_BATCH_MAX_ROWS": str(batch_rows),
-            }
-        },
-        **LEAN,
-    )
-    state["proc"] = spawn_replica(mesh, service, ports[1], survivor_metrics, {}, "second")
-    try:
-        # No cache: BYPASS requests never call it, and the test is about the other hops.
-        mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
+    """A mesh whose `service` runs twice, traffic through it, its own replica SIGKILLed."""
+    gateway_env = {
+        "HOPLINE_UPSTREAM_RETRY_ATTEMPTS": str(attempts),
+        "HOPLINE_GATEWAY_BATCH_MAX_ROWS": str(batch_rows),
+    }
+    with beside_second_replica(repo, tmp_path, service, {}, "second", gateway_env) as (
+        mesh,
+        survivor,
+    ):
         run = Run()
-        traffic(mesh, service, run, survivor_metrics)
+        traffic(mesh, service, run, survivor.metrics_port)
         return run
-    finally:
-        mesh.stop()
 
 
 @pytest.mark.parametrize("batch_rows", [1, 32], ids=["one-rpc-per-request", "gateway-batching"])
 @pytest.mark.parametrize("service", ["inference", "tokenizer"])
 def test_sigkill_of_one_of_two_replicas_fails_no_request(
-    repo: Path, tmp_path: Path, second_replica: dict[str, object], service: str, batch_rows: int
+    repo: Path, tmp_path: Path, service: str, batch_rows: int
 ) -> None:
-    run = run_with_replicas(repo, tmp_path, second_replica, service, 3, batch_rows)
+    run = run_with_replicas(repo, tmp_path, service, 3, batch_rows)
     assert run.sent == REQUESTS
     assert 0 < run.killed_after < REQUESTS
     assert run.failures == {}, f"{len(run.failures)} of {run.sent} failed: {run.failures}"
@@ -165,14 +131,13 @@ def test_sigkill_of_one_of_two_replicas_fails_no_request(
 def test_without_retries_a_lost_replica_costs_only_clear_unavailables(
     repo: Path,
     tmp_path: Path,
-    second_replica: dict[str, object],
     record_property: Callable[[str, object], None],
 ) -> None:
     """The same kill with retries off (HOPLINE_UPSTREAM_RETRY_ATTEMPTS=1). How many fail is a
     measurement of what retries buy (recorded, printed with -s; 0-1 of 420 in 5 runs here):
     what is asserted is that any failure is a clear UNAVAILABLE naming the hop, and that
     round_robin moves every later request to the replica left."""
-    run = run_with_replicas(repo, tmp_path, second_replica, "inference", attempts=1)
+    run = run_with_replicas(repo, tmp_path, "inference", attempts=1)
     record_property("failed_without_retries", len(run.failures))
     print(
         f"\nwithout retries: {len(run.failures)} of {run.sent} Predicts failed "
@@ -187,65 +152,50 @@ IN_FLIGHT = 64  # calls in flight at once when the replica holding half of them 
 HOLD_MS = 4_000  # how long the slow replica holds each call (HOPLINE_TEST_DELAY_MS)
 
 
-def test_a_replica_killed_with_many_calls_in_flight_fails_none(
-    repo: Path, tmp_path: Path, second_replica: dict[str, object]
-) -> None:
+def test_a_replica_killed_with_many_calls_in_flight_fails_none(repo: Path, tmp_path: Path) -> None:
     """A replica dies while a backlog of calls waits on it, as one slowed by a long request
     or a busy core does: every one of those calls fails at once, and each must be retried on
     the replica left. The slow replica is made so with HOPLINE_TEST_DELAY_MS (test-only: the
     same tokenizer, holding each call HOLD_MS before answering it), since a backlog of a set
     size cannot be made on demand by load alone; it is SIGKILLed while it holds its share of
     IN_FLIGHT calls, none of which it has answered."""
-    fast, slow, fast_metrics, slow_metrics = free_port(), free_port(), free_port(), free_port()
-    mesh = Mesh(
-        repo,
-        tmp_path,
-        addrs={"tokenizer": f"127.0.0.1:{fast}"},
-        service_env={
-            "gateway": {
-                "HOPLINE_TOKENIZER_ADDR": f"ipv4:127.0.0.1:{fast},127.0.0.1:{slow}",
-                "HOPLINE_GATEWAY_BATCH_MAX_ROWS": "1",  # one Tokenize per request
-            }
-        },
-        **LEAN,
-    )
-    mesh.metrics_ports["tokenizer"] = fast_metrics
-    held = spawn_replica(
-        mesh, "tokenizer", slow, slow_metrics, {"HOPLINE_TEST_DELAY_MS": str(HOLD_MS)}, "slow"
-    )
-    second_replica["proc"] = held
+    slow = {"HOPLINE_TEST_DELAY_MS": str(HOLD_MS)}
+    one_rpc_each = {"HOPLINE_GATEWAY_BATCH_MAX_ROWS": "1"}
     failures: dict[int, str] = {}
-    try:
-        mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
-        with grpc.insecure_channel(mesh.gateway) as channel:
-            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-            before = served_ok(fast_metrics, "Tokenize")
-            futures = [
-                stub.Predict.future(
-                    gateway_pb2.PredictRequest(
-                        text=f"where is my order {uuid.uuid4()}",
-                        cache_mode=common_pb2.CACHE_MODE_BYPASS,
-                    ),
-                    timeout=HOLD_MS / 1e3 + 30,
-                )
-                for _ in range(IN_FLIGHT)
-            ]
-            # Wait until the fast replica has answered its share: the rest is held by the slow.
-            deadline = time.monotonic() + HOLD_MS / 2e3
-            while served_ok(fast_metrics, "Tokenize") - before < IN_FLIGHT // 2 - 2:
-                assert time.monotonic() < deadline, "the fast replica never took its share"
-                time.sleep(0.05)
-            held_back = IN_FLIGHT - (served_ok(fast_metrics, "Tokenize") - before)
-            held.kill()  # SIGKILL while it holds its calls
-            held.wait()
-            for i, future in enumerate(futures):
-                try:
-                    future.result()
-                except grpc.RpcError as err:
-                    failures[i] = f"{err.code().name}: {err.details()}"
-            answered_by_fast = served_ok(fast_metrics, "Tokenize") - before
-    finally:
-        mesh.stop()
+    with (
+        beside_second_replica(repo, tmp_path, "tokenizer", slow, "slow", one_rpc_each) as (
+            mesh,
+            held,
+        ),
+        grpc.insecure_channel(mesh.gateway) as channel,
+    ):
+        fast_metrics = mesh.metrics_ports["tokenizer"]
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        before = served_ok(fast_metrics, "Tokenize")
+        futures = [
+            stub.Predict.future(
+                gateway_pb2.PredictRequest(
+                    text=f"where is my order {uuid.uuid4()}",
+                    cache_mode=common_pb2.CACHE_MODE_BYPASS,
+                ),
+                timeout=HOLD_MS / 1e3 + 30,
+            )
+            for _ in range(IN_FLIGHT)
+        ]
+        # Wait until the fast replica has answered its share: the rest is held by the slow.
+        deadline = time.monotonic() + HOLD_MS / 2e3
+        while served_ok(fast_metrics, "Tokenize") - before < IN_FLIGHT // 2 - 2:
+            assert time.monotonic() < deadline, "the fast replica never took its share"
+            time.sleep(0.05)
+        held_back = IN_FLIGHT - (served_ok(fast_metrics, "Tokenize") - before)
+        held.proc.kill()  # SIGKILL while it holds its calls
+        held.proc.wait()
+        for i, future in enumerate(futures):
+            try:
+                future.result()
+            except grpc.RpcError as err:
+                failures[i] = f"{err.code().name}: {err.details()}"
+        answered_by_fast = served_ok(fast_metrics, "Tokenize") - before
     assert held_back >= IN_FLIGHT // 4, f"only {held_back} calls were held by the slow replica"
     assert failures == {}, f"{len(failures)} of {IN_FLIGHT} failed: {failures}"
     assert answered_by_fast == IN_FLIGHT
