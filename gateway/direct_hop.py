@@ -60,7 +60,9 @@ class StageHop(Generic[Req, Rep]):
 
     async def __call__(self, request: Req, timeout_s: float, timings: dict[str, float]) -> Rep:
         direct = self._direct
-        if direct is not None and direct.admits() and not trace.get_current_span().is_recording():
+        # A refusing gate (a co-located service starting or draining) fails either path the
+        # same way, so the direct one checks it once, inside DirectCall.
+        if direct is not None and not trace.get_current_span().is_recording():
             if self._stage is None:
                 return await self._call_direct(direct, request, timeout_s, timings)
             key = self._stage.occupy(request)

@@ -145,10 +145,6 @@ class DirectCall:
         self._gate = gate
         self._meter = RpcMeter(method)
 
-    def admits(self) -> bool:
-        """Whether the service takes calls now (else the stub's path refuses them)."""
-        return self._gate.refusal() is None
-
     async def __call__(
         self,
         request: Any,

@@ -174,11 +174,11 @@ def test_failures_are_the_same_hop_errors_either_way(
     assert str(late) == str(layered_late)
 
 
-def test_a_service_not_started_is_refused_by_the_layered_path(
+def test_a_service_not_started_is_refused_as_the_layered_path_refuses(
     default_repo: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The gate still decides: before its service starts, a hop is UNAVAILABLE as a remote
-    call would be."""
+    call would be, with the gate's own words, and without a detour through the stub."""
     pool = _tokenizer(default_repo, monkeypatch)
     hop = Tokenize(schema.SPAN_TOKENIZE, pool, None, "Tokenize")
 
@@ -189,8 +189,8 @@ def test_a_service_not_started_is_refused_by_the_layered_path(
 
     refused = asyncio.run(scenario())
     assert refused.code == grpc.StatusCode.UNAVAILABLE
-    assert pool.stubs == 1
     assert refused.details == NOT_READY
+    assert pool.stubs == 0
 
 
 class _HeldTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
