@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from hopline.gateway.direct_hop import StageHop
-from hopline.gateway.stage_batching import BatchedStage, Codec, PostprocessCodec, TokenizeCodec
+from hopline.gateway.stage_batching import BatchedStage
+from hopline.gateway.stage_codecs import Codec, PostprocessCodec, TokenizeCodec
 from hopline.gateway.upstream import CoLocated
 from hopline.model.repository import ModelRepository
 from hopline.observability import schema

@@ -26,7 +26,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from conftest import DEFAULT_MODEL
 from hopline.gateway.direct_hop import StageHop
-from hopline.gateway.stage_batching import BatchedStage, TokenizeCodec
+from hopline.gateway.stage_batching import BatchedStage
+from hopline.gateway.stage_codecs import TokenizeCodec
 from hopline.gateway.upstream import CoLocated, HopError
 from hopline.observability import metrics, schema, tracing
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc

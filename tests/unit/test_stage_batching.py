@@ -19,7 +19,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from conftest import until
-from hopline.gateway.stage_batching import BatchedStage, GatewayStages, TokenizeCodec
+from hopline.gateway.stage_batching import BatchedStage, GatewayStages
+from hopline.gateway.stage_codecs import TokenizeCodec
 from hopline.observability import tracing
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
 from hopline.runtime.tensors import from_tensor, to_tensor
