@@ -188,12 +188,10 @@ class MilvusStore:
             schema.add_field(name, dt.VARCHAR, max_length=MAX_TEXT_BYTES)
         schema.add_field("created_at", dt.DOUBLE)
         schema.add_field("expires_at", dt.DOUBLE)
-        index = self._client.prepare_index_params()
-        index.add_index(field_name="vector", index_type=self.index_type, metric_type="COSINE")
         self._client.create_collection(
             collection,
             schema=schema,
-            index_params=index,
+            index_params=self._index_params(),
             consistency_level=CONSISTENCY,
             timeout=self.timeout_s * 6,
         )
@@ -202,8 +200,14 @@ class MilvusStore:
             extra={"collection": collection, "uri": self.uri, "index": self.index_type},
         )
 
+    def _index_params(self) -> Any:
+        index = self._client.prepare_index_params()
+        index.add_index(field_name="vector", index_type=self.index_type, metric_type="COSINE")
+        return index
+
     def _validate(self) -> None:
-        """Refuse a collection whose vectors cannot be compared with ours."""
+        """Refuse a collection whose vectors cannot be compared with ours; index one that
+        has none yet."""
         desc = self._client.describe_collection(self.collection, timeout=self.timeout_s)
         fields = {f["name"]: f for f in desc["fields"]}
         missing = [n for n in ("id", "vector", *SCALARS) if n not in fields]
@@ -219,9 +223,20 @@ class MilvusStore:
                 f"{where} holds {dim}-d vectors but the embedder makes {self.dim}-d ones; "
                 "use another HOPLINE_CACHE_URI or drop the collection"
             )
-        metric = self._client.describe_index(self.collection, "vector", timeout=self.timeout_s).get(
-            "metric_type"
-        )
+        index = self._client.describe_index(self.collection, "vector", timeout=self.timeout_s)
+        if not index:
+            # Milvus makes a collection and its index in two steps: a start that stopped
+            # between them (killed, its deadline passed, CreateIndex refused to its user)
+            # leaves the collection unindexed, and no collection loads without an index.
+            log.warning(
+                "indexing a cache collection left without its index",
+                extra={"collection": self.collection, "uri": self.uri},
+            )
+            self._client.create_index(
+                self.collection, self._index_params(), timeout=self.timeout_s * 6
+            )
+            return
+        metric = index.get("metric_type")
         if metric != "COSINE":
             raise CacheStoreError(f"{where} is indexed with metric {metric}; hopline needs COSINE")
 

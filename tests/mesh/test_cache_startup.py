@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from cache_service import cache, lookup, run, store, written
 
 from harness import Mesh, free_port
 from hopline.cache.embedder import embedding_model
 from hopline.model.build import default_weights_dir
+from hopline.protos.hopline.common.v1 import common_pb2
 
 
 def serve_cache(uri: str, timeout_s: float = 60.0) -> tuple[int, str, float]:
@@ -95,3 +97,33 @@ def test_paths_that_are_not_database_files(tmp_path: Path, bad: str) -> None:
     code, log, _ = serve_cache(uri)
     assert code != 0
     assert "not a milvus-lite database" in log, log
+
+
+def test_a_collection_left_without_its_index_is_indexed_and_served(tmp_path: Path) -> None:
+    """Milvus creates a collection and its index in two steps; a start stopped between them
+    (killed, past its deadline, its user refused CreateIndex) left a collection no later start
+    could open: `describe_index` answers None there, and the cache failed on it. Made here by
+    dropping the index of a collection the store created, in a child process (milvus-lite
+    takes one process per file)."""
+    db = tmp_path / "cache.db"
+    model = embedding_model(default_weights_dir())
+    script = f"""
+        import warnings
+        warnings.simplefilter("ignore")
+        from hopline.cache.milvus_store import MilvusStore
+        store = MilvusStore({str(db)!r}, {model.collection!r}, {model.dim})
+        store._client.release_collection({model.collection!r})
+        store._client.drop_index({model.collection!r}, "vector")
+        assert store._client.describe_index({model.collection!r}, "vector") is None
+        store.close()
+    """
+    subprocess.run([sys.executable, "-c", textwrap.dedent(script)], check=True, timeout=120)
+
+    async def body() -> None:
+        async with cache(db) as (_, stub):
+            await store(stub, "where is my parcel")
+            await written(stub)
+            reply = await lookup(stub, "where is my parcel", mode="exact")
+            assert reply.outcome == common_pb2.CACHE_OUTCOME_EXACT
+
+    run(body)
