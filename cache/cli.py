@@ -156,6 +156,48 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     ev.add_argument("--out", type=Path, help="directory for cache-eval.json and cache-eval.md")
     ev.set_defaults(cache_handler=_eval)
 
+    user = cache_sub.add_parser(
+        "milvus-user",
+        help="make the cache's own Milvus user (HOPLINE_CACHE_MILVUS_TOKEN_FILE's "
+        "user:password) with only the privileges the cache needs, on the Milvus server the "
+        "cache's settings name; run once, with an administrator's token",
+    )
+    user.add_argument(
+        "--admin-token-file",
+        type=Path,
+        required=True,
+        help="a file holding an administrator's user:password (root's, at first)",
+    )
+    user.set_defaults(cache_handler=_milvus_user)
+
+
+def _milvus_user(args: argparse.Namespace) -> int:
+    from hopline.cache.config import CacheConfig
+    from hopline.cache.milvus_user import admin_client, ensure_cache_user
+    from hopline.cache.store import CacheStoreError
+    from hopline.runtime import config as cfg
+
+    config = cfg.load(CacheConfig, [], prog="hopline cache milvus-user")
+    admin_token = args.admin_token_file.read_text().strip()  # unreadable: said by the caller
+    try:
+        client = admin_client(config, admin_token)
+    except CacheStoreError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+    token = Path(config.milvus_token_file).read_text().strip()
+    try:
+        done = ensure_cache_user(client, token)
+    except CacheStoreError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+    except Exception as exc:  # pymilvus's many kinds: a refused token, a missing privilege
+        sys.stderr.write(f"error: Milvus at {config.uri} refused: {exc}\n")
+        return 1
+    finally:
+        client.close()
+    sys.stdout.write("".join(f"{line}\n" for line in done))
+    return 0
+
 
 def _model_args(parser: argparse.ArgumentParser, prefix: str) -> None:
     """--model-version and --model-repo, shared by the commands that load a model."""

@@ -12,19 +12,28 @@ the standalone, which that target installs.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+import pymilvus
 import pytest
-from cache_service import cache, lookup, run, store, written
+from cache_service import cache, lookup, run, scope, store, written
 from milvus_server import MilvusKind, MilvusServer, Security
 
-from hopline.cache.config import MILVUS_CA_ENV, MILVUS_CERT_ENV, MILVUS_TOKEN_ENV
+from hopline.cache.config import MILVUS_CA_ENV, MILVUS_CERT_ENV, MILVUS_KEY_ENV, MILVUS_TOKEN_ENV
+from hopline.cache.counts import CacheCount
+from hopline.cache.milvus_user import PRIVILEGES, ROLE
 from hopline.cache.store import CacheStoreError
 from hopline.cli.certs import make_certs
+from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 
 SETTINGS = {"milvus_timeout_s": 3.0}
+ERROR_COUNTS = (CacheCount.STORE_ERRORS, CacheCount.WRITE_RETRIES)
 
 
 @pytest.fixture(params=[False, True], ids=["tls", "mutual_tls"])
@@ -85,3 +94,101 @@ def test_a_cache_the_server_refuses_says_what_to_set(server: MilvusServer) -> No
     plaintext = server.uri.replace("https://", "http://")
     message = _start_fails(plaintext, milvus_token_file=access["milvus_token_file"])
     assert f"or it wants TLS (an https:// URI and {MILVUS_CA_ENV})" in message
+
+
+def _milvus_user(
+    server: MilvusServer, token_file: Path, admin_token_file: str
+) -> subprocess.CompletedProcess[str]:
+    """`hopline cache milvus-user` as an operator runs it: the cache's settings by environment."""
+    assert server.security is not None
+    access = server.security.cache_settings()
+    env = {
+        **os.environ,
+        "HOPLINE_CACHE_URI": server.uri,
+        MILVUS_TOKEN_ENV: str(token_file),
+        MILVUS_CA_ENV: access["milvus_ca"],
+    }
+    if "milvus_client_cert" in access:
+        env |= {
+            MILVUS_CERT_ENV: access["milvus_client_cert"],
+            MILVUS_KEY_ENV: access["milvus_client_key"],
+        }
+    command = [sys.executable, "-m", "hopline", "cache", "milvus-user"]
+    done = subprocess.run(
+        [*command, "--admin-token-file", admin_token_file],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return done
+
+
+def test_the_cache_runs_as_a_user_with_only_its_privileges(
+    server: MilvusServer, tmp_path: Path
+) -> None:
+    """The user `hopline cache milvus-user` makes is enough for all the cache does here
+    (stores, an overwrite, a restart's rebuild, an exact hit, an invalidation) and cannot
+    manage users; a second run changes nothing and says so."""
+    assert server.security is not None
+    access = server.security.cache_settings()
+    token = tmp_path / "cache-user-token"
+    token.write_text("hopline_cache:a-password-of-its-own\n")
+    wrong = tmp_path / "not-the-admin"
+    wrong.write_text("root:not-the-password\n")
+    refused = _milvus_user(server, token, str(wrong))
+    assert refused.returncode == 1
+    assert "error: cannot open Milvus" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    made = _milvus_user(server, token, access["milvus_token_file"])
+    assert made.returncode == 0, made.stderr
+    assert "user hopline_cache created" in made.stdout
+    again = _milvus_user(server, token, access["milvus_token_file"])
+    assert again.returncode == 0, again.stderr
+    assert "user hopline_cache exists" in again.stdout
+
+    own = {**access, "milvus_token_file": str(token)}
+
+    async def body() -> None:
+        async with cache(server.uri, **SETTINGS, **own) as (_, stub):
+            await store(stub, "where is my parcel", label="refund")
+            await store(stub, "where is my parcel")  # the same entry, written again
+            await store(stub, "cancel my subscription", label="cancel", mode="semantic")
+            await written(stub)
+        async with cache(server.uri, **SETTINGS, **own) as (service, stub):
+            reply = await lookup(stub, "where is my parcel", mode="exact")
+            assert reply.outcome == common_pb2.CACHE_OUTCOME_EXACT
+            assert reply.prediction.label == "order_status"
+            # Semantic lookups search Milvus itself (the in-memory vectors are milvus-lite's).
+            near = await lookup(
+                stub, "please cancel my subscription", mode="semantic", threshold=0.8
+            )
+            assert near.outcome in (
+                common_pb2.CACHE_OUTCOME_SEMANTIC,
+                common_pb2.CACHE_OUTCOME_MISS,
+            )
+            assert service.counts[CacheCount.MILVUS_SEARCHES] >= 1
+            removed = await stub.Invalidate(cache_pb2.InvalidateRequest(scope=scope()), timeout=10)
+            assert removed.removed == 2
+            assert not {c: service.counts[c] for c in ERROR_COUNTS if service.counts[c]}
+
+    run(body)
+
+    # Neither can it manage users, nor even read its own role's grants.
+    kwargs = {**server.security.client_kwargs(), "token": "hopline_cache:a-password-of-its-own"}
+    client = pymilvus.MilvusClient(server.uri, dedicated=True, **kwargs)
+    try:
+        # pymilvus passes these refusals on as gRPC's own error.
+        with pytest.raises((pymilvus.MilvusException, grpc.RpcError), match="permission deny"):
+            client.create_user("intruder", "a-password-123")
+        with pytest.raises((pymilvus.MilvusException, grpc.RpcError), match="permission deny"):
+            client.describe_role(ROLE)
+    finally:
+        client.close()
+    root = pymilvus.MilvusClient(server.uri, dedicated=True, **server.security.client_kwargs())
+    try:
+        granted = root.describe_role(ROLE)
+    finally:
+        root.close()
+    assert {p["privilege"] for p in granted["privileges"]} == {name for _, name in PRIVILEGES}

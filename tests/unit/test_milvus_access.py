@@ -19,6 +19,7 @@ from hopline.cache.config import (
     CacheConfig,
 )
 from hopline.cache.milvus_access import NO_ACCESS, MilvusAccess
+from hopline.cache.milvus_user import user_and_password
 from hopline.cache.store import CacheStoreError
 
 SERVER = "https://milvus.example:19530"
@@ -124,3 +125,18 @@ def test_the_start_up_error_says_what_the_server_may_want() -> None:
         f"or it refused the token in {MILVUS_TOKEN_ENV}, or it refused this client's TLS "
         f"({MILVUS_CA_ENV}, {MILVUS_CERT_ENV})"
     )
+
+
+@pytest.mark.parametrize(
+    ("token", "words"),
+    [
+        ("an-api-key", "must hold 'user:password'"),
+        ("user:", "must hold 'user:password'"),
+        ("hopline-cache:secret", "a letter, then letters, digits and underscores"),
+        ("9lives:secret", "a letter, then letters, digits and underscores"),
+    ],
+)
+def test_the_cache_user_to_make_is_named_as_milvus_takes_it(token: str, words: str) -> None:
+    with pytest.raises(CacheStoreError, match=words):
+        user_and_password(token)
+    assert user_and_password("hopline_cache:se:cret") == ("hopline_cache", "se:cret")
