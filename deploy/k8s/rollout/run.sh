@@ -139,7 +139,7 @@ fi
 kubectl apply -f "$work/objects.yaml"
 # kwok's nodes run no containers, so a pod whose Secret is missing would still come up here;
 # a real kubelet would leave it ContainerCreating. Check every Secret a workload mounts exists.
-for ref in $(kubectl get deploy,statefulset -A -o jsonpath='{range .items[*]}{.metadata.namespace}/{range .spec.template.spec.volumes[*]}{.secret.secretName},{end}{"\n"}{end}' | sort -u); do
+for ref in $(kubectl get deploy,statefulset,job -A -o jsonpath='{range .items[*]}{.metadata.namespace}/{range .spec.template.spec.volumes[*]}{.secret.secretName},{end}{"\n"}{end}' | sort -u); do
   ns=${ref%%/*}
   for secret in $(tr ',' ' ' <<< "${ref#*/}"); do
     kubectl -n "$ns" get secret "$secret" >/dev/null 2>&1 ||

@@ -30,3 +30,9 @@ if ! kubectl -n "$namespace" get secret hopline-milvus-token >/dev/null 2>&1; th
   kubectl -n "$namespace" create secret generic hopline-milvus-token \
     --from-literal=password="$password" --from-literal=token="root:$password" >/dev/null
 fi
+# The cache's own Milvus user's token (`hopline cache milvus-user`, the overlay's Job, makes
+# the user with it), made once too: Milvus keeps the password it was first given.
+if ! kubectl -n "$namespace" get secret hopline-milvus-cache-token >/dev/null 2>&1; then
+  kubectl -n "$namespace" create secret generic hopline-milvus-cache-token \
+    --from-literal=token="hopline_cache:$(openssl rand -hex 24)" >/dev/null
+fi
