@@ -30,10 +30,11 @@ IMAGE_UID = "10001"  # the image's user (deploy/image/Containerfile; runAsUser i
 NOFILE = resource.getrlimit(resource.RLIMIT_NOFILE)
 # runc here refuses this process's own process limit (96k) but takes 32k.
 NPROC = min(resource.getrlimit(resource.RLIMIT_NPROC)[1], 32768)
-RUN = [
-    "run", "-d", "--runtime", "runc", "--network", "host",
+LIMITS = [
+    "--runtime", "runc", "--network", "host",
     "--ulimit", f"nofile={NOFILE[0]}:{NOFILE[1]}", "--ulimit", f"nproc={NPROC}:{NPROC}",
 ]  # fmt: skip
+RUN = ["run", "-d", *LIMITS]
 
 
 def podman(*args: str, timeout: float = 120) -> str:

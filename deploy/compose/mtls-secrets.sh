@@ -6,7 +6,8 @@
 #
 # OUT (default deploy/compose/secrets) gets a folder per service holding only that
 # service's tls.crt, tls.key and ca.crt, api-keys/keys.json, milvus/ (the Milvus server's
-# certificate) and milvus-token/token (the cache's token for it): root-owned, group 10001
+# certificate), milvus-root/token (root's token, for the one-shot milvus-cache-user alone) and
+# milvus-token/token (the cache's own user's token): root-owned, group 10001
 # (the image's user), mode 0440, so each container reads its own key and nothing else does,
 # as a Kubernetes Secret mounted with defaultMode 0440 under fsGroup 10001. Run as root (the
 # group change needs it). For anything beyond trying it out, issue the certificates from
@@ -43,19 +44,25 @@ for service in gateway tokenizer cache inference postprocess; do
     ca.crt="$certs/ca.crt"
 done
 place "$out/api-keys" keys.json="$keys"
-# Milvus (compose.mtls.yaml: authentication and mutual TLS): its server certificate, and its
-# root password, made once (Milvus takes it at its first start and keeps it; root-only here):
-# for Milvus in milvus-config/user.yaml, its configuration file for settings over the image's,
-# and for the cache as milvus-token/token.
+# Milvus (compose.mtls.yaml: authentication and mutual TLS): its server certificate, its root
+# password and the cache's own user's, each made once (Milvus takes the root one at its first
+# start and keeps it, `hopline cache milvus-user` keeps an existing user's; root-only here):
+# the root password for Milvus in milvus-config/user.yaml, its configuration file for
+# settings over the image's, and as milvus-root/token for milvus-cache-user, which makes the
+# cache's user from milvus-token/token.
 place "$out/milvus" tls.crt="$certs/milvus.crt" tls.key="$certs/milvus.key" ca.crt="$certs/ca.crt"
-if [ ! -s "$out/milvus-root-password" ]; then
-  (umask 077 && openssl rand -hex 24 > "$out/milvus-root-password")
-fi
+for secret in milvus-root-password milvus-cache-password; do
+  if [ ! -s "$out/$secret" ]; then
+    (umask 077 && openssl rand -hex 24 > "$out/$secret")
+  fi
+done
 password=$(cat "$out/milvus-root-password")
 made=$(mktemp -d)
 printf 'common:\n  security:\n    defaultRootPassword: "%s"\n' "$password" > "$made/user.yaml"
-printf 'root:%s\n' "$password" > "$made/token"
+printf 'root:%s\n' "$password" > "$made/root-token"
+printf 'hopline_cache:%s\n' "$(cat "$out/milvus-cache-password")" > "$made/token"
 place "$out/milvus-config" user.yaml="$made/user.yaml"
+place "$out/milvus-root" token="$made/root-token"
 place "$out/milvus-token" token="$made/token"
 rm -rf "$made"
 echo "secrets in $out"

@@ -140,10 +140,12 @@ def test_the_secrets_script_lays_out_what_only_the_image_group_reads(
     production: Production, tmp_path: Path
 ) -> None:
     folders = {str(service.name): "ca.crt tls.crt tls.key" for service in SERVICES}
-    # Milvus's certificate, its configuration with the root password, the cache's token.
+    # Milvus's certificate, its configuration with the root password, root's token (for the
+    # one-shot milvus-cache-user alone), the cache's own user's token.
     folders |= {
         "milvus": "ca.crt tls.crt tls.key",
         "milvus-config": "user.yaml",
+        "milvus-root": "token",
         "milvus-token": "token",
     }
     for name, files in folders.items():
@@ -154,10 +156,15 @@ def test_the_secrets_script_lays_out_what_only_the_image_group_reads(
             assert (info.st_uid, info.st_gid) == (0, int(IMAGE_UID)), path
             assert stat.S_IMODE(info.st_mode) == (0o750 if path.is_dir() else 0o440), path
     root_password = production.secrets / "milvus-root-password"
-    assert stat.S_IMODE(root_password.stat().st_mode) == 0o600  # root's alone
+    cache_password = production.secrets / "milvus-cache-password"
+    for made in (root_password, cache_password):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o600  # root's alone
     password = root_password.read_text().strip()
-    token = (production.secrets / "milvus-token" / "token").read_text()
+    token = (production.secrets / "milvus-root" / "token").read_text()
     assert (len(password), token) == (48, f"root:{password}\n")
+    cache_token = (production.secrets / "milvus-token" / "token").read_text()
+    assert cache_token == f"hopline_cache:{cache_password.read_text().strip()}\n"
+    assert password not in cache_token
     user_yaml = (production.secrets / "milvus-config" / "user.yaml").read_text()
     assert f'defaultRootPassword: "{password}"' in user_yaml
     missing = lay_out_secrets(tmp_path / "no-certs", tmp_path / "keys.json", tmp_path / "out")

@@ -19,7 +19,9 @@ import grpc
 import pytest
 
 from containers import (
+    IMAGE,
     IMAGE_UID,
+    LIMITS,
     container_names,
     podman,
     remove,
@@ -112,3 +114,27 @@ def test_a_container_with_a_cpu_limit_sizes_its_threads_to_it() -> None:
         }
     finally:
         remove([name])
+
+
+def test_the_cache_milvus_user_command_runs_from_the_image() -> None:
+    """The one-shot milvus-cache-user (compose.mtls.yaml; the production overlay's Job) runs
+    the image with its entrypoint replaced by `hopline cache milvus-user`, as the image's
+    user, with a read-only root: the command is there, and a missing token file is one line,
+    not a traceback. (No Milvus runs in a container here; tests/deploy/
+    test_cache_milvus_security.py runs the command against one.)"""
+    require_image()
+    command = ["run", "--rm", *LIMITS, "--entrypoint", "hopline", "--read-only", IMAGE]
+    command += ["cache", "milvus-user"]
+    assert "--admin-token-file" in podman(*command, "--help")
+    out = subprocess.run(
+        ["podman", *command, "--admin-token-file", "/nowhere/token"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), out.stderr
+    assert "/nowhere/token" in last, out.stderr
+    assert "Traceback" not in out.stderr
