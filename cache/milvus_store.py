@@ -83,8 +83,15 @@ def quiet_pymilvus() -> Any:
 
 
 def milvus_reason(exc: BaseException) -> str:
-    """What pymilvus or gRPC said, on one line and at most 300 characters."""
-    message = getattr(exc, "message", None) or str(exc)
+    """What pymilvus or gRPC said, on one line and at most 300 characters; a refused
+    privilege with what grants it."""
+    if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
+        message = f"{exc.code().name}: {exc.details()}"
+        if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+            message += " (the cache's Milvus user lacks it: `hopline cache milvus-user` grants "
+            message += "what the cache needs)"
+    else:
+        message = getattr(exc, "message", None) or str(exc)
     return " ".join(str(message).split())[:300]
 
 

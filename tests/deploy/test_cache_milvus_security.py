@@ -189,6 +189,15 @@ def test_the_cache_runs_as_a_user_with_only_its_privileges(
     root = pymilvus.MilvusClient(server.uri, dedicated=True, **server.security.client_kwargs())
     try:
         granted = root.describe_role(ROLE)
+        root.create_user("bare_user", "a-password-456")  # a user with no role at all
     finally:
         root.close()
     assert {p["privilege"] for p in granted["privileges"]} == {name for _, name in PRIVILEGES}
+
+    # A user without the cache's privileges (the collections exist by now, so loading them is
+    # the first thing it is refused): the start fails naming the privilege, and what grants it.
+    bare = tmp_path / "bare-user-token"
+    bare.write_text("bare_user:a-password-456\n")
+    message = _start_fails(server.uri, **{**access, "milvus_token_file": str(bare)})
+    assert "PERMISSION_DENIED: PrivilegeLoad: permission deny to bare_user" in message
+    assert "`hopline cache milvus-user` grants what the cache needs" in message

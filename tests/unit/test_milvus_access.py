@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import grpc
 import pytest
 
 from hopline.cache.config import (
@@ -19,6 +20,7 @@ from hopline.cache.config import (
     CacheConfig,
 )
 from hopline.cache.milvus_access import NO_ACCESS, MilvusAccess
+from hopline.cache.milvus_store import milvus_reason
 from hopline.cache.milvus_user import user_and_password
 from hopline.cache.store import CacheStoreError
 
@@ -140,3 +142,22 @@ def test_the_cache_user_to_make_is_named_as_milvus_takes_it(token: str, words: s
     with pytest.raises(CacheStoreError, match=words):
         user_and_password(token)
     assert user_and_password("hopline_cache:se:cret") == ("hopline_cache", "se:cret")
+
+
+def test_a_refused_privilege_says_what_grants_it() -> None:
+    refused = grpc.aio.AioRpcError(
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        "PrivilegeInsert: permission deny to someone",
+        None,
+    )
+    assert milvus_reason(refused) == (
+        "PERMISSION_DENIED: PrivilegeInsert: permission deny to someone (the cache's Milvus "
+        "user lacks it: `hopline cache milvus-user` grants what the cache needs)"
+    )
+    gone = grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "no answer", None
+    )
+    assert milvus_reason(gone) == "UNAVAILABLE: no answer"
+    assert milvus_reason(ValueError("a  plain\n error")) == "a plain error"
