@@ -173,6 +173,7 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def _milvus_user(args: argparse.Namespace) -> int:
     from hopline.cache.config import CacheConfig
+    from hopline.cache.milvus_access import MilvusAccess
     from hopline.cache.milvus_user import admin_client, ensure_cache_user
     from hopline.cache.store import CacheStoreError
     from hopline.runtime import config as cfg
@@ -180,21 +181,18 @@ def _milvus_user(args: argparse.Namespace) -> int:
     config = cfg.load(CacheConfig, [], prog="hopline cache milvus-user")
     admin_token = args.admin_token_file.read_text().strip()  # unreadable: said by the caller
     try:
-        client = admin_client(config, admin_token)
-    except CacheStoreError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 1
-    token = Path(config.milvus_token_file).read_text().strip()
-    try:
-        done = ensure_cache_user(client, token)
+        access = MilvusAccess.of(config)  # the cache's settings, its token file read
+        client = admin_client(config, access, admin_token)
+        try:
+            done = ensure_cache_user(client, access.token)
+        finally:
+            client.close()
     except CacheStoreError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 1
     except Exception as exc:  # pymilvus's many kinds: a refused token, a missing privilege
         sys.stderr.write(f"error: Milvus at {config.uri} refused: {exc}\n")
         return 1
-    finally:
-        client.close()
     sys.stdout.write("".join(f"{line}\n" for line in done))
     return 0
 

@@ -87,9 +87,9 @@ def ensure_cache_user(client: Any, token: str) -> list[str]:
     return done
 
 
-def admin_client(config: CacheConfig, admin_token: str) -> Any:
-    """A client of the cache's Milvus (its URI and TLS settings) with an administrator's
-    token instead of the cache's."""
+def admin_client(config: CacheConfig, access: MilvusAccess, admin_token: str) -> Any:
+    """A client of the cache's Milvus (its URI and TLS settings, `access`) with an
+    administrator's token instead of the cache's."""
     from hopline.cache.milvus_store import quiet_pymilvus
 
     pymilvus = quiet_pymilvus()
@@ -97,7 +97,6 @@ def admin_client(config: CacheConfig, admin_token: str) -> Any:
     logging.getLogger("pymilvus").setLevel(logging.CRITICAL)
     if not admin_token:
         raise CacheStoreError("the administrator's token file is empty")
-    access = MilvusAccess.of(config)
     if not access.token:
         raise CacheStoreError(f"set {MILVUS_TOKEN_ENV}: the file with the cache's user:password")
     kwargs = {**access.client_kwargs(), "token": admin_token}
