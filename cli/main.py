@@ -64,7 +64,7 @@ def _serve(name: str, argv: Sequence[str]) -> int:
         return supervise(name, argv, workers, config.metrics_host, config.metrics_port)
     try:
         setup_tracing(name)
-    except ValueError as exc:  # a sampler setting that cannot work: say which, do not start
+    except ValueError as exc:  # a sampler or export TLS setting that cannot work: do not start
         logging.getLogger("hopline").error("cannot set up tracing", extra={"error": str(exc)})
         return 2
     logging.getLogger("hopline").info("config", extra={"config": vars(config)})

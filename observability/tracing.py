@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, Sampler, T
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
 from hopline.observability import metrics, schema
+from hopline.observability.export_tls import check_export_tls
 from hopline.observability.remote_sampling import (
     SAMPLER_NAMES,
     JaegerRemoteSampler,
@@ -156,6 +157,8 @@ def setup_tracing(service: str) -> None:
         "OTEL_EXPORTER_OTLP_ENDPOINT"
     )
     exporting = bool(endpoint) and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none"
+    # Before anything starts: a TLS setting that cannot work fails the start (ValueError).
+    tls = check_export_tls(os.environ, endpoint or "") if exporting else None
     # The SDK's provider only to read the sampler: OTEL_TRACES_SAMPLER where set, else ours.
     sampler = TracerProvider(
         sampler=default_sampler(exporting, os.environ, name), shutdown_on_exit=False
@@ -192,7 +195,14 @@ def setup_tracing(service: str) -> None:
         processor = BatchSpanProcessor(
             exporter, max_export_batch_size=batch, schedule_delay_millis=delay_ms
         )
-        log.info("exporting spans", extra={"endpoint": endpoint, "service_name": name})
+        log.info(
+            "exporting spans",
+            extra={
+                "endpoint": endpoint,
+                "service_name": name,
+                "tls": tls.mode if tls else "off",
+            },
+        )
     trace.set_tracer_provider(SpanTracerProvider(sampler, processor))
 
 
