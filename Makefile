@@ -213,9 +213,11 @@ clean:
 TLS_DIR ?= .hopline/tls
 
 # A local CA and a certificate per service and for the operator (the CLI), for `make run` over
-# mTLS (README: "TLS"), and one for the production overlay's Milvus. Existing files are kept.
+# mTLS (README: "TLS"), and one for each server deploy/ runs beside them (the production
+# overlay's Milvus, the tracing pipeline's tiers: cli/certs.py DEPLOY_NAMES). Existing files
+# are kept.
 certs: $(STAMPS)/install
-	$(PY) -m hopline.cli.certs $(TLS_DIR) --role milvus
+	$(PY) -m hopline.cli.certs $(TLS_DIR) --deploy
 
 # 30 minutes of open-loop load at 70% of the measured capacity on a fresh mesh: errors, p99 per
 # minute and RSS per service (not in `make test`). Shorter: make soak SOAK_DURATION=180.

@@ -1,6 +1,6 @@
 """`make certs`: a local CA and one certificate per role, for `make run` over TLS.
 
-    python -m hopline.cli.certs .hopline/tls [--role NAME ...]
+    python -m hopline.cli.certs .hopline/tls [--deploy] [--role NAME ...]
 
 writes `ca.crt` (and `ca.key`), then `<role>.crt` and `<role>.key` for each service and for
 `operator` (the CLI tools and the launcher's probes). Each certificate names its role as its
@@ -25,6 +25,15 @@ from hopline.runtime.service_table import SERVICES
 from hopline.runtime.tls import OPERATOR
 
 ROLES: tuple[str, ...] = (*(str(s.name) for s in SERVICES), OPERATOR)
+# The servers deploy/ runs beside the services, by role, with the DNS names their clients dial
+# beyond the role's own (`--deploy`): the production overlay's Milvus, and the tracing
+# pipeline's tiers (deploy/observability), which the services reach from another namespace.
+DEPLOY_NAMES: dict[str, tuple[str, ...]] = {
+    "milvus": (),
+    "otel-loadbalancer": ("otel-loadbalancer.observability.svc.cluster.local",),
+    "otel-tail-sampling": (),
+    "jaeger-collector": (),
+}
 DAYS = 365
 # P-256: the smallest key and quickest handshake that every TLS stack accepts.
 KEY_ALGORITHM = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
@@ -53,13 +62,15 @@ def make_ca(folder: Path, days: int = DAYS) -> None:
     _private(folder / "ca.key")
 
 
-def make_leaf(folder: Path, role: str, days: int = DAYS) -> None:
-    """`<role>.crt` and `.key`, signed by the folder's CA, for serving and for calling."""
+def make_leaf(folder: Path, role: str, days: int = DAYS, names: Iterable[str] = ()) -> None:
+    """`<role>.crt` and `.key`, signed by the folder's CA, for serving and for calling; `names`
+    are DNS names it carries beside the role's."""
     if (folder / f"{role}.crt").exists():
         return
+    dns = "".join(f",DNS:{name}" for name in names)
     extensions = "\n".join(
         [
-            f"subjectAltName=DNS:{role},DNS:localhost,IP:127.0.0.1",
+            f"subjectAltName=DNS:{role}{dns},DNS:localhost,IP:127.0.0.1",
             "basicConstraints=CA:FALSE",
             "keyUsage=critical,digitalSignature,keyEncipherment",
             "extendedKeyUsage=serverAuth,clientAuth",
@@ -86,7 +97,7 @@ def make_certs(folder: Path, roles: Iterable[str] = ROLES, days: int = DAYS) -> 
     folder.mkdir(parents=True, exist_ok=True)
     make_ca(folder, days)
     for role in roles:
-        make_leaf(folder, role, days)
+        make_leaf(folder, role, days, DEPLOY_NAMES.get(role, ()))
     return folder
 
 
@@ -105,9 +116,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--role", action="append", default=[], help="another certificate to issue (repeatable)"
     )
+    parser.add_argument(
+        "--deploy",
+        action="store_true",
+        help=f"also the servers deploy/ runs: {', '.join(DEPLOY_NAMES)}",
+    )
     parser.add_argument("--days", type=int, default=DAYS)
     args = parser.parse_args(argv)
-    folder = make_certs(args.folder, (*ROLES, *args.role), args.days)
+    deploy = tuple(DEPLOY_NAMES) if args.deploy else ()
+    folder = make_certs(args.folder, (*ROLES, *deploy, *args.role), args.days)
     sys.stdout.write(f"certificates in {folder}; run the mesh over TLS with:\n")
     for key, value in env_for(folder).items():
         sys.stdout.write(f"  export {key}='{value}'\n")

@@ -130,7 +130,7 @@ kubectl kustomize "$overlay" > "$work/objects.yaml"
 # CA (`make certs`' code) with the component's own script.
 if grep -q 'secretName: hopline-' "$work/objects.yaml"; then
   log "the mtls component's Secrets, from a throwaway CA"
-  "${PY:-python3}" -m hopline.cli.certs "$work/tls" --role milvus >/dev/null
+  "${PY:-python3}" -m hopline.cli.certs "$work/tls" --deploy >/dev/null
   echo '{"rollout-key": "rollout"}' > "$work/api-keys.json"
   kubectl create namespace hopline >/dev/null
   "$(dirname "$0")/../components/mtls/create-secrets.sh" "$work/tls" "$work/api-keys.json" >/dev/null

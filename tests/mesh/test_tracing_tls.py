@@ -1,0 +1,264 @@
+"""The production tracing pipeline over mutual TLS, with deploy/observability's own configs.
+
+Real processes: the five services export to a tail-sampling collector running
+`tail-sampling-collector.yaml`, which exports to a Jaeger running `jaeger.yaml`, both in the
+Jaeger v2 binary `make` builds (an OpenTelemetry Collector distribution) with only their
+addresses and file paths changed (`--set`), and certificates from `make certs`' code. Each
+service shows its own certificate, as each pod does with the production overlay's settings.
+The first tier, `loadbalancer-collector.yaml`, needs otelcol-contrib's `loadbalancing`
+exporter, which is not built here: its TLS settings are read from the file instead.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from conftest import DEFAULT_MODEL
+from harness import Mesh, fetch_trace, serve_refused
+from hopline.cli.certs import make_certs
+from hopline.gateway.client import predict
+from hopline.observability.jaeger import BINARY
+from hopline.runtime.ports import free_ports
+from hopline.runtime.service_table import SERVICES
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "deploy" / "observability"
+SERVICE_NAMES = tuple(str(s.name) for s in SERVICES)
+DELAY_MS = 80  # on postprocess: every trace is over the tail sampler's 50 ms "slow" policy
+MOUNT = "/etc/otel/tls/"  # where the configs read their certificates (deploy/observability)
+
+
+class Tier:
+    """The Jaeger binary on one of deploy/observability's configs, its OTLP receiver on a free
+    loopback port and every /etc/otel/tls path replaced by `role`'s files in `certs`."""
+
+    def __init__(
+        self, config: str, role: str, certs: Path, workdir: Path, sets: dict[str, str]
+    ) -> None:
+        if not BINARY.is_file():
+            pytest.fail(f"{BINARY} is missing (`make test` builds it)")
+        self.port = free_ports(1)[0]
+        self.log = workdir / f"{role}.log"
+        files = {"tls.crt": f"{role}.crt", "tls.key": f"{role}.key", "ca.crt": "ca.crt"}
+        raw = (CONFIGS / config).read_text()
+        paths = {
+            key: str(certs / files[value.removeprefix(MOUNT)])
+            for key, value in _leaves(yaml.safe_load(raw))
+            if isinstance(value, str) and value.startswith(MOUNT)
+        }
+        assert paths, f"{config} reads no certificate from {MOUNT}"
+        options = {
+            "receivers::otlp::protocols::grpc::endpoint": f"127.0.0.1:{self.port}",
+            "service::telemetry::metrics::level": "none",
+            **paths,
+            **sets,
+        }
+        args = [f"--set={key}={value}" for key, value in options.items()]
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [str(BINARY), "--config", str(CONFIGS / config), *args], stdout=log, stderr=log
+            )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    pytest.fail(f"{config} did not start: {self.log.read_text()[-2000:]}")
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(`a::b::c`, value) for every leaf of a YAML document, the keys as `--set` names them."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}{key}::")
+    else:
+        yield prefix.removesuffix("::"), node
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    roles = (*SERVICE_NAMES, "otel-tail-sampling", "jaeger-collector")
+    return make_certs(tmp_path_factory.mktemp("tls"), roles)
+
+
+@pytest.fixture(scope="module")
+def pipeline(certs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    work = tmp_path_factory.mktemp("pipeline")
+    query, query_grpc = free_ports(2)
+    jaeger = Tier(
+        "jaeger.yaml",
+        "jaeger-collector",
+        certs,
+        work,
+        {
+            "extensions::jaeger_query::http::endpoint": f"127.0.0.1:{query}",
+            "extensions::jaeger_query::grpc::endpoint": f"127.0.0.1:{query_grpc}",
+        },
+    )
+    try:
+        sampling = Tier(
+            "tail-sampling-collector.yaml",
+            "otel-tail-sampling",
+            certs,
+            work,
+            {
+                # The name jaeger-collector would resolve to in the cluster; its certificate
+                # also names 127.0.0.1, so the exporter's check still runs.
+                "exporters::otlp/jaeger::endpoint": f"127.0.0.1:{jaeger.port}",
+                "processors::tail_sampling::decision_wait": "1s",
+            },
+        )
+    except BaseException:
+        jaeger.stop()
+        raise
+    try:
+        yield {"sampling": sampling, "jaeger": jaeger, "query": f"http://127.0.0.1:{query}"}
+    finally:
+        sampling.stop()
+        jaeger.stop()
+
+
+@pytest.fixture(scope="module")
+def traced(
+    pipeline: dict[str, Any],
+    certs: Path,
+    default_repo: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Mesh]:
+    work = tmp_path_factory.mktemp("traced")
+    repo = work / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    own = {
+        name: {
+            "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": str(certs / f"{name}.crt"),
+            "OTEL_EXPORTER_OTLP_CLIENT_KEY": str(certs / f"{name}.key"),
+        }
+        for name in SERVICE_NAMES
+    }
+    own["postprocess"]["HOPLINE_TEST_DELAY_MS"] = str(DELAY_MS)
+    mesh = Mesh(
+        repo,
+        work,
+        service_env=own,
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"https://127.0.0.1:{pipeline['sampling'].port}",
+        OTEL_EXPORTER_OTLP_CERTIFICATE=str(certs / "ca.crt"),
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        OTEL_TRACES_SAMPLER="parentbased_always_on",
+        HOPLINE_GATEWAY_BATCH_MAX_ROWS="1",
+        # Every miss sends its lookup, so the trace holds all five services.
+        HOPLINE_GATEWAY_KEY_MIRROR="0",
+    )
+    try:
+        yield mesh.start()
+    finally:
+        mesh.stop()
+
+
+def test_every_service_exports_over_mutual_tls_through_the_deployed_tiers(
+    traced: Mesh, pipeline: dict[str, Any]
+) -> None:
+    """A slow request's trace, kept by the tail sampler, reaches Jaeger whole: every service's
+    spans crossed both TLS links, and each service logged that it exports over mutual TLS."""
+    reply = predict("where is my parcel, tracked over TLS", gateway=traced.gateway, timeout_s=30)
+    spans = fetch_trace(pipeline["query"], reply.trace_id, want_services=5, timeout_s=60)
+    assert {s.service for s in spans} == set(SERVICE_NAMES)
+    assert max(s.end - s.start for s in spans) >= DELAY_MS * 1e6
+    for name in SERVICE_NAMES:
+        log = (traced.workdir / f"{name}.log").read_text()
+        lines = [line for line in log.splitlines() if "exporting spans" in line]
+        assert len(lines) == 1, f"{name}: {log[-1500:]}"
+        assert "tls=mutual" in lines[0], lines[0]
+
+
+def _export(port: int, certs: Path, role: str | None) -> grpc.StatusCode:
+    """One empty OTLP export to a tier, showing `role`'s certificate (None: none)."""
+    key = (certs / f"{role}.key").read_bytes() if role else None
+    chain = (certs / f"{role}.crt").read_bytes() if role else None
+    credentials = grpc.ssl_channel_credentials((certs / "ca.crt").read_bytes(), key, chain)
+    with grpc.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+        stub = trace_service_pb2_grpc.TraceServiceStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            stub.Export(trace_service_pb2.ExportTraceServiceRequest(), timeout=10)
+        except grpc.RpcError as err:
+            code: grpc.StatusCode = err.code()
+            return code
+    return grpc.StatusCode.OK
+
+
+def test_each_tier_takes_only_clients_with_a_certificate_from_the_ca(
+    pipeline: dict[str, Any], certs: Path, tmp_path: Path
+) -> None:
+    rogue = make_certs(tmp_path / "rogue", ("gateway",))
+    for tier in (pipeline["sampling"], pipeline["jaeger"]):
+        assert _export(tier.port, certs, "gateway") is grpc.StatusCode.OK
+        assert _export(tier.port, certs, None) is grpc.StatusCode.UNAVAILABLE
+        shutil.copy(rogue / "gateway.crt", tmp_path / "rogue.crt")
+        shutil.copy(rogue / "gateway.key", tmp_path / "rogue.key")
+        shutil.copy(certs / "ca.crt", tmp_path / "ca.crt")
+        assert _export(tier.port, tmp_path, "rogue") is grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_first_tier_config_checks_both_sides() -> None:
+    """loadbalancer-collector.yaml (not run here: see the module's docstring) as the tiers
+    above: a client certificate required, and its exporter checking the tail-sampling tier's
+    name (it dials pod addresses) and showing its own certificate."""
+    config = yaml.safe_load((CONFIGS / "loadbalancer-collector.yaml").read_text())
+    receiver = config["receivers"]["otlp"]["protocols"]["grpc"]["tls"]
+    assert {"cert_file", "key_file", "client_ca_file"} <= set(receiver)
+    exporter = config["exporters"]["loadbalancing"]["protocol"]["otlp"]["tls"]
+    assert exporter.get("insecure") is not True
+    assert {"ca_file", "cert_file", "key_file"} <= set(exporter)
+    assert exporter["server_name_override"] == "otel-tail-sampling"
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "https://127.0.0.1:4317",
+                "OTEL_EXPORTER_OTLP_CERTIFICATE": "/nowhere/ca.crt",
+            },
+            "cannot read OTEL_EXPORTER_OTLP_CERTIFICATE='/nowhere/ca.crt'",
+        ),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
+                "OTEL_EXPORTER_OTLP_CERTIFICATE": "{certs}/ca.crt",
+            },
+            "use an https:// endpoint",
+        ),
+    ],
+)
+def test_an_export_tls_setting_that_cannot_work_stops_the_start(
+    certs: Path, env: dict[str, str], says: str
+) -> None:
+    """Not a service that runs and loses every span: `hopline serve` exits 2, saying why."""
+    environ = {k: v.format(certs=certs) for k, v in env.items()}
+    said = serve_refused("postprocess", environ)
+    assert "cannot set up tracing" in said, said
+    assert says in said, said
