@@ -32,7 +32,7 @@ DEPLOY_NAMES: dict[str, tuple[str, ...]] = {
     "milvus": (),
     "otel-loadbalancer": ("otel-loadbalancer.observability.svc.cluster.local",),
     "otel-tail-sampling": (),
-    "jaeger-collector": (),
+    "jaeger-collector": ("jaeger",),  # compose's Jaeger is `jaeger`
 }
 DAYS = 365
 # P-256: the smallest key and quickest handshake that every TLS stack accepts.

@@ -5,8 +5,8 @@
 #   deploy/compose/mtls-secrets.sh .hopline/tls api-keys.json [OUT]
 #
 # OUT (default deploy/compose/secrets) gets a folder per service holding only that
-# service's tls.crt, tls.key and ca.crt, api-keys/keys.json, milvus/ (the Milvus server's
-# certificate), milvus-root/token (root's token, for the one-shot milvus-cache-user alone) and
+# service's tls.crt, tls.key and ca.crt, api-keys/keys.json, jaeger/ (Jaeger's OTLP
+# receiver's certificate), milvus/ (the Milvus server's certificate), milvus-root/token (root's token, for the one-shot milvus-cache-user alone) and
 # milvus-token/token (the cache's own user's token): root-owned, group 10001
 # (the image's user), mode 0440, so each container reads its own key and nothing else does,
 # as a Kubernetes Secret mounted with defaultMode 0440 under fsGroup 10001. Run as root (the
@@ -23,8 +23,10 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 [ -r "$certs/ca.crt" ] || { echo "cannot read $certs/ca.crt (make certs writes a CA and certificates)" >&2; exit 1; }
 [ -r "$keys" ] || { echo "cannot read $keys (the API keys: JSON, key -> tenant)" >&2; exit 1; }
-for part in crt key; do
-  [ -r "$certs/milvus.$part" ] || { echo "cannot read $certs/milvus.$part (make certs writes the Milvus server's certificate)" >&2; exit 1; }
+for server in milvus jaeger-collector; do
+  for part in crt key; do
+    [ -r "$certs/$server.$part" ] || { echo "cannot read $certs/$server.$part (make certs writes the $server server's certificate)" >&2; exit 1; }
+  done
 done
 
 place() {  # place FOLDER NAME=SOURCE...
@@ -44,6 +46,9 @@ for service in gateway tokenizer cache inference postprocess; do
     ca.crt="$certs/ca.crt"
 done
 place "$out/api-keys" keys.json="$keys"
+# Jaeger's OTLP receiver: make certs' jaeger-collector certificate, which also names `jaeger`.
+place "$out/jaeger" tls.crt="$certs/jaeger-collector.crt" tls.key="$certs/jaeger-collector.key" \
+  ca.crt="$certs/ca.crt"
 # Milvus (compose.mtls.yaml: authentication and mutual TLS): its server certificate, its root
 # password and the cache's own user's, each made once (Milvus takes the root one at its first
 # start and keeps it, `hopline cache milvus-user` keeps an existing user's; root-only here):

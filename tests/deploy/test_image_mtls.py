@@ -37,7 +37,7 @@ from containers import (
     wait_serving,
 )
 from harness import SERVING, free_port, health
-from hopline.cli.certs import ROLES, make_certs
+from hopline.cli.certs import DEPLOY_NAMES, ROLES, make_certs
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime.service_table import SERVICES, ServiceName
@@ -75,7 +75,7 @@ def lay_out_secrets(certs: Path, keys: Path, out: Path) -> subprocess.CompletedP
 def production(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Production]:
     require_image()
     work = tmp_path_factory.mktemp("image-mtls")
-    certs = make_certs(work / "ca", (*ROLES, "milvus"))
+    certs = make_certs(work / "ca", (*ROLES, *DEPLOY_NAMES))
     keys = work / "keys.json"
     keys.write_text(json.dumps({API_KEY: "acme"}), encoding="utf-8")
     names = container_names("mtls")
@@ -140,9 +140,11 @@ def test_the_secrets_script_lays_out_what_only_the_image_group_reads(
     production: Production, tmp_path: Path
 ) -> None:
     folders = {str(service.name): "ca.crt tls.crt tls.key" for service in SERVICES}
-    # Milvus's certificate, its configuration with the root password, root's token (for the
-    # one-shot milvus-cache-user alone), the cache's own user's token.
+    # Jaeger's OTLP receiver's and Milvus's certificates, Milvus's configuration with the root
+    # password, root's token (for the one-shot milvus-cache-user alone), the cache's own
+    # user's token.
     folders |= {
+        "jaeger": "ca.crt tls.crt tls.key",
         "milvus": "ca.crt tls.crt tls.key",
         "milvus-config": "user.yaml",
         "milvus-root": "token",
