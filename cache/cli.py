@@ -184,7 +184,7 @@ def _milvus_user(args: argparse.Namespace) -> int:
         access = MilvusAccess.of(config)  # the cache's settings, its token file read
         client = admin_client(config, access, admin_token)
         try:
-            done = ensure_cache_user(client, access.token)
+            done = ensure_cache_user(client, access.token, access.db_name)
         finally:
             client.close()
     except CacheStoreError as exc:

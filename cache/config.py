@@ -25,6 +25,7 @@ MILVUS_TOKEN_ENV = "HOPLINE_CACHE_MILVUS_TOKEN_FILE"
 MILVUS_CA_ENV = "HOPLINE_CACHE_MILVUS_CA"
 MILVUS_CERT_ENV = "HOPLINE_CACHE_MILVUS_CLIENT_CERT"
 MILVUS_KEY_ENV = "HOPLINE_CACHE_MILVUS_CLIENT_KEY"
+MILVUS_DB_ENV = "HOPLINE_CACHE_MILVUS_DB"
 
 
 class ExactFallback(enum.StrEnum):
@@ -63,6 +64,13 @@ class CacheConfig(ServerConfig):
     )
     milvus_client_key: str = env_field(
         MILVUS_KEY_ENV, "", "PEM private key of HOPLINE_CACHE_MILVUS_CLIENT_CERT"
+    )
+    milvus_db: str = env_field(
+        MILVUS_DB_ENV,
+        "",
+        "the Milvus server's database the cache keeps its collections in (unset: the "
+        "server's default one); `hopline cache milvus-user` makes it and bounds the cache's "
+        "privileges to it",
     )
     work_dir: str = env_field(
         "HOPLINE_CACHE_DIR", ".hopline", "where the built embedding encoder is kept"

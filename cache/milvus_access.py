@@ -1,7 +1,9 @@
 """What the cache presents to a Milvus server beyond its address: a token, where the server
 authenticates (`common.security.authorizationEnabled`; 'user:password' or an API key), and
 TLS, where it encrypts (`common.security.tlsMode` 1: a CA that verifies the server; 2, mutual
-TLS: this client's certificate and key too). milvus-lite by file takes neither.
+TLS: this client's certificate and key too), and the database it keeps its collections in
+(where it has one of its own: `hopline cache milvus-user` bounds its privileges to it).
+milvus-lite by file takes none of them.
 
 Read once at start-up from HOPLINE_CACHE_MILVUS_* (cache/config.py); every file is checked
 then, so a wrong path fails the start with the setting's name instead of a connection that
@@ -12,17 +14,22 @@ it, and is never logged.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 from hopline.cache.config import (
     MILVUS_CA_ENV,
     MILVUS_CERT_ENV,
+    MILVUS_DB_ENV,
     MILVUS_KEY_ENV,
     MILVUS_TOKEN_ENV,
     CacheConfig,
 )
 from hopline.cache.milvus_lite import is_local
 from hopline.cache.store import CacheStoreError
+
+# Milvus's rule for database names (it refuses others only when asked to create one).
+DATABASE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +38,7 @@ class MilvusAccess:
     ca: str = ""
     client_cert: str = ""
     client_key: str = ""
+    db_name: str = ""  # empty: the server's default database
 
     @classmethod
     def of(cls, config: CacheConfig) -> MilvusAccess:
@@ -41,6 +49,7 @@ class MilvusAccess:
             MILVUS_CA_ENV: config.milvus_ca,
             MILVUS_CERT_ENV: config.milvus_client_cert,
             MILVUS_KEY_ENV: config.milvus_client_key,
+            MILVUS_DB_ENV: config.milvus_db,
         }
         given = [env for env, value in named.items() if value]
         if not given:
@@ -49,9 +58,14 @@ class MilvusAccess:
         if is_local(uri):
             raise CacheStoreError(
                 f"{', '.join(given)} set, but HOPLINE_CACHE_URI {uri!r} is a milvus-lite file, "
-                "which takes no token or TLS: unset them, or give a Milvus server's URI"
+                "which takes no token, TLS or database: unset them, or give a Milvus server's URI"
             )
-        tls = [env for env in given if env != MILVUS_TOKEN_ENV]
+        if config.milvus_db and not DATABASE_NAME.fullmatch(config.milvus_db):
+            raise CacheStoreError(
+                f"{MILVUS_DB_ENV} {config.milvus_db!r}: Milvus takes a letter or underscore, "
+                "then letters, digits and underscores, 64 at most"
+            )
+        tls = [env for env in given if env not in (MILVUS_TOKEN_ENV, MILVUS_DB_ENV)]
         if tls and not uri.startswith("https://"):
             raise CacheStoreError(
                 f"{', '.join(tls)} set, but HOPLINE_CACHE_URI {uri!r} does not start with "
@@ -78,6 +92,7 @@ class MilvusAccess:
             config.milvus_ca,
             config.milvus_client_cert,
             config.milvus_client_key,
+            config.milvus_db,
         )
 
     def client_kwargs(self) -> dict[str, str]:
@@ -89,6 +104,8 @@ class MilvusAccess:
         kwargs: dict[str, str] = {}
         if self.token:
             kwargs["token"] = self.token
+        if self.db_name:
+            kwargs["db_name"] = self.db_name
         if self.client_cert:
             # pymilvus sends a client certificate only on this path, with the CA beside it.
             kwargs |= {

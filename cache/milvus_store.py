@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 
 from hopline.cache import milvus_lite as lite
+from hopline.cache.config import MILVUS_DB_ENV
 from hopline.cache.generations import (
     CATCH_UP_ROUNDS,
     HELD_REPLAY_MAX,
@@ -82,9 +83,13 @@ def quiet_pymilvus() -> Any:
     return pymilvus
 
 
+# Milvus's error code for a database that does not exist (HOPLINE_CACHE_MILVUS_DB).
+DATABASE_NOT_FOUND = 800
+
+
 def milvus_reason(exc: BaseException) -> str:
     """What pymilvus or gRPC said, on one line and at most 300 characters; a refused
-    privilege with what grants it."""
+    privilege with what grants it, a missing database with what makes it."""
     if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
         message = f"{exc.code().name}: {exc.details()}"
         if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
@@ -92,6 +97,8 @@ def milvus_reason(exc: BaseException) -> str:
             message += "what the cache needs)"
     else:
         message = getattr(exc, "message", None) or str(exc)
+        if getattr(exc, "code", None) == DATABASE_NOT_FOUND:
+            message = f"{message} ({MILVUS_DB_ENV}: `hopline cache milvus-user` makes it)"
     return " ".join(str(message).split())[:300]
 
 

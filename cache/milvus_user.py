@@ -6,8 +6,11 @@ The cache then connects with its own `user:password` (HOPLINE_CACHE_MILVUS_TOKEN
 root's: a cache pod that is broken into cannot manage users, roles or databases, nor read the
 root password. Milvus grants privileges per collection name or for every collection (`*`):
 the cache makes its collections' names from its models (cache/generations.py), so it is given
-every collection, of the database it connects to. Run against Milvus 2.3.5 (tests/deploy/
-test_cache_milvus_security.py), where every user may also describe and list collections.
+every collection of the database it connects to. With HOPLINE_CACHE_MILVUS_DB that is a
+database of its own, made here where missing, and nothing outside it: other databases'
+collections are neither readable nor writable to it, nor can it make collections there. Run
+against Milvus 2.3.5 (tests/deploy/test_cache_milvus_security.py), where every user may also
+describe and list collections.
 """
 
 from __future__ import annotations
@@ -65,18 +68,26 @@ def user_and_password(token: str) -> tuple[str, str]:
     return user, password
 
 
-def ensure_cache_user(client: Any, token: str) -> list[str]:
-    """The cache's role with PRIVILEGES and its user in that role, each made where missing;
-    what was done, as lines. An existing user's password is left as it is (Milvus changes a
-    password only given the old one)."""
+def ensure_cache_user(client: Any, token: str, db_name: str = "") -> list[str]:
+    """The cache's database (`db_name`; empty: the server's default), its role with
+    PRIVILEGES there and its user in that role, each made where missing; what was done, as
+    lines. An existing user's password is left as it is (Milvus changes a password only given
+    the old one)."""
     user, password = user_and_password(token)
     done = []
+    if db_name:
+        if db_name in client.list_databases():
+            done.append(f"database {db_name} exists")
+        else:
+            client.create_database(db_name)
+            done.append(f"database {db_name} created")
     if ROLE not in client.list_roles():
         client.create_role(ROLE)
         done.append(f"role {ROLE} created")
     for grant, privilege in PRIVILEGES:
-        client.grant_privilege(ROLE, grant.value, privilege, EVERY_COLLECTION)
-    done.append(f"role {ROLE} granted {', '.join(p for _, p in PRIVILEGES)}")
+        client.grant_privilege(ROLE, grant.value, privilege, EVERY_COLLECTION, db_name=db_name)
+    where = f"database {db_name}" if db_name else "the default database"
+    done.append(f"role {ROLE} granted {', '.join(p for _, p in PRIVILEGES)} in {where}")
     if user in client.list_users():
         done.append(f"user {user} exists: its password is left as it is")
     else:
@@ -99,7 +110,9 @@ def admin_client(config: CacheConfig, access: MilvusAccess, admin_token: str) ->
         raise CacheStoreError("the administrator's token file is empty")
     if not access.token:
         raise CacheStoreError(f"set {MILVUS_TOKEN_ENV}: the file with the cache's user:password")
+    # In the default database: the cache's own may not exist yet (ensure_cache_user makes it).
     kwargs = {**access.client_kwargs(), "token": admin_token}
+    kwargs.pop("db_name", None)
     try:
         return pymilvus.MilvusClient(
             config.uri, timeout=config.milvus_timeout_s, dedicated=True, **kwargs

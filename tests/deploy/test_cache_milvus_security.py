@@ -24,7 +24,13 @@ import pytest
 from cache_service import cache, lookup, run, scope, store, written
 from milvus_server import MilvusKind, MilvusServer, Security
 
-from hopline.cache.config import MILVUS_CA_ENV, MILVUS_CERT_ENV, MILVUS_KEY_ENV, MILVUS_TOKEN_ENV
+from hopline.cache.config import (
+    MILVUS_CA_ENV,
+    MILVUS_CERT_ENV,
+    MILVUS_DB_ENV,
+    MILVUS_KEY_ENV,
+    MILVUS_TOKEN_ENV,
+)
 from hopline.cache.counts import CacheCount
 from hopline.cache.milvus_user import PRIVILEGES, ROLE
 from hopline.cache.store import CacheStoreError
@@ -97,7 +103,7 @@ def test_a_cache_the_server_refuses_says_what_to_set(server: MilvusServer) -> No
 
 
 def _milvus_user(
-    server: MilvusServer, token_file: Path, admin_token_file: str
+    server: MilvusServer, token_file: Path, admin_token_file: str, db: str = ""
 ) -> subprocess.CompletedProcess[str]:
     """`hopline cache milvus-user` as an operator runs it: the cache's settings by environment."""
     assert server.security is not None
@@ -108,6 +114,8 @@ def _milvus_user(
         MILVUS_TOKEN_ENV: str(token_file),
         MILVUS_CA_ENV: access["milvus_ca"],
     }
+    if db:
+        env[MILVUS_DB_ENV] = db
     if "milvus_client_cert" in access:
         env |= {
             MILVUS_CERT_ENV: access["milvus_client_cert"],
@@ -201,3 +209,59 @@ def test_the_cache_runs_as_a_user_with_only_its_privileges(
     message = _start_fails(server.uri, **{**access, "milvus_token_file": str(bare)})
     assert "PERMISSION_DENIED: PrivilegeLoad: permission deny to bare_user" in message
     assert "`hopline cache milvus-user` grants what the cache needs" in message
+
+
+def test_a_cache_in_a_database_of_its_own_reaches_nothing_outside_it(
+    server: MilvusServer, tmp_path: Path
+) -> None:
+    """HOPLINE_CACHE_MILVUS_DB: `hopline cache milvus-user` makes the database and grants the
+    cache's privileges in it alone. The cache works there; another database's collection (one
+    root made in the default database) it can neither read nor load, and it cannot make a
+    collection outside its own."""
+    assert server.security is not None
+    access = server.security.cache_settings()
+    root = pymilvus.MilvusClient(server.uri, dedicated=True, **server.security.client_kwargs())
+    try:
+        root.create_collection("payroll", dimension=4)
+        root.insert("payroll", [{"id": 1, "vector": [0.1, 0.2, 0.3, 0.4]}])
+    finally:
+        root.close()
+    # Before the database exists, a cache pointed at it is refused naming it.
+    message = _start_fails(server.uri, **{**access, "milvus_db": "hopline_missing"})
+    assert "database not found[database=hopline_missing]" in message
+    assert f"({MILVUS_DB_ENV}: `hopline cache milvus-user` makes it)" in message
+
+    token = tmp_path / "cache-user-token"
+    token.write_text("hopline_cache_db:a-password-of-its-own\n")
+    made = _milvus_user(server, token, access["milvus_token_file"], db="hopline")
+    assert made.returncode == 0, made.stderr
+    assert "database hopline created" in made.stdout
+    assert "in database hopline" in made.stdout
+    again = _milvus_user(server, token, access["milvus_token_file"], db="hopline")
+    assert "database hopline exists" in again.stdout
+
+    own = {**access, "milvus_token_file": str(token), "milvus_db": "hopline"}
+
+    async def body() -> None:
+        async with cache(server.uri, **SETTINGS, **own) as (_, stub):
+            await store(stub, "where is my parcel")
+            await written(stub)
+        async with cache(server.uri, **SETTINGS, **own) as (service, stub):
+            reply = await lookup(stub, "where is my parcel", mode="exact")
+            assert reply.outcome == common_pb2.CACHE_OUTCOME_EXACT
+            assert not {c: service.counts[c] for c in ERROR_COUNTS if service.counts[c]}
+
+    run(body)
+
+    kwargs = {**server.security.client_kwargs(), "token": "hopline_cache_db:a-password-of-its-own"}
+    outside = pymilvus.MilvusClient(server.uri, dedicated=True, **kwargs)
+    try:
+        refused = (pymilvus.MilvusException, grpc.RpcError)
+        with pytest.raises(refused, match="permission deny"):
+            outside.query("payroll", filter="id >= 0", output_fields=["id"])
+        with pytest.raises(refused, match="permission deny"):
+            outside.load_collection("payroll")
+        with pytest.raises(refused, match="permission deny"):
+            outside.create_collection("squatter", dimension=4)
+    finally:
+        outside.close()

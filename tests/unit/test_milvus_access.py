@@ -15,6 +15,7 @@ import pytest
 from hopline.cache.config import (
     MILVUS_CA_ENV,
     MILVUS_CERT_ENV,
+    MILVUS_DB_ENV,
     MILVUS_KEY_ENV,
     MILVUS_TOKEN_ENV,
     CacheConfig,
@@ -97,6 +98,14 @@ def test_a_ca_alone_verifies_the_server_and_a_client_pair_makes_it_mutual(
         ({"uri": SERVER, "milvus_ca": "missing.crt"}, f"cannot read {MILVUS_CA_ENV} '"),
         ({"uri": SERVER, "milvus_token_file": "missing"}, f"cannot read {MILVUS_TOKEN_ENV} '"),
         ({"uri": SERVER, "milvus_token_file": "empty"}, f"{MILVUS_TOKEN_ENV} '"),
+        (
+            {"milvus_db": "hopline"},
+            f"{MILVUS_DB_ENV} set, but HOPLINE_CACHE_URI '.hopline/cache.db' is a",
+        ),
+        (
+            {"uri": SERVER, "milvus_db": "hop-line"},
+            f"{MILVUS_DB_ENV} 'hop-line': Milvus takes a letter or underscore",
+        ),
     ],
 )
 def test_settings_that_cannot_work_are_refused_by_name(
@@ -106,7 +115,7 @@ def test_settings_that_cannot_work_are_refused_by_name(
     resolved = {
         key: (
             pems.get(value, str(tmp_path / value))
-            if key != "uri" and not value.startswith(".")
+            if key not in ("uri", "milvus_db") and not value.startswith(".")
             else value
         )
         for key, value in settings.items()
@@ -116,6 +125,13 @@ def test_settings_that_cannot_work_are_refused_by_name(
     assert str(refused.value).startswith(message)
     if settings.get("milvus_token_file") == "empty":
         assert str(refused.value).endswith("is empty")
+
+
+def test_a_database_of_its_own_goes_with_every_client(pems: dict[str, str]) -> None:
+    access = MilvusAccess.of(
+        _config(uri=SERVER, milvus_token_file=pems["token"], milvus_db="hopline_cache")
+    )
+    assert access.client_kwargs() == {"token": "root:Milvus", "db_name": "hopline_cache"}
 
 
 def test_the_start_up_error_says_what_the_server_may_want() -> None:
@@ -161,3 +177,14 @@ def test_a_refused_privilege_says_what_grants_it() -> None:
     )
     assert milvus_reason(gone) == "UNAVAILABLE: no answer"
     assert milvus_reason(ValueError("a  plain\n error")) == "a plain error"
+
+
+def test_a_missing_database_says_what_makes_it() -> None:
+    import pymilvus
+
+    missing = pymilvus.MilvusException(code=800, message="database not found[database=hop]")
+    assert milvus_reason(missing) == (
+        f"database not found[database=hop] ({MILVUS_DB_ENV}: `hopline cache milvus-user` makes it)"
+    )
+    other = pymilvus.MilvusException(code=1, message="something else")
+    assert milvus_reason(other) == "something else"
