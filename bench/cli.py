@@ -9,29 +9,32 @@ warm-up and the same window.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
-import gc
 import json
 import os
 import socket
-import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from hopline.bench import hop_split
+from hopline.bench.baselines import (
+    compute,
+    inprocess_target,
+    model_spec,
+    start_echo,
+    start_server,
+    stop_server,
+)
 from hopline.bench.load import (
     MAX_LATENCY_GROWTH,
-    BlockingCall,
     Run,
-    closed_loop,
-    open_loop,
 )
-from hopline.bench.mixes import Mix, make_mix, narrowed
+from hopline.bench.measure import PrimeError, measure
+from hopline.bench.mixes import make_mix
 from hopline.bench.report import (
     model_ratios,
     ratios,
@@ -42,10 +45,8 @@ from hopline.bench.report import (
 )
 from hopline.bench.targets import (
     EchoTarget,
-    InProcessTarget,
     PredictTarget,
     Target,
-    inprocess_threads,
 )
 from hopline.cli.arg_types import at_least_zero, positive
 from hopline.gateway.client import CACHE_MODES, gateway_address
@@ -198,195 +199,6 @@ def add_bench_command(sub: Any) -> None:
     )
 
 
-def start_server(module: str, *args: str) -> tuple[subprocess.Popen[bytes], str, str]:
-    """A baseline's server (`python -m MODULE --listen ADDR ARGS`, which says `READY LOOP`
-    once it answers): its process, address and the loop that runs."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--listen", address, *args], stdout=subprocess.PIPE
-    )
-    assert proc.stdout is not None
-    said = proc.stdout.readline().decode().split()
-    if not said or said[0] != "READY":
-        proc.kill()
-        proc.wait()
-        raise SystemExit(f"{module} did not start (said {' '.join(said)!r})")
-    return proc, address, said[1] if len(said) > 1 else ""
-
-
-def start_echo() -> tuple[subprocess.Popen[bytes], str, str]:
-    """The echo server on the services' event loop (bench/echo.py)."""
-    return start_server("hopline.bench.echo")
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    proc.wait(timeout=30)
-    if proc.stdout is not None:
-        proc.stdout.close()  # the READY pipe
-
-
-class _Payloads:
-    """Payloads built before the window; a miss mix past the prepared ones builds on demand."""
-
-    def __init__(self, target: Target, mix: Mix, count: int) -> None:
-        self.target, self.mix = target, mix
-        n = count if mix.distinct is None else min(count, mix.distinct)
-        self.items = [target.payload(mix.text(i)) for i in range(n)]
-
-    def __call__(self, i: int) -> Any:
-        if i < len(self.items):
-            return self.items[i]
-        if self.mix.distinct is not None:
-            return self.items[i % len(self.items)]
-        return self.target.payload(self.mix.text(i))
-
-
-class PrimeError(Exception):
-    """A target refused the requests that fill its cache: nothing of it can be measured."""
-
-    def __init__(self, target: str, err: grpc.RpcError) -> None:
-        self.code: grpc.StatusCode = err.code()
-        said = f"{self.code.name}: {err.details()}"
-        super().__init__(f"{target} refused the cache-filling requests: {said}")
-
-
-async def prime(target: Target, mix: Mix, blocking: BlockingCall | None = None) -> Mix:
-    """Fill the cache with the mix's primed texts, then send each again: a repeat that is not
-    a hit is a text the model's cache policy does not keep (an out-of-scope answer, a score
-    below min_score). It is left out, and said, so a window of repeats holds only repeats.
-    With `blocking`, through it (the window's call: no grpc.aio channel is opened)."""
-
-    async def send(text: str) -> Any:
-        try:
-            if blocking is not None:
-                return await asyncio.to_thread(blocking, target.payload(text))
-            return await target.call(target.payload(text))
-        except grpc.RpcError as err:
-            raise PrimeError(target.name, err) from err
-
-    for text in mix.prime:
-        await send(text)
-    kept = []
-    for text in mix.prime:
-        outcome, _ = target.describe(await send(text))
-        # Only a MISS says the cache looked and did not have it. A target without a cache
-        # (echo, a peer: no outcome) or a lookup that failed open says nothing of the policy.
-        if outcome != "miss":
-            kept.append(text)
-    if len(kept) == len(mix.prime):
-        return mix
-    sys.stderr.write(
-        f"{target.name}: {len(mix.prime) - len(kept)} of {len(mix.prime)} primed texts are not "
-        f"kept by the cache (the model's cache policy); the {mix.name} mix leaves them out\n"
-    )
-    return narrowed(mix, kept)
-
-
-async def measure(
-    target: Target,
-    mix: Mix,
-    args: argparse.Namespace,
-    pause_s: float = 0.0,
-    at_window: Callable[[], None] | None = None,
-) -> Run:
-    concurrency = args.concurrency or 1
-    # One caller of a gRPC target blocks on a thread of its own (bench/load.py says why).
-    blocking = None if args.rps or concurrency > 1 else target.blocking()
-    if blocking is not None:
-        # Frees grpc.aio channels that earlier windows dropped, so that gRPC's aio poller
-        # thread has stopped before this one (bench/targets.py: PredictTarget).
-        gc.collect()
-    mix = await prime(target, mix, blocking)  # exact and semantic mixes: fill the cache first
-    seconds = args.duration + args.warmup
-    expected = args.rps * seconds if args.rps else concurrency * 300 * seconds
-    payloads = _Payloads(target, mix, int(expected * 1.3) + 1000)
-    if args.rps:
-        return await open_loop(
-            target.call,
-            payloads,
-            rps=args.rps,
-            duration_s=args.duration,
-            warmup_s=args.warmup,
-            at_window=at_window,
-        )
-    return await closed_loop(
-        target.call,
-        payloads,
-        concurrency=concurrency,
-        duration_s=args.duration,
-        warmup_s=args.warmup,
-        pause_s=pause_s,
-        at_window=at_window,
-        blocking=blocking,
-    )
-
-
-def _model_spec(spec: str) -> tuple[str, str]:
-    name, _, version = spec.partition(":")
-    return name, version
-
-
-def inprocess_target(name: str, args: argparse.Namespace, spec: str = "") -> InProcessTarget:
-    """`inprocess` or `inprocess_batched` for `spec` (NAME[:VERSION]; empty: --model), with
-    the inference service's settings from this environment."""
-    from hopline.model.repository import ModelRepository
-    from hopline.model.run_width import run_slots
-    from hopline.runtime import config as cfg
-    from hopline.services.inference.service import InferenceConfig
-
-    model, version = _model_spec(spec) if spec else (args.model, "")
-    model = model or os.environ.get("HOPLINE_DEFAULT_MODEL", "support-intents")
-    config = ModelRepository(Path(args.model_repo)).resolve(model, version)
-    suffix = f"@{spec}" if spec else ""
-    service = cfg.load(InferenceConfig, [])  # the inference service's settings, from env
-    if name == "inprocess":
-        workers, threads = inprocess_threads(args.concurrency or (usable_cpus() if args.rps else 1))
-        return InProcessTarget(
-            config,
-            batched=False,
-            workers=workers,
-            threads=threads,
-            spin=service.spin,
-            nice=service.nice,
-            suffix=suffix,
-        )
-    return InProcessTarget(
-        config,
-        batched=True,
-        workers=run_slots(service.workers),
-        threads=service.threads,
-        spin=service.spin,
-        nice=service.nice,
-        suffix=suffix,
-    )
-
-
-def _compute(args: argparse.Namespace, specs: list[str]) -> dict[str, Any]:
-    from hopline.bench.compute import compare_compute, compute_table
-    from hopline.model.repository import ModelRepository
-    from hopline.runtime import config as cfg
-    from hopline.services.inference.service import InferenceConfig
-
-    repo = ModelRepository(Path(args.model_repo))
-    configs = [repo.resolve(*_model_spec(spec)) for spec in specs]
-    mix = make_mix("miss", args.clinc)
-    service = cfg.load(InferenceConfig, [])  # run as the inference service runs them
-    sys.stderr.write(f"measuring model compute ({', '.join(specs)}) ...\n")
-    result = compare_compute(
-        configs,
-        [mix.text(i) for i in range(512)],
-        batches=[int(b) for b in args.compute_batches.split(",")],
-        iterations=args.compute_iterations,
-        threads=service.threads,
-        spin=service.spin,
-    )
-    sys.stdout.write(compute_table(result) + "\n")
-    return result
-
-
 def _pool(a: Run, b: Run) -> Run:
     """Two windows of one target as one: latencies pooled, durations and CPU added."""
     total = a.duration_s + b.duration_s
@@ -448,7 +260,7 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
             settings[name] = target.settings
         else:
             address = gateway_address(args.target) if base == "mesh" else peers[base[5:]]
-            model, version = _model_spec(spec) if spec else (args.model, "")
+            model, version = model_spec(spec) if spec else (args.model, "")
             target = PredictTarget(
                 name,
                 address,
@@ -482,7 +294,7 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
         records[name]["hop_split"] = hop_split.split(window, records[name]["mean_ms"])
     result: dict[str, Any] = {"targets": records, "settings": settings}
     if len(specs) > 1 and args.compute_iterations > 0:
-        result["compute"] = _compute(args, specs)
+        result["compute"] = compute(args, specs)
     return runs, result
 
 

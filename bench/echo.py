@@ -42,7 +42,7 @@ async def serve(listen: str) -> int:
 
 async def serve_until_signalled(server: grpc.aio.Server, listen: str, name: str) -> int:
     """A baseline's server on `listen` until SIGTERM or SIGINT: `READY <loop>` on stdout once
-    it accepts calls (bench/cli.py:start_server waits for it); 2 when it cannot listen."""
+    it accepts calls (bench/baselines.py:start_server waits for it); 2 when it cannot listen."""
     try:
         server.add_insecure_port(listen)
     except RuntimeError as exc:

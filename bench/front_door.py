@@ -74,7 +74,7 @@ async def serve(listen: str, load: Callable[[], InProcessTarget]) -> int:
 
 
 def main() -> None:
-    from hopline.bench.cli import inprocess_target
+    from hopline.bench.baselines import inprocess_target
 
     parser = server_arguments("python -m hopline.bench.front_door")
     parser.add_argument("--model-repo", type=Path, required=True)

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from harness import TOPOLOGIES, Mesh, free_port
-from hopline.bench.cli import inprocess_target, start_echo, start_server, stop_server
+from hopline.bench.baselines import inprocess_target, start_echo, start_server, stop_server
 from hopline.bench.targets import ECHO, PREDICT
 from hopline.model.build import DEFAULT_MODEL_NAME
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
