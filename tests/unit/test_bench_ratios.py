@@ -11,7 +11,7 @@ import pytest
 
 from hopline.bench.load import Run
 from hopline.bench.report import ratios, summarise, window_figures
-from hopline.bench.suite import front_door_share, peer_judgement
+from hopline.bench.suite_report import front_door_share, peer_judgement
 
 
 def _target(p50: float, p99: float, rps: float) -> dict[str, Any]:

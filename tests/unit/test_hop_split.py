@@ -22,7 +22,7 @@ from hopline.bench import hop_split
 from hopline.bench.cli import _metrics_endpoints
 from hopline.bench.load import Run
 from hopline.bench.report import cpu_per_request
-from hopline.bench.suite import cpu_markdown, hop_split_markdown
+from hopline.bench.suite_report import cpu_markdown, hop_split_markdown
 from hopline.observability import schema
 from hopline.runtime.ports import free_ports
 

@@ -1,6 +1,6 @@
 """An open loop's `latency_growth`: near 1 when the target keeps up with the arrivals, about 2
 or more when a queue builds through the window; `make bench`'s open-loop row is not met then
-(`bench/suite.py:open_loop_judgement`), because its p50 and p99 measure the queue."""
+(`bench/suite_report.py:open_loop_judgement`), because its p50 and p99 measure the queue."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from hopline.bench.load import MAX_LATENCY_GROWTH, latency_growth, open_loop
-from hopline.bench.suite import open_loop_judgement
+from hopline.bench.suite_report import open_loop_judgement
 
 
 def _run(rps: float, service_s: float, *, serial: bool) -> float | None:
