@@ -209,7 +209,8 @@ def _model_args(parser: argparse.ArgumentParser, prefix: str) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from hopline.cache.evaluate import markdown, run
+    from hopline.cache.evaluate import run
+    from hopline.cache.evaluation_report import markdown
     from hopline.gateway.client import gateway_address
     from hopline.model.repository import ModelRepository
     from hopline.runtime.service_table import spec
