@@ -16,7 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from hopline.model.repository import ModelConfig
-from hopline.model.session import Spin
+from hopline.model.spin import Spin
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.services.inference.backend import OnnxRuntimeBackend
 

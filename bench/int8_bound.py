@@ -42,7 +42,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from hopline.bench.compute import batch_feeds
 from hopline.model.repository import ModelConfig
-from hopline.model.session import Spin, session_options
+from hopline.model.session import session_options
+from hopline.model.spin import Spin
 from hopline.model.tokenizer import load_tokenizer
 
 # Operators whose time INT8 quantization can shorten (products of matrices).

@@ -28,7 +28,7 @@ from hopline.bench.mixes import make_mix
 from hopline.bench.report import model_ratios
 from hopline.model.repository import ModelRepository
 from hopline.model.run_width import cores
-from hopline.model.session import Spin
+from hopline.model.spin import Spin
 from hopline.runtime import config as cfg
 from hopline.runtime.launcher import Mesh
 from hopline.services.inference.service import InferenceConfig

@@ -46,7 +46,8 @@ from hopline.model.build import (
 from hopline.model.providers import Provider, capi_folder, unloadable
 from hopline.model.quantize import Precision, cosines
 from hopline.model.repository import SENTENCE_EMBEDDING, ModelConfig, ModelRepository
-from hopline.model.session import Spin, make_session, run_texts
+from hopline.model.session import make_session, run_texts
+from hopline.model.spin import Spin
 from hopline.model.tokenizer import load_tokenizer
 
 

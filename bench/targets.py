@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 
 from hopline.model.repository import ModelConfig
-from hopline.model.session import Spin
+from hopline.model.spin import Spin
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hopline.cache.milvus_lite import is_local
 from hopline.cache.store import LookupConsistency
-from hopline.model.session import Spin
+from hopline.model.spin import Spin
 from hopline.runtime.config import (
     AT_LEAST_ONE,
     POSITIVE,

@@ -34,7 +34,8 @@ from tokenizers import Tokenizer
 
 from hopline.model.encoder import ENCODER_NAME, build_encoder, encoder_identity
 from hopline.model.run_width import CPU_RUN_ROWS, RunWidth, cores
-from hopline.model.session import Spin, embed_texts, make_session
+from hopline.model.session import embed_texts, make_session
+from hopline.model.spin import Spin
 from hopline.model.tokenizer import DEFAULT_MAX_LENGTH, load_tokenizer
 from hopline.observability import metrics
 from hopline.runtime.batching import BatchingPolicy, DynamicBatcher

@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Imported here, not at the top: `hopline serve NAME` never builds this parser, so a
     # service process loads none of the tools' dependencies.
-    from hopline.bench.cli import add_bench_command
+    from hopline.bench.command import add_bench_command
     from hopline.cache.cli import add_cache_commands
     from hopline.observability.trace_cli import add_trace_commands
 

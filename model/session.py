@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,24 +18,9 @@ from hopline.model.providers import (
     session_providers,
 )
 from hopline.model.repository import SENTENCE_EMBEDDING
+from hopline.model.spin import Spin
 from hopline.model.tokenizer import encode
 from hopline.runtime.cpu_quota import limited, usable_cpus
-
-
-class Spin(enum.StrEnum):
-    """What ONNX Runtime's intra-op threads do while they wait for work.
-
-    A thread that sleeps between two operators is woken by a futex for the next one; a
-    MiniLM run has 100-200 operators, mostly small at batch 1, so the wake-ups are a large
-    share of a short run. Measured on 2 cores (support-intents, batch 1, runs 2 ms apart):
-    FP32 4.77 ms sleeping vs 4.14 ms spinning during the run; INT8 2.96 vs 2.20 ms. Between
-    runs spinning is pure waste: ORT's default (ALWAYS) burned 24 ms of CPU per 20 ms gap,
-    against 1 ms more per run than OFF for RUN."""
-
-    OFF = "off"  # sleep between operators: the slowest short runs
-    RUN = "run"  # spin (RUN_SPIN_US at most per wait) while a run is in progress
-    ALWAYS = "always"  # keep spinning after a run too: only for a core nobody else needs
-
 
 # How long a thread of a RUN session spins for its next piece of work before it sleeps. The
 # gaps between a short run's operators are microseconds, so they are caught; a thread waiting

@@ -53,7 +53,8 @@ from hopline.model.encoder import (
     optimize_graph,
 )
 from hopline.model.quantize import convert_fp16, cosines
-from hopline.model.session import Spin, make_session, run_texts
+from hopline.model.session import make_session, run_texts
+from hopline.model.spin import Spin
 from hopline.model.tokenizer import encode, load_tokenizer
 
 OUTPUTS = ["sentence_embedding", "logits"]

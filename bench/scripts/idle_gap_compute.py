@@ -35,7 +35,7 @@ import numpy as np
 
 from hopline.bench.mixes import make_mix
 from hopline.model.repository import ModelRepository
-from hopline.model.session import Spin
+from hopline.model.spin import Spin
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.services.inference.backend import OnnxRuntimeBackend
 

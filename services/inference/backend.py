@@ -19,7 +19,8 @@ from hopline.model.providers import session_providers
 from hopline.model.quantize import Precision
 from hopline.model.repository import ModelConfig
 from hopline.model.run_width import RunWidth, cores
-from hopline.model.session import Spin, make_session
+from hopline.model.session import make_session
+from hopline.model.spin import Spin
 
 Array = npt.NDArray[np.generic]
 

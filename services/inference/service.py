@@ -22,7 +22,7 @@ from hopline.model.repository import (
     TensorSpec,
 )
 from hopline.model.run_width import run_slots
-from hopline.model.session import Spin
+from hopline.model.spin import Spin
 from hopline.observability import schema
 from hopline.observability.tracing import tracer
 from hopline.protos.hopline.common.v1 import common_pb2

@@ -10,8 +10,11 @@ processes show which threads read their sockets (HOPLINE_GRPC_IO).
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -146,3 +149,31 @@ def test_event_engine_asked_for_wakes_those_threads_on_every_call(
         assert wakeups_per_call(mesh, "tokenizer") >= ONE_A_CALL
     finally:
         mesh.stop()
+
+
+def test_the_cache_user_command_loads_no_onnxruntime(tmp_path: Path) -> None:
+    """`hopline cache milvus-user` (a Job or a one-shot container with a read-only root) reads
+    the cache's config and talks to Milvus, nothing more: no ONNX Runtime, which would also
+    try to write its telemetry id. Against a port nothing listens on, so it fails fast, as
+    it says, after importing all it needs."""
+    token = tmp_path / "token"
+    token.write_text("hopline_cache:a-password\n")
+    env = {
+        **os.environ,
+        "PYTHONPROFILEIMPORTTIME": "1",
+        "HOPLINE_CACHE_URI": "http://127.0.0.1:9",
+        "HOPLINE_CACHE_MILVUS_TOKEN_FILE": str(token),
+        "HOPLINE_CACHE_MILVUS_TIMEOUT_S": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "hopline", "cache", "milvus-user", "--admin-token-file", str(token)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    modules = imported_modules(done.stderr)
+    assert "pymilvus" in modules  # the import log is read, and it got as far as Milvus
+    assert {m for m in modules if "onnxruntime" in m} == set()

@@ -120,7 +120,8 @@ os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 from hopline.runtime.cpu_quota import fit_thread_pools, limited, usable_cpus
 pools = fit_thread_pools()
 from hopline.model.run_width import cores, run_slots
-from hopline.model.session import Spin, session_options
+from hopline.model.session import session_options
+from hopline.model.spin import Spin
 options = session_options(0, Spin.OFF)
 wide = session_options(3, Spin.OFF)
 print(json.dumps({

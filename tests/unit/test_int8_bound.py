@@ -10,7 +10,7 @@ import pytest
 
 from hopline.bench.int8_bound import amdahl, bound_ratios, int8_bound, weight_gemms
 from hopline.model.repository import ModelRepository
-from hopline.model.session import Spin
+from hopline.model.spin import Spin
 
 MODEL = "support-intents"
 

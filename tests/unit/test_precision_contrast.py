@@ -2,7 +2,7 @@
 setting: sleeping against spinning, whichever the inference service does not use."""
 
 from hopline.bench.precision import _other_spin, _speedups
-from hopline.model.session import Spin
+from hopline.model.spin import Spin
 
 
 def test_spinning_service_is_contrasted_with_sleeping_threads() -> None:

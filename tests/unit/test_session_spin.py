@@ -1,4 +1,4 @@
-"""What ONNX Runtime's threads do between operators (`model/session.py:Spin`), as the inference
+"""What ONNX Runtime's threads do between operators (`model/spin.py:Spin`), as the inference
 service reads it from HOPLINE_INFERENCE_SPIN and the cache's embedder from
 HOPLINE_CACHE_EMBED_SPIN. The CPU a session burns is read from the process's CPU clock, which
 counts ORT's pool threads: a spinning thread is on it, a sleeping one is not."""
@@ -14,7 +14,8 @@ import pytest
 from conftest import DEFAULT_MODEL
 from hopline.cache.config import CacheConfig
 from hopline.model.repository import ModelRepository
-from hopline.model.session import Spin, make_session
+from hopline.model.session import make_session
+from hopline.model.spin import Spin
 from hopline.runtime import config as cfg
 from hopline.runtime.config import ServerConfig
 from hopline.services.inference.service import InferenceConfig
