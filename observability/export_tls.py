@@ -24,6 +24,7 @@ TRACES = "OTEL_EXPORTER_OTLP_TRACES_"
 class ExportTls:
     """The files the trace exporter will use, by the variable each came from."""
 
+    prefix: str  # the variables' (PREFIX, or TRACES where its CERTIFICATE is set)
     ca: tuple[str, str] | None  # (variable, path)
     client_key: tuple[str, str] | None
     client_cert: tuple[str, str] | None
@@ -48,9 +49,8 @@ class ExportTls:
             plaintext = insecure.strip().lower() == "true"
         else:
             plaintext = scheme == "http"
-        return cls(
-            named("CERTIFICATE"), named("CLIENT_KEY"), named("CLIENT_CERTIFICATE"), plaintext
-        )
+        files = (named("CERTIFICATE"), named("CLIENT_KEY"), named("CLIENT_CERTIFICATE"))
+        return cls(prefix, *files, plaintext)
 
     @property
     def mode(self) -> str:
@@ -82,14 +82,12 @@ def check_export_tls(environ: Mapping[str, str], endpoint: str) -> ExportTls:
         except OSError as exc:
             raise ValueError(f"cannot read {variable}={path!r}: {exc.strerror}") from None
     if (tls.client_key is None) != (tls.client_cert is None):
-        have, missing = (
-            (tls.client_key, "CLIENT_CERTIFICATE")
-            if tls.client_cert is None
-            else (tls.client_cert, "CLIENT_KEY")
+        have, missing = ("CLIENT_KEY", "CLIENT_CERTIFICATE")
+        if tls.client_key is None:
+            have, missing = missing, have
+        raise ValueError(
+            f"{tls.prefix}{have} is set without {tls.prefix}{missing}: set both, or neither"
         )
-        assert have is not None
-        prefix = have[0].rsplit("CLIENT_", 1)[0]
-        raise ValueError(f"{have[0]} is set without {prefix}{missing}: set both, or neither")
     if tls.ca is not None:
         try:
             ssl.create_default_context(cafile=tls.ca[1])
