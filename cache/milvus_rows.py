@@ -8,6 +8,7 @@ expression, and a key reaches one only as the SHA-256 hex digest `entry_id` lets
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from hopline.cache.store import Entry, Scope, Vector
 
 MAX_TEXT_BYTES = 65_535  # Milvus VARCHAR limit, in bytes
 SCOPE_NAME_MAX = 256  # bytes of a tenant, model or version name the collection holds
+DIGESTS = ("scope_key", "tenant_key", "model_key", "version_key")
 SCALARS = (
     "scope_key",
     "tenant_key",
@@ -60,6 +62,44 @@ def row_problem(scope: Scope, text: str, response: bytes) -> str:
     if len(base64.b64encode(response)) > MAX_TEXT_BYTES:
         return f"the prediction is over {MAX_TEXT_BYTES * 3 // 4} bytes serialised"
     return ""
+
+
+def to_columns(rows: Sequence[tuple[Entry, Vector]]) -> dict[str, list[Any]]:
+    """`rows` as Milvus's column-based insert takes them: a list of values per field.
+
+    pymilvus packs a column with one call per field where a row-based insert packs every
+    field of every row on its own: for a batch of 40 exact-only rows 0.093 ms of the caller's
+    CPU a row against 0.237 (bench/scripts/write_cost.py). The scope's four digests are
+    made once per scope, not per row: a batch's rows mostly share a few scopes.
+    """
+    columns: dict[str, list[Any]] = {name: [] for name in ("id", "vector", *SCALARS)}
+    digests: dict[Scope, tuple[str, str, str, str]] = {}
+    for entry, _ in rows:
+        tenant, model, version, params = entry.scope
+        if problem := row_problem(entry.scope, entry.text, entry.response):
+            raise ValueError(problem)
+        keys = digests.get(entry.scope)
+        if keys is None:
+            keys = digests[entry.scope] = (
+                scope_digest(entry.scope),
+                digest("tenant", tenant),
+                digest("model", model),
+                digest("version", model, version),
+            )
+        columns["id"].append(entry_id(entry.key))
+        for name, value in zip(DIGESTS, keys, strict=True):
+            columns[name].append(value)
+        columns["tenant"].append(tenant)
+        columns["model"].append(model)
+        columns["model_version"].append(version)
+        columns["params"].append(params)
+        columns["text"].append(entry.text)
+        columns["response"].append(base64.b64encode(entry.response).decode("ascii"))
+        columns["created_at"].append(entry.created_at)
+        columns["expires_at"].append(entry.expires_at)
+    if rows:  # one conversion for the batch: pymilvus extends the field with plain floats
+        columns["vector"] = np.stack([v for _, v in rows]).astype(np.float32).tolist()
+    return columns
 
 
 def to_row(entry: Entry, vector: Vector) -> dict[str, Any]:

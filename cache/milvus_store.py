@@ -46,6 +46,7 @@ from hopline.cache.milvus_rows import (
     entry_id,
     from_hit,
     from_row,
+    to_columns,
     to_row,
 )
 from hopline.cache.store import (
@@ -128,6 +129,7 @@ class MilvusStore:
         # milvus-lite only: reclaim once deleted rows reach this many times the live ones.
         self.reclaim_ratio = reclaim_ratio
         self._gate = Gate()
+        self._schemas: dict[str, dict[str, Any]] = {}  # by collection, for column inserts
         self._dead = 0  # rows deleted or replaced since this generation was opened
         self._dead_lock = threading.Lock()
         pymilvus = quiet_pymilvus()
@@ -352,26 +354,55 @@ class MilvusStore:
         scope removes both.
         """
         if rows:
-            records = [to_row(e, v) for e, v in rows]
-            self._write(lambda name: self._upsert_into(name, records))
+            columns = to_columns(rows)  # a row Milvus would refuse is refused here, whole
+            self._write(lambda name: self._upsert_into(name, rows, columns))
 
-    def _upsert_into(self, collection: str, records: list[dict[str, Any]]) -> int:
+    def _upsert_into(
+        self,
+        collection: str,
+        rows: Sequence[tuple[Entry, Vector]],
+        columns: dict[str, list[Any]],
+    ) -> int:
         """Returns the rows replaced: each leaves a deleted row behind in milvus-lite."""
         present = self._client.query(
             collection,
-            filter=f"id in {json.dumps([r['id'] for r in records])}",
+            filter=f"id in {json.dumps(columns['id'])}",
             output_fields=["id"],
             consistency_level=CONSISTENCY,
             timeout=self.timeout_s,
         )
         existing = {str(r["id"]) for r in present}
-        fresh = [r for r in records if r["id"] not in existing]
-        known = [r for r in records if r["id"] in existing]
+        if not existing:
+            self._insert_columns(collection, columns)
+            return 0
+        fresh = [i for i, key in enumerate(columns["id"]) if key not in existing]
         if fresh:
-            self._client.insert(collection, fresh, timeout=self.timeout_s)
-        if known:
-            self._client.upsert(collection, known, timeout=self.timeout_s)
+            self._insert_columns(
+                collection, {name: [values[i] for i in fresh] for name, values in columns.items()}
+            )
+        known = [to_row(e, v) for e, v in rows if entry_id(e.key) in existing]
+        self._client.upsert(collection, known, timeout=self.timeout_s)
         return len(known)
+
+    def _insert_columns(self, collection: str, columns: dict[str, list[Any]]) -> None:
+        """A column-based insert: what pymilvus's ORM `Collection.insert` sends, through the
+        client's own connection (MilvusClient takes rows only, and packs each field of each
+        row on its own). The schema is read once per collection (a reclaim's generation is
+        another name). pymilvus is pinned below 3.1 for these two calls;
+        tests/mesh/test_cache_store_scan.py reads every field of such rows back."""
+        conn = self._client._get_connection()
+        context = self._client._generate_call_context()
+        schema = self._schemas.get(collection)
+        if schema is None:
+            schema = conn.describe_collection(collection, timeout=self.timeout_s, context=context)
+            self._schemas[collection] = schema
+        entities = [
+            {"name": f["name"], "type": f["type"], "values": columns[f["name"]]}
+            for f in schema["fields"]
+        ]
+        conn.batch_insert(
+            collection, entities, timeout=self.timeout_s, context=context, schema=schema
+        )
 
     def delete(self, keys: Sequence[str]) -> int:
         if not keys:

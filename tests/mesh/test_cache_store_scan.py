@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hopline.cache.milvus_rows import SCALARS, from_row, to_row
 from hopline.cache.milvus_store import MilvusStore
 from hopline.cache.store import Entry, Vector
 
@@ -45,5 +46,39 @@ def test_the_oldest_of_a_group_larger_than_one_query_are_found(
         # milvus-lite gives its iterators no session timestamp; pymilvus's warning about it,
         # once per scan, is dropped (cache/milvus_lite.py says why).
         assert not [r for r in caplog.records if "mvccTs" in r.getMessage()]
+    finally:
+        store.close()
+
+
+def test_a_write_of_new_and_replaced_keys_lands_every_field_of_every_row(tmp_path: Path) -> None:
+    """The writer's batches go to Milvus column by column (MilvusStore._insert_columns), and
+    keys already there as row upserts: every field read back is what the row form says,
+    the digests the filters compare included, whichever way a row went."""
+    store = MilvusStore(str(tmp_path / "cache.db"), "fields_test", DIM)
+    try:
+        now = time.time()
+        scopes = [SCOPE, ("other", "m", "2", '{"top_k":2}'), ("t", "m2", "1", "{}")]
+
+        def row(i: int, answer: bytes) -> tuple[Entry, Vector]:
+            entry = Entry(f"{i:064x}", scopes[i % 3], f"text é {i}", answer, now - i, now + i)
+            return entry, np.array([i, 1, 0.5, -i], dtype=np.float32)
+
+        store.upsert([row(i, b"first") for i in range(6)])
+        # Three keys written again with another answer beside three new ones.
+        batch = [row(i, b"second \x00\xff") for i in range(3, 9)]
+        store.upsert(batch)
+        expected = {e.key: to_row(e, v) for e, v in [*[row(i, b"first") for i in range(3)], *batch]}
+        fields = ["id", "vector", *SCALARS]
+        got = store._client.query(
+            store.collection, filter='id != ""', output_fields=fields, consistency_level="Strong"
+        )
+        assert len(got) == len(expected) == 9  # a replaced key leaves one row
+        for read in got:
+            want = expected[read["id"]]
+            for name in SCALARS:
+                assert read[name] == want[name], name
+            np.testing.assert_allclose(read["vector"], want["vector"], rtol=1e-6)
+            assert from_row(read) == from_row(want)
+        assert store.count("other", "m") == 3
     finally:
         store.close()
