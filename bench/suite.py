@@ -157,7 +157,8 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             "--mix",
             "miss",
             "--baseline",
-            "echo,echo_idle,inprocess",
+            # grpc_batched: what any Python gRPC server over the same batcher adds at c=1.
+            "echo,echo_idle,inprocess,grpc_batched",
             *alternated,
             *split,
         )

@@ -15,6 +15,7 @@ Run it from two checkouts to compare a change (PYTHONPATH or the checkout's own 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -36,10 +37,8 @@ def task_cpu_ns(pids: list[int]) -> int:
     total = 0
     for pid in pids:
         for task in Path(f"/proc/{pid}/task").glob("*"):
-            try:
+            with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that ended
                 total += int((task / "schedstat").read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                pass  # a thread that ended meanwhile
     return total
 
 
@@ -47,11 +46,9 @@ def children() -> list[int]:
     """This process's child processes (milvus-lite's server)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
+        with contextlib.suppress(OSError, ValueError, IndexError):  # a process that ended
             if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
                 found.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            pass
     return found
 
 

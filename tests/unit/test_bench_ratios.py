@@ -11,7 +11,7 @@ import pytest
 
 from hopline.bench.load import Run
 from hopline.bench.report import ratios, summarise, window_figures
-from hopline.bench.suite_report import front_door_share, peer_judgement
+from hopline.bench.suite_report import front_door_echoes, front_door_share, peer_judgement
 
 
 def _target(p50: float, p99: float, rps: float) -> dict[str, Any]:
@@ -66,6 +66,19 @@ def test_the_c32_row_says_where_the_front_door_stands() -> None:
     )
     del targets["grpc_batched"]
     assert front_door_share(targets, "mesh") == "no grpc_batched run"
+
+
+def test_the_c1_row_says_how_many_echoes_the_front_door_takes() -> None:
+    targets = {
+        "echo": {"p50_ms": 0.5},
+        "inprocess": {"p50_ms": 8.0},
+        "grpc_batched": {"p50_ms": 9.75},
+    }
+    assert front_door_echoes(targets) == (
+        "a bare gRPC server over the same batcher p50 9.75 ms, 3.5 echoes up"
+    )
+    del targets["grpc_batched"]
+    assert front_door_echoes(targets) == "no grpc_batched run"
 
 
 def _answered(p99: float, rps: float, errors: int) -> dict[str, Any]:
