@@ -10,7 +10,8 @@
 # milvus-token/token (the cache's own user's token): root-owned, group 10001
 # (the image's user), mode 0440, so each container reads its own key and nothing else does,
 # as a Kubernetes Secret mounted with defaultMode 0440 under fsGroup 10001. Run as root (the
-# group change needs it). For anything beyond trying it out, issue the certificates from
+# group change needs it), or for rootless podman under `podman unshare` (root in your user
+# namespace: group 10001 there is the subordinate group your containers see as 10001). For anything beyond trying it out, issue the certificates from
 # your own CA; each must name its service (DNS name or common name).
 set -euo pipefail
 certs=$1
@@ -18,7 +19,7 @@ keys=$2
 out=${3:-"$(dirname "$0")/secrets"}
 group=10001
 if [ "$(id -u)" -ne 0 ]; then
-  echo "run as root: the files must belong to group $group (the image's user)" >&2
+  echo "run as root, or under \`podman unshare\` for rootless podman: the files must belong to group $group (the image's user)" >&2
   exit 1
 fi
 [ -r "$certs/ca.crt" ] || { echo "cannot read $certs/ca.crt (make certs writes a CA and certificates)" >&2; exit 1; }
