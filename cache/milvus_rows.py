@@ -20,10 +20,7 @@ MAX_TEXT_BYTES = 65_535  # Milvus VARCHAR limit, in bytes
 SCOPE_NAME_MAX = 256  # bytes of a tenant, model or version name the collection holds
 DIGESTS = ("scope_key", "tenant_key", "model_key", "version_key")
 SCALARS = (
-    "scope_key",
-    "tenant_key",
-    "model_key",
-    "version_key",
+    *DIGESTS,
     "tenant",
     "model",
     "model_version",
