@@ -100,26 +100,8 @@ def to_columns(rows: Sequence[tuple[Entry, Vector]]) -> dict[str, list[Any]]:
 
 
 def to_row(entry: Entry, vector: Vector) -> dict[str, Any]:
-    tenant, model, version, params = entry.scope
-    if problem := row_problem(entry.scope, entry.text, entry.response):
-        raise ValueError(problem)
-    response = base64.b64encode(entry.response).decode("ascii")
-    return {
-        "id": entry_id(entry.key),
-        "vector": vector.astype(np.float32).tolist(),
-        "scope_key": scope_digest(entry.scope),
-        "tenant_key": digest("tenant", tenant),
-        "model_key": digest("model", model),
-        "version_key": digest("version", model, version),
-        "tenant": tenant,
-        "model": model,
-        "model_version": version,
-        "params": params,
-        "text": entry.text,
-        "response": response,
-        "created_at": entry.created_at,
-        "expires_at": entry.expires_at,
-    }
+    """One entry as a row (a row-based upsert's form): `to_columns`' fields, one value each."""
+    return {name: values[0] for name, values in to_columns([(entry, vector)]).items()}
 
 
 def from_hit(hit: Any) -> tuple[Entry, float]:

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hopline.cache.milvus_rows import SCALARS, from_row, to_row
+from hopline.cache.keys import digest, scope_digest
+from hopline.cache.milvus_rows import SCALARS, from_row
 from hopline.cache.milvus_store import MilvusStore
 from hopline.cache.store import Entry, Vector
 
@@ -52,8 +53,8 @@ def test_the_oldest_of_a_group_larger_than_one_query_are_found(
 
 def test_a_write_of_new_and_replaced_keys_lands_every_field_of_every_row(tmp_path: Path) -> None:
     """The writer's batches go to Milvus column by column (MilvusStore._insert_columns), and
-    keys already there as row upserts: every field read back is what the row form says,
-    the digests the filters compare included, whichever way a row went."""
+    keys already there as row upserts: every field read back is the entry's, the digests the
+    filters compare included, whichever way a row went."""
     store = MilvusStore(str(tmp_path / "cache.db"), "fields_test", DIM)
     try:
         now = time.time()
@@ -67,18 +68,22 @@ def test_a_write_of_new_and_replaced_keys_lands_every_field_of_every_row(tmp_pat
         # Three keys written again with another answer beside three new ones.
         batch = [row(i, b"second \x00\xff") for i in range(3, 9)]
         store.upsert(batch)
-        expected = {e.key: to_row(e, v) for e, v in [*[row(i, b"first") for i in range(3)], *batch]}
+        expected = {e.key: (e, v) for e, v in [*[row(i, b"first") for i in range(3)], *batch]}
         fields = ["id", "vector", *SCALARS]
         got = store._client.query(
             store.collection, filter='id != ""', output_fields=fields, consistency_level="Strong"
         )
         assert len(got) == len(expected) == 9  # a replaced key leaves one row
         for read in got:
-            want = expected[read["id"]]
-            for name in SCALARS:
-                assert read[name] == want[name], name
-            np.testing.assert_allclose(read["vector"], want["vector"], rtol=1e-6)
-            assert from_row(read) == from_row(want)
+            entry, vector = expected[read["id"]]
+            assert from_row(read) == entry
+            tenant, model, version, _ = entry.scope
+            digests = [digest("tenant", tenant), digest("model", model)]
+            digests += [digest("version", model, version), scope_digest(entry.scope)]
+            assert [read[k] for k in ("tenant_key", "model_key", "version_key", "scope_key")] == (
+                digests
+            )
+            np.testing.assert_allclose(read["vector"], vector, rtol=1e-6)
         assert store.count("other", "m") == 3
     finally:
         store.close()
