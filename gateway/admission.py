@@ -7,14 +7,17 @@
 - **Deadline**: when the deadline left is shorter than the fastest recent inference path
   (tokenize, inference, postprocess: the 10th percentile of the last `WINDOW` misses), the
   request gets DEADLINE_EXCEEDED at once rather than running a model whose answer could not
-  arrive in time.
+  arrive in time. "Recent" is also at most `MAX_SAMPLE_AGE_S` old, and one refusal in
+  `MIN_PROBE_EVERY` is let through as a probe: a refused request adds no sample, so without
+  both, the paths of a burst that is over would refuse every short deadline from then on.
 - **The cache lookup**: its budget is HOPLINE_CACHE_BUDGET_MS cut to what the deadline
   leaves after a typical (median) inference path, so a lookup never eats the time a miss
   needs; a lookup left with less than `MIN_LOOKUP_MS` is skipped (reason `deadline`). When
   more than half of the last `WINDOW` lookups overran their budget, the cache cannot keep
   up: only the share of lookups that made it in time go to it (at least one in
   `MIN_PROBE_EVERY`, so it is still probed and its recovery seen), and the others skip it
-  (reason `overloaded`) instead of each waiting out the budget for nothing.
+  (reason `overloaded`) instead of each waiting out the budget for nothing. These windows
+  forget what is older than `MAX_SAMPLE_AGE_S` too.
 
 A skipped lookup is a SKIPPED outcome whose detail says why, with the reason in the
 `hopline.cache.skip_reason` span attribute and `hopline_cache_lookups_skipped_total{reason}`;
@@ -28,7 +31,8 @@ import collections
 import contextlib
 import enum
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -45,7 +49,8 @@ WINDOW = 64  # recent inference paths and lookups the estimates are taken over
 MIN_SAMPLES = 8  # no estimate (so no refusal, no cut) before this many
 MIN_LOOKUP_MS = 2.0  # a lookup with less time than this cannot answer: skip it
 OVERLOADED_SHARE = 0.5  # share of recent lookups over budget that marks the cache overloaded
-MIN_PROBE_EVERY = 10  # while overloaded, at least one lookup in this many still goes
+MIN_PROBE_EVERY = 10  # while overloaded, at least one lookup (or refusal) in this many goes
+MAX_SAMPLE_AGE_S = 10.0  # a path or lookup older than this says nothing about now
 INFERENCE_HOPS = ("tokenize", "inference", "postprocess")  # schema.SPAN_* of the miss path
 
 
@@ -59,6 +64,37 @@ class SkipReason(enum.StrEnum):
     OVERLOADED = "overloaded"
 
 
+class Recent:
+    """The last `WINDOW` samples, less those older than `MAX_SAMPLE_AGE_S`, and their sum."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=WINDOW)
+        self.total = 0.0
+        self.changed = 0  # bumped on every append and expiry, so readers can cache
+
+    def append(self, value: float) -> None:
+        if len(self._samples) == WINDOW:
+            self.total -= self._samples[0][1]
+        self._samples.append((self._clock(), value))
+        self.total += value
+        self.changed += 1
+
+    def count(self) -> int:
+        """How many samples are recent, once the older ones are forgotten."""
+        samples, oldest = self._samples, self._clock() - MAX_SAMPLE_AGE_S
+        if samples and samples[0][0] < oldest:
+            while samples and samples[0][0] < oldest:
+                self.total -= samples.popleft()[1]
+            if not samples:  # no rounding left over
+                self.total = 0.0
+            self.changed += 1
+        return len(samples)
+
+    def ordered(self) -> list[float]:
+        return sorted(value for _, value in self._samples)
+
+
 class Admission:
     """The gateway's admission decisions; one per gateway, on its event loop (no locks)."""
 
@@ -68,25 +104,28 @@ class Admission:
         cache_budget_ms: float,
         adaptive_cache: bool = True,
         rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_in_flight = max_in_flight  # 0: no limit
         self.cache_budget_s = cache_budget_ms / 1e3
         self.adaptive_cache = adaptive_cache
         self.in_flight = 0
-        self._paths_s: collections.deque[float] = collections.deque(maxlen=WINDOW)
-        self._paths_ordered: list[float] | None = None
-        self._overruns: collections.deque[bool] = collections.deque(maxlen=WINDOW)
+        self._paths_s = Recent(clock)
+        self._paths_ordered: tuple[int, list[float]] = (-1, [])  # (_paths_s.changed, sorted)
+        self._deadline_refusals = 0  # counted modulo MIN_PROBE_EVERY: the 0th goes through
+        self._overruns = Recent(clock)
         self._rng = rng or random.Random()
 
     # -- requests ---------------------------------------------------------------------------
 
     def path_estimate_s(self, q: float) -> float | None:
         """The q-quantile of recent inference paths, or None before there are enough."""
-        if len(self._paths_s) < MIN_SAMPLES:
+        if self._paths_s.count() < MIN_SAMPLES:
             return None
-        if self._paths_ordered is None:  # sorted once per new sample, not per question
-            self._paths_ordered = sorted(self._paths_s)
-        ordered = self._paths_ordered
+        changed, ordered = self._paths_ordered
+        if changed != self._paths_s.changed:  # sorted once per change, not per question
+            ordered = self._paths_s.ordered()
+            self._paths_ordered = (self._paths_s.changed, ordered)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     def _refuse(self, reason: Refusal, code: grpc.StatusCode, message: str) -> RequestError:
@@ -111,7 +150,7 @@ class Admission:
                 "(HOPLINE_GATEWAY_MAX_IN_FLIGHT): retry after a backoff",
             )
         fastest = self.path_estimate_s(0.1)
-        if fastest is not None and call.timeout_s < fastest:
+        if fastest is not None and call.timeout_s < fastest and self._refuse_deadline():
             raise self._refuse(
                 Refusal.DEADLINE,
                 grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -128,7 +167,15 @@ class Admission:
         # Only a completed inference path is a sample (a coalesced wait is not one).
         if all(hop in call.timings for hop in INFERENCE_HOPS) and not call.cache.coalesced:
             self._paths_s.append(sum(call.timings[h] for h in INFERENCE_HOPS) / 1e3)
-            self._paths_ordered = None
+
+    def _refuse_deadline(self) -> bool:
+        """False for every MIN_PROBE_EVERY-th would-be refusal: that request goes through, so
+        a path that has become faster is measured even when every deadline is short."""
+        self._deadline_refusals = (self._deadline_refusals + 1) % MIN_PROBE_EVERY
+        if self._deadline_refusals == 0:
+            trace.get_current_span().set_attribute(schema.ADMISSION_PROBE, True)
+            return False
+        return True
 
     # -- the cache lookup -------------------------------------------------------------------
 
@@ -139,10 +186,14 @@ class Admission:
             return self.cache_budget_s
         return max(0.0, min(self.cache_budget_s, call.timeout_s - typical))
 
+    def _overrun_share(self) -> float | None:
+        """The share of recent lookups that overran their budget; None before enough."""
+        count = self._overruns.count()
+        return self._overruns.total / count if count >= MIN_SAMPLES else None
+
     def overloaded(self) -> bool:
-        if len(self._overruns) < MIN_SAMPLES:
-            return False
-        return sum(self._overruns) / len(self._overruns) > OVERLOADED_SHARE
+        share = self._overrun_share()
+        return share is not None and share > OVERLOADED_SHARE
 
     def skip_lookup(self, call: PredictCall) -> bool:
         """Whether to skip the cache for `call`; if so, its reply and span say why."""
@@ -156,8 +207,9 @@ class Admission:
                 f"cache lookup skipped: the deadline leaves {budget_ms:.1f} ms for it "
                 "after a typical model answer",
             )
-        if self.overloaded():
-            made_it = 1.0 - sum(self._overruns) / len(self._overruns)
+        share = self._overrun_share()
+        if share is not None and share > OVERLOADED_SHARE:
+            made_it = 1.0 - share
             if self._rng.random() >= max(made_it, 1.0 / MIN_PROBE_EVERY):
                 return self._skip(
                     call,
@@ -176,4 +228,4 @@ class Admission:
 
     def lookup_finished(self, overran: bool) -> None:
         """A lookup's result: `overran` when it ran out of its budget."""
-        self._overruns.append(overran)
+        self._overruns.append(1.0 if overran else 0.0)

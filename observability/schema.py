@@ -23,6 +23,7 @@ CACHE_EMBEDDING_USED = "hopline.cache.embedding_used"
 HEAD_ONLY = "hopline.head_only"
 CACHE_SKIP_REASON = "hopline.cache.skip_reason"
 ADMISSION_REFUSED = "hopline.admission.refused"
+ADMISSION_PROBE = "hopline.admission.probe"
 CACHE_CANDIDATES = "hopline.cache.candidates"
 CACHE_SEARCH_ROWS = "hopline.cache.search_rows"
 CACHE_SEARCH_IN = "hopline.cache.search_in"
@@ -52,6 +53,9 @@ ATTRIBUTES: dict[str, str] = {
     HEAD_ONLY: "the run was the classifier head alone, on embeddings the caller sent",
     CACHE_SKIP_REASON: "why the gateway skipped the cache lookup: deadline or overloaded",
     ADMISSION_REFUSED: "why the gateway refused the request at once: in_flight or deadline",
+    ADMISSION_PROBE: "true when the request's deadline looked too short for a model answer "
+    "and it went through anyway, as one such request in gateway/admission.py's MIN_PROBE_EVERY "
+    "does, to measure the path again",
     CACHE_CANDIDATES: "entries the search returned for verification and agreement",
     CACHE_SEARCH_ROWS: "searches that shared this one's call, itself included (1: alone)",
     CACHE_SEARCH_IN: "where the scope was searched: memory (cache/vector_index.py) or milvus",

@@ -9,6 +9,7 @@ so the load that would take a big machine to saturate fits in a few requests.
 from __future__ import annotations
 
 import shutil
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 
 from conftest import DEFAULT_MODEL
 from harness import Mesh
+from hopline.gateway.admission import MIN_PROBE_EVERY
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -117,6 +119,21 @@ def test_a_deadline_shorter_than_any_model_answer_is_refused_before_the_model_ru
     assert "longer deadline" in (short.details() or "")
     assert infer_calls(slow_model) == before  # no model run wasted on it
     assert metric(slow_model, "gateway", "hopline_gateway_refused_total", reason="deadline") >= 1
+    # One would-be refusal in MIN_PROBE_EVERY goes to the model all the same, so that a path
+    # that has become faster is measured (here it has not: the probe runs out of time).
+    for i in range(MIN_PROBE_EVERY - 2):
+        refused = ask(slow_model, f"cancel my order number {100 + i}", timeout_s=0.2, mode=BYPASS)
+        assert isinstance(refused, grpc.RpcError), refused
+        assert "longer deadline" in (refused.details() or "")
+    assert infer_calls(slow_model) == before
+    probe = ask(slow_model, "cancel my order number 199", timeout_s=0.2, mode=BYPASS)
+    assert isinstance(probe, grpc.RpcError)
+    assert probe.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "longer deadline" not in (probe.details() or "")
+    ends = time.monotonic() + 10  # the Infer RPC is counted when it ends, after the deadline
+    while infer_calls(slow_model) == before and time.monotonic() < ends:
+        time.sleep(0.05)
+    assert infer_calls(slow_model) == before + 1
     # A deadline that covers the work is served.
     assert isinstance(
         ask(slow_model, "cancel my order number 99", timeout_s=30), gateway_pb2.PredictResponse

@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, cast
 import grpc
 import pytest
 
-from hopline.gateway.admission import MIN_SAMPLES, Admission
+from hopline.gateway.admission import (
+    MAX_SAMPLE_AGE_S,
+    MIN_PROBE_EVERY,
+    MIN_SAMPLES,
+    WINDOW,
+    Admission,
+)
 from hopline.gateway.errors import RequestError
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
@@ -95,3 +101,61 @@ def test_nothing_adapts_when_adaptation_is_off() -> None:
         admission.lookup_finished(overran=True)
     assert not admission.skip_lookup(call(0.1))
     assert admission.lookup_budget_s(call(0.1)) == pytest.approx(0.04)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_burst_that_is_over_no_longer_refuses_short_deadlines_or_cuts_lookups() -> None:
+    clock = Clock()
+    admission = Admission(max_in_flight=0, cache_budget_ms=40, clock=clock)
+    run_misses(admission, ms=100, count=WINDOW)  # a burst: every path 100 ms
+    with pytest.raises(RequestError), admission.admit(call(0.05)):
+        pass
+    assert admission.lookup_budget_s(call(0.12)) == pytest.approx(0.02)
+    clock.now += MAX_SAMPLE_AGE_S + 0.001  # nothing since: no estimate, nothing refused
+    assert admission.path_estimate_s(0.1) is None
+    with admission.admit(call(0.05)):
+        pass
+    assert admission.lookup_budget_s(call(0.12)) == pytest.approx(0.04)
+
+
+def test_short_deadlines_that_keep_coming_probe_the_path_and_stop_being_refused() -> None:
+    """A refused request adds no sample: without probes a stream of short deadlines would be
+    refused for as long as the burst's paths were the last ones seen."""
+    admission = Admission(max_in_flight=0, cache_budget_ms=40, clock=Clock())
+    run_misses(admission, ms=100, count=WINDOW)
+    outcomes: list[bool] = []
+    codes: set[grpc.StatusCode] = set()
+    for _ in range(200):  # the model is fast again (10 ms paths); every deadline is 50 ms
+        c = call(0.05)
+        try:
+            with admission.admit(c):
+                c.timings.update(tokenize=2.5, inference=5, postprocess=2.5)
+            outcomes.append(True)
+        except RequestError as err:
+            codes.add(err.code)
+            outcomes.append(False)
+    assert codes == {grpc.StatusCode.DEADLINE_EXCEEDED}
+    assert outcomes[: MIN_PROBE_EVERY - 1] == [False] * (MIN_PROBE_EVERY - 1)
+    assert outcomes[MIN_PROBE_EVERY - 1]  # the probe
+    # The 10th percentile of 64 paths is the 7th fastest: 7 probes, then nothing is refused.
+    fast_enough = 7 * MIN_PROBE_EVERY
+    assert sum(outcomes[:fast_enough]) == 7
+    assert all(outcomes[fast_enough:])
+
+
+def test_an_overloaded_cache_is_forgotten_once_its_overruns_are_old() -> None:
+    clock = Clock()
+    admission = Admission(max_in_flight=0, cache_budget_ms=40, clock=clock)
+    for _ in range(MIN_SAMPLES):
+        admission.lookup_finished(overran=True)
+    assert admission.overloaded()
+    clock.now += MAX_SAMPLE_AGE_S + 0.001
+    assert not admission.overloaded()
+    assert not admission.skip_lookup(call())
