@@ -14,13 +14,15 @@ import asyncio
 import time
 from collections.abc import Awaitable
 
+import grpc
+
 from hopline.gateway.cache_path import CachePath
 from hopline.gateway.call import PredictCall
 from hopline.gateway.direct_hop import StageHop
 from hopline.gateway.resilience import CircuitState, Coalescer
 from hopline.gateway.speculation import Speculation
 from hopline.gateway.stage_batching import GatewayStages
-from hopline.gateway.upstream import GatewayUpstreams
+from hopline.gateway.upstream import GatewayUpstreams, HopError
 from hopline.observability import metrics, schema
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
@@ -98,9 +100,20 @@ class ModelPath:
             # REFRESH and BYPASS ask for an inference of their own.
             return await self.tokenize_infer_postprocess(call), True
         waited = time.perf_counter()
-        prediction, shared = await self.coalescer.run(
-            call.key, lambda: self.tokenize_infer_postprocess(call)
-        )
+        while True:
+            joined = self.coalescer.running(call.key)
+            try:
+                prediction, shared = await self.coalescer.run(
+                    call.key, lambda: self.tokenize_infer_postprocess(call)
+                )
+                break
+            except HopError as err:
+                # A joined run has its leader's deadline, not this request's: when that ends
+                # it, this request runs again (leading a run, or joining a newer one).
+                left_s = call.timeout_s - (time.perf_counter() - call.started)
+                if not (joined and err.code == grpc.StatusCode.DEADLINE_EXCEEDED and left_s > 0):
+                    raise
+                metrics.COALESCED_RERUN.inc()
         if shared:
             call.drop_tokens()
             metrics.COALESCED.inc()

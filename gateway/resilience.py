@@ -92,6 +92,10 @@ class Coalescer(Generic[T]):
     def __len__(self) -> int:
         return len(self._inflight)
 
+    def running(self, key: str) -> bool:
+        """Whether `run(key, ...)` now would join a run already under way."""
+        return key in self._inflight
+
     async def run(self, key: str, work: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
         """`work()`'s result and whether it came from another caller's run.
 

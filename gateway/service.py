@@ -73,6 +73,7 @@ COUNTS: dict[str, tuple[Counter | LoopCounter, dict[str, str]]] = {
     "streams": (metrics.GATEWAY_CALLS, {"method": "PredictStream"}),
     "inferences": (metrics.INFERENCES, {}),
     "coalesced": (metrics.COALESCED, {}),
+    "coalesced_reruns": (metrics.COALESCED_RERUN, {}),
     "speculative_used": (metrics.SPECULATIVE, {"result": "used"}),
     "speculative_wasted": (metrics.SPECULATIVE, {"result": "wasted"}),
     "cache_exact": (metrics.CACHE_OUTCOMES, {"outcome": "exact"}),

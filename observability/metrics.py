@@ -123,6 +123,12 @@ GATEWAY_IN_FLIGHT = LoopGauge(
 COALESCED = LoopCounter(
     "hopline_coalesced_total", "Cache misses that shared another request's inference", ()
 )
+COALESCED_RERUN = LoopCounter(
+    "hopline_coalesced_reruns_total",
+    "Misses that joined another request's inference, saw its deadline end it and ran again "
+    "within their own",
+    (),
+)
 # The gateway's GetStats counters are read from these (and the three above): Prometheus is
 # the one place a gateway count is kept, so a scrape and GetStats cannot disagree.
 GATEWAY_REQUESTS = LoopCounter(

@@ -46,6 +46,7 @@ STATS_KEYS = {
     "streams",
     "inferences",
     "coalesced",
+    "coalesced_reruns",
     "speculative_used",
     "speculative_wasted",
     "cache_exact",

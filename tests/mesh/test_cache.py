@@ -285,6 +285,29 @@ def test_identical_concurrent_misses_run_inference_once(slow_mesh: Mesh) -> None
     assert int(slow_mesh.gateway_counters()["inferences"]) - int(after["inferences"]) == 2
 
 
+def test_a_request_joined_to_another_run_keeps_its_own_deadline(slow_mesh: Mesh) -> None:
+    """The first request's deadline (150 ms) ends the inference it leads (300 ms); the
+    identical request that joined it has 30 s, so it runs the model itself, not fail too."""
+    text, tenant = "do you ship to iceland", "deadlines"
+    before = slow_mesh.gateway_counters()
+    with ThreadPoolExecutor(2) as pool:
+        short = pool.submit(
+            lambda: predict(text, gateway=slow_mesh.gateway, timeout_s=0.15, tenant=tenant)
+        )
+        time.sleep(0.05)  # the short one's run is under way
+        joined = pool.submit(lambda: ask(slow_mesh, text, tenant=tenant))
+        with pytest.raises(grpc.RpcError) as ended:
+            short.result()
+        reply = joined.result()
+    assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert reply.cache.outcome == MISS
+    assert reply.prediction.label
+    assert not reply.cache.coalesced  # its answer is from the run it led
+    after = slow_mesh.gateway_counters()
+    assert int(after["coalesced_reruns"]) - int(before["coalesced_reruns"]) == 1  # it joined
+    assert int(after["inferences"]) - int(before["inferences"]) == 2
+
+
 def test_cache_killed_mid_run_fails_open_then_recovers(slow_mesh: Mesh) -> None:
     # An exact-only model: every distinct text is a miss held 300 ms in inference, so the
     # kill lands while most of the requests are still to come.
