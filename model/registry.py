@@ -6,16 +6,20 @@ window in which it is refused:
 
 - `get` on a name or version it has not loaded rescans the repository's listing (a few
   directory reads) and loads the new version there and then;
-- `models` rescans first, so a model list built from it (inference's ListModels, which the
-  gateway reads when a request names a model it does not know) includes every version the
-  repository holds now; a version is loaded by the first `get` that needs it.
+- `load_new` rescans and loads every version not loaded yet: the inference service runs it
+  off its event loop before answering ListModels (which the gateway reads when a request
+  names a model it does not know), so that list holds every version the repository holds
+  now that loads, and the gateway routes only to versions that have loaded.
 
 Rescans are single-flight: callers that miss while one is running share the next one (a scan
 that started before a caller missed may not have seen what the caller wants), so a burst of
 requests for an unknown name costs at most two listings. Only complete versions are seen
 (`ModelRepository.versions` needs config.json, and `hopline model build` renames a finished
 folder into place); a version whose config or files are broken is left out, with a warning,
-and looked at again on the next rescan.
+and looked at again on the next rescan. A version whose loader fails (a model file ONNX
+Runtime cannot read) is left out the same way, and is not the latest while it is: its name
+resolves to the newest version that loads. It is tried again once its files change, not on
+every request.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Generic, TypeVar
 
 from hopline.model.repository import (
@@ -35,6 +40,18 @@ from hopline.model.repository import (
 
 T = TypeVar("T")
 Key = tuple[str, str]
+Signature = tuple[tuple[str, int, int], ...]  # a version folder's files: name, size, mtime
+
+
+def signature(folder: Path) -> Signature:
+    """What changes when a version's files are replaced or edited."""
+    try:
+        files = [(p.name, p.stat()) for p in folder.iterdir()]
+    except OSError:
+        return ()
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in files))
+
+
 log = logging.getLogger("hopline.model.registry")
 
 
@@ -46,6 +63,7 @@ class ModelRegistry(Generic[T]):
         self._loaded: dict[Key, tuple[ModelConfig, T]] = {}
         self._latest: dict[str, str] = {}
         self._broken: dict[Key, str] = {}  # versions left out, with why (logged once)
+        self._unloadable: dict[Key, tuple[Signature, str]] = {}  # the loader failed on these
         self._lock = threading.Lock()
         self._scans_started = 0
         self._scans_done = 0
@@ -58,6 +76,14 @@ class ModelRegistry(Generic[T]):
                 self._load(key)
         return [cfg for cfg, _ in self._loaded.values()]
 
+    def load_new(self) -> None:
+        """Rescan, then load every version seen and not loaded yet (blocking: run it off the
+        event loop); a version that fails to load is left out."""
+        with self._lock:
+            self._scan()
+            for key in sorted(self._configs.keys() - self._loaded.keys()):
+                self._load(key)
+
     # -- scanning (under the lock) ---------------------------------------------------------
 
     def _scan(self) -> None:
@@ -67,6 +93,12 @@ class ModelRegistry(Generic[T]):
         for name in self._repo.names():
             for version in self._repo.versions(name):
                 key = (name, version)
+                if key in self._unloadable:
+                    files, error = self._unloadable[key]
+                    if signature(self._repo.root / name / version) == files:
+                        broken[key] = error  # logged when its load failed
+                        continue
+                    del self._unloadable[key]  # its files changed: try it again
                 cfg = self._configs.get(key)  # versions are immutable: read each config once
                 if cfg is None:
                     try:
@@ -81,11 +113,8 @@ class ModelRegistry(Generic[T]):
                         continue
                     log.info("model version found", extra={"model": name, "version": version})
                 configs[key] = cfg
-        latest: dict[str, str] = {}
-        for name, version in configs:
-            if int(version) > int(latest.get(name, "0")):
-                latest[name] = version
-        self._configs, self._latest, self._broken = configs, latest, broken
+        self._configs, self._broken = configs, broken
+        self._latest = _latest(configs)
         self._scans_done = self._scans_started
 
     def _rescan_after(self, ticket: int) -> None:
@@ -94,11 +123,27 @@ class ModelRegistry(Generic[T]):
             if self._scans_done <= ticket:
                 self._scan()
 
-    def _load(self, key: Key) -> tuple[ModelConfig, T]:
+    def _load(self, key: Key) -> tuple[ModelConfig, T] | None:
+        """The loaded version; None when the loader fails on it (then it is left out)."""
         found = self._loaded.get(key)
         if found is None:
             cfg = self._configs[key]
-            found = (cfg, self._loader(cfg))
+            folder = self._repo.root / cfg.name / cfg.version
+            files = signature(folder)
+            try:
+                model = self._loader(cfg)
+            except Exception as exc:  # ONNX Runtime's own errors have no common base
+                error = f"failed to load: {type(exc).__name__}: {exc}"
+                log.warning(
+                    "model version left out",
+                    extra={"model": cfg.name, "version": cfg.version, "error": error},
+                )
+                self._unloadable[key] = (files, error)
+                self._broken[key] = error
+                del self._configs[key]
+                self._latest = _latest(self._configs)
+                return None
+            found = (cfg, model)
             self._loaded[key] = found
             log.info("model loaded", extra={"model": cfg.name, "version": cfg.version})
         return found
@@ -117,17 +162,32 @@ class ModelRegistry(Generic[T]):
         self._rescan_after(ticket)
         with self._lock:
             key = self._key(name, version)
-            if key in self._configs:
-                return self._load(key)
+            while key in self._configs:  # a version that fails to load leaves the configs
+                loaded = self._load(key)
+                if loaded is not None:
+                    return loaded
+                key = self._key(name, version)
         if key in self._broken:
             raise ModelNotFoundError(f"model {name}/{key[1]} is broken: {self._broken[key]}")
+        failed = sorted((k[1], error) for k, error in self._broken.items() if k[0] == name)
+        if not version and failed:
+            reasons = "; ".join(f"{v}: {error}" for v, error in failed)
+            raise ModelNotFoundError(f"no version of model {name!r} loads ({reasons})")
         self._repo.resolve(name, version)  # raises with the repository's own message
         raise ModelNotFoundError(f"model {name!r} version {version!r} is not loaded")
+
+    def broken(self) -> dict[Key, str]:
+        """Versions left out, with why."""
+        return dict(self._broken)
 
     def loaded(self) -> list[tuple[ModelConfig, T]]:
         return sorted(self._loaded.values(), key=lambda m: m[0].key)
 
-    def models(self) -> list[ModelConfig]:
-        """Every complete version in the repository now (rescanned), loaded or not yet."""
-        self._rescan_after(self._scans_started)
-        return [self._configs[key] for key in sorted(self._configs)]
+
+def _latest(configs: dict[Key, ModelConfig]) -> dict[str, str]:
+    """Each name's highest version among `configs`."""
+    latest: dict[str, str] = {}
+    for name, version in configs:
+        if int(version) > int(latest.get(name, "0")):
+            latest[name] = version
+    return latest

@@ -40,7 +40,6 @@ from hopline.runtime.tensors import TensorError, dtype_name, from_tensor, to_ten
 from hopline.services.inference.backend import (
     Array,
     create_backend,
-    expected_providers,
     warm_up,
 )
 from hopline.services.inference.batched_model import BatchedModel, EmbeddingHead, ModelRequest
@@ -231,7 +230,11 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             self.executor, self.models.load_all
         )
         if not loaded:
-            raise RuntimeError(f"no models in repository {self.config.model_repo!r}")
+            broken = "; ".join(f"{n}/{v}: {e}" for (n, v), e in self.models.broken().items())
+            raise RuntimeError(
+                f"no model in repository {self.config.model_repo!r} loads"
+                + (f" ({broken})" if broken else "")
+            )
 
     async def stop(self) -> None:
         for _, model in self.models.loaded():
@@ -348,11 +351,11 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             inference_pb2.ListModelsRequest, inference_pb2.ListModelsResponse
         ],
     ) -> inference_pb2.ListModelsResponse:
-        running = {cfg.key: model.backend.providers for cfg, model in self.models.loaded()}
+        # New versions load first, off the event loop, so a caller (the gateway's catalogue)
+        # only ever routes to a version that loaded; one that fails is left out.
+        await asyncio.get_running_loop().run_in_executor(None, self.models.load_new)
         return inference_pb2.ListModelsResponse(
             models=[
-                # A version not loaded yet: what its config would get on this machine now.
-                _model_info(m, running.get(m.key) or expected_providers(m))
-                for m in self.models.models()
+                _model_info(cfg, model.backend.providers) for cfg, model in self.models.loaded()
             ]
         )

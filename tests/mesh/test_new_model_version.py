@@ -22,13 +22,16 @@ from hopline.gateway.client import predict
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
 
 
-def publish(repo: Path, name: str, version: str) -> None:
-    """A copy of the default model's version 1 as name/version, renamed into place."""
+def publish(repo: Path, name: str, version: str, model_file: bytes | None = None) -> None:
+    """A copy of the default model's version 1 as name/version, renamed into place;
+    `model_file`: model.onnx's bytes instead of the default model's."""
     staging = repo / name / f".staging-{version}"
     shutil.copytree(repo / DEFAULT_MODEL / "1", staging)
     config = json.loads((staging / "config.json").read_text())
     config["name"], config["version"] = name, int(version)
     (staging / "config.json").write_text(json.dumps(config))
+    if model_file is not None:
+        (staging / "model.onnx").write_bytes(model_file)
     staging.rename(repo / name / version)
 
 
@@ -70,3 +73,28 @@ def test_an_unknown_version_is_still_not_found(mesh: Mesh) -> None:
         ask(mesh, "hi", DEFAULT_MODEL, "99")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "support-intents/1" in (err.value.details() or "")
+
+
+def test_a_version_onnx_runtime_cannot_load_is_left_out_until_its_files_change(
+    mesh: Mesh,
+) -> None:
+    """Version 2's model file is not ONNX: the model keeps answering from version 1 (before,
+    every request for the model failed once version 2 was seen), version 2 is not found, and
+    once its file is replaced it is served."""
+    name = "support-intents-next"
+    publish(mesh.repo, name, "1")
+    assert ask(mesh, "where is my parcel", name).model_version == "1"
+    publish(mesh.repo, name, "2", model_file=b"not an onnx model")
+
+    with pytest.raises(grpc.RpcError) as err:
+        ask(mesh, "where is my parcel", name, "2")  # the gateway re-reads the model list
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert f"{name}/1" in (err.value.details() or "")
+    replies = [ask(mesh, f"where is my parcel {i}", name) for i in range(3)]
+    assert {r.model_version for r in replies} == {"1"}
+
+    shutil.copyfile(
+        mesh.repo / DEFAULT_MODEL / "1" / "model.onnx", mesh.repo / name / "2" / "model.onnx"
+    )
+    reply = ask(mesh, "where is my parcel", name, "2")
+    assert (reply.model, reply.model_version) == (name, "2")

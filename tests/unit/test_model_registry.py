@@ -1,0 +1,114 @@
+"""model/registry.py: which versions a service serves when one of them fails to load.
+
+The repository holds real version folders (copies of the default model's config and files);
+the loader stands in for ONNX Runtime's session, failing on a model file that reads "broken"
+as ONNX Runtime fails on one it cannot parse (the mesh test does it with ONNX Runtime).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import DEFAULT_MODEL
+from hopline.model.registry import ModelRegistry
+from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
+
+BROKEN = b"broken"
+
+
+class Loader:
+    """Loads a version unless its model.onnx reads BROKEN; counts every attempt."""
+
+    def __init__(self) -> None:
+        self.attempts: list[str] = []
+
+    def __call__(self, cfg: ModelConfig) -> str:
+        self.attempts.append(cfg.version)
+        if (cfg.path / "model.onnx").read_bytes() == BROKEN:
+            raise RuntimeError("INVALID_PROTOBUF: Protobuf parsing failed")
+        return f"session {cfg.version}"
+
+
+def publish(default_repo: Path, repo: Path, version: str, broken: bool = False) -> Path:
+    folder = repo / DEFAULT_MODEL / version
+    shutil.copytree(default_repo / DEFAULT_MODEL / "1", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["version"] = int(version)
+    (folder / "config.json").write_text(json.dumps(config))
+    if broken:
+        (folder / "model.onnx").write_bytes(BROKEN)
+    return folder
+
+
+@pytest.fixture
+def repo(tmp_path: Path, default_repo: Path) -> Path:
+    publish(default_repo, tmp_path, "1")
+    return tmp_path
+
+
+def test_a_version_that_fails_to_load_is_left_out_and_is_not_the_latest(
+    repo: Path, default_repo: Path
+) -> None:
+    loader = Loader()
+    registry = ModelRegistry(ModelRepository(repo), loader)
+    assert [c.version for c in registry.load_all()] == ["1"]
+    publish(default_repo, repo, "2", broken=True)
+
+    registry.load_new()  # what ListModels does first
+    assert [c.version for c, _ in registry.loaded()] == ["1"]
+    assert "Protobuf parsing failed" in registry.broken()[(DEFAULT_MODEL, "2")]
+    assert registry.get(DEFAULT_MODEL) == registry.get(DEFAULT_MODEL, "1")
+    with pytest.raises(ModelNotFoundError, match="failed to load"):
+        registry.get(DEFAULT_MODEL, "2")
+    registry.load_new()
+    assert loader.attempts == ["1", "2"]  # not tried again while its files are the same
+
+
+def test_a_request_that_finds_the_new_version_first_gets_the_one_before(
+    repo: Path, default_repo: Path
+) -> None:
+    """No ListModels in between: a rescan has seen version 2 (not loaded yet), so the
+    latest is 2 when a request for the latest arrives; it fails to load there and then, and
+    the request gets version 1."""
+    loader = Loader()
+    registry = ModelRegistry(ModelRepository(repo), loader)
+    registry.load_all()
+    publish(default_repo, repo, "2", broken=True)
+    with pytest.raises(ModelNotFoundError):
+        registry.get(DEFAULT_MODEL, "7")  # an unknown version: a rescan, which sees 2
+    assert loader.attempts == ["1"]
+    cfg, session = registry.get(DEFAULT_MODEL)
+    assert (cfg.version, session) == ("1", "session 1")
+    assert loader.attempts == ["1", "2"]
+
+
+def test_a_failed_version_is_tried_again_once_its_files_change(
+    repo: Path, default_repo: Path
+) -> None:
+    loader = Loader()
+    registry = ModelRegistry(ModelRepository(repo), loader)
+    registry.load_all()
+    folder = publish(default_repo, repo, "2", broken=True)
+    registry.load_new()
+    shutil.copyfile(default_repo / DEFAULT_MODEL / "1" / "model.onnx", folder / "model.onnx")
+    stat = (folder / "model.onnx").stat()
+    os.utime(folder / "model.onnx", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+
+    registry.load_new()
+    assert loader.attempts == ["1", "2", "2"]
+    cfg, session = registry.get(DEFAULT_MODEL)
+    assert (cfg.version, session) == ("2", "session 2")
+    assert registry.broken() == {}
+
+
+def test_a_model_none_of_whose_versions_loads_says_why(repo: Path) -> None:
+    (repo / DEFAULT_MODEL / "1" / "model.onnx").write_bytes(BROKEN)
+    registry = ModelRegistry(ModelRepository(repo), Loader())
+    assert registry.load_all() == []
+    with pytest.raises(ModelNotFoundError, match=r"no version of model .* loads .*1: failed"):
+        registry.get(DEFAULT_MODEL)
