@@ -64,6 +64,22 @@ def test_repeat_is_answered_locally_within_its_scope(mesh: Mesh) -> None:
     assert other.cache.detail != LOCAL
 
 
+def test_a_text_the_model_reads_differently_is_not_an_exact_repeat(mesh: Mesh) -> None:
+    """Full-width letters fold to ASCII under Unicode NFKC, but the model reads them as
+    [UNK]s: the cached answer of the ASCII text is not theirs (the key follows the model's
+    tokenizer, cache/keys.py)."""
+    wait_counter(mesh, "local_exact_live", 1)
+    ascii_text = "cancel my subscription"
+    full_width = "".join(chr(ord(c) + 0xFEE0) if c != " " else c for c in ascii_text)
+    stored = predict(mesh, ascii_text, "widths")
+    assert stored.prediction.label == "cancel_subscription"
+    mesh.settle()
+    assert predict(mesh, ascii_text.upper(), "widths").cache.outcome == EXACT
+    other = predict(mesh, full_width, "widths")
+    assert other.cache.outcome == MISS
+    assert other.prediction.label != stored.prediction.label
+
+
 def test_invalidation_reaches_the_local_copy(mesh: Mesh) -> None:
     wait_counter(mesh, "local_exact_live", 1)
     texts = ["please cancel my subscription today", "how do I reset my password"]
