@@ -135,10 +135,14 @@ def _pairs(rows: Iterable[Any], source: Path) -> list[tuple[str, str]]:
 def load_examples(path: Path, split: str | None = None) -> list[tuple[str, str]]:
     """(text, label) pairs from JSONL, a JSON list, or a JSON object of splits (`split`)."""
     raw = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        rows: Any = [json.loads(line) for line in raw.splitlines() if line.strip()]
-    else:
-        rows = json.loads(raw)
+    try:
+        if path.suffix == ".jsonl":
+            rows: Any = [json.loads(line) for line in raw.splitlines() if line.strip()]
+        else:
+            rows = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        kind = "JSON lines" if path.suffix == ".jsonl" else "JSON"
+        raise TrainingDataError(f"{path} is not {kind}: {exc}") from None
     if isinstance(rows, dict):
         if split is None or split not in rows:
             raise TrainingDataError(f"{path} holds splits {sorted(rows)}: choose one with --split")
