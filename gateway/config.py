@@ -20,6 +20,8 @@ from hopline.runtime.config import (
 from hopline.runtime.ports import port_problem
 from hopline.runtime.service_table import spec
 
+MAX_ATTEMPTS_CAP = 5  # gRPC's own limit on a retry policy's maxAttempts (it clamps higher)
+
 
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig(ServerConfig):
@@ -113,6 +115,7 @@ class GatewayConfig(ServerConfig):
         "attempts per upstream call, the first included, when an attempt is UNAVAILABLE "
         "(0 or 1: no retries; at most 5); each retry takes the next replica, within the "
         "call's deadline",
+        valid=Range(high=MAX_ATTEMPTS_CAP),
     )
     upstream_retry_backoff_ms: float = env_field(
         "HOPLINE_UPSTREAM_RETRY_BACKOFF_MS",

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from hopline.gateway.config import MAX_ATTEMPTS_CAP
 from hopline.gateway.resilience import with_ejection
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import child_span, outgoing_metadata
@@ -102,7 +103,6 @@ RETRY_METHODS: dict[str, tuple[str, ...]] = {
 # RESOURCE_EXHAUSTED: that is an upstream shedding load (a full batch queue) or a message too
 # large, and a retry would add load to an overload or fail again the same way.
 RETRYABLE_CODES = ("UNAVAILABLE", "CANCELLED")
-MAX_ATTEMPTS_CAP = 5  # gRPC's own limit on maxAttempts: it clamps higher values to 5
 MAX_RETRY_TOKENS = 1000  # gRPC's own limit on retryThrottling's maxTokens
 
 

@@ -29,6 +29,7 @@ from hopline.services.inference.service import InferenceConfig
         ("HOPLINE_UPSTREAM_EJECT_FAILURE_PERCENT", "150", "must be at most 100"),
         ("HOPLINE_GATEWAY_SPECULATE_MAX_HIT_RATE", "1.5", "must be at most 1"),
         ("HOPLINE_METRICS_PORT", "70000", "must be at most 65535"),
+        ("HOPLINE_UPSTREAM_RETRY_ATTEMPTS", "6", "must be at most 5"),  # gRPC would clamp it
     ],
 )
 def test_the_gateway_refuses_a_setting_outside_its_range(
