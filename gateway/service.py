@@ -229,7 +229,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         if size > self.config.max_text_bytes:
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"text is {size} bytes; the limit is {self.config.max_text_bytes} "
+                f"{where} is {size} bytes; the limit is {self.config.max_text_bytes} "
                 "(HOPLINE_MAX_TEXT_BYTES)",
             )
 

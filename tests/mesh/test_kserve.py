@@ -382,6 +382,12 @@ def test_bad_tensors_are_invalid_argument(client: triton.InferenceServerClient) 
         status, message = rejection(client.infer, DEFAULT_MODEL, client_timeout=30, **kwargs)
         assert status == "StatusCode.INVALID_ARGUMENT", (needle, message)
         assert needle in message, message
+    # As Predict: a text over the byte limit is RESOURCE_EXHAUSTED, naming its element.
+    status, message = rejection(
+        client.infer, DEFAULT_MODEL, [text_input(["fine", "x" * 20_000])], client_timeout=30
+    )
+    assert status == "StatusCode.RESOURCE_EXHAUSTED", message
+    assert "element 1 of input 'text' is 20000 bytes" in message
     # Nothing crashed: the next request is answered.
     assert client.is_server_ready() is True
     ok = client.infer(DEFAULT_MODEL, [text_input(["hello there"])], client_timeout=60)
