@@ -10,12 +10,10 @@ import importlib.metadata
 import json
 import queue
 import shutil
-import signal
 import struct
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,14 +24,13 @@ import pytest
 import tritonclient.grpc as triton
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from triton_calls import rejection, strings, text_input
 
 # Triton's own generated stubs for the same wire protocol: "raw" stubs, independent of ours.
 from tritonclient.grpc import service_pb2, service_pb2_grpc
-from tritonclient.utils import InferenceServerException
 
 from conftest import DEFAULT_MODEL
 from harness import TOPOLOGIES, Mesh
-from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -87,12 +84,6 @@ def labels(omesh: Mesh) -> list[str]:
     return doc
 
 
-def text_input(texts: list[str], name: str = "text") -> triton.InferInput:
-    tensor = triton.InferInput(name, [len(texts)], "BYTES")
-    tensor.set_data_from_numpy(np.array([t.encode("utf-8") for t in texts], dtype=np.object_))
-    return tensor
-
-
 def predict(
     mesh: Mesh, text: str, top_k: int = 1, tenant: str = "", cache: str = "use"
 ) -> gateway_pb2.PredictResponse:
@@ -107,36 +98,6 @@ def predict(
             timeout=30,
         )
         return response
-
-
-def strings(array: Any) -> list[str]:
-    return [item.decode("utf-8") for item in array]
-
-
-def settle(mesh: Mesh) -> None:
-    """Wait until every cache store the gateway sent has been written."""
-    deadline = time.monotonic() + 20
-    with (
-        grpc.insecure_channel(mesh.gateway) as gw,
-        grpc.insecure_channel(mesh.addrs["cache"]) as cache,
-    ):
-        while time.monotonic() < deadline:
-            counters = gateway_pb2_grpc.GatewayServiceStub(gw).GetStats(
-                gateway_pb2.GetStatsRequest(), timeout=10
-            )
-            pending = cache_pb2_grpc.CacheServiceStub(cache).GetStats(
-                cache_pb2.GetStatsRequest(), timeout=10
-            )
-            if counters.counters["stores_in_flight"] == 0 and pending.pending_writes == 0:
-                return
-            time.sleep(0.05)
-    raise AssertionError("cache stores did not land within 20 s")
-
-
-def rejection(call: Any, *args: Any, **kwargs: Any) -> tuple[str, str]:
-    with pytest.raises(InferenceServerException) as info:
-        call(*args, **kwargs)
-    return str(info.value.status()), str(info.value.message())
 
 
 # -- server and model metadata --------------------------------------------------------------
@@ -322,7 +283,7 @@ def test_tenant_parameter_scopes_the_cache(
     first = ask(parameters={"tenant": "acme"})
     assert strings(first.as_numpy("cache")) == ["MISS"]
     assert first.get_response().parameters["tenant"].string_param == "acme"
-    settle(omesh)
+    omesh.settle()
     again = ask(parameters={"tenant": "acme"})
     assert strings(again.as_numpy("cache")) == ["EXACT"]
     assert strings(again.as_numpy("label")) == strings(first.as_numpy("label"))
@@ -482,55 +443,3 @@ def test_hoplines_own_stubs(omesh: Mesh) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [predict(omesh, t).prediction.label for t in texts]
-
-
-def test_live_but_not_ready_while_the_gateway_starts(default_repo: Path, tmp_path: Path) -> None:
-    """A gateway whose inference service never answers stays not-ready, yet is live."""
-    alone = Mesh(default_repo, tmp_path)
-    alone.spawn(("gateway",))
-    try:
-        c = triton.InferenceServerClient(url=alone.gateway)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                assert c.is_server_live(client_timeout=2) is True
-                break
-            except InferenceServerException:
-                assert alone.procs["gateway"].poll() is None, alone.log("gateway")
-                assert time.monotonic() < deadline, alone.log("gateway")
-                time.sleep(0.2)
-        assert c.is_server_ready() is False
-        status, message = rejection(c.infer, DEFAULT_MODEL, [text_input(["hi"])])
-        assert status == "StatusCode.UNAVAILABLE"
-        assert "not ready" in message
-        c.close()
-    finally:
-        alone.stop()
-
-
-def test_not_ready_while_the_gateway_drains(default_repo: Path, tmp_path: Path) -> None:
-    """SIGTERM: ServerReady and ModelReady turn false with health, while the gateway still
-    answers calls for its drain delay; then it exits 0."""
-    repo = tmp_path / "models"
-    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
-    mesh = Mesh(repo, tmp_path, HOPLINE_DRAIN_DELAY_S="3.0")
-    mesh.start()
-    c = triton.InferenceServerClient(url=mesh.gateway)
-    try:
-        assert c.is_server_ready() is True
-        assert c.is_model_ready(DEFAULT_MODEL) is True
-        gateway = mesh.procs["gateway"]
-        gateway.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 2.0
-        while c.is_server_ready() is True:
-            assert time.monotonic() < deadline, mesh.log("gateway")
-            time.sleep(0.05)
-        assert c.is_server_live() is True
-        assert c.is_model_ready(DEFAULT_MODEL) is False
-        # Still in the delay: a call is answered, not refused.
-        answer = c.infer(DEFAULT_MODEL, [text_input(["please cancel my subscription"])])
-        assert answer.as_numpy("label") is not None
-        assert gateway.wait(timeout=30) == 0, mesh.log("gateway")
-    finally:
-        c.close()
-        mesh.stop()
