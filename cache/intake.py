@@ -18,7 +18,7 @@ from opentelemetry import trace
 from hopline.cache.config import CacheConfig
 from hopline.cache.counts import CacheCount, CacheCounts
 from hopline.cache.embedder import Embedder, Vector
-from hopline.cache.keys import ScopeError, exact_key, normalise_text, scope_tuple
+from hopline.cache.keys import ScopeError, normalise_text, normalised_key, scope_tuple
 from hopline.cache.lookup import CacheLookup
 from hopline.cache.milvus_rows import row_problem
 from hopline.cache.store import Entry
@@ -76,7 +76,7 @@ async def take(host: IntakeHost, request: cache_pb2.StoreRequest) -> cache_pb2.S
             )
         host.counts.add(CacheCount.STORE_EMBEDDINGS)
     now = time.time()
-    key = exact_key(scope, request.text)
+    key = normalised_key(scope, text)
     limit = min(request.max_entries or host.config.max_entries, host.config.max_entries)
     entry = Entry(
         key=key,

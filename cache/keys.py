@@ -65,7 +65,12 @@ def scope_matches(wanted: tuple[str, str, str], scope: tuple[str, ...]) -> bool:
 
 def exact_key(scope: tuple[str, str, str, str], text: str) -> str:
     """SHA-256 over the scope and the normalised text, with unambiguous field separation."""
-    doc = json.dumps([*scope, normalise_text(text)], separators=(",", ":"), ensure_ascii=False)
+    return normalised_key(scope, normalise_text(text))
+
+
+def normalised_key(scope: tuple[str, str, str, str], normalised: str) -> str:
+    """`exact_key` of a text whose `normalise_text` the caller has already."""
+    doc = json.dumps([*scope, normalised], separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(doc.encode("utf-8")).hexdigest()
 
 

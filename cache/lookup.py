@@ -27,7 +27,7 @@ from hopline.cache.config import CacheConfig, ExactFallback
 from hopline.cache.counts import CacheCount, CacheCounts
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.exact_index import ExactIndex
-from hopline.cache.keys import exact_key, normalise_text
+from hopline.cache.keys import normalise_text, normalised_key
 from hopline.cache.milvus_lite import is_local
 from hopline.cache.semantic_search import SemanticSearch
 from hopline.cache.shared_invalidations import SharedInvalidations
@@ -86,8 +86,8 @@ class CacheLookup:
         store = host.require_store()
         now = time.time()
         t0 = time.perf_counter()
-        key = exact_key(scope, text)
         normalised = normalise_text(text)
+        key = normalised_key(scope, normalised)
         embedding: asyncio.Task[tuple[Vector, float]] | None = None
         with child_span(schema.SPAN_CACHE_EXACT):
             entry = host.writes.get(key)
