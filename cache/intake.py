@@ -103,6 +103,10 @@ def _request_problem(request: cache_pb2.StoreRequest) -> str:
         return f"ttl_s must be a finite number of seconds (0: the default), got {request.ttl_s}"
     if not request.prediction.label:
         return "refusing to cache a prediction with no label"
+    scores = [request.prediction.score, *(s.score for s in request.prediction.top_k)]
+    if not all(math.isfinite(score) for score in scores):
+        # A model that answered NaN is broken: every repeat would be served its NaN.
+        return f"refusing to cache a prediction with a score that is not a number: {scores}"
     if request.mode not in MODES:
         return f"mode must be 'exact' or 'semantic', got {request.mode!r}"
     return ""

@@ -150,6 +150,19 @@ def test_the_cache_refuses_endless_lifetimes_and_texts_no_entry_holds(mesh: Mesh
             )
             details = invalid(functools.partial(stub.Store, store, timeout=10))
             assert "ttl_s must be a finite number" in details
+        for broken in (
+            common_pb2.Prediction(label="order_status", score=math.nan),
+            common_pb2.Prediction(
+                label="order_status",
+                score=0.9,
+                top_k=[common_pb2.LabelScore(label="order_status", score=math.inf)],
+            ),
+        ):
+            store = cache_pb2.StoreRequest(
+                scope=scope, text="a model that answered NaN", prediction=broken, mode="exact"
+            )
+            details = invalid(functools.partial(stub.Store, store, timeout=10))
+            assert "a score that is not a number" in details
         lookup = cache_pb2.LookupRequest(
             scope=scope, text="x" * 70_000, mode="semantic", threshold=0.9
         )
