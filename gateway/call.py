@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from hopline.cache.keys import exact_key, scope_tuple
+from hopline.cache.keys import normalise_text, normalised_key, scope_tuple
 from hopline.gateway.errors import RequestError
 from hopline.observability.tracing import current_trace_id
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -75,7 +75,14 @@ class _KeyMemo:
         memo = (scope, text)
         key = self._keys.get(memo)
         if key is None:
-            key = exact_key(scope, text)
+            normalised = normalise_text(text)
+            if not normalised:  # the model would read [CLS] [SEP] alone: nothing of the text
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "text has no character the model reads (only control, zero-width or "
+                    "combining characters): send the text to classify",
+                )
+            key = normalised_key(scope, normalised)
             _bounded_put(self._keys, memo, key, self.capacity)
         return key
 

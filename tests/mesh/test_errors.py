@@ -44,6 +44,11 @@ def expect(
 def test_empty_text(stub: gateway_pb2_grpc.GatewayServiceStub) -> None:
     assert "empty" in expect(stub, grpc.StatusCode.INVALID_ARGUMENT, text="")
     expect(stub, grpc.StatusCode.INVALID_ARGUMENT, text="   \n\t ")
+    # Nothing the model reads (its tokenizer drops control and zero-width characters): not a
+    # prediction of an empty input.
+    for unreadable in ("\x01\x02", "\u200b", "\x00 \x7f"):
+        details = expect(stub, grpc.StatusCode.INVALID_ARGUMENT, text=unreadable)
+        assert "no character the model reads" in details
 
 
 def test_unknown_model_and_version(stub: gateway_pb2_grpc.GatewayServiceStub) -> None:
