@@ -88,8 +88,9 @@ install: $(STAMPS)/install
 $(BUF):
 	npm install --silent --no-audit --no-fund --prefix .tools "@bufbuild/buf@$(BUF_VERSION)"
 
+# Any version will do: with version 1 deleted (a roll-back), none is built again.
 model: $(STAMPS)/install
-	@test -f $(MODEL_REPO)/$(DEFAULT_MODEL)/1/config.json || \
+	@ls $(MODEL_REPO)/$(DEFAULT_MODEL)/*/config.json >/dev/null 2>&1 || \
 		$(BIN)/hopline model build --default --repo $(MODEL_REPO)
 
 run: model

@@ -25,9 +25,10 @@ import grpc
 
 from hopline.bench.cli import bench_once
 from hopline.bench.shared_embedding import colocated_meshes, paired_windows
+from hopline.cache.keys import answer_parameters
 from hopline.cache.service import STORE_BATCH_MAX
 from hopline.gateway.identity import DEFAULT_TENANT
-from hopline.model.repository import ModelRepository
+from hopline.model.repository import ModelRepository, version_digest
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 
@@ -39,11 +40,14 @@ FILL_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 60.0
 
 
-def fill(cache_addr: str, entries: int, version: str) -> int:
+def fill(cache_addr: str, entries: int, version: str, digest: str) -> int:
     """Store `entries` new answers in the gateway's default tenant; the cache's count after
     every one of them reached Milvus."""
     scope = common_pb2.Scope(
-        tenant=DEFAULT_TENANT, model=MODEL, model_version=version, parameters={"top_k": "1"}
+        tenant=DEFAULT_TENANT,
+        model=MODEL,
+        model_version=version,
+        parameters=answer_parameters(1, digest),
     )
     answer = common_pb2.Prediction(label="prefill", score=1.0)
     deadline = time.monotonic() + FILL_TIMEOUT_S
@@ -97,7 +101,8 @@ def full_cache_scenario(
     entries = min(bound or model.cache.max_entries, model.cache.max_entries)
     env = {"HOPLINE_CACHE_MAX_ENTRIES": str(bound)} if bound else {}
     with colocated_meshes(model_repo, work, {FULL: env, EMPTY: env}) as meshes:
-        filled = fill(meshes[FULL].addrs["cache"], entries, model.version)
+        digest = version_digest(model.path)  # the scope the gateway stores its answers in
+        filled = fill(meshes[FULL].addrs["cache"], entries, model.version, digest)
         windows = paired_windows(
             meshes[FULL], (EMPTY, meshes[EMPTY]), model_repo, rounds, duration_s, warmup_s
         )

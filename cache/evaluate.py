@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hopline.cache.evaluation_report import markdown, summarise
-from hopline.cache.keys import exact_key, scope_tuple
+from hopline.cache.keys import answer_parameters, exact_key, scope_tuple
 from hopline.model.repository import CachePolicy
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -80,6 +80,7 @@ class Evaluation:
         self.model = model
         self.tenant = tenant
         self.version = version
+        self.digest = ""  # the version's files' fingerprint, from the first reply
 
     async def _predict(
         self,
@@ -109,7 +110,7 @@ class Evaluation:
             async def worker() -> None:
                 while queue:
                     reply, _ = await self._predict(stub, queue.pop(), common_pb2.CACHE_MODE_USE)
-                    self.version = reply.model_version
+                    self.version, self.digest = reply.model_version, reply.model_digest
                     name = OUTCOMES.get(reply.cache.outcome, "other")
                     outcomes[name] = outcomes.get(name, 0) + 1
 
@@ -237,7 +238,10 @@ def _keys(ev: Evaluation, store: list[str]) -> set[str]:
     """Entry ids are exact keys over the gateway's scope: which hits the warm-up wrote."""
     scope = scope_tuple(
         common_pb2.Scope(
-            tenant=ev.tenant, model=ev.model, model_version=ev.version, parameters={"top_k": "1"}
+            tenant=ev.tenant,
+            model=ev.model,
+            model_version=ev.version,
+            parameters=answer_parameters(1, ev.digest),
         )
     )
     return {exact_key(scope, t) for t in store}

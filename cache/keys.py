@@ -46,6 +46,16 @@ def normalise_text(text: str) -> str:
     return _SPACE.sub(" ", _NORMALIZER.normalize_str(text)).strip()
 
 
+def answer_parameters(top_k: int, digest: str) -> dict[str, str]:
+    """A gateway answer's scope parameters: what changes the answer besides tenant, model and
+    version. `digest` (the version's files' fingerprint, model/repository.py:version_digest)
+    keeps a version number published twice from sharing entries; empty: not known."""
+    parameters = {"top_k": str(top_k)}
+    if digest:
+        parameters["digest"] = digest
+    return parameters
+
+
 def scope_tuple(scope: common_pb2.Scope) -> tuple[str, str, str, str]:
     """(tenant, model, version, canonical parameters); every field required."""
     missing = [f for f in ("tenant", "model", "model_version") if not getattr(scope, f)]

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from hopline.cache.keys import normalise_text, normalised_key, scope_tuple
+from hopline.cache.keys import answer_parameters, normalise_text, normalised_key, scope_tuple
 from hopline.gateway.errors import RequestError
 from hopline.observability.tracing import current_trace_id
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -36,7 +36,7 @@ ScopeTuple = tuple[str, str, str, str]
 
 
 class _Scopes:
-    """The Scope of each (tenant, model, version, top_k) a request has named, with its
+    """The Scope of each (tenant, model, version, digest, top_k) a request has named, with its
     canonical tuple, built once: a Scope with a parameter map cost about 10 us of a served
     gateway's request (py-spy, exact repeats), and its tuple a JSON encoding per miss. The
     messages are shared between requests, so nothing may write to them (requests copy them
@@ -44,19 +44,19 @@ class _Scopes:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._scopes: dict[tuple[str, str, str, int], tuple[common_pb2.Scope, ScopeTuple]] = {}
+        self._scopes: dict[tuple[str, str, str, str, int], tuple[common_pb2.Scope, ScopeTuple]] = {}
 
     def get(
         self, tenant: str, info: inference_pb2.ModelInfo, top_k: int
     ) -> tuple[common_pb2.Scope, ScopeTuple]:
-        memo = (tenant, info.name, info.version, top_k)
+        memo = (tenant, info.name, info.version, info.digest, top_k)
         found = self._scopes.get(memo)
         if found is None:
             scope = common_pb2.Scope(
                 tenant=tenant,
                 model=info.name,
                 model_version=info.version,
-                parameters={"top_k": str(top_k)},
+                parameters=answer_parameters(top_k, info.digest),
             )
             found = (scope, scope_tuple(scope))
             _bounded_put(self._scopes, memo, found, self.capacity)
@@ -145,7 +145,11 @@ class PredictCall:
     ) -> PredictCall:
         scope, scope_key = _SCOPES.get(tenant, info, top_k)
         response = gateway_pb2.PredictResponse(
-            model=info.name, model_version=info.version, tenant=tenant, trace_id=current_trace_id()
+            model=info.name,
+            model_version=info.version,
+            model_digest=info.digest,
+            tenant=tenant,
+            trace_id=current_trace_id(),
         )
         mode = cache_mode or common_pb2.CACHE_MODE_USE
         key = _KEYS.get(scope_key, text)

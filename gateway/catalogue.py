@@ -2,7 +2,9 @@
 
 Re-read every HOPLINE_MODEL_REFRESH_S, and before any NOT_FOUND: a request naming a model or
 version the gateway has not heard of waits for a re-read that started after it asked, so a
-model built while the mesh runs is served on its first request. Re-reads are single-flight:
+model built while the mesh runs is served on its first request; a version removed from the
+repository is dropped at the next re-read (inference stops listing it), so a request naming
+no version moves back to the newest one left. Re-reads are single-flight:
 one ListModels at a time, and every request that missed while one was in flight shares the
 next, so a burst of typos costs one call per ListModels round trip, not one per request.
 """
@@ -53,6 +55,8 @@ class ModelCatalogue:
         added = sorted(f"{n}/{v}" for n, v in models.keys() - self.models.keys())
         if self.models and added:
             log.info("models added", extra={"models": added})
+        if removed := sorted(f"{n}/{v}" for n, v in self.models.keys() - models.keys()):
+            log.info("models removed", extra={"models": removed})
         self.models, self.latest = models, latest
 
     async def follow(self, every_s: float) -> None:

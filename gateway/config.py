@@ -15,6 +15,7 @@ from hopline.runtime.config import (
     env_field,
     listen_field,
     metrics_port_field,
+    model_refresh_field,
     upstream_field,
 )
 from hopline.runtime.ports import port_problem
@@ -103,11 +104,8 @@ class GatewayConfig(ServerConfig):
         "requests of one PredictStream answered at once; past it the gateway stops reading",
         valid=AT_LEAST_ONE,
     )
-    model_refresh_s: float = env_field(
-        "HOPLINE_MODEL_REFRESH_S",
-        10.0,
-        "how often the model list is re-read from inference",
-        valid=POSITIVE,
+    model_refresh_s: float = model_refresh_field(
+        "how often the model list is re-read from inference"
     )
     upstream_retry_attempts: int = env_field(
         "HOPLINE_UPSTREAM_RETRY_ATTEMPTS",

@@ -11,6 +11,15 @@ window in which it is refused:
   names a model it does not know), so that list holds every version the repository holds
   now that loads, and the gateway routes only to versions that have loaded.
 
+A version whose folder is gone leaves at the next rescan: its name resolves to the newest
+version left at once (deleting a bad version rolls back), and ListModels stops listing it,
+but a request naming it is still served for `linger_s` (callers that have not re-read the
+list yet, such as another gateway, keep routing to it until they do); then it is forgotten.
+A version whose files changed under the same number is loaded again from them. A forgotten
+object goes to `on_retire` (the inference service closes its batcher once idle). `rescan_s`
+also rescans at most that often from `get` (the tokenizer and postprocess services, which
+are not asked for ListModels): a few directory reads and stats every few seconds.
+
 Rescans are single-flight: callers that miss while one is running share the next one (a scan
 that started before a caller missed may not have seen what the caller wants), so a burst of
 requests for an unknown name costs at most two listings. Only complete versions are seen
@@ -26,8 +35,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from stat import S_ISREG
 from typing import Generic, TypeVar
 
 from hopline.model.repository import (
@@ -44,23 +55,47 @@ Signature = tuple[tuple[str, int, int], ...]  # a version folder's files: name, 
 
 
 def signature(folder: Path) -> Signature:
-    """What changes when a version's files are replaced or edited."""
+    """What changes when a version's files are replaced or edited: its files' names, sizes
+    and mtimes. Folders are left out: ONNX Runtime writes TensorRT engines into one (a
+    provider's `engine_cache_dir`) while the version serves."""
     try:
         files = [(p.name, p.stat()) for p in folder.iterdir()]
     except OSError:
         return ()
-    return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in files))
+    return tuple(
+        sorted((name, st.st_size, st.st_mtime_ns) for name, st in files if S_ISREG(st.st_mode))
+    )
 
 
 log = logging.getLogger("hopline.model.registry")
 
+# A removed version is served when named for this many HOPLINE_MODEL_REFRESH_S periods: by
+# then every gateway has re-read the model list (each does once a period) and stopped routing
+# to it.
+LINGER_REFRESHES = 2
+
 
 class ModelRegistry(Generic[T]):
-    def __init__(self, repo: ModelRepository, loader: Callable[[ModelConfig], T]) -> None:
+    def __init__(
+        self,
+        repo: ModelRepository,
+        loader: Callable[[ModelConfig], T],
+        *,
+        on_retire: Callable[[T], None] | None = None,
+        rescan_s: float | None = None,
+        linger_s: float = 0.0,
+    ) -> None:
         self._repo = repo
         self._loader = loader
+        self._on_retire = on_retire
+        self._linger_s = linger_s
+        # Removed versions still served when named, until their deadline (monotonic).
+        self._leaving: dict[Key, tuple[float, tuple[ModelConfig, T]]] = {}
+        self._rescan_s = rescan_s
+        self._next_rescan = 0.0 if rescan_s is None else time.monotonic() + rescan_s
         self._configs: dict[Key, ModelConfig] = {}  # every complete version seen
         self._loaded: dict[Key, tuple[ModelConfig, T]] = {}
+        self._files: dict[Key, Signature] = {}  # each loaded version's files when loaded
         self._latest: dict[str, str] = {}
         self._broken: dict[Key, str] = {}  # versions left out, with why (logged once)
         self._unloadable: dict[Key, tuple[Signature, str]] = {}  # the loader failed on these
@@ -93,13 +128,16 @@ class ModelRegistry(Generic[T]):
         for name in self._repo.names():
             for version in self._repo.versions(name):
                 key = (name, version)
+                files = signature(self._repo.root / name / version)
                 if key in self._unloadable:
-                    files, error = self._unloadable[key]
-                    if signature(self._repo.root / name / version) == files:
+                    failed_on, error = self._unloadable[key]
+                    if files == failed_on:
                         broken[key] = error  # logged when its load failed
                         continue
                     del self._unloadable[key]  # its files changed: try it again
-                cfg = self._configs.get(key)  # versions are immutable: read each config once
+                if key in self._loaded and files != self._files[key]:
+                    self._retire(key, "model version changed; loading its files again")
+                cfg = self._configs.get(key)  # read once per version's files
                 if cfg is None:
                     try:
                         cfg = load_config(self._repo.root / name / version)
@@ -113,9 +151,29 @@ class ModelRegistry(Generic[T]):
                         continue
                     log.info("model version found", extra={"model": name, "version": version})
                 configs[key] = cfg
+        for key in self._loaded.keys() - configs.keys():
+            log.info("model version removed", extra={"model": key[0], "version": key[1]})
+            self._leaving[key] = (time.monotonic() + self._linger_s, self._loaded[key])
+            self._retire(key, "")
+        for key, (deadline, (_, model)) in list(self._leaving.items()):
+            if key in configs or time.monotonic() >= deadline:
+                del self._leaving[key]
+                if self._on_retire is not None:
+                    self._on_retire(model)
         self._configs, self._broken = configs, broken
         self._latest = _latest(configs)
         self._scans_done = self._scans_started
+
+    def _retire(self, key: Key, why: str) -> None:
+        """Forget a loaded version (requests running on it keep their reference); with `why`,
+        hand it to on_retire now (a removed one waits in `_leaving` instead)."""
+        _, model = self._loaded.pop(key)
+        del self._files[key]
+        self._configs.pop(key, None)  # a changed version's config is read again
+        if why:
+            log.info(why, extra={"model": key[0], "version": key[1]})
+            if self._on_retire is not None:
+                self._on_retire(model)
 
     def _rescan_after(self, ticket: int) -> None:
         """Rescan unless one that started after the caller's miss (`ticket`) already ran."""
@@ -145,6 +203,7 @@ class ModelRegistry(Generic[T]):
                 return None
             found = (cfg, model)
             self._loaded[key] = found
+            self._files[key] = files
             log.info("model loaded", extra={"model": cfg.name, "version": cfg.version})
         return found
 
@@ -155,6 +214,9 @@ class ModelRegistry(Generic[T]):
 
     def get(self, name: str, version: str = "") -> tuple[ModelConfig, T]:
         """The loaded model; rescans and loads on a name or version not loaded yet."""
+        if self._rescan_s is not None and time.monotonic() >= self._next_rescan:
+            self._next_rescan = time.monotonic() + self._rescan_s
+            self._rescan_after(self._scans_started)
         found = self._loaded.get(self._key(name, version))
         if found is not None:
             return found
@@ -167,6 +229,8 @@ class ModelRegistry(Generic[T]):
                 if loaded is not None:
                     return loaded
                 key = self._key(name, version)
+            if version and (leaving := self._leaving.get(key)) is not None:
+                return leaving[1]  # removed, still served to callers that name it a while
         if key in self._broken:
             raise ModelNotFoundError(f"model {name}/{key[1]} is broken: {self._broken[key]}")
         failed = sorted((k[1], error) for k, error in self._broken.items() if k[0] == name)

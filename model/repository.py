@@ -8,6 +8,7 @@ reads them from here, as Triton's model repository works.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -167,6 +168,18 @@ def config_to_json(cfg: ModelConfig) -> dict[str, Any]:
     doc["providers"] = [p.to_json() for p in cfg.providers]
     doc["precision"] = cfg.precision.value
     return doc
+
+
+def version_digest(folder: Path) -> str:
+    """A fingerprint of a version's files, names and contents (16 hex digits of a SHA-256):
+    the same on every replica that holds the same files, and different for a version number
+    that was deleted and published again with other files, so the cache never serves one
+    build's answers for another's (gateway/call.py puts it in every cache scope)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        with path.open("rb") as f:
+            digest.update(path.name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()[:16]
 
 
 class ModelRepository:

@@ -134,6 +134,8 @@ class DynamicBatcher(Generic[In, Out]):
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._runs: set[asyncio.Future[Any]] = set()
+        self._closed = False
+        self._ran = asyncio.Event()  # set whenever a run ends: wait_idle's wake-up
         self._on_queue_depth = on_queue_depth or (lambda _: None)
         self._on_batch = on_batch or (lambda _: None)
         self.batches = 0
@@ -142,6 +144,17 @@ class DynamicBatcher(Generic[In, Out]):
     @property
     def waiting_rows(self) -> int:
         return self._waiting_rows
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waits and nothing runs."""
+        return self._waiting_rows == 0 and self._in_flight == 0
+
+    async def wait_idle(self) -> None:
+        """Until nothing waits and nothing runs (idle only ever begins as a run ends)."""
+        while not self.idle:
+            self._ran.clear()
+            await self._ran.wait()
 
     def bucket_of(self, length: int) -> int:
         """Index of the smallest bucket that holds `length` tokens (longer: the last)."""
@@ -155,7 +168,9 @@ class DynamicBatcher(Generic[In, Out]):
                 f"{self._waiting_rows} rows already waiting (max_queue_size "
                 f"{self.policy.max_queue_size})"
             )
-        if self._alone_runs_now(rows):
+        # After close (a retired model version), a request that took the model just before
+        # runs alone rather than wait on a scheduler that is gone.
+        if self._closed or self._alone_runs_now(rows):
             return await self._run_alone(payload, rows)
         if self._task is None:
             self._task = asyncio.create_task(self._schedule(), name="loop-batcher")
@@ -211,6 +226,7 @@ class DynamicBatcher(Generic[In, Out]):
     def _release(self) -> None:
         self._in_flight -= 1
         self._wake.set()
+        self._ran.set()
 
     def _oldest_bucket(self) -> deque[_Item[In, Out]] | None:
         for bucket in self._buckets:  # drop requests whose callers gave up
@@ -284,6 +300,7 @@ class DynamicBatcher(Generic[In, Out]):
 
     async def close(self) -> None:
         """Stop scheduling, let running batches finish, and cancel what still waits."""
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

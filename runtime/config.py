@@ -151,6 +151,12 @@ def upstream_field(service: str) -> Any:
     return env_field(row.addr_env, row.default_addr, f"where the {service} listens")
 
 
+def model_refresh_field(what: str) -> Any:
+    """HOPLINE_MODEL_REFRESH_S: how often a service re-reads the model repository's listing
+    (the gateway: the model list, from inference)."""
+    return env_field("HOPLINE_MODEL_REFRESH_S", 10.0, what, valid=POSITIVE)
+
+
 def metrics_port_field(service: str) -> Any:
     return env_field(
         "HOPLINE_METRICS_PORT",

@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from harness import SERVING, health
+from hopline.cache.keys import answer_parameters
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
@@ -114,7 +115,7 @@ def stored(
         tenant=reply.tenant,
         model=reply.model,
         model_version=reply.model_version,
-        parameters={"top_k": "1"},
+        parameters=answer_parameters(1, reply.model_digest),
     )
     lookup = cache_pb2.LookupRequest(scope=scope, text=text, mode="exact")
     stub = cache_pb2_grpc.CacheServiceStub(cache)

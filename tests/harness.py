@@ -19,9 +19,12 @@ import grpc
 from grpc_health.v1 import health_pb2
 from milvus_server import MilvusKind, MilvusServer, chosen_kind, lane_env
 
+from hopline.cache.keys import answer_parameters
+from hopline.model.repository import version_digest
 from hopline.observability.jaeger import get_json
 from hopline.observability.report import Span, parse_otlp
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime import launcher
 from hopline.runtime.api_keys import operator_metadata
@@ -64,6 +67,15 @@ TEST_DEFAULTS = {"HOPLINE_LOG_FORMAT": "text", "HOPLINE_DRAIN_DELAY_S": "0.2"}
 def free_port() -> int:
     """A loopback port free now and never handed out before in this test session."""
     return free_ports(1)[0]
+
+
+def answer_scope(repo: Path, tenant: str, model: str, version: str) -> common_pb2.Scope:
+    """The scope the gateway files its top-1 answers in for `model`/`version` of `repo`
+    (gateway/call.py:_Scopes): the version's files' digest is part of it."""
+    digest = version_digest(repo / model / version)
+    return common_pb2.Scope(
+        tenant=tenant, model=model, model_version=version, parameters=answer_parameters(1, digest)
+    )
 
 
 class Mesh(launcher.Mesh):

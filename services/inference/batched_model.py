@@ -68,8 +68,11 @@ class EmbeddingHead:
 class BatchedModel:
     """One model version: its backend, the batcher that feeds it, and its head if it has one."""
 
-    def __init__(self, backend: Backend, executor: Executor, max_in_flight: int) -> None:
+    def __init__(
+        self, backend: Backend, executor: Executor, max_in_flight: int, digest: str = ""
+    ) -> None:
         self.backend = backend
+        self.digest = digest  # model/repository.py:version_digest of the files it was built from
         self.config: ModelConfig = backend.config
         self.head = EmbeddingHead(self.config) if self.config.head_embedder else None
         # Token ids this version takes (0 to vocab - 1; None: not known, nothing checked).

@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -14,12 +13,13 @@ import numpy as np
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument as OrtInvalidArgument
 from opentelemetry import trace
 
-from hopline.model.registry import ModelRegistry
+from hopline.model.registry import LINGER_REFRESHES, ModelRegistry
 from hopline.model.repository import (
     ModelConfig,
     ModelNotFoundError,
     ModelRepository,
     TensorSpec,
+    version_digest,
 )
 from hopline.model.run_width import run_slots
 from hopline.model.spin import Spin
@@ -34,6 +34,7 @@ from hopline.runtime.config import (
     env_field,
     listen_field,
     metrics_port_field,
+    model_refresh_field,
 )
 from hopline.runtime.priority import nicer_executor, on_nicer_thread
 from hopline.runtime.tensors import TensorError, dtype_name, from_tensor, to_tensor
@@ -52,6 +53,10 @@ class InferenceConfig(ServerConfig):
     listen: str = listen_field("inference")
     metrics_port: int = metrics_port_field("inference")
     model_repo: str = env_field("HOPLINE_MODEL_REPO", "models", "model repository directory")
+    model_refresh_s: float = model_refresh_field(
+        "how often gateways re-read the model list: a removed version is still served when "
+        "named for two of these"
+    )
     # 0/0: a run alone gets every core, runs side by side one each, as many as cores
     # (services/inference/backend.py:SideBySideBackend has the figures).
     threads: int = env_field(
@@ -160,7 +165,7 @@ def _run_failure(cfg: ModelConfig, exc: Exception) -> tuple[grpc.StatusCode, str
     return grpc.StatusCode.INTERNAL, f"{cfg.key}'s run failed: {type(exc).__name__}: {exc}"
 
 
-def _model_info(cfg: ModelConfig, providers: Sequence[str]) -> inference_pb2.ModelInfo:
+def _model_info(cfg: ModelConfig, model: BatchedModel) -> inference_pb2.ModelInfo:
     def specs(items: tuple[TensorSpec, ...]) -> list[inference_pb2.TensorSpec]:
         return [
             inference_pb2.TensorSpec(
@@ -192,8 +197,9 @@ def _model_info(cfg: ModelConfig, providers: Sequence[str]) -> inference_pb2.Mod
         ),
         ready=True,
         precision=cfg.precision.value,
-        providers=list(providers),
+        providers=list(model.backend.providers),
         head_embedder=cfg.head_embedder,
+        digest=model.digest,
     )
 
 
@@ -203,9 +209,14 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(self, config: InferenceConfig) -> None:
         self.config = config
         self.models: ModelRegistry[BatchedModel] = ModelRegistry(
-            ModelRepository(Path(config.model_repo)), self._load
+            ModelRepository(Path(config.model_repo)),
+            self._load,
+            on_retire=self._retired,
+            linger_s=LINGER_REFRESHES * config.model_refresh_s,
         )
         self.executor = nicer_executor(self.concurrency, "model", config.nice)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing: set[asyncio.Task[None]] = set()
 
     def _load(self, cfg: ModelConfig) -> BatchedModel:
         # Built on a nicer thread, so ONNX Runtime's pool threads are as nice as the runs'.
@@ -214,7 +225,22 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             lambda: create_backend(cfg, self.config.threads, spin=self.config.spin),
         )
         warm_up(backend)
-        return BatchedModel(backend, self.executor, self.concurrency)
+        return BatchedModel(backend, self.executor, self.concurrency, version_digest(cfg.path))
+
+    def _retired(self, model: BatchedModel) -> None:
+        """A version removed or changed in the repository (the registry calls this from the
+        thread that rescanned): its batcher is closed once the requests on it are done."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._close_when_idle, model)
+
+    def _close_when_idle(self, model: BatchedModel) -> None:
+        async def close() -> None:
+            await model.batcher.wait_idle()
+            await model.close()
+
+        task = asyncio.ensure_future(close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     @property
     def concurrency(self) -> int:
@@ -226,6 +252,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(self, server)
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         loaded = await asyncio.get_running_loop().run_in_executor(
             self.executor, self.models.load_all
         )
@@ -237,6 +264,8 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             )
 
     async def stop(self) -> None:
+        for task in self._closing:
+            task.cancel()
         for _, model in self.models.loaded():
             await model.close()
         self.executor.shutdown(wait=True)
@@ -355,7 +384,5 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         # only ever routes to a version that loaded; one that fails is left out.
         await asyncio.get_running_loop().run_in_executor(None, self.models.load_new)
         return inference_pb2.ListModelsResponse(
-            models=[
-                _model_info(cfg, model.backend.providers) for cfg, model in self.models.loaded()
-            ]
+            models=[_model_info(cfg, model) for cfg, model in self.models.loaded()]
         )

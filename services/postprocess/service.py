@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hopline.model.head import F32
-from hopline.model.registry import ModelRegistry
+from hopline.model.registry import LINGER_REFRESHES, ModelRegistry
 from hopline.model.repository import (
     SENTENCE_EMBEDDING,
     ModelConfig,
@@ -19,7 +19,13 @@ from hopline.model.repository import (
     ModelRepository,
 )
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
-from hopline.runtime.config import ServerConfig, env_field, listen_field, metrics_port_field
+from hopline.runtime.config import (
+    ServerConfig,
+    env_field,
+    listen_field,
+    metrics_port_field,
+    model_refresh_field,
+)
 from hopline.runtime.tensors import TensorError, from_tensor
 from hopline.services.postprocess.logic import predictions
 
@@ -29,6 +35,9 @@ class PostprocessConfig(ServerConfig):
     listen: str = listen_field("postprocess")
     metrics_port: int = metrics_port_field("postprocess")
     model_repo: str = env_field("HOPLINE_MODEL_REPO", "models", "model repository directory")
+    model_refresh_s: float = model_refresh_field(
+        "how often requests rescan the model repository (removed or replaced versions)"
+    )
 
 
 class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
@@ -37,8 +46,12 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
     def __init__(self, config: PostprocessConfig) -> None:
         self.config = config
         # Postprocessing needs only the config (labels, threshold), not the weights.
+        # Rescanned every few seconds from requests: a removed or replaced version is let go.
         self.models: ModelRegistry[ModelConfig] = ModelRegistry(
-            ModelRepository(Path(config.model_repo)), lambda cfg: cfg
+            ModelRepository(Path(config.model_repo)),
+            lambda cfg: cfg,
+            rescan_s=config.model_refresh_s,
+            linger_s=LINGER_REFRESHES * config.model_refresh_s,
         )
 
     def register(self, server: grpc.aio.Server) -> None:

@@ -9,7 +9,7 @@ import grpc
 from opentelemetry import trace
 from tokenizers import Tokenizer
 
-from hopline.model.registry import ModelRegistry
+from hopline.model.registry import LINGER_REFRESHES, ModelRegistry
 from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.observability import schema
@@ -20,6 +20,7 @@ from hopline.runtime.config import (
     env_field,
     listen_field,
     metrics_port_field,
+    model_refresh_field,
 )
 from hopline.runtime.tensors import to_tensor
 
@@ -35,6 +36,9 @@ class TokenizerConfig(ServerConfig):
     max_text_bytes: int = env_field(
         "HOPLINE_MAX_TEXT_BYTES", 16384, "longest text accepted, in UTF-8 bytes", valid=AT_LEAST_ONE
     )
+    model_refresh_s: float = model_refresh_field(
+        "how often requests rescan the model repository (removed or replaced versions)"
+    )
 
 
 def _load(cfg: ModelConfig) -> Tokenizer:
@@ -46,7 +50,13 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
     def __init__(self, config: TokenizerConfig) -> None:
         self.config = config
-        self.models = ModelRegistry(ModelRepository(Path(config.model_repo)), _load)
+        # Rescanned every few seconds from requests: a removed or replaced version is let go.
+        self.models = ModelRegistry(
+            ModelRepository(Path(config.model_repo)),
+            _load,
+            rescan_s=config.model_refresh_s,
+            linger_s=LINGER_REFRESHES * config.model_refresh_s,
+        )
 
     def register(self, server: grpc.aio.Server) -> None:
         tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(self, server)

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import Mesh, add_model
+from harness import Mesh, add_model, answer_scope
 from hopline.gateway.client import predict
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -65,9 +65,7 @@ def cache_stub(mesh: Mesh) -> tuple[grpc.Channel, cache_pb2_grpc.CacheServiceStu
 
 def lookup(mesh: Mesh, text: str, tenant: str, model: str, version: str = "1") -> int:
     """The cache's own answer for what the gateway would ask, without storing anything."""
-    scope = common_pb2.Scope(
-        tenant=tenant, model=model, model_version=version, parameters={"top_k": "1"}
-    )
+    scope = answer_scope(mesh.repo, tenant, model, version)
     channel, stub = cache_stub(mesh)
     with channel:
         found = stub.Lookup(cache_pb2.LookupRequest(scope=scope, text=text), timeout=10)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -19,15 +22,19 @@ import pytest
 from conftest import DEFAULT_MODEL
 from harness import Mesh
 from hopline.gateway.client import predict
+from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
 
 
-def publish(repo: Path, name: str, version: str, model_file: bytes | None = None) -> None:
+def publish(
+    repo: Path, name: str, version: str, model_file: bytes | None = None, **config: Any
+) -> None:
     """A copy of the default model's version 1 as name/version, renamed into place;
-    `model_file`: model.onnx's bytes instead of the default model's."""
+    `model_file`: model.onnx's bytes instead of the default model's; `config`: config.json
+    fields to change."""
     staging = repo / name / f".staging-{version}"
     shutil.copytree(repo / DEFAULT_MODEL / "1", staging)
-    config = json.loads((staging / "config.json").read_text())
+    config = json.loads((staging / "config.json").read_text()) | config
     config["name"], config["version"] = name, int(version)
     (staging / "config.json").write_text(json.dumps(config))
     if model_file is not None:
@@ -98,3 +105,61 @@ def test_a_version_onnx_runtime_cannot_load_is_left_out_until_its_files_change(
     )
     reply = ask(mesh, "where is my parcel", name, "2")
     assert (reply.model, reply.model_version) == (name, "2")
+
+
+def test_a_removed_version_rolls_back_and_its_number_published_again_is_not_served_its_answers(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """Deleting a bad version rolls back without a restart, losing no request; the number
+    published again with other files (`hopline model build` picks it: the next free one) is
+    served from those files, and the cache never serves it the deleted version's answers.
+    Before: the deleted version was served until a restart, and a repeat of a text it had
+    answered was an EXACT hit with its answer. A mesh of its own, re-reading the model list
+    every second."""
+    repo = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    name, text = "rollback", "I forgot my password"
+    publish(repo, name, "1")
+    publish(repo, name, "2")
+    mesh = Mesh(repo, tmp_path, HOPLINE_MODEL_REFRESH_S="1")
+    mesh.start()
+    try:
+        first = ask(mesh, text, name)
+        assert (first.model_version, first.prediction.out_of_scope) == ("2", False)
+        assert ask(mesh, text, name).cache.outcome == common_pb2.CACHE_OUTCOME_EXACT
+
+        shutil.rmtree(repo / name / "2")
+        versions = until(lambda i: ask(mesh, f"reset my password {i}", name).model_version, "1")
+        assert set(versions) <= {"1", "2"}  # every request answered on the way
+        until(lambda i: version_or_status(mesh, name, "2", i), "NOT_FOUND")
+
+        publish(repo, name, "2", oos_threshold=0.999)  # every answer out of scope
+        until(lambda i: outcome(ask(mesh, f"change my password {i}", name)), "2 out of scope")
+        again = ask(mesh, text, name)
+    finally:
+        mesh.stop()
+    assert again.cache.outcome == common_pb2.CACHE_OUTCOME_MISS
+    assert (again.model_version, again.prediction.out_of_scope) == ("2", True)
+    assert again.model_digest not in ("", first.model_digest)
+
+
+def until(attempt: Callable[[int], str], wanted: str, timeout_s: float = 20.0) -> list[str]:
+    """Call `attempt(i)` until it answers `wanted`; every answer on the way."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while not seen or seen[-1] != wanted:
+        assert time.monotonic() < deadline, f"never {wanted!r}: {seen[-5:]}"
+        seen.append(attempt(len(seen)))
+        time.sleep(0.1)
+    return seen
+
+
+def version_or_status(mesh: Mesh, name: str, version: str, i: int) -> str:
+    try:
+        return ask(mesh, f"my password does not work {i}", name, version).model_version
+    except grpc.RpcError as err:
+        return err.code().name
+
+
+def outcome(reply: gateway_pb2.PredictResponse) -> str:
+    return f"{reply.model_version} {'out of scope' if reply.prediction.out_of_scope else 'in'}"

@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import NOT_SERVING, SERVING, Mesh, health, serve_refused
+from harness import NOT_SERVING, SERVING, Mesh, answer_scope, health, serve_refused
 from hopline.cli.certs import ROLES, env_for, make_certs
 from hopline.gateway.client import predict as cli_predict
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
@@ -93,17 +93,15 @@ def predict(
         return reply
 
 
-def acme_scope() -> common_pb2.Scope:
+def acme_scope(mesh: TlsMesh) -> common_pb2.Scope:
     """The scope the gateway files acme's answers under (gateway/call.py:PredictCall.new)."""
-    return common_pb2.Scope(
-        tenant="acme", model=DEFAULT_MODEL, model_version="1", parameters={"top_k": "1"}
-    )
+    return answer_scope(mesh.repo, "acme", DEFAULT_MODEL, "1")
 
 
 def lookup(mesh: TlsMesh, tls: ClientTls | None) -> cache_pb2.LookupResponse:
     with channel(mesh.addrs["cache"], tls) as chan:
         reply: cache_pb2.LookupResponse = cache_pb2_grpc.CacheServiceStub(chan).Lookup(
-            cache_pb2.LookupRequest(scope=acme_scope(), text=TEXT, mode="exact"), timeout=10
+            cache_pb2.LookupRequest(scope=acme_scope(mesh), text=TEXT, mode="exact"), timeout=10
         )
         return reply
 
@@ -111,7 +109,9 @@ def lookup(mesh: TlsMesh, tls: ClientTls | None) -> cache_pb2.LookupResponse:
 def store(mesh: TlsMesh, tls: ClientTls | None) -> None:
     with channel(mesh.addrs["cache"], tls) as chan:
         cache_pb2_grpc.CacheServiceStub(chan).Store(
-            cache_pb2.StoreRequest(scope=acme_scope(), text=TEXT, prediction=POISON, mode="exact"),
+            cache_pb2.StoreRequest(
+                scope=acme_scope(mesh), text=TEXT, prediction=POISON, mode="exact"
+            ),
             timeout=10,
         )
 

@@ -112,3 +112,83 @@ def test_a_model_none_of_whose_versions_loads_says_why(repo: Path) -> None:
     assert registry.load_all() == []
     with pytest.raises(ModelNotFoundError, match=r"no version of model .* loads .*1: failed"):
         registry.get(DEFAULT_MODEL)
+
+
+def test_a_removed_version_is_let_go_and_its_name_moves_back(
+    repo: Path, default_repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deleting a bad version is how an operator rolls back: at the next rescan the name
+    resolves to the newest version left and the list leaves the removed one out; a request
+    naming it is still served for `linger_s` (a gateway that has not re-read the list yet),
+    then it is not found, and the object goes to on_retire (the inference service closes
+    it)."""
+    clock = [1000.0]
+    monkeypatch.setattr("hopline.model.registry.time.monotonic", lambda: clock[0])
+    retired: list[str] = []
+    registry = ModelRegistry(
+        ModelRepository(repo), Loader(), on_retire=retired.append, linger_s=20.0
+    )
+    registry.load_all()
+    folder = publish(default_repo, repo, "2")
+    registry.load_new()
+    assert registry.get(DEFAULT_MODEL)[1] == "session 2"
+
+    shutil.rmtree(folder)
+    registry.load_new()
+
+    assert [c.version for c, _ in registry.loaded()] == ["1"]
+    assert registry.get(DEFAULT_MODEL)[1] == "session 1"
+    assert registry.get(DEFAULT_MODEL, "2")[1] == "session 2"
+    assert retired == []
+    clock[0] += 20.0
+    registry.load_new()
+    assert retired == ["session 2"]
+    with pytest.raises(ModelNotFoundError, match="no version '2'"):
+        registry.get(DEFAULT_MODEL, "2")
+
+
+def test_a_version_published_again_under_its_number_is_loaded_from_its_new_files(
+    repo: Path, default_repo: Path
+) -> None:
+    """Removed and published again between two rescans (what `hopline model build` does
+    after a deletion: the next free number is the same): the new files are loaded."""
+    loader = Loader()
+    retired: list[str] = []
+    registry = ModelRegistry(ModelRepository(repo), loader, on_retire=retired.append)
+    registry.load_all()
+    folder = publish(default_repo, repo, "2")
+    registry.load_new()
+    config = json.loads((folder / "config.json").read_text())
+    shutil.rmtree(folder)
+    config["oos_threshold"] = 0.5
+    publish(default_repo, repo, "2")
+    (folder / "config.json").write_text(json.dumps(config))
+
+    registry.load_new()
+
+    assert loader.attempts == ["1", "2", "2"]
+    assert retired == ["session 2"]
+    cfg, _ = registry.get(DEFAULT_MODEL, "2")
+    assert cfg.oos_threshold == 0.5
+
+
+def test_rescan_s_lets_requests_notice_a_removed_version(
+    repo: Path, default_repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer and postprocess services are never asked for ListModels: their `get`
+    rescans once `rescan_s` has passed since the last, and not before."""
+    clock = [1000.0]
+    monkeypatch.setattr("hopline.model.registry.time.monotonic", lambda: clock[0])
+    retired: list[str] = []
+    registry = ModelRegistry(
+        ModelRepository(repo), Loader(), on_retire=retired.append, rescan_s=10.0
+    )
+    folder = publish(default_repo, repo, "2")
+    registry.load_all()
+    shutil.rmtree(folder)
+
+    clock[0] += 9.0
+    assert registry.get(DEFAULT_MODEL)[1] == "session 2"  # no rescan yet
+    clock[0] += 1.0
+    assert registry.get(DEFAULT_MODEL)[1] == "session 1"
+    assert retired == ["session 2"]  # no linger_s
