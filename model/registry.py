@@ -220,6 +220,9 @@ class ModelRegistry(Generic[T]):
         found = self._loaded.get(self._key(name, version))
         if found is not None:
             return found
+        leaving = self._leaving.get((name, version)) if version else None
+        if leaving is not None and not (self._repo.root / name / version).exists():
+            return leaving[1]  # removed, still served when named: one stat, not a rescan
         ticket = self._scans_started
         self._rescan_after(ticket)
         with self._lock:

@@ -290,3 +290,33 @@ def test_a_request_whose_part_is_refused_leaves_no_part_queued(default_repo: Pat
     waiting, sizes = asyncio.run(refused())
     assert waiting == 0
     assert sizes == [4]  # the first part had started; the second, queued, never ran
+
+
+def test_a_retired_batcher_closes_once_idle_and_still_answers_a_late_request() -> None:
+    """What the inference service does with a model version removed from the repository:
+    wait_idle returns only once the queued and running requests are answered, and a request
+    that took the model just before close runs alone instead of waiting on no scheduler."""
+    gate = threading.Event()
+
+    def run(payloads: list[str]) -> Sequence[str]:
+        if "hold" in payloads:
+            gate.wait(10)
+        return [p.upper() for p in payloads]
+
+    async def scenario() -> tuple[bool, list[str], str]:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            # A policy that holds a lone request back for company: it would queue.
+            policy = BatchingPolicy(max_in_flight=1, max_queue_delay_us=1000)
+            batcher: DynamicBatcher[str, str] = DynamicBatcher(run, policy, executor)
+            busy = [asyncio.ensure_future(batcher.submit(t)) for t in ("hold", "queued")]
+            idle = asyncio.ensure_future(batcher.wait_idle())
+            await asyncio.sleep(0.05)
+            waited = not idle.done()  # a run holds the slot and a request waits
+            gate.set()
+            await idle
+            answers = [output for output, _ in await asyncio.gather(*busy)]
+            await batcher.close()
+            late, _ = await asyncio.wait_for(batcher.submit("late"), 5)
+            return waited, answers, late
+
+    assert asyncio.run(scenario()) == (True, ["HOLD", "QUEUED"], "LATE")
