@@ -5,12 +5,21 @@ the key's, from `authorization: Bearer <key>` metadata, and a request naming ano
 is refused. Without keys the mesh trusts its callers: `x-hopline-tenant` metadata, then the
 request's tenant field, then "default". The tenant is part of every cache key and filter, so
 getting it from an authenticated identity is what keeps tenants apart.
+
+The keys file is re-read when it changes (checked at most every KEYS_RECHECK_S, from
+requests): a revoked key is refused and a new one served without a restart, as when a
+Kubernetes Secret volume is updated in place. A file that no longer reads as keys (half
+written, emptied, removed) leaves the keys in force, with a warning: a bad edit never locks
+every tenant out, nor lets a revoked key back in.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping
 
 import grpc
 
@@ -19,6 +28,11 @@ from hopline.runtime.errors import StatusError, clip
 
 TENANT_METADATA = "x-hopline-tenant"
 DEFAULT_TENANT = "default"
+KEYS_RECHECK_S = 2.0  # how often the keys file's identity (inode, size, mtime) is compared
+
+log = logging.getLogger("hopline.gateway.identity")
+
+FileState = tuple[int, int, int] | None  # inode, size, mtime; None: the file cannot be read
 
 
 class IdentityError(StatusError):
@@ -33,13 +47,54 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+def _digests(raw: Mapping[str, str]) -> dict[str, str]:
+    # Keyed by digest: the lookup compares fixed-length hashes, not the secrets.
+    return {_digest(k): v for k, v in raw.items()}
+
+
+def _state(path: str) -> FileState:
+    """What changes when the file is replaced or edited (stat follows a Secret volume's
+    symlink swap to the new file)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class TenantResolver:
-    def __init__(self, keys_file: str = "") -> None:
+    def __init__(self, keys_file: str = "", recheck_s: float = KEYS_RECHECK_S) -> None:
+        self.keys_file = keys_file
         self.keys: dict[str, str] = {}
+        self._recheck_s = recheck_s
+        self._next_check = 0.0
+        self._seen: FileState = None
         if keys_file:
-            raw = load_api_keys(keys_file)
-            # Keyed by digest: the lookup compares fixed-length hashes, not the secrets.
-            self.keys = {_digest(k): v for k, v in raw.items()}
+            self._seen = _state(keys_file)
+            self.keys = _digests(load_api_keys(keys_file))
+            self._next_check = time.monotonic() + recheck_s
+
+    def _reread_if_changed(self) -> None:
+        """The keys file again, when it changed since it was last read (module docstring)."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + self._recheck_s
+        state = _state(self.keys_file)
+        if state == self._seen:
+            return
+        self._seen = state  # a bad file is reported once, and read again once it changes
+        try:
+            keys = _digests(load_api_keys(self.keys_file))
+        except ValueError as exc:
+            log.warning(
+                "API keys file changed but cannot be used; the keys read before stay in force",
+                extra={"error": str(exc)},
+            )
+            return
+        added, revoked = len(keys.keys() - self.keys.keys()), len(self.keys.keys() - keys.keys())
+        self.keys = keys
+        log.info("API keys re-read", extra={"keys": len(keys), "added": added, "revoked": revoked})
 
     def require_key(self, metadata: Iterable[tuple[str, str | bytes]]) -> None:
         """With API keys configured, refuse a caller without a valid one (UNAUTHENTICATED):
@@ -56,6 +111,8 @@ class TenantResolver:
             elif key == AUTHORIZATION:
                 auth = _text(value)
         claimed = sent or field
+        if self.keys_file:
+            self._reread_if_changed()
         if self.keys:
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not token:

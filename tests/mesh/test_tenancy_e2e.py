@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -262,3 +263,39 @@ def test_the_generated_clients_send_a_key_from_the_environment(kmesh: Mesh, lang
     match = OUTPUT.match(answered.stdout.strip())
     assert match, answered.stdout
     assert match["label"] == "refund_request"
+
+
+def test_keys_added_and_revoked_in_the_file_take_effect_without_a_restart(kmesh: Mesh) -> None:
+    """An operator adds initech's key to the file, then revokes it (a leaked key): the
+    gateway re-reads the file within gateway/identity.py:KEYS_RECHECK_S of each change.
+    Before, both waited for a restart of every gateway."""
+    path = Path(kmesh.env["HOPLINE_API_KEYS"])
+    original = path.read_text(encoding="utf-8")
+    initech = "initech-test-key-7f30c1d9e2"
+    keys = {ACME_KEY: "acme", GLOBEX_KEY: "globex"}
+    try:
+        path.write_text(json.dumps(keys | {initech: "initech"}), encoding="utf-8")
+        assert status_within(kmesh, initech, grpc.StatusCode.OK) == ["initech"]
+
+        path.write_text(json.dumps(keys), encoding="utf-8")
+        status_within(kmesh, initech, grpc.StatusCode.UNAUTHENTICATED)
+        assert ask(kmesh, TEXT, auth(ACME_KEY)).tenant == "acme"  # the others still are
+    finally:
+        path.write_text(original, encoding="utf-8")
+
+
+def status_within(
+    mesh: Mesh, key: str, wanted: grpc.StatusCode, timeout_s: float = 10.0
+) -> list[str]:
+    """Ask with `key` until the answer's status is `wanted`; the tenants of the last answer
+    (empty when it was refused)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            tenants, code = [ask(mesh, TEXT, auth(key)).tenant], grpc.StatusCode.OK
+        except grpc.RpcError as err:
+            tenants, code = [], err.code()
+        if code == wanted:
+            return tenants
+        assert time.monotonic() < deadline, f"still {code.name} after {timeout_s} s"
+        time.sleep(0.2)

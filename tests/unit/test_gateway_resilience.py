@@ -526,3 +526,42 @@ def test_a_client_tool_sends_its_callers_key(keys_file: Path) -> None:
     assert resolver.resolve("", caller_metadata(second, {})) == KEYS[second]
     # The gateway's file of keys is not a caller's key: it is never sent as one.
     assert caller_metadata(None, {API_KEYS_ENV: str(keys_file)}) == ()
+
+
+def test_a_revoked_key_is_refused_and_a_new_one_served_without_a_restart(
+    keys_file: Path,
+) -> None:
+    """The keys file is re-read once it changes (here checked on every request): acme's key
+    revoked, initech's added, both take effect on the next request."""
+    resolver = TenantResolver(str(keys_file), recheck_s=0.0)
+    assert resolver.resolve("", [bearer(ACME_KEY)]) == "acme"
+    keys = {k: v for k, v in KEYS.items() if v != "acme"} | {"key-initech-555": "initech"}
+    keys_file.write_text(json.dumps(keys), encoding="utf-8")
+
+    assert refused(resolver, "", [bearer(ACME_KEY)]).code == grpc.StatusCode.UNAUTHENTICATED
+    assert resolver.resolve("", [bearer("key-initech-555")]) == "initech"
+
+
+def test_a_keys_file_that_cannot_be_used_leaves_the_keys_in_force(
+    keys_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Half written, emptied or removed: the keys read before keep answering (no tenant
+    locked out, no revoked key back), with one warning; once fixed, the file is read."""
+    resolver = TenantResolver(str(keys_file), recheck_s=0.0)
+    for broken in ('{"key-acme-0123456789": ', "{}"):
+        keys_file.write_text(broken, encoding="utf-8")
+        assert resolver.resolve("", [bearer(ACME_KEY)]) == "acme"
+        assert resolver.resolve("", [bearer(ACME_KEY)]) == "acme"
+    keys_file.unlink()
+    assert resolver.resolve("", [bearer(ACME_KEY)]) == "acme"
+    warnings = [r for r in caplog.records if "cannot be used" in r.getMessage()]
+    assert len(warnings) == 3  # once per change, not per request
+
+    keys_file.write_text(json.dumps({"key-initech-555": "initech"}), encoding="utf-8")
+    assert refused(resolver, "", [bearer(ACME_KEY)]).code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_keys_file_is_checked_at_most_every_recheck_s(keys_file: Path) -> None:
+    resolver = TenantResolver(str(keys_file), recheck_s=3600.0)
+    keys_file.write_text(json.dumps({"key-initech-555": "initech"}), encoding="utf-8")
+    assert resolver.resolve("", [bearer(ACME_KEY)]) == "acme"  # not looked at yet
