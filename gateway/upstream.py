@@ -39,7 +39,7 @@ from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2_grpc
 from hopline.runtime.errors import StatusError
 from hopline.runtime.inproc import INPROC, DirectCall, InProcessService
 from hopline.runtime.service_table import ServiceName, spec
-from hopline.runtime.tls import ClientTls, TlsFiles, aio_channel, client_tls
+from hopline.runtime.tls import ClientCertificates, ClientTls, TlsFiles, aio_channel
 
 if TYPE_CHECKING:
     from hopline.gateway.config import GatewayConfig
@@ -239,6 +239,10 @@ def channel_options(
 
 
 class Upstream(Generic[StubT]):
+    """`size` channels to one service, used in turn. With TLS, they are dialled again once
+    the certificate files change (runtime/tls.py:ClientCertificates); the old channels'
+    calls get `redial_grace_s` to finish before those channels close."""
+
     def __init__(
         self,
         hop: str,
@@ -247,23 +251,44 @@ class Upstream(Generic[StubT]):
         size: int,
         max_message_bytes: int,
         service_config: dict[str, Any] | None = None,
-        tls: ClientTls | None = None,
+        tls: ClientTls | ClientCertificates | None = None,
+        redial_grace_s: float = 30.0,
     ) -> None:
         self.hop = hop
         self.target = target
-        self.channels = [
-            aio_channel(target, tls, channel_options(i, max_message_bytes, service_config))
-            for i in range(max(1, size))
+        self._make_stub = stub
+        self._options = [
+            channel_options(i, max_message_bytes, service_config) for i in range(max(1, size))
         ]
-        self._stubs = [stub(c) for c in self.channels]
+        self._certificates = tls if isinstance(tls, ClientCertificates) else None
+        self._redial_grace_s = redial_grace_s
+        self._closing: set[asyncio.Task[None]] = set()
+        self._dial(tls.current if isinstance(tls, ClientCertificates) else tls)
+
+    def _dial(self, tls: ClientTls | None) -> None:
+        self.channels = [aio_channel(self.target, tls, options) for options in self._options]
+        self._stubs = [self._make_stub(c) for c in self.channels]
         self._next = itertools.cycle(self._stubs)
 
     def stub(self) -> StubT:
+        if self._certificates is not None and (renewed := self._certificates.renewed()):
+            self._redial(renewed)
         return next(self._next)
+
+    def _redial(self, tls: ClientTls) -> None:
+        log.info("TLS files changed; dialling again with them", extra={"target": self.target})
+        old = self.channels
+        self._dial(tls)
+        for channel in old:
+            task = asyncio.ensure_future(channel.close(grace=self._redial_grace_s))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         for channel in self.channels:
             await channel.close(grace=None)
+        for task in list(self._closing):
+            task.cancel()
 
 
 class CoLocated(Generic[StubT]):
@@ -340,7 +365,8 @@ class GatewayUpstreams:
                 config.channels_per_upstream,
                 config.max_message_bytes,
                 upstream_service_config(config),
-                client_tls(TlsFiles.of(config, ServiceName.GATEWAY), name),
+                ClientCertificates(TlsFiles.of(config, ServiceName.GATEWAY), name),
+                config.upstream_timeout_s,
             )
 
         return cls(

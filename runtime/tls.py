@@ -17,16 +17,26 @@ server and channel is plaintext, as before.
   the CA signed: probes need them and they reveal no data.
 - The gateway (the front door) asks for no client certificate by default: tenants come from
   API keys (`HOPLINE_GATEWAY_TLS_PEERS` can require one).
+
+Certificates are re-read when their files change, so a renewal (cert-manager rewriting a
+Secret volume in place) needs no restart: a server's port hands each new connection the
+current files (`ServerCertificates.fetch`, which gRPC asks before every handshake), and the
+gateway's channels to its upstreams are dialled again with them (`ClientCertificates`,
+checked at most every TLS_RECHECK_S). Connections already open keep their handshake. Files
+that do not make a valid set (a certificate replaced before its key) leave the ones in use,
+with a warning, until they change again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import ssl
-from collections.abc import AsyncIterator, Iterable, Mapping
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -43,6 +53,12 @@ PEERS_ENV = "HOPLINE_TLS_PEERS"
 DEFAULT_PEERS = "gateway,operator"
 OPERATOR = "operator"  # the role of the CLI tools and the launcher's probes
 ANY_PEER = "*"
+TLS_RECHECK_S = 2.0  # how often a client compares its certificate files with those it dialled
+
+log = logging.getLogger("hopline.runtime.tls")
+
+# Each of a TlsFiles' paths: (inode, size, mtime), or None for no path or an unreadable one.
+FilesState = tuple[tuple[int, int, int] | None, ...]
 
 
 class TlsConfigError(SystemExit):
@@ -84,10 +100,60 @@ class TlsFiles:
             ) from None
 
 
+def files_state(files: TlsFiles) -> FilesState:
+    """What changes when any of the files is replaced or edited (stat follows a Secret
+    volume's symlinks to the files themselves)."""
+
+    def state(path: str) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    return tuple(state(p) if p else None for p in (files.cert, files.key, files.ca))
+
+
+class ServerCertificates:
+    """A port's certificate, key and CA, read again for the next handshake once they change."""
+
+    def __init__(self, files: TlsFiles) -> None:
+        self.files = files
+        self._seen = files_state(files)
+
+    def configuration(self) -> grpc.ServerCertificateConfiguration:
+        files = self.files
+        _check_pair(files)
+        return grpc.ssl_server_certificate_configuration(
+            [(files._read(files.key, KEY_ENV), files._read(files.cert, CERT_ENV))],
+            root_certificates=files._read(files.ca, CA_ENV) if files.ca else None,
+        )
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """gRPC's question before each handshake: a new configuration, or None to keep the
+        one in use. Runs on a gRPC thread: it must not raise."""
+        state = files_state(self.files)
+        if state == self._seen:
+            return None
+        self._seen = state  # a set that does not work is reported once, until it changes
+        try:
+            configuration = self.configuration()
+        except (TlsConfigError, OSError, ValueError) as exc:
+            log.warning(
+                "TLS files changed but do not make a certificate, its key and a CA; the "
+                "ones in use stay",
+                extra={"cert": self.files.cert, "error": str(exc)},
+            )
+            return None
+        log.info("TLS certificate re-read for new connections", extra={"cert": self.files.cert})
+        return configuration
+
+
 def server_credentials(files: TlsFiles, peers: str) -> grpc.ServerCredentials | None:
     """Credentials for a service's port; None when it has no certificate (plaintext).
 
-    With `peers` set, a client certificate the CA signed is required in the handshake.
+    With `peers` set, a client certificate the CA signed is required in the handshake. The
+    files are re-read for new connections when they change (ServerCertificates).
     """
     if not files.cert:
         if files.key:
@@ -101,12 +167,11 @@ def server_credentials(files: TlsFiles, peers: str) -> grpc.ServerCredentials | 
             f"{CA_ENV} is needed to verify client certificates (this service only serves "
             f"the identities {peers!r}); set it, or empty the peers setting"
         )
-    key, cert = files._read(files.key, KEY_ENV), files._read(files.cert, CERT_ENV)
-    _check_pair(files)
-    return grpc.ssl_server_credentials(
-        [(key, cert)],
-        root_certificates=files._read(files.ca, CA_ENV) if files.ca else None,
-        require_client_auth=require,
+    certificates = ServerCertificates(files)
+    # gRPC takes None from the fetcher as "keep the configuration"; its stubs say otherwise.
+    fetch = cast("Callable[[], grpc.ServerCertificateConfiguration]", certificates.fetch)
+    return grpc.dynamic_ssl_server_credentials(
+        certificates.configuration(), fetch, require_client_authentication=require
     )
 
 
@@ -150,6 +215,43 @@ def client_tls(files: TlsFiles, server: str) -> ClientTls | None:
         certificate_chain=files._read(files.cert, CERT_ENV) if files.cert else None,
     )
     return ClientTls(credentials, str(server))
+
+
+class ClientCertificates:
+    """How to dial one service, built again from the files once they change."""
+
+    def __init__(self, files: TlsFiles, server: str, recheck_s: float = TLS_RECHECK_S) -> None:
+        self.files = files
+        self.server = server
+        self.recheck_s = recheck_s
+        self.current = client_tls(files, server)
+        self._seen = files_state(files)
+        self._next_check = time.monotonic() + recheck_s
+
+    def renewed(self) -> ClientTls | None:
+        """New credentials when the files changed since the last check and make a valid set;
+        None otherwise (checked at most every `recheck_s`)."""
+        now = time.monotonic()
+        if now < self._next_check or self.current is None:
+            return None
+        self._next_check = now + self.recheck_s
+        state = files_state(self.files)
+        if state == self._seen:
+            return None
+        self._seen = state
+        try:
+            if self.files.cert:
+                _check_pair(self.files)
+            renewed = client_tls(self.files, self.server)
+        except TlsConfigError as exc:
+            log.warning(
+                "TLS files changed but do not make a certificate, its key and a CA; calls "
+                "keep the ones in use",
+                extra={"server": self.server, "error": str(exc)},
+            )
+            return None
+        self.current = renewed
+        return renewed
 
 
 def aio_channel(

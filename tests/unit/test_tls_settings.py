@@ -4,10 +4,17 @@ handshakes themselves are proven with real certificates in tests/mesh/test_tls_m
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 
+from hopline.cli.certs import make_certs, make_leaf
 from hopline.runtime.tls import (
     ANY_PEER,
+    ClientCertificates,
+    ServerCertificates,
     TlsConfigError,
     TlsFiles,
     client_tls,
@@ -61,3 +68,33 @@ def test_peers_are_a_comma_list() -> None:
     assert parse_peers(" gateway, operator ,,") == {"gateway", "operator"}
     assert parse_peers("") == frozenset()
     assert ANY_PEER in parse_peers("*")
+
+
+def test_certificates_renewed_file_by_file_are_taken_once_they_match(tmp_path: Path) -> None:
+    """A renewal that lands the new key before its certificate: neither a port nor a client
+    takes the mismatched pair (they keep the ones in use); both take the pair once whole,
+    and only once."""
+    live = make_certs(tmp_path / "tls", ("gateway",))
+    files = TlsFiles(str(live / "gateway.crt"), str(live / "gateway.key"), str(live / "ca.crt"))
+    port, dialler = ServerCertificates(files), ClientCertificates(files, "cache", recheck_s=0.0)
+    assert port.fetch() is None
+    assert dialler.renewed() is None
+    first = dialler.current
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    for name in ("ca.crt", "ca.key"):
+        shutil.copy(live / name, staging / name)
+    make_leaf(staging, "gateway")
+    os.replace(staging / "gateway.key", live / "gateway.key")
+    assert port.fetch() is None
+    assert dialler.renewed() is None
+    os.replace(staging / "gateway.crt", live / "gateway.crt")
+
+    assert port.fetch() is not None
+    renewed = dialler.renewed()
+    assert renewed is not None
+    assert renewed is not first
+    assert dialler.current is renewed
+    assert port.fetch() is None
+    assert dialler.renewed() is None
