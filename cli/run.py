@@ -5,6 +5,11 @@ launcher starts the upstreams that run as processes until SERVING, then the gate
 SERVING only once the services it runs in-process are), then waits for its local exact tier
 to be live (runtime/launcher.py:Mesh.start says why in that order). The line says how long
 start-up took and which services run inside the gateway (`--topology`).
+
+Then it supervises, as Kubernetes or compose would: a service that exits is started again
+after a backoff that doubles from RESTART_BACKOFF_S (the gateway fails open without the cache
+meanwhile, and every caller's channel reconnects), and logged when SERVING again; one that
+exits MAX_RESTARTS times within RESTART_WINDOW_S stops the mesh, as any exit did before.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -27,6 +33,68 @@ STOP_TIMEOUT_S = 8.0
 
 # README.md "Placement" has the measurements behind this default.
 DEFAULT_TOPOLOGY = Topology.COLOCATED
+
+RESTART_BACKOFF_S = 0.5  # before the first restart; doubled for each within the window
+MAX_RESTART_BACKOFF_S = 8.0
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 120.0
+POLL_S = 0.3  # how often the supervisor looks at its services
+
+
+class Restarts:
+    """When each service that exited may start again (module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._times: dict[str, list[float]] = {}
+
+    def delay(self, name: str) -> float | None:
+        """Seconds to wait before starting `name` again; None when it exits too often."""
+        now = self._clock()
+        recent = [t for t in self._times.get(name, []) if now - t < RESTART_WINDOW_S]
+        if len(recent) >= MAX_RESTARTS:
+            return None
+        self._times[name] = [*recent, now]
+        return min(RESTART_BACKOFF_S * float(2 ** len(recent)), MAX_RESTART_BACKOFF_S)
+
+
+def supervise(mesh: Mesh, stopping: Callable[[], bool]) -> int:
+    """Keep the mesh's processes running until `stopping()`; 0, or 1 when one keeps exiting."""
+    restarts = Restarts()
+    due: dict[str, float] = {}  # exited: when to start it again
+    back: dict[str, float] = {}  # started again, not SERVING yet: since when
+    while not stopping():
+        now = time.monotonic()
+        for name, code in mesh.exited().items():
+            if name in due:
+                continue
+            delay = restarts.delay(name)
+            if delay is None:
+                log.error(
+                    "service keeps exiting; stopping the mesh",
+                    extra={"service": name, "exit_code": code, "exits": MAX_RESTARTS + 1,
+                           "window_s": RESTART_WINDOW_S},
+                )  # fmt: skip
+                return 1
+            log.warning(
+                "service exited; starting it again",
+                extra={"service": name, "exit_code": code, "in_s": delay},
+            )
+            due[name] = now + delay
+        for name, when in list(due.items()):
+            if now >= when:
+                del due[name]
+                mesh.spawn([name])
+                back[name] = now
+        for name, since in list(back.items()):
+            if name not in due and mesh.procs[name].poll() is None and mesh.serving(name):
+                del back[name]
+                log.info(
+                    "service SERVING again",
+                    extra={"service": name, "after_s": round(time.monotonic() - since, 1)},
+                )
+        time.sleep(POLL_S)
+    return 0
 
 
 def run_mesh(
@@ -79,12 +147,7 @@ def run_mesh(
     )
     sys.stdout.flush()
     try:
-        while not stopping:
-            if dead := mesh.exited():
-                log.error("service exited; stopping the mesh", extra={"exit_codes": dead})
-                return 1
-            time.sleep(0.3)
-        return 0
+        return supervise(mesh, lambda: stopping)
     finally:
         log.info("stopping the mesh")
         mesh.stop(STOP_TIMEOUT_S)

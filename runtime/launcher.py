@@ -218,6 +218,10 @@ class Mesh:
     def _serving(self, name: str) -> Callable[[], bool]:
         return lambda: health_status(self.addrs[name], tls=self.client_tls(name)) == SERVING
 
+    def serving(self, name: str) -> bool:
+        """Whether `name` answers its health check SERVING now."""
+        return self._serving(name)()
+
     def wait_serving(self, name: str, timeout_s: float = 120.0) -> None:
         self.wait_until(f"{name} SERVING", self._serving(name), time.monotonic() + timeout_s)
 

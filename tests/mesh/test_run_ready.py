@@ -32,6 +32,7 @@ from hopline.runtime.service_table import spec
 UP = re.compile(r"hopline is up in (\d+(?:\.\d+)?) s: gateway SERVING on (\S+?),")
 START_TIMEOUT_S = 300.0  # a fresh clone builds the cache's encoder; the machine is shared
 STOP_TIMEOUT_S = 15.0
+EXACT = common_pb2.CACHE_OUTCOME_EXACT
 
 
 class Runner:
@@ -130,3 +131,52 @@ def test_make_run_on_a_fresh_clone_answers_the_first_repeat_exact(runner: Runner
     assert again.prediction.label == first.prediction.label
 
     assert runner.interrupt() == 0, runner.logs()
+
+
+def child(parent: int, *argv: str) -> int:
+    """The pid of `parent`'s child whose command line ends with `argv`."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")[:-1]
+        except OSError:
+            continue
+        ppid = int(next(li.split()[1] for li in status.splitlines() if li.startswith("PPid:")))
+        if ppid == parent and [a.decode() for a in cmdline[-len(argv) :]] == list(argv):
+            return int(entry.name)
+    raise AssertionError(f"no child {argv} of {parent}")
+
+
+def test_a_service_that_dies_is_started_again_and_the_mesh_keeps_answering(
+    runner: Runner,
+) -> None:
+    """The cache killed (an OOM kill, a crash): `hopline run` starts it again instead of
+    stopping the whole mesh, which answers throughout (failing open without the cache) and
+    caches again once it is back: a repeat is EXACT. Before, any service's exit stopped
+    every one."""
+    gateway = runner.wait_up(START_TIMEOUT_S).group(2)
+    os.kill(child(runner.proc.pid, "serve", "cache"), signal.SIGKILL)
+    logged(runner, "service exited; starting it again")
+
+    during = predict("where is my parcel", gateway=gateway, timeout_s=60)
+    assert during.prediction.label
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for i in range(10_000):
+        text = f"where is my parcel number {i}"
+        predict(text, gateway=gateway, timeout_s=60)
+        if predict(text, gateway=gateway, timeout_s=60).cache.outcome == EXACT:
+            break
+        assert time.monotonic() < deadline, f"the cache never came back:\n{runner.logs()}"
+        time.sleep(0.2)
+    logged(runner, "service SERVING again")
+    assert runner.proc.poll() is None, runner.logs()
+    assert runner.interrupt() == 0, runner.logs()
+
+
+def logged(runner: Runner, line: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while line not in runner.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"never logged {line!r}:\n{runner.logs()}"
+        time.sleep(0.1)
