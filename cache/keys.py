@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from typing import Any, cast
 
 from tokenizers.normalizers import BertNormalizer
 
@@ -13,16 +14,14 @@ from hopline.protos.hopline.common.v1 import common_pb2
 _SPACE = re.compile(r"\s+")
 # The normalizer of the tokenizer every hopline model is built with (the bundled MiniLM's
 # tokenizer.json; tests/unit/test_cache_keys.py holds the two equal).
-MODEL_NORMALIZER = {
-    "type": "BertNormalizer",
+_SETTINGS: dict[str, bool | None] = {
     "clean_text": True,
     "handle_chinese_chars": True,
     "strip_accents": None,
     "lowercase": True,
 }
-_NORMALIZER = BertNormalizer(
-    clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=True
-)
+MODEL_NORMALIZER: dict[str, object] = {"type": "BertNormalizer", **_SETTINGS}
+_NORMALIZER = BertNormalizer(**cast("dict[str, Any]", _SETTINGS))  # its stubs: one type a name
 # The ASCII control characters its clean_text drops: all but tab, newline and carriage
 # return, which are whitespace to it (as to `_SPACE`).
 _ASCII_DROPPED = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
