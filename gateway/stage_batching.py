@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 
 from hopline.gateway.stage_codecs import Codec, InferCodec, PostprocessCodec, TokenizeCodec
@@ -65,6 +65,9 @@ class _Row(Generic[Req, Rep]):
     deadline: float  # monotonic
     metadata: tuple[tuple[str, str | bytes], ...]
     reply: asyncio.Future[Rep]
+    # The caller's trace context (its hop span), which `metadata` carries as traceparent:
+    # kept as is for the batch span, not parsed back out of the metadata per row.
+    context: otel_context.Context
 
 
 class BatchedStage(Generic[Req, Rep]):
@@ -112,6 +115,7 @@ class BatchedStage(Generic[Req, Rep]):
             time.monotonic() + timeout,
             tuple(metadata),
             asyncio.get_running_loop().create_future(),
+            otel_context.get_current(),
         )
         queue = self._queues.setdefault(key, [])
         queue.append(row)
@@ -213,7 +217,7 @@ class BatchedStage(Generic[Req, Rep]):
         if len(rows) == 1:  # alone: the request goes as it came, under its own span
             await _settle(rows, self._call(rows[0].request, timeout, rows[0].metadata))
             return
-        with _batch_span(self.hop, [propagate.extract(dict(r.metadata)) for r in rows]):
+        with _batch_span(self.hop, [r.context for r in rows]):
             parts = await self._batch_parts(rows, timeout)
         if parts is None:  # a row's content may be at fault: each goes again alone
             await asyncio.gather(*(self._send_rows([r]) for r in rows))

@@ -374,10 +374,12 @@ def test_the_batch_span_is_linked_to_every_request_span(monkeypatch: pytest.Monk
         _, gate, stage, first = await _busy()
         rows = []
         for text in ("one", "two two"):
+            # As gateway/upstream.py:call_hop calls a stage: inside its hop span, with that
+            # span's context in the metadata too.
             with client.start_as_current_span(f"hop {text}"):
                 request = Request(model="m", model_version="1", texts=[text])
                 metadata = tracing.outgoing_metadata()
-            rows.append(asyncio.ensure_future(stage(request, timeout=5, metadata=metadata)))
+                rows.append(asyncio.ensure_future(stage(request, timeout=5, metadata=metadata)))
         gate.set()
         await asyncio.gather(first, *rows)
 
