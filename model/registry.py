@@ -96,6 +96,7 @@ class ModelRegistry(Generic[T]):
         self._configs: dict[Key, ModelConfig] = {}  # every complete version seen
         self._loaded: dict[Key, tuple[ModelConfig, T]] = {}
         self._files: dict[Key, Signature] = {}  # each loaded version's files when loaded
+        self._empty_seen = False  # the last scan found the repository empty (warned once)
         self._latest: dict[str, str] = {}
         self._broken: dict[Key, str] = {}  # versions left out, with why (logged once)
         self._unloadable: dict[Key, tuple[Signature, str]] = {}  # the loader failed on these
@@ -151,6 +152,18 @@ class ModelRegistry(Generic[T]):
                         continue
                     log.info("model version found", extra={"model": name, "version": version})
                 configs[key] = cfg
+        if not configs and not broken and self._loaded:
+            # A listing with nothing in it is far likelier an unmounted or half-synced volume
+            # than an operator removing every model a service serves: keep serving them.
+            if not self._empty_seen:
+                log.warning(
+                    "the model repository lists no model; keeping the versions loaded",
+                    extra={"path": str(self._repo.root)},
+                )
+            self._empty_seen = True
+            self._scans_done = self._scans_started
+            return
+        self._empty_seen = False
         for key in self._loaded.keys() - configs.keys():
             log.info("model version removed", extra={"model": key[0], "version": key[1]})
             self._leaving[key] = (time.monotonic() + self._linger_s, self._loaded[key])
@@ -216,7 +229,10 @@ class ModelRegistry(Generic[T]):
         """The loaded model; rescans and loads on a name or version not loaded yet."""
         if self._rescan_s is not None and time.monotonic() >= self._next_rescan:
             self._next_rescan = time.monotonic() + self._rescan_s
-            self._rescan_after(self._scans_started)
+            try:
+                self._rescan_after(self._scans_started)
+            except OSError as exc:  # a volume going away under the listing: serve on
+                log.warning("model repository rescan failed", extra={"error": str(exc)})
         found = self._loaded.get(self._key(name, version))
         if found is not None:
             return found

@@ -192,3 +192,28 @@ def test_rescan_s_lets_requests_notice_a_removed_version(
     clock[0] += 1.0
     assert registry.get(DEFAULT_MODEL)[1] == "session 1"
     assert retired == ["session 2"]  # no linger_s
+
+
+def test_a_repository_that_lists_nothing_keeps_the_versions_loaded(
+    repo: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unmounted volume or a sync that empties the folder before it copies: removing
+    every model a service serves is not what an operator means, so nothing is let go (one
+    warning); a version removed while others remain still is."""
+    retired: list[str] = []
+    registry = ModelRegistry(
+        ModelRepository(repo), Loader(), on_retire=retired.append, rescan_s=0.0
+    )
+    registry.load_all()
+    away = repo.parent / f"{repo.name}-away"
+    (repo / DEFAULT_MODEL).rename(away)
+
+    registry.load_new()
+    assert registry.get(DEFAULT_MODEL)[1] == "session 1"
+    assert registry.get(DEFAULT_MODEL, "1")[1] == "session 1"
+    assert retired == []
+    assert sum("lists no model" in r.getMessage() for r in caplog.records) == 1
+
+    away.rename(repo / DEFAULT_MODEL)
+    registry.load_new()
+    assert registry.get(DEFAULT_MODEL)[1] == "session 1"
