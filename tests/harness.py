@@ -69,6 +69,16 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def eventually(
+    check: Callable[[], bool], what: str, timeout_s: float = 30.0, every_s: float = 0.2
+) -> None:
+    """Call `check` until it holds; fail saying `what` did not happen within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        time.sleep(every_s)
+
+
 def answer_scope(repo: Path, tenant: str, model: str, version: str) -> common_pb2.Scope:
     """The scope the gateway files its top-1 answers in for `model`/`version` of `repo`
     (gateway/call.py:_Scopes): the version's files' digest is part of it."""

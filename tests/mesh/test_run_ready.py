@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import free_port
+from harness import eventually, free_port
 from hopline.gateway.client import predict
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.runtime.launcher import ALL
@@ -175,8 +175,9 @@ def test_a_service_that_dies_is_started_again_and_the_mesh_keeps_answering(
     assert runner.interrupt() == 0, runner.logs()
 
 
-def logged(runner: Runner, line: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while line not in runner.log_path.read_text(errors="replace"):
-        assert time.monotonic() < deadline, f"never logged {line!r}:\n{runner.logs()}"
-        time.sleep(0.1)
+def logged(runner: Runner, line: str) -> None:
+    eventually(
+        lambda: line in runner.log_path.read_text(errors="replace"),
+        f"{line!r} in the runner's log ({runner.log_path})",
+        every_s=0.1,
+    )

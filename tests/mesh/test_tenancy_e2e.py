@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
 from conftest import CLINC, DEFAULT_MODEL
-from harness import TOPOLOGIES, Mesh
+from harness import TOPOLOGIES, Mesh, eventually
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from polyglot import LANGUAGES, OUTPUT, run_example
@@ -284,18 +283,17 @@ def test_keys_added_and_revoked_in_the_file_take_effect_without_a_restart(kmesh:
         path.write_text(original, encoding="utf-8")
 
 
-def status_within(
-    mesh: Mesh, key: str, wanted: grpc.StatusCode, timeout_s: float = 10.0
-) -> list[str]:
-    """Ask with `key` until the answer's status is `wanted`; the tenants of the last answer
-    (empty when it was refused)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+def status_within(mesh: Mesh, key: str, wanted: grpc.StatusCode) -> list[str]:
+    """Ask with `key` until the answer's status is `wanted`; the tenant of the last answer
+    (none when it was refused)."""
+    tenants: list[str] = []
+
+    def answered_so() -> bool:
         try:
-            tenants, code = [ask(mesh, TEXT, auth(key)).tenant], grpc.StatusCode.OK
+            tenants[:], code = [ask(mesh, TEXT, auth(key)).tenant], grpc.StatusCode.OK
         except grpc.RpcError as err:
-            tenants, code = [], err.code()
-        if code == wanted:
-            return tenants
-        assert time.monotonic() < deadline, f"still {code.name} after {timeout_s} s"
-        time.sleep(0.2)
+            tenants[:], code = [], err.code()
+        return code == wanted
+
+    eventually(answered_so, f"{wanted.name} for the key", timeout_s=10.0)
+    return tenants

@@ -15,12 +15,10 @@ import os
 import shutil
 import socket
 import ssl
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from conftest import DEFAULT_MODEL
-from harness import Mesh
+from harness import Mesh, eventually
 from hopline.cli.certs import ROLES, env_for, make_certs, make_leaf
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -67,13 +65,6 @@ def ask(mesh: Mesh, ca: Path, text: str) -> gateway_pb2.PredictResponse:
         return reply
 
 
-def until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.2)
-
-
 def test_renewed_certificates_are_served_and_presented_without_a_restart(
     default_repo: Path, tmp_path: Path
 ) -> None:
@@ -107,7 +98,7 @@ def test_renewed_certificates_are_served_and_presented_without_a_restart(
         after = {name: serial(mesh.addrs[name], ca, name) for name in ("gateway", "cache")}
         assert all(after[name] != before[name] for name in before), (before, after)
         texts = iter(f"where is my parcel number {i}" for i in range(1000))
-        until(
+        eventually(
             lambda: ask(mesh, ca, next(texts)).cache.outcome != FAIL_OPEN,
             "the gateway's cache calls answered with its renewed certificate",
         )
