@@ -137,7 +137,11 @@ class ModelRegistry(Generic[T]):
                         continue
                     del self._unloadable[key]  # its files changed: try it again
                 if key in self._loaded and files != self._files[key]:
-                    self._retire(key, "model version changed; loading its files again")
+                    log.info(
+                        "model version changed; loading its files again",
+                        extra={"model": name, "version": version},
+                    )
+                    self._retire(self._forget(key))
                 cfg = self._configs.get(key)  # read once per version's files
                 if cfg is None:
                     try:
@@ -167,26 +171,25 @@ class ModelRegistry(Generic[T]):
         for key in self._loaded.keys() - configs.keys():
             log.info("model version removed", extra={"model": key[0], "version": key[1]})
             self._leaving[key] = (time.monotonic() + self._linger_s, self._loaded[key])
-            self._retire(key, "")
+            self._forget(key)
         for key, (deadline, (_, model)) in list(self._leaving.items()):
             if key in configs or time.monotonic() >= deadline:
                 del self._leaving[key]
-                if self._on_retire is not None:
-                    self._on_retire(model)
+                self._retire(model)
         self._configs, self._broken = configs, broken
         self._latest = _latest(configs)
         self._scans_done = self._scans_started
 
-    def _retire(self, key: Key, why: str) -> None:
-        """Forget a loaded version (requests running on it keep their reference); with `why`,
-        hand it to on_retire now (a removed one waits in `_leaving` instead)."""
+    def _forget(self, key: Key) -> T:
+        """Drop a loaded version (requests running on it keep their reference)."""
         _, model = self._loaded.pop(key)
         del self._files[key]
         self._configs.pop(key, None)  # a changed version's config is read again
-        if why:
-            log.info(why, extra={"model": key[0], "version": key[1]})
-            if self._on_retire is not None:
-                self._on_retire(model)
+        return model
+
+    def _retire(self, model: T) -> None:
+        if self._on_retire is not None:
+            self._on_retire(model)
 
     def _rescan_after(self, ticket: int) -> None:
         """Rescan unless one that started after the caller's miss (`ticket`) already ran."""
