@@ -17,22 +17,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import time
 from collections.abc import Iterable, Mapping
 
 import grpc
 
 from hopline.runtime.api_keys import AUTHORIZATION, load_api_keys, valid_tenant
 from hopline.runtime.errors import StatusError, clip
+from hopline.runtime.file_watch import FileWatch
 
 TENANT_METADATA = "x-hopline-tenant"
 DEFAULT_TENANT = "default"
 KEYS_RECHECK_S = 2.0  # how often the keys file's identity (inode, size, mtime) is compared
 
 log = logging.getLogger("hopline.gateway.identity")
-
-FileState = tuple[int, int, int] | None  # inode, size, mtime; None: the file cannot be read
 
 
 class IdentityError(StatusError):
@@ -52,38 +49,18 @@ def _digests(raw: Mapping[str, str]) -> dict[str, str]:
     return {_digest(k): v for k, v in raw.items()}
 
 
-def _state(path: str) -> FileState:
-    """What changes when the file is replaced or edited (stat follows a Secret volume's
-    symlink swap to the new file)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
 class TenantResolver:
     def __init__(self, keys_file: str = "", recheck_s: float = KEYS_RECHECK_S) -> None:
         self.keys_file = keys_file
         self.keys: dict[str, str] = {}
-        self._recheck_s = recheck_s
-        self._next_check = 0.0
-        self._seen: FileState = None
+        self._watch = FileWatch([keys_file], recheck_s)
         if keys_file:
-            self._seen = _state(keys_file)
             self.keys = _digests(load_api_keys(keys_file))
-            self._next_check = time.monotonic() + recheck_s
 
     def _reread_if_changed(self) -> None:
         """The keys file again, when it changed since it was last read (module docstring)."""
-        now = time.monotonic()
-        if now < self._next_check:
-            return
-        self._next_check = now + self._recheck_s
-        state = _state(self.keys_file)
-        if state == self._seen:
-            return
-        self._seen = state  # a bad file is reported once, and read again once it changes
+        if not self._watch.changed():
+            return  # a bad file is reported once, and read again once it changes
         try:
             keys = _digests(load_api_keys(self.keys_file))
         except ValueError as exc:

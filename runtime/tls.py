@@ -33,7 +33,6 @@ import dataclasses
 import logging
 import os
 import ssl
-import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -41,6 +40,7 @@ from typing import Any, cast
 import grpc
 
 from hopline.runtime.errors import clip
+from hopline.runtime.file_watch import FileWatch
 from hopline.runtime.interceptors import (
     Behaviour,
     Context,
@@ -56,9 +56,6 @@ ANY_PEER = "*"
 TLS_RECHECK_S = 2.0  # how often a client compares its certificate files with those it dialled
 
 log = logging.getLogger("hopline.runtime.tls")
-
-# Each of a TlsFiles' paths: (inode, size, mtime), or None for no path or an unreadable one.
-FilesState = tuple[tuple[int, int, int] | None, ...]
 
 
 class TlsConfigError(SystemExit):
@@ -100,26 +97,12 @@ class TlsFiles:
             ) from None
 
 
-def files_state(files: TlsFiles) -> FilesState:
-    """What changes when any of the files is replaced or edited (stat follows a Secret
-    volume's symlinks to the files themselves)."""
-
-    def state(path: str) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        return st.st_ino, st.st_size, st.st_mtime_ns
-
-    return tuple(state(p) if p else None for p in (files.cert, files.key, files.ca))
-
-
 class ServerCertificates:
     """A port's certificate, key and CA, read again for the next handshake once they change."""
 
     def __init__(self, files: TlsFiles) -> None:
         self.files = files
-        self._seen = files_state(files)
+        self._watch = FileWatch([files.cert, files.key, files.ca])
 
     def configuration(self) -> grpc.ServerCertificateConfiguration:
         files = self.files
@@ -132,10 +115,8 @@ class ServerCertificates:
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """gRPC's question before each handshake: a new configuration, or None to keep the
         one in use. Runs on a gRPC thread: it must not raise."""
-        state = files_state(self.files)
-        if state == self._seen:
-            return None
-        self._seen = state  # a set that does not work is reported once, until it changes
+        if not self._watch.changed():
+            return None  # a set that does not work is reported once, until it changes
         try:
             configuration = self.configuration()
         except (TlsConfigError, OSError, ValueError) as exc:
@@ -223,22 +204,14 @@ class ClientCertificates:
     def __init__(self, files: TlsFiles, server: str, recheck_s: float = TLS_RECHECK_S) -> None:
         self.files = files
         self.server = server
-        self.recheck_s = recheck_s
         self.current = client_tls(files, server)
-        self._seen = files_state(files)
-        self._next_check = time.monotonic() + recheck_s
+        self._watch = FileWatch([files.cert, files.key, files.ca], recheck_s)
 
     def renewed(self) -> ClientTls | None:
         """New credentials when the files changed since the last check and make a valid set;
         None otherwise (checked at most every `recheck_s`)."""
-        now = time.monotonic()
-        if now < self._next_check or self.current is None:
+        if self.current is None or not self._watch.changed():
             return None
-        self._next_check = now + self.recheck_s
-        state = files_state(self.files)
-        if state == self._seen:
-            return None
-        self._seen = state
         try:
             if self.files.cert:
                 _check_pair(self.files)
