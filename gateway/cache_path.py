@@ -92,10 +92,13 @@ class CachePath:
 
     def known_miss(self, call: PredictCall) -> bool:
         """A miss the key mirror vouches for: an exact-only model, and a key the cache does
-        not hold, so no Lookup is sent (gateway/key_mirror.py)."""
+        not hold, so no Lookup is sent (gateway/key_mirror.py). Not while the circuit is
+        open or half-open: its probe is a lookup, and with every exact-only miss vouched for
+        none would be sent, the circuit would never close, and no answer would be stored."""
         if not (
             call.use_cache
             and call.info.cache.mode == "exact"
+            and self.breaker.state == CircuitState.CLOSED
             and self.key_mirror.known_miss(call.key)
         ):
             return False

@@ -23,6 +23,7 @@ from gateway_stand_ins import (
     run,
 )
 from hopline.cache.keys import exact_key, scope_tuple
+from hopline.gateway.resilience import CircuitState
 from hopline.protos.hopline.common.v1 import common_pb2
 
 
@@ -167,3 +168,27 @@ def test_a_cache_without_store_batch_gets_one_store_call_each() -> None:
         assert (counts["stores"], counts.get("store_errors", 0)) == (2, 0)
 
     run(scenario)
+
+
+def test_an_open_circuit_is_probed_even_where_the_key_mirror_vouches_for_misses() -> None:
+    """The cache failed (the circuit opened) and came back, its key listing synced again:
+    exact-only misses must still send the probe lookup that closes the circuit, or no
+    answer would ever be stored again. Found by `hopline run` restarting a killed cache."""
+
+    async def scenario(m: Mesh) -> None:
+        await until(lambda: m.gateway.key_mirror.synced)
+        for _ in range(2):  # cache_breaker_failures
+            m.gateway.breaker.failure()
+        opened = m.gateway.breaker.state
+        assert opened != CircuitState.CLOSED
+        await asyncio.sleep(0.06)  # past the cooldown: the next lookup is the probe
+
+        first = await m.predict("where is my parcel", model=EXACT_ONLY)
+        await m.settle()
+        again = await m.predict("where is my parcel", model=EXACT_ONLY)
+
+        assert "cache_lookup" in hops(first)  # the probe, though the mirror knows the miss
+        assert m.gateway.breaker.state == CircuitState.CLOSED
+        assert (first.cache.outcome, again.cache.outcome) == (MISS, EXACT)
+
+    run(scenario, listing=[], key_mirror_keys=100, cache_breaker_cooldown_s=0.05)
