@@ -251,7 +251,7 @@ class Upstream(Generic[StubT]):
         size: int,
         max_message_bytes: int,
         service_config: dict[str, Any] | None = None,
-        tls: ClientTls | ClientCertificates | None = None,
+        certificates: ClientCertificates | None = None,
         redial_grace_s: float = 30.0,
     ) -> None:
         self.hop = hop
@@ -260,10 +260,10 @@ class Upstream(Generic[StubT]):
         self._options = [
             channel_options(i, max_message_bytes, service_config) for i in range(max(1, size))
         ]
-        self._certificates = tls if isinstance(tls, ClientCertificates) else None
+        self._certificates = certificates
         self._redial_grace_s = redial_grace_s
         self._closing: set[asyncio.Task[None]] = set()
-        self._dial(tls.current if isinstance(tls, ClientCertificates) else tls)
+        self._dial(certificates.current if certificates is not None else None)
 
     def _dial(self, tls: ClientTls | None) -> None:
         self.channels = [aio_channel(self.target, tls, options) for options in self._options]
