@@ -5,10 +5,12 @@ TLS: this client's certificate and key too), and the database it keeps its colle
 (where it has one of its own: `hopline cache milvus-user` bounds its privileges to it).
 milvus-lite by file takes none of them.
 
-Read once at start-up from HOPLINE_CACHE_MILVUS_* (cache/config.py); every file is checked
-then, so a wrong path fails the start with the setting's name instead of a connection that
-times out. The token is read from a file, as a Kubernetes Secret or a compose secret mounts
-it, and is never logged.
+Read at start-up from HOPLINE_CACHE_MILVUS_* (cache/config.py); every file is checked then,
+so a wrong path fails the start with the setting's name instead of a connection that times
+out. The token is read from a file, as a Kubernetes Secret or a compose secret mounts it, and
+is never logged. The files are read again when they change (`reread`, from
+cache/milvus_connection.py): a password rotated on the server or a renewed certificate is
+taken up without a restart.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class MilvusAccess:
     client_cert: str = ""
     client_key: str = ""
     db_name: str = ""  # empty: the server's default database
+    token_file: str = ""  # where `token` was read, to read it again
 
     @classmethod
     def of(cls, config: CacheConfig) -> MilvusAccess:
@@ -80,20 +83,36 @@ class MilvusAccess:
                 f"{MILVUS_CERT_ENV} needs {MILVUS_CA_ENV}: "
                 "mutual TLS verifies the server by that CA"
             )
-        for env in tls:
-            _readable(named[env], env)
-        token = ""
-        if config.milvus_token_file:
-            token = _readable(config.milvus_token_file, MILVUS_TOKEN_ENV).strip()
-            if not token:
-                raise CacheStoreError(f"{MILVUS_TOKEN_ENV} {config.milvus_token_file!r} is empty")
         return cls(
-            token,
+            "",
             config.milvus_ca,
             config.milvus_client_cert,
             config.milvus_client_key,
             config.milvus_db,
-        )
+            config.milvus_token_file,
+        ).reread()
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files this access is read from (none for milvus-lite)."""
+        return tuple(f for f in (self.token_file, self.ca, self.client_cert, self.client_key) if f)
+
+    def reread(self) -> MilvusAccess:
+        """The same settings with the token read again and the TLS files checked again;
+        raises CacheStoreError naming the setting whose file cannot be used."""
+        for path, env in (
+            (self.ca, MILVUS_CA_ENV),
+            (self.client_cert, MILVUS_CERT_ENV),
+            (self.client_key, MILVUS_KEY_ENV),
+        ):
+            if path:
+                _readable(path, env)
+        token = ""
+        if self.token_file:
+            token = _readable(self.token_file, MILVUS_TOKEN_ENV).strip()
+            if not token:
+                raise CacheStoreError(f"{MILVUS_TOKEN_ENV} {self.token_file!r} is empty")
+        return dataclasses.replace(self, token=token)
 
     def client_kwargs(self) -> dict[str, str]:
         """pymilvus.MilvusClient's keywords for this access (an https:// URI turns TLS on).

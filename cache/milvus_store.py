@@ -37,6 +37,7 @@ from hopline.cache.generations import (
 )
 from hopline.cache.keys import scope_digest
 from hopline.cache.milvus_access import NO_ACCESS, MilvusAccess
+from hopline.cache.milvus_connection import MilvusConnection
 from hopline.cache.milvus_lite import is_local
 from hopline.cache.milvus_rows import (
     MAX_TEXT_BYTES,
@@ -139,7 +140,7 @@ class MilvusStore:
         pymilvus_log.handlers.clear()
         pymilvus_log.propagate = True
         self._exc: type[Exception] = pymilvus.MilvusException
-        self._client = self._connect(pymilvus)
+        self._connection: MilvusConnection | None = self._connect(pymilvus)
         try:
             self.collection = self._open_generation()
             if self._client.has_collection(self.collection, timeout=timeout_s):
@@ -151,12 +152,16 @@ class MilvusStore:
             self.close()
             raise CacheStoreError(f"Milvus at {uri}: {milvus_reason(exc)}") from exc
 
-    def _connect(self, pymilvus: Any) -> Any:
+    def _connect(self, pymilvus: Any) -> MilvusConnection:
         if not is_local(self.uri):
-            try:
+
+            def dial(access: MilvusAccess) -> Any:
                 return pymilvus.MilvusClient(
-                    self.uri, timeout=self.timeout_s, dedicated=True, **self.access.client_kwargs()
+                    self.uri, timeout=self.timeout_s, dedicated=True, **access.client_kwargs()
                 )
+
+            try:
+                return MilvusConnection(dial, self.access, describe=milvus_reason)
             except Exception as exc:  # pymilvus raises many kinds here
                 # pymilvus says the same whether nothing answered or the server refused us.
                 hint = (
@@ -174,9 +179,17 @@ class MilvusStore:
             raise CacheStoreError(str(exc)) from exc
         lite.quiet_iterator_timestamps()
         try:
-            return lite.connect(pymilvus, self.uri, self.timeout_s, self.start_timeout_s)
+            client = lite.connect(pymilvus, self.uri, self.timeout_s, self.start_timeout_s)
         except lite.StartFailed as exc:
             raise CacheStoreError(f"cannot open Milvus at {self.uri}: {exc}") from exc
+        return MilvusConnection(lambda _: client, NO_ACCESS)
+
+    @property
+    def _client(self) -> Any:
+        """The pymilvus client to call now (None once closed): a server's is dialled again
+        when its credentials' files change (cache/milvus_connection.py)."""
+        connection = self._connection
+        return None if connection is None else connection.client
 
     def _open_generation(self) -> str:
         """The lowest generation present; copies above it are unfinished reclaims: dropped."""
@@ -515,12 +528,9 @@ class MilvusStore:
         return len(writes)
 
     def close(self) -> None:
-        client, self._client = getattr(self, "_client", None), None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:  # closing a broken client must not mask the cause
-                log.debug("closing the Milvus client failed", exc_info=True)
+        connection, self._connection = getattr(self, "_connection", None), None
+        if connection is not None:
+            connection.close()
             if is_local(self.uri):
                 lite.stop_server(Path(self.uri))
 

@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 
 from hopline.cache.milvus_access import NO_ACCESS, MilvusAccess
+from hopline.cache.milvus_connection import MilvusConnection
 from hopline.cache.milvus_store import CONSISTENCY, milvus_reason, quiet_pymilvus
 from hopline.cache.store import CacheStoreError
 from hopline.protos.hopline.cache.v1 import cache_pb2
@@ -64,8 +65,12 @@ class SharedInvalidations:
         pymilvus = quiet_pymilvus()
         self._exc: type[Exception] = pymilvus.MilvusException
         try:
-            self._client = pymilvus.MilvusClient(
-                uri, timeout=timeout_s, dedicated=True, **access.client_kwargs()
+            self._connection = MilvusConnection(
+                lambda access: pymilvus.MilvusClient(
+                    uri, timeout=timeout_s, dedicated=True, **access.client_kwargs()
+                ),
+                access,
+                describe=milvus_reason,
             )
             if not self._client.has_collection(self.collection, timeout=timeout_s):
                 self._create(pymilvus)
@@ -142,11 +147,13 @@ class SharedInvalidations:
     def trim(self) -> None:
         self._call(self._client.delete, self.collection, filter=f"at < {time.time() - KEEP_S!r}")
 
+    @property
+    def _client(self) -> Any:
+        """The client to call now: dialled again when the credentials' files change."""
+        return self._connection.client
+
     def close(self) -> None:
-        try:
-            self._client.close()
-        except Exception:  # closing a broken client must not mask the cause
-            log.debug("closing the invalidation log's client failed", exc_info=True)
+        self._connection.close()
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -12,11 +12,14 @@ the standalone, which that target installs.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pymilvus
@@ -209,6 +212,73 @@ def test_the_cache_runs_as_a_user_with_only_its_privileges(
     message = _start_fails(server.uri, **{**access, "milvus_token_file": str(bare)})
     assert "PERMISSION_DENIED: PrivilegeLoad: permission deny to bare_user" in message
     assert "`hopline cache milvus-user` grants what the cache needs" in message
+
+
+def test_a_password_rotated_on_the_server_is_taken_up_from_the_token_file(
+    server: MilvusServer, tmp_path: Path
+) -> None:
+    """An operator rotates the cache user's password: on the server, then in the Secret the
+    cache's token file comes from. The running cache's stores fail while it still presents
+    the old password, and reach Milvus once the file holds the new one, without a restart
+    (cache/milvus_connection.py); a cache started afterwards finds every entry."""
+    assert server.security is not None
+    access = server.security.cache_settings()
+    token = tmp_path / "cache-user-token"
+    token.write_text("hopline_cache:the-first-password\n")
+    made = _milvus_user(server, token, access["milvus_token_file"])
+    assert made.returncode == 0, made.stderr
+    own = {**access, "milvus_token_file": str(token)}
+    root = pymilvus.MilvusClient(server.uri, dedicated=True, **server.security.client_kwargs())
+
+    async def body() -> None:
+        async with cache(server.uri, **SETTINGS, **own) as (service, stub):
+            await store(stub, "where is my parcel")
+            await written(stub)
+            root.update_password("hopline_cache", "the-first-password", "the-second-password")
+            # The old password is refused from now on: a store is refused at once where it
+            # reads Milvus first, else acknowledged and its write retried.
+            refused = await _try_store(stub, "cancel my subscription")
+            if refused is not None:
+                assert refused.code() == grpc.StatusCode.UNAVAILABLE
+                assert "UNAUTHENTICATED" in str(refused.details())
+            deadline = time.monotonic() + 30
+            while refused is None and not service.counts[CacheCount.WRITE_RETRIES]:
+                assert time.monotonic() < deadline, "a write with the old password went through"
+                await asyncio.sleep(0.05)
+            token.write_text("hopline_cache:the-second-password\n")
+            # The file is looked at every 2 s; without that, never.
+            deadline = time.monotonic() + 20
+            while pending := await _pending_writes(stub):
+                assert time.monotonic() < deadline, f"the new password is not used: {pending}"
+                await asyncio.sleep(0.2)
+            assert refused is None or not await _try_store(stub, "cancel my subscription")
+            await written(stub)
+        async with cache(server.uri, **SETTINGS, **own) as (_, stub):
+            for text in ("where is my parcel", "cancel my subscription"):
+                reply = await lookup(stub, text, mode="exact")
+                assert reply.outcome == common_pb2.CACHE_OUTCOME_EXACT, text
+
+    try:
+        run(body)
+    finally:
+        root.close()
+
+
+async def _try_store(stub: object, text: str, **kw: str) -> grpc.aio.AioRpcError | None:
+    try:
+        await store(stub, text, **kw)
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    return None
+
+
+async def _pending_writes(stub: Any) -> int | str:
+    """Stores not yet in Milvus, or why the cache could not say (it asks Milvus)."""
+    try:
+        stats = await stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+    except grpc.aio.AioRpcError as exc:
+        return str(exc.details())
+    return int(stats.pending_writes)
 
 
 def test_a_cache_in_a_database_of_its_own_reaches_nothing_outside_it(
