@@ -4,23 +4,39 @@ Imported only when a process exports (it pulls in the OTLP protobufs and the exp
 channel). The SDK's encoder groups spans by resource and scope and re-reads every span through
 `ReadableSpan`; every span here has one resource and one scope, and `encode` builds the protobufs
 from the record in one pass: about 31 us a span against 82 (`bench/scripts/span_cost.py`).
+
+The SDK's exporter reads its TLS files once; a collector's CA or this process's client
+certificate renewed in place (cert-manager rewriting a Secret volume) would go unused, and
+once the old certificate expired every span would be refused until a restart. The files are
+watched (runtime/file_watch.py, at most every TLS_RECHECK_S, from the exports) and, once
+they change and pass the start-up checks again (export_tls.py), the next export dials a new
+channel with them; files that do not pass leave the channel as it is, with one warning.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.resource.v1 import resource_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.trace import SpanContext
 from opentelemetry.util.types import Attributes
 
+from hopline.observability.export_tls import ExportTls, check_export_tls
 from hopline.observability.spans import RecordedSpan
+from hopline.runtime.file_watch import FileWatch
+from hopline.runtime.tls import TLS_RECHECK_S
+
+log = logging.getLogger("hopline.observability.otlp")
 
 SCOPE = "hopline"
 
@@ -33,14 +49,66 @@ class OtlpSpanExporter(OTLPSpanExporter):
     """The SDK's OTLP/gRPC exporter, configured by the same OTEL_EXPORTER_OTLP_* variables,
     sending `RecordedSpan`s encoded by `encode`. `_translate_data` is the exporter's one
     encoding step (the same name and shape from 1.30 to today's 1.4x);
-    tests/unit/test_spans.py fails if an upgrade moves it."""
+    tests/unit/test_spans.py fails if an upgrade moves it.
 
-    def __init__(self, resource: Resource) -> None:
+    `tls` (export_tls.py, checked at start, for `endpoint`): its files are watched and a
+    change dials the exporter's channel again with them. That sets the SDK's `_credentials`
+    and calls its `_initialize_channel_and_stub`, as its own reconnection after UNAVAILABLE
+    does; tests/unit/test_span_export_rotation.py fails if an upgrade moves them. Exports
+    run one at a time (the batch processor's lock), so no export is on the old channel."""
+
+    def __init__(
+        self,
+        resource: Resource,
+        tls: ExportTls | None = None,
+        endpoint: str = "",
+        recheck_s: float = TLS_RECHECK_S,
+    ) -> None:
         super().__init__()
         self.resource = encode_resource(resource)
+        self._endpoint_setting = endpoint
+        files = [path for _, path in tls.files] if tls is not None and not tls.plaintext else []
+        self._tls_watch = FileWatch(files, recheck_s) if files else None
+        self.redials = 0
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        if self._tls_watch is not None and self._tls_watch.changed():
+            self._redial()
+        return super().export(spans)
+
+    def _redial(self) -> None:
+        try:
+            tls = check_export_tls(os.environ, self._endpoint_setting)
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls.ca),
+                private_key=_read(tls.client_key),
+                certificate_chain=_read(tls.client_cert),
+            )
+        except (OSError, ValueError) as exc:
+            log.warning(
+                "the span exporter's TLS files changed but cannot be used; exporting with "
+                "the ones in use",
+                extra={"reason": str(exc)},
+            )
+            return
+        old: Any = self._channel  # the SDK declares it None-only
+        self._credentials = credentials
+        self._initialize_channel_and_stub()  # type: ignore[no-untyped-call]
+        if old is not None:
+            old.close()
+        self.redials += 1
+        log.info("the span exporter's TLS files changed: dialled the collector again with them")
 
     def _translate_data(self, data: Sequence[Any]) -> ExportTraceServiceRequest:
         return encode(self.resource, data)
+
+
+def _read(setting: tuple[str, str] | None) -> bytes | None:
+    """A TLS file's bytes, by its (variable, path); None where it is not set."""
+    if setting is None:
+        return None
+    with open(setting[1], "rb") as file:
+        return file.read()
 
 
 def encode_resource(resource: Resource) -> resource_pb2.Resource:

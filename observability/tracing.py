@@ -191,7 +191,7 @@ def setup_tracing(service: str) -> None:
         # at 64/200 ms (with the SDK's encoder, about twice otlp.py's cost per span).
         batch = int(os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "64"))
         delay_ms = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "200"))
-        exporter = OtlpSpanExporter(Resource.create({"service.name": name}))
+        exporter = OtlpSpanExporter(Resource.create({"service.name": name}), tls, endpoint or "")
         processor = BatchSpanProcessor(
             exporter, max_export_batch_size=batch, schedule_delay_millis=delay_ms
         )
