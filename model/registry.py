@@ -15,8 +15,11 @@ A version whose folder is gone leaves at the next rescan: its name resolves to t
 version left at once (deleting a bad version rolls back), and ListModels stops listing it,
 but a request naming it is still served for `linger_s` (callers that have not re-read the
 list yet, such as another gateway, keep routing to it until they do); then it is forgotten.
-A version whose files changed under the same number is loaded again from them. A forgotten
-object goes to `on_retire` (the inference service closes its batcher once idle). `rescan_s`
+A version whose files changed under the same number is loaded again from them at that
+rescan, and served from its old files until that load works: files still being copied over
+it, which do not load, leave it served as it was (no NOT_FOUND, no other version answering
+for it) and are tried again when they change again. A replaced or forgotten object goes to
+`on_retire` (the inference service closes its batcher once idle). `rescan_s`
 also rescans at most that often from `get` (the tokenizer and postprocess services, which
 are not asked for ListModels): a few directory reads and stats every few seconds.
 
@@ -137,11 +140,8 @@ class ModelRegistry(Generic[T]):
                         continue
                     del self._unloadable[key]  # its files changed: try it again
                 if key in self._loaded and files != self._files[key]:
-                    log.info(
-                        "model version changed; loading its files again",
-                        extra={"model": name, "version": version},
-                    )
-                    self._retire(self._forget(key))
+                    configs[key] = self._reload(key, files)
+                    continue
                 cfg = self._configs.get(key)  # read once per version's files
                 if cfg is None:
                     try:
@@ -180,11 +180,36 @@ class ModelRegistry(Generic[T]):
         self._latest = _latest(configs)
         self._scans_done = self._scans_started
 
+    def _reload(self, key: Key, files: Signature) -> ModelConfig:
+        """A loaded version whose files changed: loaded again from them and swapped in once
+        that worked, else served on as loaded (a copy over it seen half done), tried again
+        when its files change again. Returns the config served now."""
+        name, version = key
+        old_cfg, old_model = self._loaded[key]
+        self._files[key] = files
+        try:
+            cfg = load_config(self._repo.root / name / version)
+            model = self._loader(cfg)
+        except Exception as exc:  # InvalidModelError, or the loader's own (ONNX Runtime's)
+            log.warning(
+                "model version changed but its files do not load; serving the files loaded "
+                "before until they change again",
+                extra={"model": name, "version": version, "error": f"{type(exc).__name__}: {exc}"},
+            )
+            return old_cfg
+        self._loaded[key] = (cfg, model)
+        log.info(
+            "model version changed; loaded from its new files",
+            extra={"model": name, "version": version},
+        )
+        self._retire(old_model)
+        return cfg
+
     def _forget(self, key: Key) -> T:
         """Drop a loaded version (requests running on it keep their reference)."""
         _, model = self._loaded.pop(key)
         del self._files[key]
-        self._configs.pop(key, None)  # a changed version's config is read again
+        self._configs.pop(key, None)  # published again: its config is read again
         return model
 
     def _retire(self, model: T) -> None:

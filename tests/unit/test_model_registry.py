@@ -217,3 +217,42 @@ def test_a_repository_that_lists_nothing_keeps_the_versions_loaded(
     away.rename(repo / DEFAULT_MODEL)
     registry.load_new()
     assert registry.get(DEFAULT_MODEL)[1] == "session 1"
+
+
+def test_files_copied_over_a_loaded_version_serve_it_as_it_was_until_they_load(
+    repo: Path, default_repo: Path
+) -> None:
+    """A copy over a serving version seen half done (a config not yet whole, then a model
+    file ONNX Runtime cannot read yet): the version is served from the files loaded before,
+    under its own number and as the latest, and loaded from the new files once they load."""
+    loader = Loader()
+    retired: list[str] = []
+    registry = ModelRegistry(ModelRepository(repo), loader, on_retire=retired.append)
+    registry.load_all()
+    folder = repo / DEFAULT_MODEL / "1"
+    config = json.loads((folder / "config.json").read_text())
+    model = (folder / "model.onnx").read_bytes()
+
+    (folder / "config.json").write_text('{"name": ')  # the copy has begun
+    registry.load_new()
+    assert registry.get(DEFAULT_MODEL, "1")[1] == "session 1"
+    assert registry.get(DEFAULT_MODEL)[0].oos_threshold == config["oos_threshold"]
+
+    config["oos_threshold"] = 0.25
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.onnx").write_bytes(BROKEN)  # the model file not yet whole
+    registry.load_new()
+    registry.load_new()  # the same files: not tried again
+    assert loader.attempts == ["1", "1"]
+    cfg, _ = registry.get(DEFAULT_MODEL)
+    assert cfg.oos_threshold != 0.25, "the config served must be the loaded model's"
+    assert registry.broken() == {}
+    assert retired == []
+
+    (folder / "model.onnx").write_bytes(model)  # the copy is done
+    registry.load_new()
+    assert loader.attempts == ["1", "1", "1"]
+    cfg, session = registry.get(DEFAULT_MODEL, "1")
+    assert (cfg.oos_threshold, session) == (0.25, "session 1")
+    assert retired == ["session 1"]
+    assert [c.oos_threshold for c, _ in registry.loaded()] == [0.25]
