@@ -2,7 +2,8 @@
 
 pymilvus starts milvus-lite's server (a child process on a Unix socket) when it is given a
 file path. This module checks the file before that, sends the server's logs beside it, says
-why a start failed, and stops the server when the store closes.
+why a start failed, notices when the server has exited (`ServerExited`: the store then starts
+it again, cache/milvus_connection.py) and stops the server when the store closes.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from typing import Any
 
 from hopline.runtime import grpc_io
 
+log = logging.getLogger("hopline.cache.milvus_lite")
+
 # Starting milvus-lite's server is a process start, not a call, so it is not bound by the
 # per-call timeout (HOPLINE_CACHE_MILVUS_TIMEOUT_S, 5 s by default): on an idle 2-core
 # machine the socket answers 0.6 s after the start (1.6 s with the page cache dropped).
 START_TIMEOUT_S = 30.0
 START_POLL_S = 0.05  # between connection attempts while the server starts
+EXIT_CHECK_S = 1.0  # how often the calls look whether the server is still running
 
 _SQLITE_HEADER = b"SQLite format 3\x00"  # milvus-lite keeps its data in SQLite
 _GLOG_DIR = "GLOG_log_dir"  # glog's spelling, not upper case
@@ -182,6 +186,32 @@ def _server_process(db: Path) -> subprocess.Popen[bytes] | None:
     """The server process milvus-lite started for `db`, if any."""
     process = getattr(_registered(db), "_p", None)
     return process if isinstance(process, subprocess.Popen) else None
+
+
+class ServerExited:
+    """Whether the server milvus-lite started for `db` has exited since the last look (or
+    none is registered: a start that failed), looked at no more often than every `every_s`.
+    Its exit is logged once, with its code."""
+
+    def __init__(self, db: Path, every_s: float = EXIT_CHECK_S) -> None:
+        self.db = db
+        self.every_s = every_s
+        self._next_look = time.monotonic() + every_s
+
+    def changed(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_look:
+            return False
+        self._next_look = now + self.every_s
+        process = _server_process(self.db)
+        code = None if process is None else process.poll()
+        if process is not None and code is None:
+            return False
+        log.warning(
+            "milvus-lite's server is not running; starting it again",
+            extra={"db": str(self.db), "exit_code": code, "logs": os.environ.get(_GLOG_DIR)},
+        )
+        return True
 
 
 def stop_server(db: Path) -> None:

@@ -178,11 +178,22 @@ class MilvusStore:
         except lite.NotADatabase as exc:
             raise CacheStoreError(str(exc)) from exc
         lite.quiet_iterator_timestamps()
+
+        def start(_: MilvusAccess) -> Any:
+            if not lite.starting(path):  # one that exited: its registration and the lock
+                lite.stop_server(path)
+            return lite.connect(pymilvus, self.uri, self.timeout_s, self.start_timeout_s)
+
         try:
-            client = lite.connect(pymilvus, self.uri, self.timeout_s, self.start_timeout_s)
+            return MilvusConnection(
+                start,
+                NO_ACCESS,
+                stale=lite.ServerExited(path),
+                what="milvus-lite's server exited",
+                describe=milvus_reason,
+            )
         except lite.StartFailed as exc:
             raise CacheStoreError(f"cannot open Milvus at {self.uri}: {exc}") from exc
-        return MilvusConnection(lambda _: client, NO_ACCESS)
 
     @property
     def _client(self) -> Any:
