@@ -135,10 +135,15 @@ class MilvusStore:
         self._dead_lock = threading.Lock()
         pymilvus = quiet_pymilvus()
         self._pymilvus = pymilvus
-        # pymilvus logs to its own stderr handler; route it through the service's logs.
+        # pymilvus logs to its own stderr handler; route it through the service's logs, and
+        # only what is CRITICAL: it logged every failed call at ERROR with its traceback (ten
+        # a second while a Milvus server was away: the shared invalidation log is read every
+        # 100 ms), where each failure reaches the cache as the call's exception and is said
+        # there with its reason (once an outage for those reads, once a retry for writes).
         pymilvus_log = logging.getLogger("pymilvus")
         pymilvus_log.handlers.clear()
         pymilvus_log.propagate = True
+        pymilvus_log.setLevel(logging.CRITICAL)
         self._exc: type[Exception] = pymilvus.MilvusException
         self._connection: MilvusConnection | None = self._connect(pymilvus)
         try:

@@ -1,0 +1,49 @@
+"""A Milvus server that goes away under a running cache is said in the cache's log a few
+times, not once per failed call: the replicas' shared invalidation log is read every 100 ms
+and a write is retried every few seconds, and pymilvus logged every failed call at ERROR with
+its traceback (ten a second for the log reads alone). A real CacheService in this process over
+a real Milvus server (milvus-lite's own server by URI, tests/milvus_server.py), stopped under
+it and started again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+from cache_service import cache, run, store, written
+from milvus_server import MilvusKind, MilvusServer
+
+OUTAGE_S = 3.0
+
+
+def test_an_outage_is_logged_a_few_times_and_the_cache_recovers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = MilvusServer(tmp_path / "milvus", MilvusKind.LITE_SERVER).start()
+    try:
+
+        async def body() -> None:
+            async with cache(server.uri, milvus_timeout_s=2.0, peer_poll_ms=100) as (_, stub):
+                await store(stub, "where is my parcel")
+                await written(stub)
+                caplog.clear()
+                with caplog.at_level(logging.INFO):
+                    server.stop()
+                    await store(stub, "cancel my subscription")
+                    await asyncio.sleep(OUTAGE_S)
+                    outage = list(caplog.records)
+                    server.start()
+                    await written(stub)  # the write retried once Milvus is back
+                errors = [r for r in outage if r.levelno >= logging.ERROR]
+                assert not errors, [f"{r.name}: {r.getMessage()[:120]}" for r in errors]
+                warnings = [r for r in outage if r.levelno == logging.WARNING]
+                said = sorted({f"{r.name}: {r.getMessage()}" for r in warnings})
+                # Once for the log reads, once per write retry (0.5, 1, 2 s backoff).
+                assert len(warnings) <= 6, said
+                assert any("shared invalidation log" in line for line in said), said
+
+        run(body)
+    finally:
+        server.stop()
