@@ -57,6 +57,11 @@ def _after_recheck(connection: MilvusConnection) -> Client:
     return client
 
 
+def _watching(token: Path, dial: Dialler, grace_s: float = 300.0) -> MilvusConnection:
+    access = MilvusAccess(token_file=str(token)).reread()
+    return MilvusConnection(dial, access, grace_s=grace_s, recheck_s=RECHECK_S)
+
+
 @pytest.fixture
 def token(tmp_path: Path) -> Path:
     path = tmp_path / "token"
@@ -68,8 +73,7 @@ def test_a_rotated_token_is_dialled_with_and_the_old_client_closed_after_its_gra
     token: Path,
 ) -> None:
     dial = Dialler()
-    access = MilvusAccess(token_file=str(token)).reread()
-    connection = MilvusConnection(dial, access, grace_s=0.1, recheck_s=RECHECK_S)
+    connection = _watching(token, dial, grace_s=0.1)
     first = connection.client
     assert first.token == "hopline_cache:first-password"
     assert connection.client is first  # nothing changed: the same client
@@ -92,9 +96,7 @@ def test_files_that_cannot_be_used_keep_the_client_with_one_warning_a_change(
     token: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     dial = Dialler()
-    connection = MilvusConnection(
-        dial, MilvusAccess(token_file=str(token)).reread(), recheck_s=RECHECK_S
-    )
+    connection = _watching(token, dial)
     first = connection.client
     caplog.set_level(logging.WARNING, "hopline.cache.milvus_connection")
 
@@ -120,9 +122,7 @@ def test_a_dial_the_server_refuses_keeps_the_client_in_use(
     token: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     dial = Dialler()
-    connection = MilvusConnection(
-        dial, MilvusAccess(token_file=str(token)).reread(), recheck_s=RECHECK_S
-    )
+    connection = _watching(token, dial)
     first = connection.client
     dial.refuse = True
     _rewrite(token, "hopline_cache:a-password-the-server-has-not-got\n")
