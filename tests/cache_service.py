@@ -4,6 +4,7 @@ so its counters and store can be looked at, and the calls the cache tests make t
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -26,6 +27,17 @@ def scope(tenant: str = "idx", model: str = "m") -> common_pb2.Scope:
 
 @asynccontextmanager
 async def cache(db: Path | str, **config: Any) -> AsyncIterator[tuple[CacheService, Any]]:
+    """Over a Milvus server URI the verified-hit evidence goes to a file of this cache's own
+    (by default it is the checkout's .hopline/cache-verify.sqlite, shared by every test)."""
+    with tempfile.TemporaryDirectory(prefix="cache-service-") as scratch:
+        if "://" in str(db):
+            config.setdefault("verify_state", str(Path(scratch) / "verify.sqlite"))
+        async with _serve(db, config) as served:
+            yield served
+
+
+@asynccontextmanager
+async def _serve(db: Path | str, config: dict[str, Any]) -> AsyncIterator[tuple[CacheService, Any]]:
     service = CacheService(CacheConfig(**{"uri": str(db), "flush_interval_ms": 1.0, **config}))
     server = grpc.aio.server()
     service.register(server)
