@@ -222,6 +222,54 @@ def test_each_tier_takes_only_clients_with_a_certificate_from_the_ca(
         assert _export(tier.port, tmp_path, "rogue") is grpc.StatusCode.UNAVAILABLE
 
 
+def _install(certs: Path, mounted: Path, role: str) -> None:
+    """`role`'s certificate and key and the CA from `certs` written over `mounted`'s, in
+    place, as a renewed Secret's volume is updated."""
+    mounted.mkdir(exist_ok=True)
+    for name in (f"{role}.crt", f"{role}.key", "ca.crt"):
+        shutil.copyfile(certs / name, mounted / name)
+
+
+def test_a_tier_takes_up_renewed_certificates_without_a_restart(tmp_path: Path) -> None:
+    """cert-manager renews a tier's Secret in place. Here the CA itself is replaced (the
+    tier's certificate and its clients' now signed by another), so neither the old
+    certificate nor the old CA would do: the Jaeger tier, on deploy/observability's own
+    config with only its reload interval shortened, serves the new clients within seconds
+    and the old ones no more. Every tier's config reloads the same way."""
+    for name in ("jaeger.yaml", "tail-sampling-collector.yaml", "loadbalancer-collector.yaml"):
+        config = yaml.safe_load((CONFIGS / name).read_text())
+        receiver = config["receivers"]["otlp"]["protocols"]["grpc"]["tls"]
+        assert receiver.get("client_ca_file_reload") is True, name
+        assert receiver.get("reload_interval") == "1m", name
+    roles = ("jaeger-collector", "gateway")
+    first = make_certs(tmp_path / "first", roles)
+    mounted = tmp_path / "mounted"
+    _install(first, mounted, "jaeger-collector")
+    query, query_grpc = free_ports(2)
+    tier = Tier(
+        "jaeger.yaml",
+        "jaeger-collector",
+        mounted,
+        tmp_path,
+        {
+            "extensions::jaeger_query::http::endpoint": f"127.0.0.1:{query}",
+            "extensions::jaeger_query::grpc::endpoint": f"127.0.0.1:{query_grpc}",
+            "receivers::otlp::protocols::grpc::tls::reload_interval": "1s",
+        },
+    )
+    try:
+        assert _export(tier.port, first, "gateway") is grpc.StatusCode.OK
+        second = make_certs(tmp_path / "second", roles)
+        _install(second, mounted, "jaeger-collector")
+        deadline = time.monotonic() + 30
+        while (code := _export(tier.port, second, "gateway")) is not grpc.StatusCode.OK:
+            assert time.monotonic() < deadline, f"the renewed certificates are not used: {code}"
+            time.sleep(0.5)
+        assert _export(tier.port, first, "gateway") is grpc.StatusCode.UNAVAILABLE
+    finally:
+        tier.stop()
+
+
 def test_the_first_tier_config_checks_both_sides() -> None:
     """loadbalancer-collector.yaml (not run here: see the module's docstring) as the tiers
     above: a client certificate required, and its exporter checking the tail-sampling tier's
