@@ -28,10 +28,15 @@ from hopline.gateway.resilience import CircuitBreaker, CircuitState
 from hopline.gateway.speculation import Speculation
 from hopline.gateway.upstream import HopError, Pool, call_hop
 from hopline.observability import metrics, schema
+from hopline.observability.logs import Episodes
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 
 log = logging.getLogger("hopline.gateway")
+# Lookups that failed open, said once an episode: until the circuit opens (and at each probe
+# after), every request's lookup fails while the cache is away.
+LOOKUP_FAILURES = Episodes(log, "cache fail-open")
+LOOKUPS = "lookups"
 LOCAL_DETAIL = "answered by the gateway's local exact tier"
 KNOWN_MISS_DETAIL = "not held by the cache (the gateway's key mirror): no lookup was sent"
 EXACT, SEMANTIC = common_pb2.CACHE_OUTCOME_EXACT, common_pb2.CACHE_OUTCOME_SEMANTIC
@@ -153,10 +158,11 @@ class CachePath:
             call.cache.outcome = common_pb2.CACHE_OUTCOME_FAIL_OPEN
             call.fail_open_reason = err.code.name.lower()
             call.cache.detail = err.message
-            log.warning("cache fail-open", extra={"reason": err.message})
+            LOOKUP_FAILURES.failed(LOOKUPS, err.code.name, status=err.code.name, reason=err.message)
             return None
         self.admission.lookup_finished(overran=False)
         self.breaker.success()
+        LOOKUP_FAILURES.ended(LOOKUPS)
         call.verify_id = found.verify_id
         self._take_embedding(call, found)
         hit = found.outcome in (EXACT, SEMANTIC)

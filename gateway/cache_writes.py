@@ -19,13 +19,16 @@ from typing import Any
 import grpc
 
 from hopline.gateway.call import PredictCall
-from hopline.gateway.store_queue import StoreQueue
+from hopline.gateway.store_queue import STORE_FAILURES, STORES, StoreQueue
 from hopline.gateway.upstream import HopError, Pool, call_hop
 from hopline.observability import metrics, schema
+from hopline.observability.logs import Episodes
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 
 log = logging.getLogger("hopline.gateway")
+REPORT_FAILURES = Episodes(log, "verification report failed")
+REPORTS = "reports"
 
 WRITE_TIMEOUT_S = 2.0  # per write; a write is never on a reply's path
 DRAIN_WAIT_S = 2.0  # how long a stopping gateway waits for its writes
@@ -99,7 +102,9 @@ class CacheWrites:
                 {},
             )
         except HopError as err:
-            log.warning("verification report failed", extra={"status": err.code.name})
+            REPORT_FAILURES.failed(REPORTS, err.code.name, status=err.code.name)
+            return
+        REPORT_FAILURES.ended(REPORTS)
 
     async def close(self) -> None:
         """Send what lingers, give the writes on their way a moment, cancel the rest."""
@@ -122,9 +127,10 @@ class CacheWrites:
             )
         except HopError as err:
             metrics.CACHE_STORES.labels("error").inc()
-            log.warning("cache store failed", extra={"status": err.code.name})
+            STORE_FAILURES.failed(STORES, err.code.name, status=err.code.name, stores=1)
             return
         metrics.CACHE_STORES.labels("stored").inc()
+        STORE_FAILURES.ended(STORES)
 
     async def _store_batch(
         self, request: cache_pb2.StoreBatchRequest

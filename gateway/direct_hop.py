@@ -27,7 +27,14 @@ import grpc
 from opentelemetry import trace
 
 from hopline.gateway.stage_batching import BatchedStage
-from hopline.gateway.upstream import CoLocated, HopError, Pool, call_hop, hop_failure
+from hopline.gateway.upstream import (
+    HOP_FAILURES,
+    CoLocated,
+    HopError,
+    Pool,
+    call_hop,
+    hop_failure,
+)
 from hopline.observability import metrics
 from hopline.runtime.inproc import INPROC, DirectCall
 
@@ -88,6 +95,7 @@ class StageHop(Generic[Req, Rep]):
                 detail = f"deadline exceeded before calling the {self.hop} service"
                 raise HopError(self.hop, code, detail, INPROC)
             reply: Rep = await direct(request, timeout=timeout_s)
+            HOP_FAILURES.ended((self.hop, INPROC))
             return reply
         except grpc.aio.AioRpcError as err:
             code = err.code()

@@ -54,6 +54,7 @@ from hopline.gateway.stage_batching import GatewayStages
 from hopline.gateway.streaming import predict_stream
 from hopline.gateway.upstream import GatewayUpstreams, HopError
 from hopline.observability import metrics, schema
+from hopline.observability.logs import Episodes
 from hopline.observability.loop_metrics import LoopCounter
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -62,6 +63,9 @@ from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.runtime.errors import ECHO_CHARS, StatusError, clip
 
 log = logging.getLogger("hopline.gateway")
+# A served semantic hit's model run that failed: once an episode, as the model's hops are.
+VERIFY_FAILURES = Episodes(log, "verification inference failed")
+VERIFICATIONS = "verifications"
 
 Context = grpc.aio.ServicerContext[gateway_pb2.PredictRequest, gateway_pb2.PredictResponse]
 
@@ -363,8 +367,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             else:
                 prediction = await self.model_path.tokenize_infer_postprocess(call)
         except HopError as err:
-            log.warning("verification inference failed", extra={"status": err.code.name})
+            VERIFY_FAILURES.failed(VERIFICATIONS, err.code.name, status=err.code.name)
             return
+        VERIFY_FAILURES.ended(VERIFICATIONS)
         await self.writes.send_report(call, prediction)
 
     @staticmethod

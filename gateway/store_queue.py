@@ -36,11 +36,15 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from hopline.gateway.upstream import HopError
 from hopline.observability import metrics, schema
+from hopline.observability.logs import Episodes
 from hopline.observability.tracing import in_context, tracer
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.runtime.errors import status_code
 
 log = logging.getLogger("hopline.gateway")
+# Stores that fail, said once an episode: with the cache away every batch fails.
+STORE_FAILURES = Episodes(log, "cache store failed")
+STORES = "stores"  # the episodes' one key: any store that lands ends the episode
 
 STORE_BATCH_ROWS = 256  # stores in one StoreBatch (the cache takes up to 1024)
 # Statuses about a batch's content: its rows go again one by one.
@@ -181,7 +185,8 @@ def _batch_span(rows: Sequence[_Row]) -> contextlib.AbstractContextManager[objec
 
 
 def _settle(rows: Sequence[_Row], outcomes: Sequence[tuple[grpc.StatusCode, str]]) -> None:
-    """Count each row's result; one warning per failing status, with how many rows had it."""
+    """Count each row's result; a failing status is logged with how many rows had it, once
+    an episode (`STORE_FAILURES`)."""
     failed: collections.Counter[grpc.StatusCode] = collections.Counter()
     details: dict[grpc.StatusCode, str] = {}
     for row, (code, message) in zip(rows, outcomes, strict=True):
@@ -195,11 +200,11 @@ def _settle(rows: Sequence[_Row], outcomes: Sequence[tuple[grpc.StatusCode, str]
     stored = len(rows) - sum(failed.values())
     if stored:
         metrics.CACHE_STORES.labels("stored").inc(stored)
+        STORE_FAILURES.ended(STORES)
     for code, count in failed.items():
         metrics.CACHE_STORES.labels("error").inc(count)
-        log.warning(
-            "cache store failed",
-            extra={"status": code.name, "stores": count, "details": details[code]},
+        STORE_FAILURES.failed(
+            STORES, code.name, status=code.name, stores=count, details=details[code]
         )
 
 

@@ -31,6 +31,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from hopline.gateway.config import MAX_ATTEMPTS_CAP
 from hopline.gateway.resilience import with_ejection
 from hopline.observability import metrics, schema
+from hopline.observability.logs import Episodes
 from hopline.observability.tracing import child_span, outgoing_metadata
 from hopline.protos.hopline.cache.v1 import cache_pb2_grpc
 from hopline.protos.hopline.inference.v1 import inference_pb2_grpc
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
     from hopline.gateway.config import GatewayConfig
 
 log = logging.getLogger("hopline.gateway.upstream")
+# An upstream's own failures (UNAVAILABLE, INTERNAL) by hop and target: every request fails
+# while it is down, so they are logged once an episode (observability/logs.py:Episodes).
+HOP_FAILURES = Episodes(log, "hop failed")
 
 StubT = TypeVar("StubT")
 StubT_co = TypeVar("StubT_co", covariant=True)
@@ -459,17 +463,13 @@ def _hop_error(hop: str, target: str, err: grpc.aio.AioRpcError) -> HopError:
 
 
 def hop_failure(hop: str, target: str, err: grpc.aio.AioRpcError) -> HopError:
-    """The HopError a failed call of `hop` becomes; the upstream's own failures logged."""
+    """The HopError a failed call of `hop` becomes; the upstream's own failures logged, once
+    an episode (`HOP_FAILURES`)."""
     failure = _hop_error(hop, target, err)
     if failure.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
-        log.warning(
-            "hop failed",
-            extra={
-                "hop": hop,
-                "target": target,
-                "status": err.code().name,
-                "details": failure.details,
-            },
+        status = err.code().name
+        HOP_FAILURES.failed(
+            (hop, target), status, hop=hop, target=target, status=status, details=failure.details
         )
     return failure
 
@@ -497,7 +497,9 @@ async def call_hop(
                 raise HopError(
                     hop, code, f"deadline exceeded before calling the {hop} service", target
                 )
-            return await rpc(request, timeout=timeout_s, metadata=outgoing_metadata())
+            reply = await rpc(request, timeout=timeout_s, metadata=outgoing_metadata())
+            HOP_FAILURES.ended((hop, target))
+            return reply
         except grpc.aio.AioRpcError as err:
             code = err.code()
             failure = hop_failure(hop, target, err)

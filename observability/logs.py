@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
 import time
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from opentelemetry import trace
@@ -65,3 +67,102 @@ def setup_logging(service: str, level: str = "info", fmt: str = "json") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+# While a failure lasts, at most one line a key this often: under load an upstream that is
+# down fails every request, and a warning each wrote hundreds of lines a second.
+SUMMARY_S = 10.0
+# A success ends an episode only this long after its last failure: with one replica of
+# several failing, successes and failures interleave, and each success would otherwise end
+# the episode and the next failure start another, two lines a failure.
+QUIET_S = 1.0
+
+
+@dataclasses.dataclass
+class _Episode:
+    fields: dict[str, Any]  # the first failure's, for the line that ends the episode
+    started: float
+    logged: float  # when the last line was written
+    last_failure: float
+    failures: int = 0  # in all
+    unlogged: int = 0  # since the last line
+    kinds: set[str] = dataclasses.field(default_factory=set)
+
+
+class Episodes:
+    """A warning that would repeat with every request, said once an episode.
+
+    `failed(key, kind, **fields)` logs the first failure of a key at WARNING (in the failing
+    request's context, so with its trace id), and a kind the episode has not had yet (another
+    status) at once too; repeats are counted and written as one line (`more_failures` since
+    the last) at most every `summary_s`, from the next failure after it. `ended(key)`, called on a
+    success, closes the key's episode once `quiet_s` have passed since its last failure, with
+    one INFO line: how many failed and for how long.
+    The metrics still count every failure; the log says when it started, how it goes and when
+    it stopped. Used from one event loop (no lock); `ended` costs a dict check while no
+    episode is open, as it runs on every successful call.
+    """
+
+    def __init__(
+        self,
+        log: logging.Logger,
+        message: str,
+        summary_s: float = SUMMARY_S,
+        quiet_s: float = QUIET_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = log
+        self._message = message
+        self._summary_s = summary_s
+        self._quiet_s = quiet_s
+        self._clock = clock
+        self._open: dict[Hashable, _Episode] = {}
+
+    def failed(self, key: Hashable, kind: str, **fields: Any) -> None:
+        now = self._clock()
+        episode = self._open.get(key)
+        if episode is None:
+            episode = self._open[key] = _Episode(fields, now, now, now)
+        episode.failures += 1
+        episode.last_failure = now
+        if kind not in episode.kinds:
+            episode.kinds.add(kind)
+            episode.logged = now
+            self._log.warning(self._message, extra=fields)
+        elif now - episode.logged >= self._summary_s:
+            repeats = episode.unlogged + 1
+            episode.unlogged = 0
+            episode.logged = now
+            self._log.warning(
+                self._message,
+                extra={
+                    **fields,
+                    "more_failures": repeats,
+                    "since_s": round(now - episode.started, 1),
+                },
+            )
+        else:
+            episode.unlogged += 1
+
+    def ended(self, key: Hashable) -> None:
+        if not self._open:
+            return
+        episode = self._open.get(key)
+        if episode is None:
+            return
+        now = self._clock()
+        if now - episode.last_failure < self._quiet_s:
+            return
+        del self._open[key]
+        self._log.info(
+            f"{self._message}: over",
+            extra={
+                **episode.fields,
+                "failures": episode.failures,
+                "lasted_s": round(now - episode.started, 1),
+            },
+        )
+
+    def open(self) -> int:
+        """Keys failing now (for tests and stats)."""
+        return len(self._open)

@@ -14,8 +14,9 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import SERVING, Mesh, health, serve_refused
+from harness import SERVING, Mesh, eventually, health, serve_refused
 from hopline.gateway.upstream import MAX_RECONNECT_BACKOFF_MS, RECONNECT_JITTER
+from hopline.observability.logs import QUIET_S, SUMMARY_S
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 
@@ -129,6 +130,70 @@ def test_upstream_down_is_unavailable_with_the_hop_named(
             assert recovered(stub, within_s=reconnect_bound_s()).prediction.label == "order_status"
     finally:
         mesh.stop()
+
+
+def test_an_upstream_down_is_logged_once_not_once_a_request(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """While postprocess is down every request fails on its hop; the gateway says so once
+    (observability/logs.py:Episodes), not once a request (hundreds of lines a second under
+    load), and once more when it is over, with every failure counted."""
+    repo = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    mesh = Mesh(repo, tmp_path).start()
+    try:
+        assert mesh.terminate("postprocess") == 0
+        failed = 0
+        down_since = time.monotonic()
+        with grpc.insecure_channel(mesh.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            for _ in range(40):
+                expect_unavailable(stub)
+                failed += 1
+            mesh.start(("postprocess",))
+            while not answered(stub, "track my order"):
+                failed += 1
+            summaries = 1 + int((time.monotonic() - down_since) / SUMMARY_S)  # at most
+            # A miss (the text above is cached now) after the quiet time ends the episode;
+            # an answer sooner could be another replica's.
+            time.sleep(QUIET_S + 0.2)
+            assert answered(stub, "where is my parcel")
+
+            said = [
+                ln
+                for ln in mesh.log("gateway").splitlines()
+                if " W gateway " in ln and " hop failed " in ln and "hop=postprocess" in ln
+            ]
+            assert len([ln for ln in said if "more_failures=" not in ln]) == 1, said
+            assert len(said) <= 1 + summaries, said
+
+            def over() -> list[str]:
+                return [ln for ln in mesh.log("gateway").splitlines() if "hop failed: over" in ln]
+
+            eventually(lambda: bool(over()), timeout_s=10, what="the episode's end logged")
+        assert len(over()) == 1
+        assert f"failures={failed} " in over()[0], (failed, over())
+    finally:
+        mesh.stop()
+
+
+def expect_unavailable(stub: gateway_pb2_grpc.GatewayServiceStub) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Predict(gateway_pb2.PredictRequest(text="track my order"), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+
+
+def answered(stub: gateway_pb2_grpc.GatewayServiceStub, text: str) -> bool:
+    """One request: answered, or failed as the down hop's UNAVAILABLE (anything else fails)."""
+    try:
+        stub.Predict(gateway_pb2.PredictRequest(text=text), timeout=10)
+    except grpc.RpcError as error:
+        code = error.code()
+    else:
+        return True
+    assert code == grpc.StatusCode.UNAVAILABLE, code
+    time.sleep(0.02)
+    return False
 
 
 def test_a_taken_port_is_refused_not_shared(mesh: Mesh) -> None:
