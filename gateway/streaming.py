@@ -1,8 +1,12 @@
 """PredictStream: many Predicts over one bidirectional stream.
 
-Requests are answered concurrently, up to `HOPLINE_STREAM_MAX_IN_FLIGHT` per stream; past that
-the gateway stops reading, so HTTP/2 flow control pushes back on the client instead of the
-gateway buffering without bound. Responses go out as they complete, each carrying its
+Requests are answered concurrently, up to `HOPLINE_STREAM_MAX_IN_FLIGHT` per stream, counting
+a request from when it is read until its response has been handed to gRPC; past that the
+gateway stops reading, so HTTP/2 flow control pushes back on the client instead of the gateway
+buffering without bound. A client that sends but does not read its responses is held the same
+way: the responses it leaves unread hold their slots (before, a slot was freed once its
+response was queued, and a client that never read grew the gateway's memory with every
+request it sent). Responses go out as they complete, each carrying its
 request's id. A request that fails gets a response with its status code and message; only a
 broken stream (cancelled, deadline passed) ends the RPC.
 
@@ -67,9 +71,11 @@ async def predict_stream(
                     span.set_status(Status(StatusCode.ERROR, "INTERNAL"))
                     reply.code = grpc.StatusCode.INTERNAL.value[0]
                     reply.message = f"internal error: {type(exc).__name__}"
-            await replies.put(reply)
-        finally:
-            slots.release()
+            # Its slot is freed once the reply is written (below), not here.
+            replies.put_nowait(reply)
+        except BaseException:
+            slots.release()  # cancelled before its reply was queued
+            raise
 
     async def read() -> None:
         try:
@@ -87,6 +93,7 @@ async def predict_stream(
     try:
         while (reply := await replies.get()) is not _END:
             yield reply
+            slots.release()
         await reader  # a read that failed ends the RPC with that failure
     finally:
         reader.cancel()

@@ -131,6 +131,35 @@ def test_a_cancelled_stream_is_closed_out_and_the_gateway_carries_on(mesh: Mesh)
         assert reply.prediction.label
 
 
+def test_a_client_that_does_not_read_is_held_back_and_loses_nothing(mesh: Mesh) -> None:
+    """A client that sends a stream of requests and reads none of the responses: the gateway
+    answers about its in-flight limit plus what the HTTP/2 windows hold, then stops reading
+    (before, it answered every request it was sent and queued the responses in memory), and
+    once the client reads, every request is answered, by its id.
+
+    The client turns off gRPC's window growth (BDP probing) so that what the windows hold is
+    their 64 KiB start, the same on every machine."""
+    sent = 20_000
+    text = f"I forgot my password {uuid.uuid4().hex[:8]}"
+    before = int(mesh.gateway_counters()["requests"])
+    options = [("grpc.http2.bdp_probe", 0)]
+    with grpc.insecure_channel(mesh.gateway, options=options) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        requests = ((str(n), gateway_pb2.PredictRequest(text=text)) for n in range(sent))
+        call = stub.PredictStream(stream_of(*requests), timeout=120)
+        answered, last = 0, -1
+        deadline = time.monotonic() + 60
+        while answered != last:  # until the gateway stops answering
+            assert time.monotonic() < deadline, f"still answering after 60 s: {answered}"
+            time.sleep(1.0)
+            last, answered = answered, int(mesh.gateway_counters()["requests"]) - before
+        # 64 in flight, and the replies 64 KiB windows hold (293 on the machine it was
+        # written on); without the hold, all 20,000.
+        assert answered < 2_000, answered
+        ids = [reply.id for reply in call if reply.code == OK]
+    assert sorted(ids, key=int) == [str(n) for n in range(sent)]
+
+
 def test_streams_are_refused_until_the_gateway_is_ready(default_repo: Path, tmp_path: Path) -> None:
     """A gateway whose inference service never answers stays NOT_SERVING; a stream opened
     then is refused UNAVAILABLE by the readiness gate, like a unary call."""
