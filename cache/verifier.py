@@ -92,12 +92,21 @@ class Verifier:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.log = await loop.run_in_executor(self._writer, EvidenceLog, self.state_path)
-        if self.log.set_aside is not None:
+        replayed = await loop.run_in_executor(self._writer, self.log.replay, self.rules)
+        if self.log.unreadable is not None:
+            log.warning(
+                "verified-hit evidence unreadable, set aside; learning again",
+                extra={
+                    "path": str(self.state_path),
+                    "set_aside": str(self.log.set_aside),
+                    "error": self.log.unreadable,
+                },
+            )
+        elif self.log.set_aside is not None:
             log.warning(
                 "verified-hit evidence of another schema set aside; learning again",
                 extra={"path": str(self.state_path), "set_aside": str(self.log.set_aside)},
             )
-        replayed = await loop.run_in_executor(self._writer, self.log.replay, self.rules)
         log.info(
             "verified-hit evidence replayed",
             extra={"path": str(self.state_path), "observations": replayed},

@@ -334,8 +334,12 @@ class EvidenceLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.set_aside: Path | None = None  # where a file of another schema was moved
+        self.unreadable: str | None = None  # why SQLite could not read the file set aside
         self._lock = threading.Lock()
-        self._db = self.open_schema(path)
+        try:
+            self._db = self.open_schema(path)
+        except sqlite3.DatabaseError as exc:
+            self._db = self._begin_again(exc, None)
 
     def open_schema(self, path: Path) -> sqlite3.Connection:
         """The file at `path` with this code's schema. A file written by another version of
@@ -357,6 +361,28 @@ class EvidenceLog:
         db.execute("CREATE INDEX IF NOT EXISTS by_scope ON observations (scope, at)")
         db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         return db
+
+    def _begin_again(
+        self, exc: sqlite3.DatabaseError, db: sqlite3.Connection | None
+    ) -> sqlite3.Connection:
+        """A file SQLite cannot read (not a database, a damaged page: a disk fault, a copy
+        cut short) is moved aside (`<name>.unreadable-<UTC time>`, never deleted) and a new
+        one begun, as for another schema: the cache serves on, verifying more until it has
+        learnt again, rather than failing every start. A file it cannot open or write at all
+        (a missing directory's permissions, a read-only disk) is the operator's to fix, said
+        with the setting's name."""
+        if isinstance(exc, sqlite3.OperationalError):
+            raise RuntimeError(f"HOPLINE_CACHE_VERIFY_STATE {self.path}: {exc}") from exc
+        if db is not None:
+            db.close()
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        self.set_aside = self.path.with_name(f"{self.path.name}.unreadable-{stamp}")
+        self.unreadable = str(exc)
+        for suffix in ("", "-wal", "-shm"):
+            old = Path(f"{self.path}{suffix}")
+            if old.exists():
+                old.replace(f"{self.set_aside}{suffix}")
+        return self.open_schema(self.path)
 
     @staticmethod
     def _connect(path: Path) -> sqlite3.Connection:
@@ -393,13 +419,17 @@ class EvidenceLog:
         """Every scope's latest SCOPE_WINDOW observations per stratum into `rules`, oldest
         first."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT scope, region, similarity, agreed, weight, region_ok, stratum FROM ("
-                " SELECT *, rowid AS seq, ROW_NUMBER() OVER"
-                " (PARTITION BY scope, stratum ORDER BY rowid DESC) AS newest"
-                " FROM observations) WHERE newest <= ? ORDER BY seq",
-                (SCOPE_WINDOW,),
-            ).fetchall()
+            try:
+                rows = self._db.execute(
+                    "SELECT scope, region, similarity, agreed, weight, region_ok, stratum FROM ("
+                    " SELECT *, rowid AS seq, ROW_NUMBER() OVER"
+                    " (PARTITION BY scope, stratum ORDER BY rowid DESC) AS newest"
+                    " FROM observations) WHERE newest <= ? ORDER BY seq",
+                    (SCOPE_WINDOW,),
+                ).fetchall()
+            except sqlite3.DatabaseError as exc:  # a damaged page the header did not show
+                self._db = self._begin_again(exc, self._db)
+                return 0
         for scope, region, similarity, agreed, weight, region_ok, stratum in rows:
             # As judged when it was made: the region rule of that moment is not rebuilt.
             obs = Observation(similarity, bool(agreed), weight, bool(region_ok), stratum)

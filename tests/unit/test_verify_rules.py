@@ -142,6 +142,59 @@ def test_a_file_of_a_newer_schema_is_set_aside_too(tmp_path: Path) -> None:
     log.close()
 
 
+def test_a_file_sqlite_cannot_read_is_set_aside_and_learning_starts_over(tmp_path: Path) -> None:
+    """Not a database at all (a disk fault, a file copied over it): the cache started before
+    only to fail ("DatabaseError: file is not a database", no path named), every restart."""
+    path = tmp_path / "evidence.sqlite"
+    garbage = bytes(range(256)) * 20
+    path.write_bytes(garbage)
+    log = EvidenceLog(path)
+    assert log.set_aside is not None
+    assert log.set_aside.name.startswith("evidence.sqlite.unreadable-")
+    assert log.unreadable is not None
+    assert "not a database" in log.unreadable
+    assert log.set_aside.read_bytes() == garbage  # kept whole, for whoever looks into it
+    log.append([(SCOPE, "a", Observation(0.9, True, 1.0))])
+    assert log.replay(Rules(seed=1)) == 1
+    log.close()
+
+
+def test_damaged_pages_found_at_replay_set_the_file_aside_too(tmp_path: Path) -> None:
+    """A good header over damaged pages opens; its replay is what fails."""
+    path = tmp_path / "evidence.sqlite"
+    log = EvidenceLog(path)
+    log.append(
+        [(f'["t{n % 50}","m","1","{{}}"]', "a", Observation(0.9, True, 1.0)) for n in range(5000)]
+    )
+    log.close()
+    data = bytearray(path.read_bytes())
+    assert len(data) > 8 * 4096
+    for page in range(2, len(data) // 4096):
+        data[page * 4096 : page * 4096 + 64] = bytes([0xA5]) * 64
+    path.write_bytes(bytes(data))
+    damaged = EvidenceLog(path)
+    assert (damaged.set_aside, damaged.unreadable) == (None, None)  # its header reads well
+    assert damaged.replay(Rules(seed=1)) == 0
+    assert damaged.set_aside is not None
+    assert damaged.unreadable is not None
+    assert "malformed" in damaged.unreadable
+    damaged.append([(SCOPE, "a", Observation(0.9, True, 1.0))])  # the new file takes them
+    damaged.close()
+    reopened = EvidenceLog(path)
+    assert (reopened.set_aside, reopened.replay(Rules(seed=1))) == (None, 1)
+    reopened.close()
+
+
+def test_a_path_sqlite_cannot_open_names_the_setting(tmp_path: Path) -> None:
+    """Not set aside: a path that is a directory (or on a read-only disk) is the operator's
+    to fix, and nothing there is evidence."""
+    path = tmp_path / "evidence.sqlite"
+    path.mkdir()
+    with pytest.raises(RuntimeError, match=r"HOPLINE_CACHE_VERIFY_STATE .*evidence\.sqlite"):
+        EvidenceLog(path)
+    assert path.is_dir()
+
+
 def test_an_unversioned_file_with_these_columns_is_adopted(tmp_path: Path) -> None:
     """Files written before versions were numbered, by this schema, keep their evidence."""
     path = tmp_path / "evidence.sqlite"
