@@ -148,7 +148,19 @@ class Embedder:
         batch at a time on `threads` threads."""
         path, model = encoder_file(weights_dir, work_dir)
         tokenizer = load_tokenizer(weights_dir / "tokenizer.json", DEFAULT_MAX_LENGTH)
-        session = make_session(path, threads=threads, spin=spin)
+        try:
+            session = make_session(path, threads=threads, spin=spin)
+        except Exception as exc:  # whatever ONNX Runtime says of the file
+            # The file is built from the weights, so one that does not load (cut short by a
+            # full disk, a copy into a volume, a fault) is removed and built again rather
+            # than failing every start; one that fails freshly built is a fault to raise.
+            log.warning(
+                "the built embedding encoder does not load; building it again",
+                extra={"path": str(path), "error": str(exc)},
+            )
+            path.unlink()
+            path, model = encoder_file(weights_dir, work_dir)
+            session = make_session(path, threads=threads, spin=spin)
         narrow = make_session(path, threads=1) if threads == 0 and cores() > 1 else None
         return cls(session, tokenizer, model, narrow=narrow, workers=workers)
 

@@ -5,12 +5,14 @@ the vector it gets alone.
 
 Stand-in: the sessions load the default model's graph (tests/conftest.py's repository), the
 same MiniLM encoder with the classifier head as a second output beside `sentence_embedding`,
-so the fast lane does not build the cache's own encoder file (tests/mesh builds and serves it).
+so the fast lane does not build the cache's own encoder file (tests/mesh builds and serves it),
+but for the one test of what happens to that file when it does not load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,8 @@ import pytest
 
 from conftest import BATCH_TEXTS, DEFAULT_MODEL
 from hopline.cache.config import CacheConfig
-from hopline.cache.embedder import Embedder, EmbeddingModel
+from hopline.cache.embedder import Embedder, EmbeddingModel, encoder_file
+from hopline.model.build import default_weights_dir
 from hopline.model.repository import ModelRepository
 from hopline.model.run_width import CPU_RUN_ROWS, cores
 from hopline.model.session import make_session
@@ -93,5 +96,27 @@ def test_workers_set_the_run_slots(default_repo: Path, monkeypatch: pytest.Monke
     embedder = _embedder(default_repo, side_by_side=True, workers=config.embed_workers)
     try:
         assert embedder.batcher.policy.max_in_flight == 3
+    finally:
+        asyncio.run(embedder.close())
+
+
+def test_a_built_encoder_that_does_not_load_is_built_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cache's encoder file is built from the bundled weights into HOPLINE_CACHE_DIR;
+    one cut short (a full disk, a copy into a volume) failed every start-up with ONNX
+    Runtime's INVALID_PROTOBUF. Builds the real encoder (about 3 s)."""
+    weights = default_weights_dir()
+    path, _ = encoder_file(weights, tmp_path)
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 3])
+    with caplog.at_level(logging.WARNING, logger="hopline.cache.embedder"):
+        embedder = Embedder.load(weights, tmp_path, threads=1)
+    try:
+        assert path.read_bytes() == whole  # the same build again
+        warned = [r for r in caplog.records if "does not load" in r.getMessage()]
+        assert len(warned) == 1
+        vector = asyncio.run(embedder.embed("where is my order"))
+        assert np.isclose(np.linalg.norm(vector), 1.0, atol=1e-4)
     finally:
         asyncio.run(embedder.close())
