@@ -28,8 +28,13 @@ from hopline.cache.search_batching import SearchBatcher, Searched
 from hopline.cache.store import CacheStore, CacheStoreError, Entry, Scope
 from hopline.cache.vector_index import INLINE_ROWS, SearchIn, nearest
 from hopline.observability import schema
+from hopline.observability.logs import Episodes
 
 log = logging.getLogger("hopline.cache")
+# With Milvus away, each lookup of a scope not yet read tries its read again: said once an
+# episode, not once a lookup.
+READ_FAILURES = Episodes(log, "reading a scope's vectors failed")
+VECTOR_READS = "vector reads"
 
 SEMANTIC_CANDIDATES = 4  # nearest entries checked for verification and agreement
 
@@ -129,8 +134,9 @@ class SemanticSearch:
                     host.counts.add(
                         CacheCount.VECTORS_READ, index.vectors.absorb(scope, semantic, index)
                     )
+                READ_FAILURES.ended(VECTOR_READS)
             except CacheStoreError as exc:  # the next lookup of the scope tries again
-                log.warning("reading a scope's vectors failed", extra={"error": str(exc)})
+                READ_FAILURES.failed(VECTOR_READS, type(exc).__name__, error=str(exc))
             finally:
                 self._reading.discard(scope)
 
