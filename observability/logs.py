@@ -92,7 +92,7 @@ class _Episode:
 class Episodes:
     """A warning that would repeat with every request, said once an episode.
 
-    `failed(key, kind, **fields)` logs the first failure of a key at WARNING (in the failing
+    `failed(key, kind, **fields)` logs the first failure of a key at `level` (in the failing
     request's context, so with its trace id), and a kind the episode has not had yet (another
     status) at once too; repeats are counted and written as one line (`more_failures` since
     the last) at most every `summary_s`, from the next failure after it. `ended(key)`, called on a
@@ -110,15 +110,20 @@ class Episodes:
         summary_s: float = SUMMARY_S,
         quiet_s: float = QUIET_S,
         clock: Callable[[], float] = time.monotonic,
+        level: int = logging.WARNING,
     ) -> None:
         self._log = log
         self._message = message
+        self._level = level
         self._summary_s = summary_s
         self._quiet_s = quiet_s
         self._clock = clock
         self._open: dict[Hashable, _Episode] = {}
 
-    def failed(self, key: Hashable, kind: str, **fields: Any) -> None:
+    def failed(
+        self, key: Hashable, kind: str, exc: BaseException | None = None, **fields: Any
+    ) -> None:
+        """`exc`: its traceback goes with the lines written at once (not the summaries)."""
         now = self._clock()
         episode = self._open.get(key)
         if episode is None:
@@ -128,12 +133,13 @@ class Episodes:
         if kind not in episode.kinds:
             episode.kinds.add(kind)
             episode.logged = now
-            self._log.warning(self._message, extra=fields)
+            self._log.log(self._level, self._message, extra=fields, exc_info=exc)
         elif now - episode.logged >= self._summary_s:
             repeats = episode.unlogged + 1
             episode.unlogged = 0
             episode.logged = now
-            self._log.warning(
+            self._log.log(
+                self._level,
                 self._message,
                 extra={
                     **fields,

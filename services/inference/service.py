@@ -24,6 +24,7 @@ from hopline.model.repository import (
 from hopline.model.run_width import run_slots
 from hopline.model.spin import Spin
 from hopline.observability import schema
+from hopline.observability.logs import Episodes
 from hopline.observability.tracing import tracer
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -46,6 +47,9 @@ from hopline.services.inference.backend import (
 from hopline.services.inference.batched_model import BatchedModel, EmbeddingHead, ModelRequest
 
 log = logging.getLogger("hopline.inference")
+# A run that fails fails every request in its batch, and a model that fails once often fails
+# every run: its traceback once an episode, by model version (observability/logs.py).
+RUN_FAILURES = Episodes(log, "model run failed", level=logging.ERROR)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +165,7 @@ def _run_failure(cfg: ModelConfig, exc: Exception) -> tuple[grpc.StatusCode, str
     was given (something `_validate` does not check), anything else is this service's."""
     if isinstance(exc, OrtInvalidArgument):
         return grpc.StatusCode.INVALID_ARGUMENT, f"{cfg.key} cannot run these inputs: {exc}"
-    log.error("model run failed", extra={"model": cfg.key}, exc_info=exc)
+    RUN_FAILURES.failed(cfg.key, type(exc).__name__, exc, model=cfg.key)
     return grpc.StatusCode.INTERNAL, f"{cfg.key}'s run failed: {type(exc).__name__}: {exc}"
 
 
@@ -308,6 +312,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             )
         except Exception as exc:  # the run failed: the status says whose fault it was
             await context.abort(*_run_failure(cfg, exc))
+        RUN_FAILURES.ended(cfg.key)
         # The run happened on a worker thread, possibly for several requests at once: each
         # request's spans are written from the batch's timestamps, under its own server span.
         if trace.get_current_span().is_recording():

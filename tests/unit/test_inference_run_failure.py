@@ -12,6 +12,8 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
 from conftest import DEFAULT_MODEL
 from hopline.model.repository import load_config
+from hopline.observability.logs import Episodes
+from hopline.services.inference import service
 from hopline.services.inference.service import _run_failure
 
 
@@ -24,12 +26,22 @@ def test_onnx_runtimes_invalid_argument_is_the_requests(default_repo: Path) -> N
     )
 
 
-def test_any_other_failure_is_the_services_and_logged(
-    default_repo: Path, caplog: pytest.LogCaptureFixture
+def test_any_other_failure_is_the_services_and_logged_once_with_its_traceback(
+    default_repo: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each request of a failed batch hears the failure; the log says it once (and not
+    again for the next runs that fail the same way) with the traceback."""
+    monkeypatch.setattr(
+        service,
+        "RUN_FAILURES",
+        Episodes(logging.getLogger("hopline.inference"), "model run failed", level=logging.ERROR),
+    )
     cfg = load_config(default_repo / DEFAULT_MODEL / "1")
     with caplog.at_level(logging.ERROR, logger="hopline.inference"):
-        code, details = _run_failure(cfg, MemoryError("out of device memory"))
+        for _ in range(12):  # a batch of 12 rows
+            code, details = _run_failure(cfg, MemoryError("out of device memory"))
     assert code == grpc.StatusCode.INTERNAL
     assert details == f"{DEFAULT_MODEL}/1's run failed: MemoryError: out of device memory"
     assert [r.getMessage() for r in caplog.records] == ["model run failed"]
+    assert caplog.records[0].levelno == logging.ERROR
+    assert caplog.records[0].exc_info is not None
