@@ -21,12 +21,14 @@ import grpc
 import pytest
 from servicer_context import Aborted, AbortingContext
 
+from hopline.gateway import upstream
 from hopline.gateway.call import check_cache_mode
 from hopline.gateway.config import GatewayConfig
 from hopline.gateway.errors import RequestError
 from hopline.gateway.service import GatewayService
 from hopline.gateway.upstream import GatewayUpstreams, HopError, call_hop, caller_details
 from hopline.observability import metrics
+from hopline.observability.logs import Episodes
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
@@ -311,7 +313,11 @@ def test_every_cache_mode_of_the_enum_is_accepted(mode: int) -> None:
     check_cache_mode(mode)
 
 
-def test_hop_errors_name_the_hop_not_the_address(caplog: pytest.LogCaptureFixture) -> None:
+def test_hop_errors_name_the_hop_not_the_address(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Failures are logged once an episode: a fresh one, whatever ran before in this process.
+    monkeypatch.setattr(upstream, "HOP_FAILURES", Episodes(upstream.log, "hop failed"))
     target = "10.1.2.3:8011"
     details = f"failed to connect to all addresses; last error: UNKNOWN: ipv4:{target}: refused"
 
