@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from conftest import DEFAULT_MODEL
-from harness import SERVING, Mesh, eventually, health, serve_refused
+from harness import NOT_SERVING, SERVING, Mesh, eventually, free_port, health, serve_refused
 from hopline.gateway.upstream import MAX_RECONNECT_BACKOFF_MS, RECONNECT_JITTER
 from hopline.observability.logs import QUIET_S, SUMMARY_S
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -173,6 +173,29 @@ def test_an_upstream_down_is_logged_once_not_once_a_request(
             eventually(lambda: bool(over()), timeout_s=10, what="the episode's end logged")
         assert len(over()) == 1
         assert f"failures={failed} " in over()[0], (failed, over())
+    finally:
+        mesh.stop()
+
+
+def test_an_inference_address_that_names_another_service_is_said(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """HOPLINE_INFERENCE_ADDR pointing at the tokenizer (a slip in a manifest): the gateway
+    stays NOT_SERVING, waiting, and says once why it will not get there by itself."""
+    shared = f"127.0.0.1:{free_port()}"
+    mesh = Mesh(default_repo, tmp_path, addrs={"tokenizer": shared, "inference": shared})
+    mesh.spawn(("tokenizer", "gateway"))
+    try:
+        said = "serves no InferenceService"
+
+        def warned() -> bool:
+            assert mesh.procs["gateway"].poll() is None, mesh.log("gateway")
+            return said in mesh.log("gateway")
+
+        eventually(warned, timeout_s=60, what="the misdirected inference address said")
+        assert health(mesh.gateway) == NOT_SERVING
+        time.sleep(1.5)  # three more tries: still said once
+        assert mesh.log("gateway").count(said) == 1
     finally:
         mesh.stop()
 
