@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from hopline.gateway.config import MAX_ATTEMPTS_CAP
@@ -33,10 +34,10 @@ from hopline.gateway.resilience import with_ejection
 from hopline.observability import metrics, schema
 from hopline.observability.logs import Episodes
 from hopline.observability.tracing import child_span, outgoing_metadata
-from hopline.protos.hopline.cache.v1 import cache_pb2_grpc
-from hopline.protos.hopline.inference.v1 import inference_pb2_grpc
-from hopline.protos.hopline.postprocess.v1 import postprocess_pb2_grpc
-from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2_grpc
+from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.protos.hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
+from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from hopline.runtime.errors import StatusError
 from hopline.runtime.inproc import INPROC, DirectCall, InProcessService
 from hopline.runtime.service_table import ServiceName, spec
@@ -46,6 +47,15 @@ if TYPE_CHECKING:
     from hopline.gateway.config import GatewayConfig
 
 log = logging.getLogger("hopline.gateway.upstream")
+# The gRPC service each upstream serves, as its server registers it with its health service.
+SERVICE_NAMES = {
+    ServiceName.TOKENIZER: tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name,
+    ServiceName.CACHE: cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name,
+    ServiceName.INFERENCE: inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
+    ServiceName.POSTPROCESS: postprocess_pb2.DESCRIPTOR.services_by_name[
+        "PostprocessService"
+    ].full_name,
+}
 # An upstream's own failures (UNAVAILABLE, INTERNAL) by hop and target: every request fails
 # while it is down, so they are logged once an episode (observability/logs.py:Episodes).
 HOP_FAILURES = Episodes(log, "hop failed")
@@ -257,9 +267,12 @@ class Upstream(Generic[StubT]):
         service_config: dict[str, Any] | None = None,
         certificates: ClientCertificates | None = None,
         redial_grace_s: float = 30.0,
+        serves: tuple[str, str] | None = None,
     ) -> None:
         self.hop = hop
         self.target = target
+        self._serves = serves  # (the gRPC service it must serve, the setting that names it)
+        self._checking: asyncio.Task[None] | None = None
         self._make_stub = stub
         self._options = [
             channel_options(i, max_message_bytes, service_config) for i in range(max(1, size))
@@ -288,7 +301,37 @@ class Upstream(Generic[StubT]):
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
+    def check_serves(self) -> None:
+        """Ask in the background whether the address serves the service it must: one that
+        serves another (an address setting naming the wrong service) would leave the gateway
+        SERVING and every call of this hop failing UNIMPLEMENTED, so it is said once."""
+        if self._serves is not None and self._checking is None:
+            self._checking = asyncio.ensure_future(self._check_serves(*self._serves))
+
+    async def _check_serves(self, service: str, setting: str) -> None:
+        # hopline's servers register each service's name with their health service.
+        stub = health_pb2_grpc.HealthStub(self.channels[0])
+        delay_s = 0.5
+        while True:
+            try:
+                await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                return  # SERVING or NOT_SERVING: the service is there
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning(
+                        f"{setting} answers but does not serve {service}: does it name "
+                        "another service? Every call of this hop will fail",
+                        extra={"hop": self.hop, "target": self.target},
+                    )
+                    return
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return  # no health service to ask: not one of hopline's, nothing to say
+            await asyncio.sleep(delay_s)  # not up yet, or unreachable: ask again
+            delay_s = min(2 * delay_s, 10.0)
+
     async def close(self) -> None:
+        if self._checking is not None:
+            self._checking.cancel()
         for channel in self.channels:
             await channel.close(grace=None)
         for task in list(self._closing):
@@ -371,6 +414,7 @@ class GatewayUpstreams:
                 upstream_service_config(config),
                 ClientCertificates(TlsFiles.of(config, ServiceName.GATEWAY), name),
                 config.upstream_timeout_s,
+                serves=(SERVICE_NAMES[name], spec(name).addr_env),
             )
 
         return cls(
@@ -405,7 +449,11 @@ class GatewayUpstreams:
         return (self.tokenizer, self.cache, self.inference, self.postprocess)
 
     async def start(self) -> None:
-        """Start the co-located services (the gateway serves only once they do)."""
+        """Start the co-located services (the gateway serves only once they do), and check
+        in the background that each remote address serves its service."""
+        for remote in self.pools:
+            if isinstance(remote, Upstream):
+                remote.check_serves()
         await asyncio.gather(*(p.start() for p in self.pools if isinstance(p, CoLocated)))
 
     async def close(self) -> None:

@@ -200,6 +200,33 @@ def test_an_inference_address_that_names_another_service_is_said(
         mesh.stop()
 
 
+def test_an_upstream_address_that_names_another_service_is_said(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """HOPLINE_TOKENIZER_ADDR pointing at postprocess: each remote address is asked in the
+    background whether it serves its service (by name, of its health service), and the one
+    that does not is said once, naming the setting; the others (postprocess there, nothing
+    at all at the cache's and inference's addresses yet) are not."""
+    shared = f"127.0.0.1:{free_port()}"
+    mesh = Mesh(default_repo, tmp_path, addrs={"tokenizer": shared, "postprocess": shared})
+    mesh.spawn(("postprocess", "gateway"))
+    try:
+        said = "does not serve"
+
+        def warned() -> bool:
+            assert mesh.procs["gateway"].poll() is None, mesh.log("gateway")
+            return said in mesh.log("gateway")
+
+        eventually(warned, timeout_s=60, what="the misdirected tokenizer address said")
+        time.sleep(1.5)
+        lines = [ln for ln in mesh.log("gateway").splitlines() if said in ln]
+        assert len(lines) == 1, lines
+        assert "HOPLINE_TOKENIZER_ADDR" in lines[0]
+        assert "hopline.tokenizer.v1.TokenizerService" in lines[0]
+    finally:
+        mesh.stop()
+
+
 def expect_unavailable(stub: gateway_pb2_grpc.GatewayServiceStub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.Predict(gateway_pb2.PredictRequest(text="track my order"), timeout=10)
