@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 
 from hopline.observability import metrics
+from hopline.observability.logs import Episodes
 
 log = logging.getLogger("hopline.runtime.requests")
 
@@ -120,33 +121,28 @@ def wrap_behaviour(
 
 Deserializer = Callable[[bytes], Any]
 WARN_EVERY_S = 1.0  # undecodable requests of one method logged at most this often
+UNDECODABLE = "undecodable"  # one kind, whatever the reason: a new reason waits its turn
 REASON_CHARS = 120
 
 
 class _Refusals:
-    """One method's undecodable requests: the counter, and a warning at most once a second."""
+    """One method's undecodable requests: the counter, and a warning at most once a second
+    (an episode that never ends: `more_failures` says how many since the last line)."""
 
     def __init__(self, method: str, expected: str) -> None:
         self.method = method
         service, _, rpc = method.lstrip("/").rpartition("/")
         self.counter = metrics.UNDECODABLE_REQUESTS.labels(service, rpc)
         self.message = f"the request is not a valid {expected}"
-        self.last_warned = -WARN_EVERY_S
-        self.unlogged = 0
+        self.said = Episodes(
+            log, "undecodable request refused", summary_s=WARN_EVERY_S, clock=lambda: monotonic()
+        )
 
     def count(self, exc: Exception) -> str:
         """Counts and logs one refusal; returns the message for the client."""
         self.counter.inc()
         reason = _reason(exc)
-        now = monotonic()
-        if now - self.last_warned >= WARN_EVERY_S:
-            log.warning(
-                "undecodable request refused",
-                extra={"method": self.method, "reason": reason, "not_logged": self.unlogged},
-            )
-            self.last_warned, self.unlogged = now, 0
-        else:
-            self.unlogged += 1
+        self.said.failed(self.method, UNDECODABLE, method=self.method, reason=reason)
         return f"{self.message}: {reason}" if reason else self.message
 
 
