@@ -167,22 +167,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             raise ValueError("; ".join(problems))
         # Not SERVING until co-located services are, and inference has said which models exist.
         await self.upstreams.start()
-        misdirected = False
-        while True:
+        while True:  # an address naming another service is said by Upstream.check_serves
             try:
                 await self.catalogue.refresh()
                 break
             except grpc.aio.AioRpcError as err:
-                target = self.upstreams.inference.target
-                if err.code() == grpc.StatusCode.UNIMPLEMENTED and not misdirected:
-                    misdirected = True  # said once: the address may yet be pointed right
-                    log.warning(
-                        "the inference address answers but serves no InferenceService: "
-                        "HOPLINE_INFERENCE_ADDR names another service?",
-                        extra={"target": target},
-                    )
                 log.info(
-                    "waiting for inference", extra={"target": target, "status": err.code().name}
+                    "waiting for inference",
+                    extra={"target": self.upstreams.inference.target, "status": err.code().name},
                 )
                 await asyncio.sleep(0.5)
         log.info("models", extra={"models": sorted(f"{n}/{v}" for n, v in self.models)})

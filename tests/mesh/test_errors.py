@@ -177,39 +177,20 @@ def test_an_upstream_down_is_logged_once_not_once_a_request(
         mesh.stop()
 
 
-def test_an_inference_address_that_names_another_service_is_said(
-    default_repo: Path, tmp_path: Path
-) -> None:
-    """HOPLINE_INFERENCE_ADDR pointing at the tokenizer (a slip in a manifest): the gateway
-    stays NOT_SERVING, waiting, and says once why it will not get there by itself."""
-    shared = f"127.0.0.1:{free_port()}"
-    mesh = Mesh(default_repo, tmp_path, addrs={"tokenizer": shared, "inference": shared})
-    mesh.spawn(("tokenizer", "gateway"))
-    try:
-        said = "serves no InferenceService"
-
-        def warned() -> bool:
-            assert mesh.procs["gateway"].poll() is None, mesh.log("gateway")
-            return said in mesh.log("gateway")
-
-        eventually(warned, timeout_s=60, what="the misdirected inference address said")
-        assert health(mesh.gateway) == NOT_SERVING
-        time.sleep(1.5)  # three more tries: still said once
-        assert mesh.log("gateway").count(said) == 1
-    finally:
-        mesh.stop()
-
-
+@pytest.mark.parametrize(
+    ("named", "serving"), [("inference", "tokenizer"), ("tokenizer", "postprocess")]
+)
 def test_an_upstream_address_that_names_another_service_is_said(
-    default_repo: Path, tmp_path: Path
+    default_repo: Path, tmp_path: Path, named: str, serving: str
 ) -> None:
-    """HOPLINE_TOKENIZER_ADDR pointing at postprocess: each remote address is asked in the
-    background whether it serves its service (by name, of its health service), and the one
-    that does not is said once, naming the setting; the others (postprocess there, nothing
-    at all at the cache's and inference's addresses yet) are not."""
+    """An upstream's address setting pointing at another service (a slip in a manifest):
+    each remote address is asked in the background whether it serves its service (by name,
+    of its health service), and the one that does not is said once, naming the setting and
+    the service; the others (the right service there, nothing at all at the rest) are not.
+    The gateway, with no inference service to list its models, stays NOT_SERVING."""
     shared = f"127.0.0.1:{free_port()}"
-    mesh = Mesh(default_repo, tmp_path, addrs={"tokenizer": shared, "postprocess": shared})
-    mesh.spawn(("postprocess", "gateway"))
+    mesh = Mesh(default_repo, tmp_path, addrs={named: shared, serving: shared})
+    mesh.spawn((serving, "gateway"))
     try:
         said = "does not serve"
 
@@ -217,12 +198,13 @@ def test_an_upstream_address_that_names_another_service_is_said(
             assert mesh.procs["gateway"].poll() is None, mesh.log("gateway")
             return said in mesh.log("gateway")
 
-        eventually(warned, timeout_s=60, what="the misdirected tokenizer address said")
-        time.sleep(1.5)
+        eventually(warned, timeout_s=60, what=f"the misdirected {named} address said")
+        assert health(mesh.gateway) == NOT_SERVING
+        time.sleep(1.5)  # more tries of the model list and of the other addresses
         lines = [ln for ln in mesh.log("gateway").splitlines() if said in ln]
         assert len(lines) == 1, lines
-        assert "HOPLINE_TOKENIZER_ADDR" in lines[0]
-        assert "hopline.tokenizer.v1.TokenizerService" in lines[0]
+        assert f"HOPLINE_{named.upper()}_ADDR" in lines[0]
+        assert f"hopline.{named}.v1." in lines[0]
     finally:
         mesh.stop()
 
