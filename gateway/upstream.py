@@ -310,9 +310,10 @@ class Upstream(Generic[StubT]):
 
     async def _check_serves(self, service: str, setting: str) -> None:
         # hopline's servers register each service's name with their health service.
-        stub = health_pb2_grpc.HealthStub(self.channels[0])
         delay_s = 0.5
         while True:
+            # The channel in use now: renewed TLS files replace the channels, closing the old.
+            stub = health_pb2_grpc.HealthStub(self.channels[0])
             try:
                 await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 return  # SERVING or NOT_SERVING: the service is there
