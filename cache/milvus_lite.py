@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -29,6 +30,10 @@ START_POLL_S = 0.05  # between connection attempts while the server starts
 EXIT_CHECK_S = 1.0  # how often the calls look whether the server is still running
 
 _SQLITE_HEADER = b"SQLite format 3\x00"  # milvus-lite keeps its data in SQLite
+# milvus-lite answers a write its SQLite refused for want of space with gRPC's "Unexpected
+# error in RPC handling" (the reason, "database or disk is full", is only in its own log), so a
+# failed write says the space left when it is below this: far more than a write needs.
+LOW_DISK_BYTES = 64 << 20
 _GLOG_DIR = "GLOG_log_dir"  # glog's spelling, not upper case
 
 
@@ -113,6 +118,21 @@ def connect(
             hint = start_failure(path, reason, start_timeout_s)
             stop_server(path)
             raise StartFailed(f"{hint} ({reason})") from exc
+
+
+def disk_note(db: Path) -> str:
+    """For a failed write's message: how little space the disk holding `db` has left, when
+    it is below LOW_DISK_BYTES; else nothing."""
+    try:
+        free = shutil.disk_usage(db.resolve().parent).free
+    except OSError:
+        return ""
+    if free >= LOW_DISK_BYTES:
+        return ""
+    return (
+        f" (the disk holding {db} has {free >> 10} KiB free: probably full; free space there "
+        "or point HOPLINE_CACHE_URI at a larger disk)"
+    )
 
 
 def logs_beside(db: Path) -> None:

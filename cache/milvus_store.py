@@ -460,7 +460,8 @@ class MilvusStore:
             try:
                 removed = write(self.collection)
             except (self._exc, grpc.RpcError) as exc:
-                raise CacheStoreError(f"Milvus at {self.uri}: {milvus_reason(exc)}") from exc
+                disk = lite.disk_note(Path(self.uri)) if is_local(self.uri) else ""
+                raise CacheStoreError(f"Milvus at {self.uri}: {milvus_reason(exc)}{disk}") from exc
             self._gate.record(write)
             with self._dead_lock:
                 self._dead += removed
