@@ -28,7 +28,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,29 +91,44 @@ def _hex_id(raw: str) -> str:
         return base64.b64decode(raw).hex()
 
 
-def parse_otlp(documents: Iterable[dict[str, Any]]) -> dict[str, list[Span]]:
-    """Spans by trace id from OTLP/JSON TracesData documents (or api_v3 `result` wrappers)."""
+class NotOtlp(ValueError):
+    """A document that is not OTLP/JSON TracesData (nor api_v3's wrapper of it)."""
+
+
+def parse_otlp(documents: Iterable[Any]) -> dict[str, list[Span]]:
+    """Spans by trace id from OTLP/JSON TracesData documents (or api_v3 `result` wrappers);
+    NotOtlp names the first document that is not one and what it lacks."""
     traces: dict[str, list[Span]] = defaultdict(list)
-    for doc in documents:
-        data = doc.get("result", doc)
-        for rs in data.get("resourceSpans", []):
-            service = str(_attrs(rs.get("resource", {}).get("attributes", [])).get("service.name"))
-            for ss in rs.get("scopeSpans", []) or rs.get("instrumentationLibrarySpans", []):
-                for s in ss.get("spans", []):
-                    kind = s.get("kind", 0)
-                    span = Span(
-                        trace_id=_hex_id(s["traceId"]),
-                        span_id=_hex_id(s["spanId"]),
-                        parent_id=_hex_id(s.get("parentSpanId", "")),
-                        name=s.get("name", ""),
-                        service=service,
-                        kind=_KINDS.get(kind, 1) if isinstance(kind, str) else int(kind),
-                        start=int(s["startTimeUnixNano"]),
-                        end=int(s["endTimeUnixNano"]),
-                        attributes=_attrs(s.get("attributes", [])),
-                    )
-                    traces[span.trace_id].append(span)
+    for number, doc in enumerate(documents, 1):
+        try:
+            spans = list(_document_spans(doc))
+        except KeyError as exc:
+            raise NotOtlp(f"document {number} is not OTLP/JSON: a span has no {exc}") from exc
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise NotOtlp(f"document {number} is not OTLP/JSON TracesData ({exc})") from exc
+        for span in spans:
+            traces[span.trace_id].append(span)
     return dict(traces)
+
+
+def _document_spans(doc: dict[str, Any]) -> Iterator[Span]:
+    data = doc.get("result", doc)
+    for rs in data.get("resourceSpans", []):
+        service = str(_attrs(rs.get("resource", {}).get("attributes", [])).get("service.name"))
+        for ss in rs.get("scopeSpans", []) or rs.get("instrumentationLibrarySpans", []):
+            for s in ss.get("spans", []):
+                kind = s.get("kind", 0)
+                yield Span(
+                    trace_id=_hex_id(s["traceId"]),
+                    span_id=_hex_id(s["spanId"]),
+                    parent_id=_hex_id(s.get("parentSpanId", "")),
+                    name=str(s.get("name", "")),
+                    service=service,
+                    kind=_KINDS.get(kind, 1) if isinstance(kind, str) else int(kind),
+                    start=int(s["startTimeUnixNano"]),
+                    end=int(s["endTimeUnixNano"]),
+                    attributes=_attrs(s.get("attributes", [])),
+                )
 
 
 def read_json_documents(text: str) -> list[dict[str, Any]]:

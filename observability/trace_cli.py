@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 GATEWAY_SERVICE = "gateway"
 # Admin calls (GetStats, Invalidate) are traced too but say nothing about request latency.
@@ -54,11 +55,11 @@ def add_trace_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def _report(args: argparse.Namespace) -> int:
     from hopline.observability.report import (
+        NotOtlp,
         analyse,
         fetch_jaeger,
         parse_otlp,
         plot,
-        read_json_documents,
         table,
     )
 
@@ -68,8 +69,12 @@ def _report(args: argparse.Namespace) -> int:
             args.jaeger, args.service, _duration_s(args.since), args.limit, operation
         )
     else:
-        docs = read_json_documents(args.file.read_text(encoding="utf-8"))
-    report = analyse(parse_otlp(docs), args.above, operation)
+        docs = _read_file(args.file)
+    try:
+        traces = parse_otlp(docs)
+    except NotOtlp as exc:
+        raise NotOtlp(f"{args.file or args.jaeger}: {exc}") from exc
+    report = analyse(traces, args.above, operation)
     sys.stdout.write(table(report))
     if args.png:
         plot(report, args.png)
@@ -78,6 +83,22 @@ def _report(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(dataclasses.asdict(report), indent=1) + "\n")
         sys.stdout.write(f"json  {args.json}\n")
     return 0
+
+
+def _read_file(path: Path) -> list[Any]:
+    """The JSON documents in `path`; an error that names the file."""
+    from hopline.observability.report import read_json_documents
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise OSError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not OTLP/JSON: not UTF-8 text ({exc.reason})") from exc
+    try:
+        return read_json_documents(text)
+    except ValueError as exc:
+        raise ValueError(f"{path} is not OTLP/JSON: {exc}") from exc
 
 
 def run_trace_command(args: argparse.Namespace) -> int:

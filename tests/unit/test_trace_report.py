@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conftest import PREDICT, otlp_request, otlp_resource, otlp_span
+from hopline.cli.main import main
 from hopline.observability.report import (
     Report,
     analyse,
@@ -161,3 +163,35 @@ def test_hop_table_charges_a_hop_only_while_it_delayed_the_reply() -> None:
         (["gateway.stream_message"], "internal"),
         (["inference"], "client"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b'{"resourceSpans": [', "is not OTLP/JSON: Expecting value"),
+        (b"\xff\xfe", "is not OTLP/JSON: not UTF-8 text"),
+        (b"[1, 2]", "document 1 is not OTLP/JSON TracesData"),
+        (b'{"resourceSpans": 5}', "document 1 is not OTLP/JSON TracesData"),
+        (
+            b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"name": "x"}]}]}]}',
+            "document 1 is not OTLP/JSON: a span has no 'traceId'",
+        ),
+    ],
+)
+def test_a_file_that_is_not_otlp_json_is_named_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, said: str
+) -> None:
+    path = tmp_path / "traces.json"
+    path.write_bytes(content)
+    assert main(["trace", "report", "--file", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}"), err
+    assert said in err
+    assert "Traceback" not in err
+
+
+def test_a_file_that_cannot_be_read_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["trace", "report", "--file", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"error: cannot read {tmp_path}: Is a directory\n"
