@@ -77,14 +77,19 @@ class _KeyMemo:
         if key is None:
             normalised = normalise_text(text)
             if not normalised:  # the model would read [CLS] [SEP] alone: nothing of the text
-                raise RequestError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "text has no character the model reads (only control, zero-width or "
-                    "combining characters): send the text to classify",
-                )
+                raise unreadable("text")
             key = normalised_key(scope, normalised)
             _bounded_put(self._keys, memo, key, self.capacity)
         return key
+
+
+def unreadable(where: str) -> RequestError:
+    """The refusal of a text with nothing the model reads, `where` naming it."""
+    return RequestError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"{where} has no character the model reads (only control, zero-width or combining "
+        "characters): send the text to classify",
+    )
 
 
 def _bounded_put(memo: dict[Any, Any], key: Any, value: Any, capacity: int) -> None:

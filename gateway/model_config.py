@@ -8,7 +8,9 @@ config.json asked for:
 - instance_group: KIND_GPU when a GPU provider runs the version, else KIND_CPU;
 - optimization.execution_accelerators.gpu_execution_accelerator: "tensorrt" and "cuda", the
   names Triton's ONNX Runtime backend uses, in the order they run;
-- parameters: precision, providers (ONNX Runtime's names) and max_texts_per_request.
+- parameters: precision, providers (ONNX Runtime's names) and max_texts_per_request (the
+  version's max_batch_size, or the gateway's HOPLINE_GATEWAY_MAX_IN_FLIGHT where lower: each
+  text of a request takes one of those places).
 max_batch_size is 0, Triton's way of saying the dims are whole shapes: the input is one
 dimension of texts, as ModelMetadata says, and up to max_texts_per_request go in one request.
 
@@ -53,8 +55,10 @@ def triton_config(
     platform: str,
     inputs: Sequence[Tensor],
     outputs: Sequence[Tensor],
+    max_texts: int,
 ) -> dict[str, Any]:
-    """`info`'s version as a Triton model configuration, in its JSON form."""
+    """`info`'s version as a Triton model configuration, in its JSON form; `max_texts`: the
+    most texts one request may carry (0: no limit)."""
     accelerators = gpu_accelerators(info.providers)
     config: dict[str, Any] = {
         "name": info.name,
@@ -72,7 +76,7 @@ def triton_config(
         "parameters": {
             "precision": {"stringValue": info.precision},
             "providers": {"stringValue": ",".join(info.providers)},
-            "max_texts_per_request": {"stringValue": str(info.max_batch_size)},
+            "max_texts_per_request": {"stringValue": str(max_texts)},
         },
     }
     if accelerators:

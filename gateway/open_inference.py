@@ -10,13 +10,22 @@ Statuses follow what Triton returns for the same mistakes, so client code writte
 handles hopline's errors unchanged:
 - unknown model or version: NOT_FOUND (Triton: "Request for unknown model: ... is not found");
 - a missing, unexpected or repeated input, a wrong datatype, a wrong shape, data whose size does
-  not match the shape, an unknown requested output, a batch over the model's max_batch_size,
-  a bad parameter: INVALID_ARGUMENT;
+  not match the shape, an unknown requested output, a batch over the model's max_batch_size (or
+  over HOPLINE_GATEWAY_MAX_IN_FLIGHT, where lower: each text takes one place in flight, so a
+  larger batch could never be admitted), a bad parameter, a sequence_id (hopline's models are
+  stateless): INVALID_ARGUMENT;
 - as Predict: an empty text INVALID_ARGUMENT, a text over HOPLINE_MAX_TEXT_BYTES
   RESOURCE_EXHAUSTED, a missing or wrong API key UNAUTHENTICATED or PERMISSION_DENIED, a failing
   hop its own status.
 ModelReady answers ready=false for an unknown model, as Triton does: it is a question, not a
 mistake. ModelConfig, Triton's extension, reports what runs a version (gateway/model_config.py).
+
+Triton's request parameters are read as Triton reads them: `timeout` (tritonclient's
+`infer(timeout=)`, microseconds) caps the request's time as a shorter gRPC deadline would;
+`priority` is accepted and has no effect (one queue). An output's `classification` parameter
+(tritonclient's `InferRequestedOutput(name, class_count=k)`, Triton's classification extension)
+on `scores` returns its k best classes instead, as Triton does: BYTES of shape [batch, k], each
+`"<score>:<index>:<label>"`, best first.
 """
 
 from __future__ import annotations
@@ -27,12 +36,14 @@ import importlib.metadata
 import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
 from google.protobuf import json_format
 
+from hopline.cache.keys import normalise_text
+from hopline.gateway.call import unreadable
 from hopline.gateway.client import CACHE_MODES, outcome_name
 from hopline.gateway.errors import RequestError
 from hopline.gateway.identity import IdentityError
@@ -49,8 +60,14 @@ from hopline.runtime.errors import StatusError, clip
 
 SERVER_NAME = "hopline"
 PLATFORM = "hopline"
-# Request parameters (tenant, cache_mode) are the only protocol extension served here.
-EXTENSIONS = ("parameters",)
+# Request parameters (tenant, cache_mode; Triton's timeout, priority) and Triton's
+# classification of an output.
+EXTENSIONS = ("parameters", "classification")
+CLASSIFICATION = "classification"
+CLASSIFIED = "scores"  # the one output with a score per class
+TIMEOUT = "timeout"  # microseconds, as tritonclient's infer(timeout=) sends it
+SEQUENCE_ID = "sequence_id"
+INTEGER_KINDS = ("int64_param", "uint64_param")
 TEXT_INPUT = "text"
 TENSOR_META = pb.ModelMetadataResponse.TensorMetadata
 Answers = Sequence[gateway_pb2.PredictResponse]
@@ -166,8 +183,30 @@ def split_bytes(blob: bytes, count: int, name: str) -> list[bytes]:
     return items
 
 
-def decode_texts(request: pb.ModelInferRequest, model: str) -> list[str]:
-    """The texts of the request's single BYTES input, from raw or typed contents."""
+class BatchLimit(NamedTuple):
+    """The most texts one request may carry (0: no limit) and what sets it."""
+
+    texts: int
+    setting: str
+
+    @classmethod
+    def of(cls, info: inference_pb2.ModelInfo, max_in_flight: int) -> BatchLimit:
+        if max_in_flight and (not info.max_batch_size or max_in_flight < info.max_batch_size):
+            # Each text takes one place in flight: a larger batch could never be admitted.
+            return cls(max_in_flight, "the gateway's HOPLINE_GATEWAY_MAX_IN_FLIGHT")
+        return cls(info.max_batch_size, "the model's max_batch_size")
+
+    def check(self, count: int, model: str) -> None:
+        if self.texts and count > self.texts:
+            raise _invalid(
+                f"inference request batch-size must be <= {self.texts} for '{model}' "
+                f"({self.setting}), got {count} texts: split the batch"
+            )
+
+
+def decode_texts(request: pb.ModelInferRequest, model: str, limit: BatchLimit) -> list[str]:
+    """The texts of the request's single BYTES input, from raw or typed contents; a batch over
+    `limit` is refused from its shape, before its data is read."""
     for tensor in request.inputs:
         if tensor.name != TEXT_INPUT:
             raise _invalid(
@@ -192,6 +231,7 @@ def decode_texts(request: pb.ModelInferRequest, model: str) -> list[str]:
             f"{clip(str(shape))}: one dimension, the number of texts (at least 1)"
         )
     count = shape[0]
+    limit.check(count, model)
     raw = request.raw_input_contents
     if raw:
         if len(raw) != len(request.inputs):
@@ -252,15 +292,76 @@ def cache_mode(parameters: Mapping[str, pb.InferParameter]) -> common_pb2.CacheM
     return CACHE_MODES[mode]
 
 
-def requested_outputs(request: pb.ModelInferRequest, model: str) -> list[str]:
-    names = [o.name for o in request.outputs] or list(OUTPUTS)
-    for name in names:
-        if name not in OUTPUTS:
+def integer_parameter(parameters: Mapping[str, pb.InferParameter], key: str, where: str) -> int:
+    """An integer parameter's value (0 when absent); a negative one or another kind refused."""
+    if key not in parameters:
+        return 0
+    parameter = parameters[key]
+    kind = parameter.WhichOneof("parameter_choice")
+    if kind not in INTEGER_KINDS:
+        raise _invalid(f"parameter '{key}'{where} must be an integer, got {kind or 'no value'}")
+    value = int(getattr(parameter, kind))
+    if value < 0:
+        raise _invalid(f"parameter '{key}'{where} must be 0 or more, got {value}")
+    return value
+
+
+def timeout_s(parameters: Mapping[str, pb.InferParameter]) -> float | None:
+    """Triton's `timeout` parameter in seconds; None when absent or 0 (no timeout)."""
+    microseconds = integer_parameter(parameters, TIMEOUT, " (microseconds)")
+    return microseconds / 1e6 if microseconds else None
+
+
+def refuse_sequence(parameters: Mapping[str, pb.InferParameter], model: str) -> None:
+    """A request of a sequence (Triton's stateful models) cannot be served as one: say so."""
+    if SEQUENCE_ID not in parameters:
+        return
+    parameter = parameters[SEQUENCE_ID]
+    kind = parameter.WhichOneof("parameter_choice")
+    if kind is not None and getattr(parameter, kind):
+        raise _invalid(
+            f"model '{model}' is not a sequence model: hopline's models are stateless, so a "
+            "request carries no sequence_id (tritonclient: leave sequence_id at 0)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Requested:
+    """An output asked for; `classes`: Triton's classification, its k best classes instead."""
+
+    name: str
+    classes: int = 0
+
+
+def requested_outputs(request: pb.ModelInferRequest, model: str) -> list[Requested]:
+    if not request.outputs:
+        return [Requested(name) for name in OUTPUTS]
+    wanted: dict[str, Requested] = {}
+    for output in request.outputs:
+        if output.name not in OUTPUTS:
             raise _invalid(
-                f"unexpected inference output '{clip(name)}' for model '{model}': its outputs are "
-                f"{', '.join(OUTPUTS)}"
+                f"unexpected inference output '{clip(output.name)}' for model '{model}': its "
+                f"outputs are {', '.join(OUTPUTS)}"
             )
-    return list(dict.fromkeys(names))  # a name asked twice is returned once
+        where = f" of output '{output.name}'"
+        classes = integer_parameter(output.parameters, CLASSIFICATION, where)
+        if classes and output.name != CLASSIFIED:
+            raise _invalid(
+                f"classification applies to output '{CLASSIFIED}' (a score per class), not "
+                f"'{output.name}'"
+            )
+        wanted.setdefault(output.name, Requested(output.name, classes))  # asked twice: once
+    return list(wanted.values())
+
+
+def classified(answers: Answers, labels: Sequence[str], classes: int) -> bytes:
+    """Each answer's `classes` best classes as Triton's classification writes them:
+    "<score>:<index>:<label>", best first (ties: the lower index first)."""
+    rows = np.asarray([_scores_row(a, labels) for a in answers], dtype=np.float32)
+    best = np.argsort(-rows, axis=1, kind="stable")[:, :classes]
+    return encode_bytes(
+        [f"{rows[r, i]:f}:{i}:{labels[i]}".encode() for r in range(len(rows)) for i in best[r]]
+    )
 
 
 def _first_leaf(group: BaseExceptionGroup[StatusError]) -> StatusError:
@@ -349,7 +450,8 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
             info = await self.gateway.resolve_model(request.name, request.version)
         except (IdentityError, RequestError) as err:
             await context.abort(err.code, err.message)
-        config = triton_config(info, PLATFORM, *tensors(info))
+        limit = BatchLimit.of(info, self.gateway.admission.max_in_flight)
+        config = triton_config(info, PLATFORM, *tensors(info), max_texts=limit.texts)
         return pb.ModelConfigResponse(config=json_format.ParseDict(config, pb.ModelConfig()))
 
     async def ModelInfer(
@@ -367,23 +469,25 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 context.invocation_metadata() or (),
             )
             mode = cache_mode(request.parameters)
+            deadline_s = gateway.timeout_for(context)
+            asked_s = timeout_s(request.parameters)
+            if asked_s is not None:
+                deadline_s = min(deadline_s, asked_s)
             info = await gateway.resolve_model(request.model_name, request.model_version)
-            texts = decode_texts(request, info.name)
-            if info.max_batch_size and len(texts) > info.max_batch_size:
-                raise _invalid(
-                    f"inference request batch-size must be <= {info.max_batch_size} for "
-                    f"'{info.name}', got {len(texts)} texts: split the batch"
-                )
+            refuse_sequence(request.parameters, info.name)
+            limit = BatchLimit.of(info, gateway.admission.max_in_flight)
+            texts = decode_texts(request, info.name, limit)
             for i, text in enumerate(texts):
-                gateway.check_text(text, where=f"element {i} of input '{TEXT_INPUT}'")
+                where = f"element {i} of input '{TEXT_INPUT}'"
+                gateway.check_text(text, where=where)
+                if not normalise_text(text):
+                    raise unreadable(where)
             outputs = requested_outputs(request, info.name)
             # All scores only when asked for: label and score alone share Predict's cache
             # entries (top_k is part of the cache scope).
-            top_k = len(info.labels) if "scores" in outputs else 1
+            top_k = len(info.labels) if any(o.name == CLASSIFIED for o in outputs) else 1
             metrics.GATEWAY_REQUESTS.inc(len(texts))
-            answers = await self._predict_all(
-                texts, info, tenant, top_k, mode, gateway.timeout_for(context), started
-            )
+            answers = await self._predict_all(texts, info, tenant, top_k, mode, deadline_s, started)
             return self._response(request, info, tenant, outputs, answers)
         except StatusError as err:
             await context.abort(err.code, err.message)
@@ -423,7 +527,7 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ModelInferRequest,
         info: inference_pb2.ModelInfo,
         tenant: str,
-        outputs: Sequence[str],
+        outputs: Sequence[Requested],
         answers: Answers,
     ) -> pb.ModelInferResponse:
         response = pb.ModelInferResponse(
@@ -432,10 +536,15 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         response.parameters["tenant"].string_param = tenant
         response.parameters["trace_id"].string_param = current_trace_id()
         labels = list(info.labels)
-        for name in outputs:
-            output = OUTPUTS[name]
-            response.outputs.add(
-                name=name, datatype=output.datatype, shape=output.shape(len(answers), len(labels))
-            )
+        for wanted in outputs:
+            if wanted.classes:
+                classes = min(wanted.classes, len(labels))
+                shape = [len(answers), classes]
+                response.outputs.add(name=wanted.name, datatype="BYTES", shape=shape)
+                response.raw_output_contents.append(classified(answers, labels, classes))
+                continue
+            output = OUTPUTS[wanted.name]
+            shape = output.shape(len(answers), len(labels))
+            response.outputs.add(name=wanted.name, datatype=output.datatype, shape=shape)
             response.raw_output_contents.append(output.encode(answers, labels))
         return response

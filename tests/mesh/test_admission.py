@@ -17,7 +17,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+import tritonclient.grpc as triton
 from prometheus_client.parser import text_string_to_metric_families as parse_text
+from triton_calls import rejection, strings, text_input
 
 from conftest import DEFAULT_MODEL
 from harness import Mesh
@@ -167,3 +169,52 @@ def test_lookups_are_skipped_while_the_cache_cannot_keep_up_and_the_reply_says_s
         assert counted == len(skipped)
     finally:
         mesh.stop()
+
+
+def test_a_kserve_batch_over_the_in_flight_limit_is_refused_as_invalid_not_to_be_retried(
+    slow_model: Mesh,
+) -> None:
+    """Each text of a ModelInfer takes one place in flight: a batch of more texts than the
+    limit could never be admitted, so it is a client's mistake to correct (INVALID_ARGUMENT
+    naming the setting, and ModelConfig's max_texts_per_request says the limit), not a
+    RESOURCE_EXHAUSTED that a client retries for ever."""
+    client = triton.InferenceServerClient(url=slow_model.gateway)
+    try:
+        config = client.get_model_config(DEFAULT_MODEL, as_json=True)["config"]
+        assert config["parameters"]["max_texts_per_request"]["string_value"] == "2"
+        texts = ["where is parcel 51?", "reset my password", "cancel my order"]
+        for _ in range(2):  # the same answer however often it is sent
+            status, message = rejection(
+                client.infer, DEFAULT_MODEL, [text_input(texts)], client_timeout=30
+            )
+            assert status == "StatusCode.INVALID_ARGUMENT", message
+            assert "batch-size must be <= 2" in message
+            assert "HOPLINE_GATEWAY_MAX_IN_FLIGHT" in message
+        answered = client.infer(DEFAULT_MODEL, [text_input(texts[:2])], client_timeout=30)
+        assert len(strings(answered.as_numpy("label"))) == 2
+    finally:
+        client.close()
+
+
+def test_tritons_timeout_parameter_bounds_a_kserve_request(slow_model: Mesh) -> None:
+    """tritonclient's infer(timeout=) (microseconds, a request parameter) caps the request's
+    time at the gateway as a shorter gRPC deadline does: every Infer here takes 400 ms."""
+    client = triton.InferenceServerClient(url=slow_model.gateway)
+    try:
+        bypass = {"cache_mode": "bypass"}
+        texts = [text_input(["where is parcel 61?"])]
+        status, message = rejection(
+            client.infer,
+            DEFAULT_MODEL,
+            texts,
+            parameters=bypass,
+            timeout=100_000,
+            client_timeout=30,
+        )
+        assert status == "StatusCode.DEADLINE_EXCEEDED", message
+        answered = client.infer(
+            DEFAULT_MODEL, texts, parameters=bypass, timeout=20_000_000, client_timeout=30
+        )
+        assert strings(answered.as_numpy("cache")) == ["SKIPPED"]
+    finally:
+        client.close()

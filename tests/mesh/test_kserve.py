@@ -109,7 +109,7 @@ def test_live_ready_and_server_metadata(client: triton.InferenceServerClient) ->
     meta = client.get_server_metadata()
     assert meta.name == "hopline"
     assert meta.version == importlib.metadata.version("hopline")
-    assert list(meta.extensions) == ["parameters"]
+    assert list(meta.extensions) == ["parameters", "classification"]
 
 
 def test_model_ready_by_name_and_version(client: triton.InferenceServerClient) -> None:
@@ -327,6 +327,18 @@ def test_bad_tensors_are_invalid_argument(client: triton.InferenceServerClient) 
         ({"inputs": [two_d]}, "unexpected shape"),
         ({"inputs": [text_input(["fine", "  "])]}, "element 1 of input 'text'"),
         (
+            {"inputs": [text_input(["fine", "\u200b"])]},
+            "element 1 of input 'text' has no character the model reads",
+        ),
+        (
+            {
+                "inputs": [text_input(["hi"])],
+                "outputs": [triton.InferRequestedOutput("label", class_count=2)],
+            },
+            "classification applies to output 'scores'",
+        ),
+        ({"inputs": [text_input(["hi"])], "sequence_id": 7}, "not a sequence model"),
+        (
             {
                 "inputs": [text_input(["hi"])],
                 "outputs": [triton.InferRequestedOutput("logits")],
@@ -353,6 +365,42 @@ def test_bad_tensors_are_invalid_argument(client: triton.InferenceServerClient) 
     assert client.is_server_ready() is True
     ok = client.infer(DEFAULT_MODEL, [text_input(["hello there"])], client_timeout=60)
     assert strings(ok.as_numpy("label"))[0]
+
+
+def test_classification_returns_the_best_classes_as_triton_does(
+    omesh: Mesh, client: triton.InferenceServerClient, labels: list[str]
+) -> None:
+    """Triton's classification extension (tritonclient's class_count): the k best classes of
+    `scores` as BYTES "<score>:<index>:<label>", best first; the same as Predict's top k."""
+    texts = TEXTS[:3]
+    result = client.infer(
+        DEFAULT_MODEL,
+        [text_input(texts)],
+        outputs=[
+            triton.InferRequestedOutput("scores", class_count=3),
+            triton.InferRequestedOutput("label"),
+        ],
+        client_timeout=60,
+    )
+    (scores,) = [o for o in result.get_response().outputs if o.name == "scores"]
+    assert (scores.datatype, list(scores.shape)) == ("BYTES", [3, 3])
+    rows = result.as_numpy("scores")
+    assert rows.shape == (3, 3)
+    for text, row in zip(texts, rows, strict=True):
+        expected = predict(omesh, text, top_k=3).prediction.top_k
+        parsed = [item.decode().split(":", 2) for item in row]
+        assert [label for _, _, label in parsed] == [s.label for s in expected]
+        assert [labels[int(index)] for _, index, label in parsed] == [s.label for s in expected]
+        for (score, _, _), want in zip(parsed, expected, strict=True):
+            assert float(score) == pytest.approx(want.score, abs=1e-6)
+    # More classes than the model has: all of them, as Triton clamps.
+    every = client.infer(
+        DEFAULT_MODEL,
+        [text_input(texts[:1])],
+        outputs=[triton.InferRequestedOutput("scores", class_count=10_000)],
+        client_timeout=60,
+    )
+    assert every.as_numpy("scores").shape == (1, len(labels))
 
 
 # -- raw stubs -----------------------------------------------------------------------------
@@ -405,6 +453,17 @@ def test_raw_stubs_with_bytes_contents(omesh: Mesh) -> None:
             stub.ModelInfer(truncated, timeout=30)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "declares 50 bytes" in (info.value.details() or "")
+        # A batch over the limit is refused from its shape, before its data is read: a
+        # million elements claimed, one sent, the answer is the batch size.
+        huge = raw_request([])
+        huge.inputs[0].ClearField("contents")
+        huge.inputs[0].shape[:] = [1_000_000]
+        huge.raw_input_contents.append(struct.pack("<I", 3) + b"one")
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(huge, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "batch-size must be <= 64" in (info.value.details() or "")
+        assert "max_batch_size" in (info.value.details() or "")
 
 
 # Runs in its own interpreter: hopline's stubs and tritonclient's both define the `inference`

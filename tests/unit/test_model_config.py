@@ -31,7 +31,7 @@ def as_triton(providers: list[str], precision: str = "fp32") -> model_config_pb2
         max_batch_size=64,
         labels=["a", "b", "c"],
     )
-    config: dict[str, Any] = triton_config(info, "hopline", INPUTS, OUTPUTS)
+    config: dict[str, Any] = triton_config(info, "hopline", INPUTS, OUTPUTS, max_texts=64)
     return json_format.ParseDict(config, model_config_pb2.ModelConfig())
 
 
