@@ -85,7 +85,11 @@ def _serve(name: str, argv: Sequence[str]) -> int:
         # Built inside the loop: grpc.aio channels bind to the loop that creates them.
         return await serve(service_cls(config), config)
 
-    return event_loop.run(main, config.event_loop)
+    try:
+        return event_loop.run(main, config.event_loop)
+    except cfg.SettingError as exc:
+        logging.getLogger("hopline").error("cannot start", extra={"error": str(exc)})
+        return 2
 
 
 def _predict(args: argparse.Namespace) -> int:

@@ -21,7 +21,14 @@ from collections.abc import Iterable, Mapping
 
 import grpc
 
-from hopline.runtime.api_keys import AUTHORIZATION, load_api_keys, valid_tenant
+from hopline.runtime.api_keys import (
+    API_KEYS_ENV,
+    AUTHORIZATION,
+    TENANT_RULE,
+    load_api_keys,
+    valid_tenant,
+)
+from hopline.runtime.config import SettingError
 from hopline.runtime.errors import StatusError, clip
 from hopline.runtime.file_watch import FileWatch
 
@@ -55,7 +62,10 @@ class TenantResolver:
         self.keys: dict[str, str] = {}
         self._watch = FileWatch([keys_file], recheck_s)
         if keys_file:
-            self.keys = _digests(load_api_keys(keys_file))
+            try:
+                self.keys = _digests(load_api_keys(keys_file))
+            except ValueError as exc:  # a setting that cannot work: do not start
+                raise SettingError(f"invalid {API_KEYS_ENV}: {exc}") from exc
 
     def _reread_if_changed(self) -> None:
         """The keys file again, when it changed since it was last read (module docstring)."""
@@ -87,7 +97,6 @@ class TenantResolver:
                 sent = _text(value)
             elif key == AUTHORIZATION:
                 auth = _text(value)
-        claimed = sent or field
         if self.keys_file:
             self._reread_if_changed()
         if self.keys:
@@ -100,15 +109,14 @@ class TenantResolver:
             tenant = self.keys.get(_digest(token.strip()))
             if tenant is None:
                 raise IdentityError(grpc.StatusCode.UNAUTHENTICATED, "unknown API key")
-            if claimed and claimed != tenant:
-                raise IdentityError(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"this API key belongs to tenant {clip(tenant)!r}, not {clip(claimed)!r}",
-                )
+            for claimed in (sent, field):  # both, where both name one
+                if claimed and claimed != tenant:
+                    raise IdentityError(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"this API key belongs to tenant {clip(tenant)!r}, not {clip(claimed)!r}",
+                    )
             return tenant
-        tenant = claimed or DEFAULT_TENANT
+        tenant = sent or field or DEFAULT_TENANT
         if not valid_tenant(tenant):
-            raise IdentityError(
-                grpc.StatusCode.INVALID_ARGUMENT, "tenant must be 1-128 printable characters"
-            )
+            raise IdentityError(grpc.StatusCode.INVALID_ARGUMENT, f"tenant must be {TENANT_RULE}")
         return tenant

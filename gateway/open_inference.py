@@ -464,10 +464,13 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         metrics.GATEWAY_CALLS.labels("ModelInfer").inc()
         try:
             # Identity first, as Predict does: an unauthenticated caller learns nothing else.
-            tenant = gateway.tenants.resolve(
-                string_parameter(request.parameters, "tenant"),
-                context.invocation_metadata() or (),
-            )
+            metadata = context.invocation_metadata() or ()
+            try:
+                claimed = string_parameter(request.parameters, "tenant")
+            except RequestError:
+                gateway.tenants.require_key(metadata)  # a caller without a key learns no more
+                raise
+            tenant = gateway.tenants.resolve(claimed, metadata)
             mode = cache_mode(request.parameters)
             deadline_s = gateway.timeout_for(context)
             asked_s = timeout_s(request.parameters)

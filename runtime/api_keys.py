@@ -20,8 +20,37 @@ API_KEY_ENV = "HOPLINE_API_KEY"
 AUTHORIZATION = "authorization"
 
 
+TENANT_MAX_CHARS = 128
+# The cache's scope columns hold 256 bytes (cache/milvus_rows.py:SCOPE_NAME_MAX): a longer
+# tenant would be served but never stored.
+TENANT_MAX_BYTES = 256
+TENANT_RULE = (
+    f"1-{TENANT_MAX_CHARS} printable characters, at most {TENANT_MAX_BYTES} bytes in UTF-8"
+)
+
+
 def valid_tenant(tenant: str) -> bool:
-    return 0 < len(tenant) <= 128 and tenant.isprintable()
+    return (
+        0 < len(tenant) <= TENANT_MAX_CHARS
+        and tenant.isprintable()
+        and len(tenant.encode("utf-8")) <= TENANT_MAX_BYTES
+    )
+
+
+def _key_problem(key: object, tenant: object) -> str | None:
+    """Why one entry of a keys file cannot work; never the key itself (a secret)."""
+    if not isinstance(key, str) or not key:
+        return "a key must be a non-empty string"
+    if not isinstance(tenant, str) or not valid_tenant(tenant):
+        return f"the tenant of a key must be a string of {TENANT_RULE}"
+    # A key travels in an HTTP/2 header ('authorization: Bearer <key>'): a character a header
+    # cannot carry, or spaces around it that the gateway strips, make a key no caller can use.
+    if not (key.isascii() and key.isprintable()) or key != key.strip():
+        return (
+            f"the key of tenant {tenant!r} must be printable ASCII with no spaces around it "
+            "(it is sent as 'authorization: Bearer <key>')"
+        )
+    return None
 
 
 def load_api_keys(keys_file: str) -> dict[str, str]:
@@ -30,15 +59,17 @@ def load_api_keys(keys_file: str) -> dict[str, str]:
         raw = json.loads(Path(keys_file).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read API keys from {keys_file}: {exc}") from exc
-    if isinstance(raw, dict) and not raw:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{keys_file} must be a JSON object of key -> tenant strings")
+    if not raw:
         raise ValueError(
             f"{keys_file} names no API keys: with {API_KEYS_ENV} set, every request "
             "needs a key, so an empty file would lock everyone out"
         )
-    if not isinstance(raw, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) and k and valid_tenant(v) for k, v in raw.items()
-    ):
-        raise ValueError(f"{keys_file} must be a JSON object of key -> tenant strings")
+    for key, tenant in raw.items():
+        problem = _key_problem(key, tenant)
+        if problem is not None:
+            raise ValueError(f"{keys_file}: {problem}")
     keys: dict[str, str] = raw
     return keys
 

@@ -20,6 +20,12 @@ from hopline.runtime.service_table import spec
 T = TypeVar("T")
 
 
+class SettingError(ValueError):
+    """A setting whose value cannot work, found while a service is built (a file it names
+    that does not read as it must): the service does not start, and says why in one line
+    (cli/main.py exits 2, as for a value out of its range)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Range:
     """The values a numeric setting may take: from `low` (above it, with `open_low`) to

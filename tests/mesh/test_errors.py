@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -240,6 +241,27 @@ def test_a_taken_port_is_refused_not_shared(mesh: Mesh) -> None:
     assert "cannot bind" in said
     assert mesh.addrs["tokenizer"] in said
     assert health(mesh.addrs["tokenizer"]) == SERVING
+
+
+def test_a_keys_file_no_caller_could_use_stops_the_gateway_saying_why(
+    mesh: Mesh, tmp_path: Path
+) -> None:
+    """HOPLINE_API_KEYS naming a file whose key has spaces around it: no caller could send
+    it (the gateway strips what it is sent), and the launcher's own calls send the file's
+    first key; the gateway refuses to start in one line, exit 2, never echoing the key."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({" secret-acme-key ": "acme"}), encoding="utf-8")
+    env = {
+        **mesh.env,
+        "HOPLINE_API_KEYS": str(keys),
+        "HOPLINE_GATEWAY_ADDR": f"127.0.0.1:{free_port()}",
+        "HOPLINE_METRICS_PORT": "0",
+    }
+    said = serve_refused("gateway", env)
+    assert "cannot start" in said
+    assert f"invalid HOPLINE_API_KEYS: {keys}: the key of tenant 'acme'" in said, said
+    assert "Traceback" not in said
+    assert "secret-acme-key" not in said
 
 
 def test_a_port_past_65535_is_refused_not_wrapped(mesh: Mesh) -> None:

@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from conftest import until
+from hopline.cache.milvus_rows import SCOPE_NAME_MAX
 from hopline.gateway.identity import (
     DEFAULT_TENANT,
     TENANT_METADATA,
@@ -25,7 +26,14 @@ from hopline.gateway.identity import (
     TenantResolver,
 )
 from hopline.gateway.resilience import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, Coalescer
-from hopline.runtime.api_keys import API_KEY_ENV, API_KEYS_ENV, caller_metadata, operator_metadata
+from hopline.runtime.api_keys import (
+    API_KEY_ENV,
+    API_KEYS_ENV,
+    TENANT_MAX_BYTES,
+    TENANT_MAX_CHARS,
+    caller_metadata,
+    operator_metadata,
+)
 
 # ---------------------------------------------------------------------------------------------
 # CircuitBreaker
@@ -361,7 +369,8 @@ def test_without_keys_a_tenant_of_exactly_128_characters_is_fine() -> None:
     assert TenantResolver().resolve("t" * 128, []) == "t" * 128
 
 
-@pytest.mark.parametrize("tenant", ["t" * 129, "tab\there", "new\nline", "nul\x00"])
+# "€" * 100: 100 characters, but 300 bytes, more than the cache's scope column holds.
+@pytest.mark.parametrize("tenant", ["t" * 129, "tab\there", "new\nline", "nul\x00", "€" * 100])
 @pytest.mark.parametrize("via", ["field", "metadata"])
 def test_without_keys_an_invalid_tenant_is_invalid_argument(tenant: str, via: str) -> None:
     field, metadata = (tenant, []) if via == "field" else ("", [(TENANT_METADATA, tenant)])
@@ -420,6 +429,7 @@ def test_with_keys_claiming_another_tenant_is_permission_denied(keyed: TenantRes
         ("", [(TENANT_METADATA, "globex")]),
         ("acme", [(TENANT_METADATA, "globex")]),  # the metadata claim is checked too
         ("globex", [(TENANT_METADATA, "globex")]),
+        ("globex", [(TENANT_METADATA, "acme")]),  # and the field beside a header that fits
     ]:
         err = refused(keyed, field, [bearer(ACME_KEY), *extra])
         assert err.code == grpc.StatusCode.PERMISSION_DENIED, (field, extra)
@@ -446,6 +456,12 @@ def test_with_keys_claiming_the_keys_own_tenant_is_fine(keyed: TenantResolver) -
         '{"key-acme": ""}',
         '{"key-acme": "bad\\ttenant"}',
         json.dumps({"key-acme": "t" * 129}),
+        json.dumps({"key-acme": "€" * 100}),  # 300 bytes: the cache could never store it
+        # Keys no caller can send: spaces around one (the gateway strips what it is sent),
+        # characters an HTTP/2 header cannot carry.
+        json.dumps({" key-acme ": "acme"}),
+        json.dumps({"key-acmé": "acme"}),
+        json.dumps({"key-\nacme": "acme"}),
     ],
 )
 def test_a_malformed_keys_file_is_a_value_error_naming_the_file(
@@ -453,8 +469,9 @@ def test_a_malformed_keys_file_is_a_value_error_naming_the_file(
 ) -> None:
     path = tmp_path / "bad-keys.json"
     path.write_text(content, encoding="utf-8")
-    with pytest.raises(ValueError, match=re.escape(str(path))):
+    with pytest.raises(ValueError, match=re.escape(str(path))) as info:
         TenantResolver(str(path))
+    assert "key-acm" not in str(info.value)  # a key is a secret: never in a message
 
 
 def test_a_missing_keys_file_is_a_value_error_naming_the_file(tmp_path: Path) -> None:
@@ -565,3 +582,9 @@ def test_the_keys_file_is_checked_at_most_every_recheck_s(keys_file: Path) -> No
     resolver = TenantResolver(str(keys_file), recheck_s=3600.0)
     keys_file.write_text(json.dumps({"key-initech-555": "initech"}), encoding="utf-8")
     assert resolver.resolve("", [bearer(ACME_KEY)]) == "acme"  # not looked at yet
+
+
+def test_the_tenant_limit_fits_the_cache_scope_column() -> None:
+    """A tenant the gateway accepts must be one the cache can store (SCOPE_NAME_MAX bytes)."""
+    assert TENANT_MAX_BYTES <= SCOPE_NAME_MAX
+    assert TENANT_MAX_CHARS * 4 > TENANT_MAX_BYTES  # so the byte limit is the one that binds
