@@ -54,19 +54,26 @@ from hopline.model.repository import (
 
 T = TypeVar("T")
 Key = tuple[str, str]
-Signature = tuple[tuple[str, int, int], ...]  # a version folder's files: name, size, mtime
+# A version folder's files: name, size, mtime, inode, ctime.
+Signature = tuple[tuple[str, int, int, int, int], ...]
 
 
 def signature(folder: Path) -> Signature:
-    """What changes when a version's files are replaced or edited: its files' names, sizes
-    and mtimes. Folders are left out: ONNX Runtime writes TensorRT engines into one (a
-    provider's `engine_cache_dir`) while the version serves."""
+    """What changes when a version's files are replaced or edited: its files' names, sizes,
+    mtimes, inodes and ctimes (a copy that keeps sizes and mtimes, `rsync -a` or `cp -p` of
+    a same-length edit, still writes new inodes or changes ctimes). Folders are left out:
+    ONNX Runtime writes TensorRT engines into one (a provider's `engine_cache_dir`) while
+    the version serves."""
     try:
         files = [(p.name, p.stat()) for p in folder.iterdir()]
     except OSError:
         return ()
     return tuple(
-        sorted((name, st.st_size, st.st_mtime_ns) for name, st in files if S_ISREG(st.st_mode))
+        sorted(
+            (name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+            for name, st in files
+            if S_ISREG(st.st_mode)
+        )
     )
 
 
@@ -130,7 +137,19 @@ class ModelRegistry(Generic[T]):
         configs: dict[Key, ModelConfig] = {}
         broken: dict[Key, str] = {}
         for name in self._repo.names():
-            for version in self._repo.versions(name):
+            try:
+                versions = self._repo.versions(name)
+                misnamed = self._repo.misnamed(name)
+            except OSError as exc:  # one model's folder unreadable: the others are still seen
+                self._left_out(broken, (name, ""), f"cannot list {name}/: {exc.strerror or exc}")
+                continue
+            for folder in misnamed:
+                self._left_out(
+                    broken,
+                    (name, folder),
+                    f"{name}/{folder} is not a version folder: versions are positive integers",
+                )
+            for version in versions:
                 key = (name, version)
                 files = signature(self._repo.root / name / version)
                 if key in self._unloadable:
@@ -147,12 +166,7 @@ class ModelRegistry(Generic[T]):
                     try:
                         cfg = load_config(self._repo.root / name / version)
                     except InvalidModelError as exc:
-                        broken[key] = str(exc)
-                        if self._broken.get(key) != str(exc):
-                            log.warning(
-                                "model version left out",
-                                extra={"model": name, "version": version, "error": str(exc)},
-                            )
+                        self._left_out(broken, key, str(exc))
                         continue
                     log.info("model version found", extra={"model": name, "version": version})
                 configs[key] = cfg
@@ -179,6 +193,14 @@ class ModelRegistry(Generic[T]):
         self._configs, self._broken = configs, broken
         self._latest = _latest(configs)
         self._scans_done = self._scans_started
+
+    def _left_out(self, broken: dict[Key, str], key: Key, error: str) -> None:
+        """A version (or a model's folder) the scan leaves out: said once, until it changes."""
+        broken[key] = error
+        if self._broken.get(key) != error:
+            log.warning(
+                "model version left out", extra={"model": key[0], "version": key[1], "error": error}
+            )
 
     def _reload(self, key: Key, files: Signature) -> ModelConfig:
         """A loaded version whose files changed: loaded again from them and swapped in once

@@ -17,12 +17,14 @@ from typing import Any
 from hopline.model.providers import ProviderSpec, parse_providers
 from hopline.model.quantize import Precision
 from hopline.runtime.batching import BatchingPolicy
+from hopline.runtime.tensors import DTYPE_NAMES
 
 CONFIG_FILE = "config.json"
 # The unit-length embedding every classify graph outputs and its head takes in place of tokens
 # (the cache's query vector is one: cache/service.py, services/inference/batched_model.py).
 SENTENCE_EMBEDDING = "sentence_embedding"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+LABELS_OUTPUT = "logits"  # a classify graph's per-class output: one column per label
 
 
 class ModelNotFoundError(LookupError):
@@ -95,7 +97,48 @@ def validate_name(name: str) -> str:
 
 
 def _specs(raw: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
-    return tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in raw)
+    specs = tuple(TensorSpec(str(s["name"]), s["dtype"], tuple(s["shape"])) for s in raw)
+    for spec in specs:
+        if spec.dtype not in DTYPE_NAMES:
+            raise ValueError(
+                f"tensor {spec.name!r} has dtype {spec.dtype!r}: one of "
+                f"{', '.join(sorted(DTYPE_NAMES))}"
+            )
+        if not all(isinstance(d, int) and (d == -1 or d > 0) for d in spec.shape):
+            raise ValueError(f"tensor {spec.name!r} has shape {list(spec.shape)}: -1 or > 0 each")
+    return specs
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file's document; ValueError naming the file and what is wrong with it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read {path.name}: {exc.strerror or exc}") from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path.name} is not JSON: {exc}") from exc
+
+
+def _labels(path: Path) -> tuple[str, ...]:
+    labels = _read_json(path)
+    if not (isinstance(labels, list) and labels and all(isinstance(x, str) and x for x in labels)):
+        raise ValueError(f"{path.name} must be a JSON list of non-empty label strings")
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"{path.name} names a label twice: each column needs its own")
+    return tuple(labels)
+
+
+def labels_problem(cfg: ModelConfig) -> str | None:
+    """A classify version whose labels do not match its graph's per-class output: every
+    answer would fail (or be mislabelled), so the version is refused at load."""
+    for spec in cfg.outputs:
+        per_class = spec.name == LABELS_OUTPUT and len(spec.shape) == 2 and spec.shape[1] > 0
+        if per_class and spec.shape[1] != len(cfg.labels):
+            return (
+                f"{cfg.files['labels']} has {len(cfg.labels)} labels, but output "
+                f"{LABELS_OUTPUT!r} has {spec.shape[1]} columns: one label per column"
+            )
+    return None
 
 
 def cache_problem(cache: CachePolicy) -> str | None:
@@ -113,9 +156,8 @@ def cache_problem(cache: CachePolicy) -> str | None:
 def load_config(path: Path) -> ModelConfig:
     """Read `<path>/config.json` and check that the files it names exist."""
     try:
-        raw = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
-        labels_file = path / raw["files"]["labels"]
-        labels = tuple(json.loads(labels_file.read_text(encoding="utf-8")))
+        raw = _read_json(path / CONFIG_FILE)
+        labels = _labels(path / raw["files"]["labels"])
         cfg = ModelConfig(
             name=raw["name"],
             version=str(raw["version"]),
@@ -138,14 +180,16 @@ def load_config(path: Path) -> ModelConfig:
             build=dict(raw.get("build", {})),
             head_embedder=str(raw.get("head_embedder", "")),
         )
-    except (OSError, KeyError, TypeError, ValueError) as exc:
-        raise InvalidModelError(f"{path}: unreadable model config: {exc!r}") from exc
+    except KeyError as exc:
+        raise InvalidModelError(f"{path}: {CONFIG_FILE} has no {exc}") from exc
+    except (OSError, TypeError, ValueError) as exc:
+        raise InvalidModelError(f"{path}: {exc}") from exc
     if cfg.name != path.parent.name or cfg.version != path.name:
         raise InvalidModelError(
             f"{path}: config says {cfg.name}/{cfg.version}, the directory says "
             f"{path.parent.name}/{path.name}"
         )
-    problem = cache_problem(cfg.cache)
+    problem = cache_problem(cfg.cache) or labels_problem(cfg)
     if problem is not None:
         raise InvalidModelError(f"{path}: {problem}")
     if cfg.head_embedder and "head" not in cfg.files:
@@ -182,6 +226,18 @@ def version_digest(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def is_version(folder: str) -> bool:
+    """Version folders are named by a positive integer in ASCII digits (`1`, not `0`, `v1`)."""
+    return folder.isascii() and folder.isdigit() and int(folder) > 0
+
+
+def _present(folder: Path) -> bool:
+    try:
+        return (folder / CONFIG_FILE).is_file()
+    except PermissionError:
+        return True  # there, but unreadable: loading it says so
+
+
 class ModelRepository:
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -189,21 +245,41 @@ class ModelRepository:
     def names(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and self.versions(p.name))
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and self._holds(p.name))
+
+    def _holds(self, name: str) -> bool:
+        """Whether a model folder holds a version, or cannot be listed (its scan says why)."""
+        try:
+            return bool(self.versions(name) or self.misnamed(name))
+        except OSError:
+            return True
 
     def versions(self, name: str) -> list[str]:
+        """The model's complete versions (folders named by a positive integer that hold a
+        config.json, or whose config.json cannot be looked at: loading it says why).
+        OSError when the model's folder cannot be listed."""
         base = self.root / name
         if not base.is_dir():
             return []
-        found = [p.name for p in base.iterdir() if p.name.isdigit() and (p / CONFIG_FILE).is_file()]
+        found = [p.name for p in base.iterdir() if is_version(p.name) and _present(p)]
         return sorted(found, key=int)
+
+    def misnamed(self, name: str) -> list[str]:
+        """Folders of the model that hold a config.json but are not named as versions are
+        (`v7`, `0`): never served, so worth saying."""
+        base = self.root / name
+        if not base.is_dir():
+            return []
+        return sorted(
+            p.name for p in base.iterdir() if p.is_dir() and not is_version(p.name) and _present(p)
+        )
 
     def next_version(self, name: str) -> str:
         taken = [int(v) for v in self.versions(name)]
         # Also skip half-written or foreign directories: versions are never reused.
         base = self.root / name
         if base.is_dir():
-            taken += [int(p.name) for p in base.iterdir() if p.name.isdigit()]
+            taken += [int(p.name) for p in base.iterdir() if is_version(p.name)]
         return str(max(taken, default=0) + 1)
 
     def resolve(self, name: str, version: str = "") -> ModelConfig:

@@ -19,6 +19,11 @@ _TO_NUMPY: dict[int, np.dtype[np.generic]] = {
     common_pb2.DATA_TYPE_FP32: np.dtype("<f4"),
 }
 _FROM_NUMPY = {dt: code for code, dt in _TO_NUMPY.items()}
+# The dtypes a model's config.json may name (KServe v2 names): those a tensor can carry.
+DTYPE_NAMES = frozenset(
+    common_pb2.DataType.Name(code).removeprefix("DATA_TYPE_")  # type: ignore[arg-type]
+    for code in _TO_NUMPY
+)
 
 
 class TensorError(ValueError):

@@ -10,7 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -256,3 +260,146 @@ def test_files_copied_over_a_loaded_version_serve_it_as_it_was_until_they_load(
     assert (cfg.oos_threshold, session) == (0.25, "session 1")
     assert retired == ["session 1"]
     assert [c.oos_threshold for c, _ in registry.loaded()] == [0.25]
+
+
+def _edit_config(folder: Path, **changes: object) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        # A dtype no tensor can carry: ListModels failed for every model with it (UNKNOWN).
+        (
+            lambda f: _edit_config(
+                f, inputs=[{"name": "input_ids", "dtype": "INT65", "shape": [-1, -1]}]
+            ),
+            "tensor 'input_ids' has dtype 'INT65'",
+        ),
+        # Labels that are not strings: the same.
+        (
+            lambda f: (f / "labels.json").write_text(json.dumps(list(range(26)))),
+            "labels.json must be a JSON list of non-empty label strings",
+        ),
+        # One label fewer than the graph's columns: every answer failed INVALID_ARGUMENT.
+        (
+            lambda f: (f / "labels.json").write_text(
+                json.dumps(json.loads((f / "labels.json").read_text())[:-1])
+            ),
+            "has 25 labels, but output 'logits' has 26 columns",
+        ),
+        (lambda f: (f / "labels.json").write_text("[oops"), "labels.json is not JSON"),
+        (lambda f: (f / "config.json").write_text("{oops"), "config.json is not JSON"),
+    ],
+)
+def test_a_version_whose_config_cannot_serve_is_left_out_naming_what_is_wrong(
+    repo: Path, default_repo: Path, caplog: pytest.LogCaptureFixture, damage: Any, said: str
+) -> None:
+    registry = ModelRegistry(ModelRepository(repo), Loader())
+    registry.load_all()
+    damage(publish(default_repo, repo, "2"))
+    registry.load_new()
+    assert [cfg.version for cfg, _ in registry.loaded()] == ["1"]
+    assert registry.get(DEFAULT_MODEL)[0].version == "1"  # the latest that serves
+    assert said in registry.broken()[(DEFAULT_MODEL, "2")]
+    registry.load_new()  # said once, not at every scan
+    assert [r.getMessage() for r in caplog.records].count("model version left out") == 1
+
+
+def test_folders_not_named_as_versions_are_said_and_never_the_latest(
+    repo: Path, default_repo: Path
+) -> None:
+    """`0` was loaded but could not be the latest ("unknown model" for a request naming no
+    version); `v7` was ignored without a word; `²` passed isdigit() and broke every scan."""
+    registry = ModelRegistry(ModelRepository(repo), Loader())
+    registry.load_all()
+    for folder in ("0", "v7", "²"):
+        shutil.copytree(repo / DEFAULT_MODEL / "1", repo / DEFAULT_MODEL / folder)
+    registry.load_new()
+    assert [cfg.version for cfg, _ in registry.loaded()] == ["1"]
+    broken = registry.broken()
+    for folder in ("0", "v7", "²"):
+        assert (
+            "is not a version folder: versions are positive integers"
+            in broken[(DEFAULT_MODEL, folder)]
+        )
+    with pytest.raises(ModelNotFoundError, match="not a version folder"):
+        registry.get(DEFAULT_MODEL, "v7")
+
+
+UNREADABLE_SCAN = """
+import json, sys
+from pathlib import Path
+from hopline.model.registry import ModelRegistry
+from hopline.model.repository import ModelRepository
+
+registry = ModelRegistry(ModelRepository(Path(sys.argv[1])), lambda cfg: cfg.key)
+registry.load_all()
+print(json.dumps({
+    "loaded": [cfg.key for cfg, _ in registry.loaded()],
+    "broken": {"/".join(k): v for k, v in registry.broken().items()},
+}))
+"""
+
+
+def test_an_unreadable_model_folder_leaves_out_that_model_only(default_repo: Path) -> None:
+    """A model folder the service's user cannot list (copied under umask 077) made every
+    scan fail, so no model was seen at all. The scan runs in a child in a user namespace of
+    its own (`unshare --user`: an unprivileged user there, as a service is), where a folder
+    of mode 000 cannot be listed even when the test runs as root."""
+    top = Path(tempfile.mkdtemp(prefix="hopline-perm-"))
+    try:
+        top.chmod(0o755)  # pytest's own temporary folders are 0700: the child could not enter
+        repo = top / "models"
+        publish(default_repo, repo, "1")
+        other = repo / "other"
+        shutil.copytree(repo / DEFAULT_MODEL, other)
+        for version in other.glob("*/config.json"):
+            config = json.loads(version.read_text())
+            version.write_text(json.dumps({**config, "name": "other"}))
+        for path in [top, *top.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        other.chmod(0)
+        done = subprocess.run(
+            ["unshare", "--user", sys.executable, "-c", UNREADABLE_SCAN, str(repo)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        seen = json.loads(done.stdout)
+        assert seen["loaded"] == [f"{DEFAULT_MODEL}/1"]
+        assert seen["broken"] == {"other/": "cannot list other/: Permission denied"}
+    finally:
+        (top / "models" / "other").chmod(0o755)
+        shutil.rmtree(top)
+
+
+def test_files_replaced_keeping_size_and_mtime_are_loaded_again(
+    repo: Path, default_repo: Path
+) -> None:
+    """`rsync -a` or `cp -p` of a same-length edit keeps sizes and mtimes: the version was
+    never loaded again, and served its old files under a digest of its new ones."""
+    loader = Loader()
+    registry = ModelRegistry(ModelRepository(repo), loader)
+    registry.load_all()
+    folder = publish(default_repo, repo, "2")
+    registry.load_new()
+    labels = folder / "labels.json"
+    before = labels.stat()
+    text = labels.read_text()
+    names = json.loads(text)
+    first, second = (f'"{name}"' for name in names[:2])
+    names[0], names[1] = names[1], names[0]  # the same bytes, in another order
+    staged = folder.parent / "labels.staged"
+    staged.write_text(text.replace(first, "\0").replace(second, first).replace("\0", second))
+    assert staged.stat().st_size == before.st_size
+    os.utime(staged, ns=(before.st_atime_ns, before.st_mtime_ns))
+    staged.replace(labels)
+
+    registry.load_new()
+
+    assert loader.attempts == ["1", "2", "2"]
+    assert list(registry.get(DEFAULT_MODEL, "2")[0].labels) == names
