@@ -19,9 +19,12 @@ import grpc
 
 from hopline.gateway.errors import RequestError
 from hopline.gateway.upstream import Pool
+from hopline.observability.logs import Episodes
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("hopline.gateway.catalogue")
+# Once a list was read: before, the gateway waits for inference (and says so as it waits).
+LIST_FAILURES = Episodes(log, "reading the model list failed; serving the list read before")
 
 
 class ModelCatalogue:
@@ -45,8 +48,14 @@ class ModelCatalogue:
             response = await self.inference.stub().ListModels(
                 inference_pb2.ListModelsRequest(), timeout=5.0
             )
+        except grpc.aio.AioRpcError as err:
+            if self.models:
+                code = err.code().name
+                LIST_FAILURES.failed("list", code, status=code, details=err.details())
+            raise
         finally:
             self._done = number
+        LIST_FAILURES.ended("list")
         models = {(m.name, m.version): m for m in response.models}
         latest: dict[str, str] = {}
         for name, version in models:
