@@ -136,6 +136,9 @@ class PredictCall:
     verify_id: str = ""  # the cache wants the model's answer for this text (verified hits)
     # The lookup's query embedding, when the model's head takes the cache's encoder's vectors.
     embedding: common_pb2.Tensor | None = None
+    # Stages whose answer came from other files than the scope's digest names (a version's
+    # files changing under the services, each reloading on its own): not cached.
+    files_differ: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def new(
@@ -171,8 +174,13 @@ class PredictCall:
 
     @property
     def may_store(self) -> bool:
-        """Whether an inference may be written back: REFRESH stores, BYPASS does not."""
-        return self.info.cache.mode != "off" and self.mode != common_pb2.CACHE_MODE_BYPASS
+        """Whether an inference may be written back: REFRESH stores, BYPASS does not, nor
+        an answer some stage computed from other files than the scope's."""
+        return (
+            self.info.cache.mode != "off"
+            and self.mode != common_pb2.CACHE_MODE_BYPASS
+            and not self.files_differ
+        )
 
     def drop_tokens(self) -> None:
         if self.tokenizing is not None:

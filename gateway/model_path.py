@@ -11,6 +11,7 @@ inference shared by identical plain misses in flight (the Coalescer), each stage
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable
 
@@ -24,10 +25,25 @@ from hopline.gateway.speculation import Speculation
 from hopline.gateway.stage_batching import GatewayStages
 from hopline.gateway.upstream import GatewayUpstreams, HopError
 from hopline.observability import metrics, schema
+from hopline.observability.logs import Episodes
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
+
+log = logging.getLogger("hopline.gateway.model_path")
+FILES_DIFFER = Episodes(
+    log, "a stage answered from other model files than the model list's; answer not cached"
+)
+
+
+def check_files(call: PredictCall, stage: str, digest: str) -> None:
+    """Notes a stage whose answer came from files other than those the scope's digest names
+    (a version changed in place: each service reloads it on its own, and until all have, an
+    answer may mix old and new files; cached, it would be replayed for its TTL). An empty
+    digest is a service from before the field: nothing to compare."""
+    if digest and digest != call.info.digest:
+        call.files_differ[stage] = digest
 
 
 class ModelPath:
@@ -153,4 +169,20 @@ class ModelPath:
             call.timeout_s,
             call.timings,
         )
+        if call.embedding is None:
+            check_files(call, "tokenize", tokens.model_digest)
+        check_files(call, "inference", inferred.model_digest)
+        check_files(call, "postprocess", post.model_digest)
+        if call.files_differ:
+            metrics.CACHE_STORES.labels("skipped_files_differ").inc()
+            FILES_DIFFER.failed(
+                (info.name, info.version),
+                "differ",
+                model=info.name,
+                version=info.version,
+                listed_digest=info.digest,
+                stages=call.files_differ,
+            )
+        else:
+            FILES_DIFFER.ended((info.name, info.version))
         return post.predictions[0]

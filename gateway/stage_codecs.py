@@ -81,6 +81,7 @@ class TokenizeCodec(Codec[tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeR
                 tokenizer_pb2.TokenizeResponse(
                     input_ids=to_tensor(reply.input_ids.name, ids[i : i + 1, :length]),
                     attention_mask=to_tensor(reply.attention_mask.name, mask[i : i + 1, :length]),
+                    model_digest=reply.model_digest,
                 )
             )
         return parts
@@ -121,6 +122,7 @@ class InferCodec(Codec[inference_pb2.InferRequest, inference_pb2.InferResponse])
                 ],
                 queue_ms=reply.queue_ms,
                 compute_ms=reply.compute_ms,
+                model_digest=reply.model_digest,
             )
             for rows in _row_slices(int(r.inputs[0].shape[0]) for r in requests)
         ]
@@ -154,7 +156,9 @@ class PostprocessCodec(
         reply: postprocess_pb2.PostprocessResponse,
     ) -> list[postprocess_pb2.PostprocessResponse]:
         return [
-            postprocess_pb2.PostprocessResponse(predictions=reply.predictions[rows])
+            postprocess_pb2.PostprocessResponse(
+                predictions=reply.predictions[rows], model_digest=reply.model_digest
+            )
             for rows in _row_slices(int(r.outputs[0].shape[0]) for r in requests)
         ]
 

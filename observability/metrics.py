@@ -159,7 +159,8 @@ LOCAL_EXACT_HITS = LoopCounter(
 )
 CACHE_STORES = LoopCounter(
     "hopline_cache_stores_total",
-    "The gateway's cache writes after an inference, by result (stored, error, skipped_policy)",
+    "The gateway's cache writes after an inference, by result (stored, error, skipped_policy, "
+    "skipped_files_differ: a stage answered from other model files than the scope names)",
     ("result",),
 )
 LOCAL_EXACT_ENTRIES = Gauge(

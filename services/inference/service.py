@@ -331,6 +331,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             outputs=[to_tensor(name, np.asarray(value)) for name, value in outputs.items()],
             queue_ms=(run.started_ns - run.enqueued_ns) / 1e6,
             compute_ms=(run.finished_ns - run.started_ns) / 1e6,
+            model_digest=model.digest,
         )
 
     def _infer_from_embedding(
@@ -376,6 +377,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             model_version=cfg.version,
             outputs=[to_tensor(name, produced[name]) for name in names],
             compute_ms=(finished - started) / 1e6,
+            model_digest=model.digest,
         )
 
     async def ListModels(

@@ -17,6 +17,7 @@ from hopline.model.repository import (
     ModelConfig,
     ModelNotFoundError,
     ModelRepository,
+    version_digest,
 )
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from hopline.runtime.config import (
@@ -45,11 +46,12 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
 
     def __init__(self, config: PostprocessConfig) -> None:
         self.config = config
-        # Postprocessing needs only the config (labels, threshold), not the weights.
+        # Postprocessing needs only the config (labels, threshold), not the weights; what it
+        # keeps per version is the digest of the files it read them from.
         # Rescanned every few seconds from requests: a removed or replaced version is let go.
-        self.models: ModelRegistry[ModelConfig] = ModelRegistry(
+        self.models: ModelRegistry[str] = ModelRegistry(
             ModelRepository(Path(config.model_repo)),
-            lambda cfg: cfg,
+            lambda cfg: version_digest(cfg.path),
             rescan_s=config.model_refresh_s,
             linger_s=LINGER_REFRESHES * config.model_refresh_s,
         )
@@ -72,7 +74,7 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
         ],
     ) -> postprocess_pb2.PostprocessResponse:
         try:
-            cfg, _ = self.models.get(request.model, request.model_version)
+            cfg, digest = self.models.get(request.model, request.model_version)
         except ModelNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         top_k = request.top_k or 1
@@ -108,7 +110,8 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
                 cfg.labels,
                 cfg.oos_threshold,
                 top_k,
-            )
+            ),
+            model_digest=digest,
         )
 
 

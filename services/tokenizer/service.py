@@ -10,7 +10,12 @@ from opentelemetry import trace
 from tokenizers import Tokenizer
 
 from hopline.model.registry import LINGER_REFRESHES, ModelRegistry
-from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
+from hopline.model.repository import (
+    ModelConfig,
+    ModelNotFoundError,
+    ModelRepository,
+    version_digest,
+)
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.observability import schema
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -41,8 +46,11 @@ class TokenizerConfig(ServerConfig):
     )
 
 
-def _load(cfg: ModelConfig) -> Tokenizer:
-    return load_tokenizer(cfg.file("tokenizer"), cfg.max_sequence_length)
+def _load(cfg: ModelConfig) -> tuple[Tokenizer, str]:
+    """The version's tokenizer and the digest of the files it was read with (computed
+    first: files that change after it are a new signature, read again at the next rescan)."""
+    digest = version_digest(cfg.path)
+    return load_tokenizer(cfg.file("tokenizer"), cfg.max_sequence_length), digest
 
 
 class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
@@ -90,7 +98,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
                     f"texts[{i}] is over {self.config.max_text_bytes} bytes",
                 )
         try:
-            _, tokenizer = self.models.get(request.model, request.model_version)
+            _, (tokenizer, digest) = self.models.get(request.model, request.model_version)
         except ModelNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         batch = encode(tokenizer, texts)
@@ -102,4 +110,5 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
             attention_mask=to_tensor("attention_mask", batch.attention_mask),
             lengths=batch.lengths,
             truncated=batch.truncated,
+            model_digest=digest,
         )
