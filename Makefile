@@ -287,6 +287,12 @@ k8s-check: $(KUBECONFORM) $(K8S_SCHEMAS)/.stamp $(if $(shell command -v kubectl)
 	@mkdir -p build
 	@set -euo pipefail; for overlay in $(K8S_OVERLAYS); do \
 		$(KUSTOMIZE) deploy/k8s/overlays/$$overlay > build/k8s-$$overlay.yaml; \
+		unnamed=$$(grep -nE '^ *image: hopline(:|$$)' build/k8s-$$overlay.yaml || true); \
+		[ -z "$$unnamed" ] || { echo "$$overlay: a workload's image is not rewritten: $$unnamed"; exit 1; }; \
+		if [ $$overlay = production ]; then \
+			local=$$(grep -n 'image: localhost/' build/k8s-$$overlay.yaml || true); \
+			[ -z "$$local" ] || { echo "production pulls a local image: $$local"; exit 1; }; \
+		fi; \
 		for v in $(K8S_VERSIONS); do \
 			summary=$$($(KUBECONFORM) -strict -summary -output text -kubernetes-version $$v \
 				-schema-location '$(K8S_SCHEMAS)/{{.NormalizedKubernetesVersion}}-standalone{{.StrictSuffix}}/{{.ResourceKind}}{{.KindSuffix}}.json' \
