@@ -109,7 +109,7 @@ status:
   capacity: {cpu: "16", memory: 64Gi, pods: "110"}
 NODE
 done
-for pv in models:ReadOnlyMany:2Gi milvus:ReadWriteOnce:20Gi; do
+for pv in models:ReadWriteMany:2Gi milvus:ReadWriteOnce:20Gi; do
   IFS=: read -r name mode size <<< "$pv"
   kubectl apply -f - >/dev/null <<PV
 apiVersion: v1
