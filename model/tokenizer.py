@@ -32,14 +32,25 @@ def configure(tokenizer: Tokenizer, max_length: int = DEFAULT_MAX_LENGTH) -> Tok
     return tokenizer
 
 
+def _from_file(path: Path) -> Tokenizer:
+    """The tokenizer file at `path`; ValueError naming it (the `tokenizers` library's own
+    error says where in the JSON it failed, not which file)."""
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the library raises a bare Exception
+        raise ValueError(
+            f"{path} is not a tokenizer file the tokenizers library reads: {exc}"
+        ) from exc
+
+
 def load_tokenizer(path: Path, max_length: int = DEFAULT_MAX_LENGTH) -> Tokenizer:
-    return configure(Tokenizer.from_file(str(path)), max_length)
+    return configure(_from_file(path), max_length)
 
 
 def vocab_size(path: Path) -> int:
     """How many token ids the tokenizer file at `path` gives out (ids 0 to n - 1): the rows of
     the model's word embedding table, which fails a run on any other id."""
-    return int(Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True))
+    return int(_from_file(path).get_vocab_size(with_added_tokens=True))
 
 
 def encode(tokenizer: Tokenizer, texts: list[str]) -> Batch:
