@@ -15,7 +15,7 @@ from hopline.model.tokenizer import load_tokenizer, vocab_size
 def test_an_unreadable_tokenizer_file_is_named(tmp_path: Path, read: object) -> None:
     path = tmp_path / "tokenizer.json"
     path.write_text('{"version": "1.0",', encoding="utf-8")
-    with pytest.raises(ValueError, match="tokenizer.json is not a tokenizer file") as info:
+    with pytest.raises(ValueError, match=r"tokenizer\.json is not a tokenizer file") as info:
         read(path)  # type: ignore[operator]
     assert str(path) in str(info.value)
     assert "line 1" in str(info.value)  # the library's reason is kept
