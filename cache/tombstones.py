@@ -30,15 +30,21 @@ class Tombstones:
     def __init__(self, keep_s: float) -> None:
         self.keep_s = keep_s
         self._ids: dict[str, float] = {}  # entry id -> until
+        # The ids of each bury, oldest first, so expiry costs what expires: taking the dict's
+        # oldest item one at a time walked every slot deleted before it (a dict does not
+        # compact on deletion), quadratic in the ids expiring, and an Invalidate of 60,000
+        # ids held the cache's event loop for minutes.
+        self._buried: deque[tuple[float, tuple[str, ...]]] = deque()
         self._scopes: deque[tuple[ScopeFilter, float]] = deque()  # oldest first
 
     def bury(self, ids: Iterable[str], scope: ScopeFilter | None, now: float) -> None:
         until = now + self.keep_s
         self._prune(now)
-        for key in ids:
-            # Re-inserted so the dict stays ordered by expiry (one keep_s for all).
-            self._ids.pop(key, None)
-            self._ids[key] = until
+        batch = tuple(ids)
+        if batch:
+            for key in batch:
+                self._ids[key] = until
+            self._buried.append((until, batch))
         if scope is not None:
             self._scopes.append((scope, until))
 
@@ -53,10 +59,10 @@ class Tombstones:
         return len(self._ids) + len(self._scopes)
 
     def _prune(self, now: float) -> None:
-        while self._ids:
-            key, until = next(iter(self._ids.items()))
-            if until > now:
-                break
-            del self._ids[key]
+        while self._buried and self._buried[0][0] <= now:
+            until, batch = self._buried.popleft()
+            for key in batch:
+                if self._ids.get(key) == until:  # not buried again since
+                    del self._ids[key]
         while self._scopes and self._scopes[0][1] <= now:
             self._scopes.popleft()

@@ -58,3 +58,30 @@ def test_expired_stones_are_dropped_and_a_reburied_id_lasts_from_its_new_burial(
 def test_lookup_consistency_names_milvus_levels() -> None:
     assert LookupConsistency("bounded").milvus_level == "Bounded"
     assert LookupConsistency("strong").milvus_level == "Strong"
+
+
+def test_an_id_buried_again_before_its_first_stone_expires_keeps_the_later_one() -> None:
+    stones = Tombstones(KEEP_S)
+    stones.bury([entry("a").key, entry("b").key], None, now=0.0)
+    stones.bury([entry("a").key], None, now=5.0)
+    stones.bury([], None, now=KEEP_S + 1)  # the first burial's stones expire here
+    assert stones.hides(entry("a"), now=KEEP_S + 1)
+    assert not stones.hides(entry("b"), now=KEEP_S + 1)
+    assert len(stones) == 1
+    stones.bury([], None, now=5.0 + KEEP_S)
+    assert len(stones) == 0
+
+
+def test_a_large_invalidation_expires_whole() -> None:
+    """An Invalidate of 60,000 ids, then another: the first's stones all leave at once (taking
+    the dict's oldest item one at a time cost the square of their number: 60,000 held the
+    cache's event loop for minutes; this runs in well under a second)."""
+    stones = Tombstones(KEEP_S)
+    first = [f"{i:064x}" for i in range(60_000)]
+    second = [f"{i:064x}" for i in range(60_000, 120_000)]
+    stones.bury(first, None, now=0.0)
+    stones.bury(first[:10], None, now=1.0)  # ten buried again: they stay
+    stones.bury(second, None, now=KEEP_S + 0.5)
+    assert len(stones) == 60_010
+    assert stones.hides(entry(first[0]), now=KEEP_S + 0.5)
+    assert not stones.hides(entry(first[10]), now=KEEP_S + 0.5)
