@@ -109,6 +109,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         self.catalogue = ModelCatalogue(self.upstreams.inference)
         self.tenants = TenantResolver(config.api_keys)
         self.serving = False
+        self.stream_drain = asyncio.Event()  # set by drain(): PredictStreams stop reading
         self.breaker = CircuitBreaker(
             config.cache_breaker_failures, config.cache_breaker_cooldown_s
         )
@@ -191,6 +192,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         return self.upstreams.cache.stub().WatchInvalidations(
             cache_pb2.WatchInvalidationsRequest(keys=self.key_mirror.capacity > 0)
         )
+
+    async def drain(self) -> None:
+        """Once the drain delay is over: every PredictStream stops reading, answers what it
+        read and ends UNAVAILABLE (gateway/streaming.py), not held open for the grace."""
+        self.stream_drain.set()
 
     def begin_drain(self) -> None:
         """SIGTERM: KServe's ServerReady and ModelReady answer false from now on, as health

@@ -10,6 +10,11 @@ request it sent). Responses go out as they complete, each carrying its
 request's id. A request that fails gets a response with its status code and message; only a
 broken stream (cancelled, deadline passed) ends the RPC.
 
+A drain (SIGTERM, once the drain delay is over: GatewayService.drain) stops reading every
+stream: what was read is answered, then the stream ends UNAVAILABLE, so a client sends the
+requests it has no answer for to another replica. Before, a stream kept taking new requests
+through the whole grace period and was then cut off with the answers in flight.
+
 Tracing: the stream's server span (the interceptor's) is the parent of one
 `gateway.stream_message` span per request, under which that request's hops hang, so one
 stream is one trace and each request in it is a subtree.
@@ -36,6 +41,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("hopline.gateway.stream")
 
 _END = object()
+_DRAINED = object()
+DRAINED = (
+    "shutting down: every request this stream answered is answered; send those it did not "
+    "(none was read) to another replica"
+)
 
 
 async def predict_stream(
@@ -87,15 +97,31 @@ async def predict_stream(
             while running:  # the client has half-closed: finish what it sent
                 await asyncio.wait(set(running))
         finally:
-            await replies.put(_END)
+            if not drained:  # a drain ends the stream once what was read is answered
+                replies.put_nowait(_END)
+
+    drained = False
+
+    async def on_drain() -> None:
+        nonlocal drained
+        await gateway.stream_drain.wait()
+        drained = True
+        reader.cancel()  # messages not read yet were never accepted
+        while running:
+            await asyncio.wait(set(running))
+        replies.put_nowait(_DRAINED)
 
     reader = asyncio.create_task(read())
+    drainer = asyncio.create_task(on_drain())
     try:
-        while (reply := await replies.get()) is not _END:
+        while (reply := await replies.get()) is not _END and reply is not _DRAINED:
             yield reply
             slots.release()
+        if reply is _DRAINED:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINED)
         await reader  # a read that failed ends the RPC with that failure
     finally:
+        drainer.cancel()
         reader.cancel()
         for task in list(running):
             task.cancel()

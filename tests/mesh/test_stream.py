@@ -185,3 +185,55 @@ def test_streams_are_refused_until_the_gateway_is_ready(default_repo: Path, tmp_
         assert "not ready" in (info.value.details() or "")
     finally:
         alone.stop()
+
+
+def test_a_drain_answers_what_a_stream_read_and_ends_it_unavailable(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """SIGTERM to the gateway while a client keeps sending on a stream: once the drain delay
+    is over the gateway stops reading it, answers every request it read, and ends the stream
+    UNAVAILABLE, so the client knows to send the rest elsewhere. Before, the stream kept
+    taking requests through the whole grace period and was then cut off ("Cancelling all
+    calls") with answers in flight."""
+    grace_s = 30.0
+    mesh = Mesh(default_repo, tmp_path, HOPLINE_DRAIN_GRACE_S=str(grace_s)).start()
+    sent: list[str] = []
+    stop = threading.Event()
+
+    def requests() -> Iterator[gateway_pb2.PredictStreamRequest]:
+        n = 0
+        while not stop.is_set():
+            rid = f"r{n}"
+            sent.append(rid)
+            yield gateway_pb2.PredictStreamRequest(
+                id=rid, request=gateway_pb2.PredictRequest(text=f"where is parcel {n}")
+            )
+            n += 1
+            time.sleep(0.05)
+
+    try:
+        with grpc.insecure_channel(mesh.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            call = stub.PredictStream(requests(), timeout=120)
+            answered: list[gateway_pb2.PredictStreamResponse] = []
+
+            def read_all() -> None:
+                for reply in call:
+                    answered.append(reply)
+                    if len(answered) == 10:
+                        mesh.procs["gateway"].terminate()  # SIGTERM
+
+            with pytest.raises(grpc.RpcError) as info:
+                read_all()
+            stop.set()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+        assert "shutting down" in (info.value.details() or "")
+        assert len(answered) > 10  # requests kept being answered through the drain delay
+        assert all(r.code == OK for r in answered), [r.message for r in answered if r.code]
+        # What was read was answered, none lost: requests are read in the order sent.
+        assert sorted(r.id for r in answered) == sorted(sent[: len(answered)])
+        assert mesh.procs["gateway"].wait(timeout=60) == 0
+        assert "grace period over" not in mesh.log("gateway")
+    finally:
+        stop.set()
+        mesh.stop()
