@@ -34,12 +34,16 @@ from hopline.observability import metrics, schema
 from hopline.observability.tracing import child_span
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.runtime.errors import StatusError
+from hopline.runtime.interceptors import Undecodable
 
 if TYPE_CHECKING:
     from hopline.gateway.service import GatewayService
 
 log = logging.getLogger("hopline.gateway.stream")
 
+# An id is echoed in its reply, put on its span and in logs: one near the message size limit
+# made its reply too large to send, and gRPC ended the whole stream RESOURCE_EXHAUSTED.
+MAX_ID_BYTES = 4096
 _END = object()
 _DRAINED = object()
 DRAINED = (
@@ -60,6 +64,9 @@ async def predict_stream(
     metrics.GATEWAY_CALLS.labels("PredictStream").inc()
 
     async def answer(message: gateway_pb2.PredictStreamRequest) -> None:
+        if len(message.id) > MAX_ID_BYTES // 4 and len(message.id.encode()) > MAX_ID_BYTES:
+            replies.put_nowait(_id_too_long(message.id))  # its slot is freed once written
+            return
         try:
             with child_span(
                 schema.SPAN_STREAM_MESSAGE,
@@ -89,11 +96,18 @@ async def predict_stream(
 
     async def read() -> None:
         try:
-            async for message in requests:
-                await slots.acquire()
-                task = asyncio.create_task(answer(message))
-                running.add(task)
-                task.add_done_callback(running.discard)
+            try:
+                async for message in requests:
+                    await slots.acquire()
+                    task = asyncio.create_task(answer(message))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+            except Undecodable:
+                # The stream ends INVALID_ARGUMENT (the decoding wrapper says why), but what
+                # was read before the bad message is answered first, as at a half-close.
+                while running:
+                    await asyncio.wait(set(running))
+                raise
             while running:  # the client has half-closed: finish what it sent
                 await asyncio.wait(set(running))
         finally:
@@ -125,3 +139,15 @@ async def predict_stream(
         reader.cancel()
         for task in list(running):
             task.cancel()
+
+
+def _id_too_long(rid: str) -> gateway_pb2.PredictStreamResponse:
+    """The refusal of a request whose id is over MAX_ID_BYTES: the id's first MAX_ID_BYTES
+    bytes (whole characters) to match it by."""
+    size = len(rid.encode())
+    return gateway_pb2.PredictStreamResponse(
+        id=rid.encode()[:MAX_ID_BYTES].decode("utf-8", "ignore"),
+        code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+        message=f"PredictStreamRequest.id is {size} bytes; the limit is {MAX_ID_BYTES}: "
+        "send a shorter id (this reply carries its first bytes)",
+    )

@@ -160,6 +160,16 @@ def _expected(deserializer: Deserializer, method: str) -> str:
     return name if isinstance(name, str) else f"request for {method}"
 
 
+class Undecodable(Exception):
+    """A streamed request that does not parse, raised where the handler reads it: a handler
+    may answer what it read before it (gateway/streaming.py); the stream then ends
+    INVALID_ARGUMENT with `message` (the wrapper aborts with it)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
 def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str) -> Any:
     """`behaviour` taking raw request bytes: each request is parsed with `deserializer`, and
     one that does not parse is refused with INVALID_ARGUMENT (see the module docstring)."""
@@ -174,7 +184,7 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
             try:
                 request = deserializer(data)
             except Exception as exc:  # any failure to parse client bytes is the client's
-                await refuse(context, exc)
+                raise Undecodable(refusals.count(exc)) from None
             yield request
 
     if kind == "unary_unary":
@@ -201,13 +211,19 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
     if kind == "stream_unary":
 
         async def stream_unary(raw: AsyncIterator[bytes], context: Context) -> Any:
-            return await behaviour(each(raw, context), context)
+            try:
+                return await behaviour(each(raw, context), context)
+            except Undecodable as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
 
         return stream_unary
 
     async def stream_stream(raw: AsyncIterator[bytes], context: Context) -> AsyncIterator[Any]:
-        async for reply in behaviour(each(raw, context), context):
-            yield reply
+        try:
+            async for reply in behaviour(each(raw, context), context):
+                yield reply
+        except Undecodable as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
 
     return stream_stream
 

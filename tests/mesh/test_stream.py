@@ -14,6 +14,7 @@ import pytest
 
 from harness import NOT_SERVING, TOPOLOGIES, Mesh, health
 from hopline.gateway.config import GatewayConfig
+from hopline.gateway.streaming import MAX_ID_BYTES
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime import config as cfg
 
@@ -237,3 +238,58 @@ def test_a_drain_answers_what_a_stream_read_and_ends_it_unavailable(
     finally:
         stop.set()
         mesh.stop()
+
+
+def test_an_undecodable_message_ends_the_stream_after_answering_what_came_before(
+    mesh: Mesh,
+) -> None:
+    """Five good requests, then bytes that are not a PredictStreamRequest: the stream ends
+    INVALID_ARGUMENT naming the message type, and the five read before it are answered
+    first (before, the gateway did their work and dropped their answers)."""
+    salt = uuid.uuid4().hex[:8]
+    good = [
+        gateway_pb2.PredictStreamRequest(
+            id=f"g{n}", request=gateway_pb2.PredictRequest(text=f"where is parcel {n} {salt}")
+        ).SerializeToString()
+        for n in range(5)
+    ]
+    with grpc.insecure_channel(mesh.gateway) as channel:
+        call = channel.stream_stream(
+            "/hopline.gateway.v1.GatewayService/PredictStream", None, None
+        )(iter([*good, b"\x0a\xff\xff\xff\xff"]), timeout=60)
+        answered: list[gateway_pb2.PredictStreamResponse] = []
+
+        def read_all() -> None:
+            for raw in call:
+                answered.append(gateway_pb2.PredictStreamResponse.FromString(raw))
+
+        with pytest.raises(grpc.RpcError) as info:
+            read_all()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hopline.gateway.v1.PredictStreamRequest" in (info.value.details() or "")
+    assert sorted(r.id for r in answered) == [f"g{n}" for n in range(5)]
+    assert all(r.code == OK for r in answered), [r.message for r in answered]
+
+
+def test_an_id_over_the_limit_fails_its_own_request_not_the_stream(mesh: Mesh) -> None:
+    """An id near the message size limit made its reply too large to send, and gRPC ended the
+    whole stream RESOURCE_EXHAUSTED, losing the requests beside it."""
+    huge = "X" * (4 * 1024 * 1024 - 100)
+    request = gateway_pb2.PredictRequest(text="where is my parcel")
+    with grpc.insecure_channel(mesh.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        replies = list(
+            stub.PredictStream(
+                stream_of(("a", request), (huge, request), ("b", request)), timeout=60
+            )
+        )
+    by_code = {r.id[:8]: r for r in replies}
+    assert len(replies) == 3
+    assert by_code["a"].code == OK
+    assert by_code["b"].code == OK
+    refused = by_code["XXXXXXXX"]
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert refused.id == huge[:MAX_ID_BYTES]
+    assert f"PredictStreamRequest.id is {len(huge)} bytes; the limit is {MAX_ID_BYTES}" in (
+        refused.message
+    )
