@@ -58,6 +58,12 @@ async def predict_stream(
     context: grpc.aio.ServicerContext[Any, Any],
 ) -> AsyncIterator[gateway_pb2.PredictStreamResponse]:
     metadata = tuple(context.invocation_metadata() or ())
+    try:
+        # A caller without a valid key is refused the stream itself, not each message: it
+        # would otherwise hold a stream, and its memory, open as long as it liked.
+        gateway.tenants.require_key(metadata)
+    except StatusError as err:
+        await context.abort(err.code, err.message)
     replies: asyncio.Queue[Any] = asyncio.Queue()
     slots = asyncio.Semaphore(gateway.config.stream_max_in_flight)
     running: set[asyncio.Task[None]] = set()

@@ -100,6 +100,22 @@ def test_who_is_asking_is_checked_before_what_is_asked(kmesh: Mesh) -> None:
     assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_stream_without_a_key_is_refused_whole(kmesh: Mesh) -> None:
+    """Not each message: a caller without a valid key held a stream open as long as it
+    liked, each message answered UNAUTHENTICATED. With a key, the stream serves."""
+    message = gateway_pb2.PredictStreamRequest(
+        id="s1", request=gateway_pb2.PredictRequest(text=TEXT)
+    )
+    with grpc.insecure_channel(kmesh.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        for metadata in ((), auth("not-a-key")):
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.PredictStream(iter([message]), timeout=30, metadata=metadata))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+        (reply,) = stub.PredictStream(iter([message]), timeout=30, metadata=auth(ACME_KEY))
+    assert (reply.id, reply.code, reply.response.tenant) == ("s1", 0, "acme")
+
+
 def test_wrong_key_is_unauthenticated(kmesh: Mesh) -> None:
     for metadata in (auth("not-a-key"), auth(ACME_KEY + "0"), (("authorization", ACME_KEY),)):
         code, details = rejection(kmesh, TEXT, metadata)
