@@ -345,6 +345,13 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         scope = None
         if request.HasField("scope"):
             s = request.scope
+            if s.parameters:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "Invalidate matches a scope's tenant, model and model_version, not its "
+                    "parameters: leave scope.parameters empty (every entry of the version goes) "
+                    "or name the entries by entry_ids",
+                )
             scope = ScopeFilter(s.tenant, s.model, s.model_version)
             if scope.is_empty():
                 await context.abort(

@@ -171,6 +171,17 @@ def test_invalidate_by_scope_and_by_id(cmesh: Mesh) -> None:
         assert ask(cmesh, one, tenant="inv-b").cache.outcome == MISS
         assert ask(cmesh, two, tenant="inv-b").cache.outcome == MISS
         assert ask(cmesh, two, tenant="inv-a").cache.outcome == EXACT  # other tenant untouched
+        # Parameters are not matched: refused, not widened to every entry of the version.
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Invalidate(
+                cache_pb2.InvalidateRequest(
+                    scope=common_pb2.Scope(tenant="inv-a", model="sem", parameters={"top_k": "1"})
+                ),
+                timeout=10,
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not its parameters" in (err.value.details() or "")
+        assert ask(cmesh, two, tenant="inv-a").cache.outcome == EXACT  # nothing went
         for bad in (
             cache_pb2.InvalidateRequest(scope=common_pb2.Scope()),
             cache_pb2.InvalidateRequest(entry_ids=['" or id != "']),
