@@ -41,7 +41,7 @@ from hopline.cache.keys import ScopeError, scope_tuple
 from hopline.cache.lookup import CacheLookup
 from hopline.cache.milvus_access import MilvusAccess
 from hopline.cache.milvus_lite import is_local
-from hopline.cache.milvus_rows import MAX_TEXT_BYTES
+from hopline.cache.milvus_rows import MAX_TEXT_BYTES, row_problem
 from hopline.cache.milvus_store import MilvusStore
 from hopline.cache.semantic_search import SemanticSearch
 from hopline.cache.shared_invalidations import SharedInvalidations, follow
@@ -281,6 +281,14 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"mode must be 'exact' or 'semantic', got {request.mode!r}",
             )
+        if not request.text.strip():
+            # As Store refuses it; a semantic lookup would have run the encoder on nothing.
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "text is empty: nothing to look up"
+            )
+        if problem := row_problem(scope, "", b""):
+            # No entry can have such a scope (Store refuses it the same way).
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if len(request.text.encode("utf-8")) > MAX_TEXT_BYTES:
             # No entry can hold it, and a semantic lookup would tokenize all of it.
             await context.abort(

@@ -200,6 +200,16 @@ def test_lookup_rejects_bad_requests(cmesh: Mesh) -> None:
             (cache_pb2.LookupRequest(scope=scope, text="x", mode="fuzzy"), "mode"),
             (cache_pb2.LookupRequest(scope=scope, text="x", mode="semantic"), "threshold"),
             (cache_pb2.LookupRequest(scope=common_pb2.Scope(tenant="t"), text="x"), "model"),
+            # As Store refuses them: an empty text (a semantic lookup ran the encoder on it),
+            # a tenant no entry can have.
+            (cache_pb2.LookupRequest(scope=scope, text="  "), "text is empty"),
+            (
+                cache_pb2.LookupRequest(
+                    scope=common_pb2.Scope(tenant="t" * 300, model="sem", model_version="1"),
+                    text="x",
+                ),
+                "scope tenant is over 256 bytes",
+            ),
         ):
             with pytest.raises(grpc.RpcError) as err:
                 stub.Lookup(request, timeout=10)
