@@ -49,6 +49,7 @@ class Span:
     end: int  # ns
     attributes: dict[str, Any]
     children: list[Span] = dataclasses.field(default_factory=list)
+    links: tuple[str, ...] = ()  # the span ids this span links to
 
     @property
     def ms(self) -> float:
@@ -128,6 +129,7 @@ def _document_spans(doc: dict[str, Any]) -> Iterator[Span]:
                     start=int(s["startTimeUnixNano"]),
                     end=int(s["endTimeUnixNano"]),
                     attributes=_attrs(s.get("attributes", [])),
+                    links=tuple(_hex_id(link["spanId"]) for link in s.get("links", []) or []),
                 )
 
 
@@ -199,6 +201,42 @@ def build_tree(spans: Sequence[Span]) -> Span | None:
     return max(gateway or roots, key=lambda r: r.end - r.start)
 
 
+# The gateway's stage batch (gateway/stage_batching.py): one RPC for several requests' rows,
+# under the first recorded request's hop span and linked from every request's.
+STAGE_BATCH = "gateway.stage_batch"
+
+
+def join_batches(roots: Sequence[Span]) -> None:
+    """Hangs each stage batch's server span, wherever the batch was recorded (in another
+    request's trace), under every hop span it served that has none of its own, so each
+    request's hop reads as client -> server as an unbatched one does: without this, the
+    service's whole time read as the hop's gap (network) in every request but the first."""
+    batches: dict[str, Span] = {}
+    stack = list(roots)
+    while stack:
+        span = stack.pop()
+        stack.extend(span.children)
+        if span.name == STAGE_BATCH:
+            for linked in span.links:
+                batches[linked] = span
+    stack = list(roots)
+    while stack:
+        span = stack.pop()
+        stack.extend(span.children)
+        batch = batches.get(span.span_id)
+        if span.kind != CLIENT or batch is None or _served_under(span):
+            continue
+        span.children.extend(c for c in batch.children if c.kind == SERVER)
+
+
+def _served_under(client: Span) -> bool:
+    """Whether a hop span has its server span under it, directly or through its batch."""
+    return any(
+        c.kind == SERVER or (c.name == STAGE_BATCH and any(g.kind == SERVER for g in c.children))
+        for c in client.children
+    )
+
+
 def _walk_critical(root: Span) -> tuple[dict[str, float], dict[int, int]]:
     """The critical path's milliseconds by category (see `critical_path`), and per span
     (keyed by `id(span)`) the nanoseconds the path spent inside it or the spans under it."""
@@ -210,6 +248,9 @@ def _walk_critical(root: Span) -> tuple[dict[str, float], dict[int, int]]:
             return
         if span.kind == CLIENT:
             charged[f"gap:{span.name}"] += ns / 1e6
+            return
+        if span.name == STAGE_BATCH:  # the batch RPC's time outside its server: the hop's
+            charged[f"gap:{span.attributes.get('hopline.hop', span.name)}"] += ns / 1e6
             return
         charged[span.service] += ns / 1e6
         if span.kind != SERVER:
@@ -243,13 +284,17 @@ def critical_path(root: Span) -> dict[str, float]:
 
 
 def _hop_key(span: Span, parents: Sequence[Span]) -> tuple[str, ...]:
-    """A span's row in the hop table: labels from its enclosing hop (the nearest client
-    span) down to it, a client span by its name, a server span by its service, others by
-    their name. A span under no hop (e.g. `gateway.stream_message`) starts from the root's
-    children."""
+    """A span's row in the hop table: labels from its enclosing hop (the outermost client
+    span: a batch's own call under a request's hop, as the store queue makes, is a row
+    under that hop, not the hop again) down to it, a client span by its name, a server span
+    by its service, others by their name. A span under no hop (e.g.
+    `gateway.stream_message`) starts from the root's children."""
     chain = [*parents, span]
-    start = max((i for i, s in enumerate(chain) if s.kind == CLIENT), default=0)
-    return tuple(s.service if s.kind == SERVER else s.name for s in chain[start:])
+    start = min((i for i, s in enumerate(chain) if s.kind == CLIENT), default=0)
+    # What a stage batch carried reads as the hop's own (its server a row under the hop, as
+    # for an unbatched request); the batch span itself keeps a row.
+    chain = [s for s in chain[start:-1] if s.name != STAGE_BATCH] + [span]
+    return tuple(s.service if s.kind == SERVER else s.name for s in chain)
 
 
 def hop_table(roots: Sequence[Span]) -> list[dict[str, Any]]:
@@ -320,22 +365,31 @@ class Report:
 
 
 def _own_times(root: Span) -> dict[str, list[float]]:
-    """Each service's server-span durations and each hop's gap (client minus server)."""
+    """Each service's server-span durations and each hop's gap (client minus server, the
+    server reached through its stage batch where it went in one), over the work that ended
+    before the reply (a store after it is no part of the request's time). The root's row is
+    its own time: its duration less its children's that ended before it did."""
     out: dict[str, list[float]] = defaultdict(list)
-    stack = [root]
+    stack = [c for c in root.children if c.end <= root.end]
     while stack:
         s = stack.pop()
         stack.extend(s.children)
-        if s.kind == SERVER and s is not root:
+        if s.kind == SERVER:
             out[s.service].append(s.ms)
         elif s.kind == CLIENT:
-            inner = [c for c in s.children if c.kind == SERVER]
+            inner = [c for c in s.children if c.kind == SERVER] or [
+                g
+                for c in s.children
+                if c.name == STAGE_BATCH
+                for g in c.children
+                if g.kind == SERVER
+            ]
             served = sum(c.ms for c in inner)
             out[f"gap:{s.name}"].append(max(0.0, s.ms - served))
-        elif s.kind not in (SERVER, CLIENT) and s is not root:
+        elif s.name != STAGE_BATCH:
             out[f"  {s.name}"].append(s.ms)
     if root.kind == SERVER:
-        out[root.service].append(root.ms)
+        out[root.service].append(_walk_critical(root)[0].get(root.service, 0.0))
     return out
 
 
@@ -345,6 +399,7 @@ BANDS = (("p0-p50", 0, 50), ("p50-p90", 50, 90), ("p90-p99", 90, 99), ("p99-max"
 def analyse(traces: dict[str, list[Span]], above: float, operation: str | None = None) -> Report:
     """Attribute the slow requests' time; `operation` keeps only traces rooted at that RPC."""
     roots = [r for r in (build_tree(spans) for spans in traces.values()) if r is not None]
+    join_batches(roots)
     if operation:
         roots = [r for r in roots if r.name == operation]
     if not roots:

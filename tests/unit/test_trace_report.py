@@ -195,3 +195,98 @@ def test_a_file_that_cannot_be_read_is_named(
 ) -> None:
     assert main(["trace", "report", "--file", str(tmp_path)]) == 1
     assert capsys.readouterr().err == f"error: cannot read {tmp_path}: Is a directory\n"
+
+
+def _batched_pair() -> list[dict[str, Any]]:
+    """Two requests whose inference went in one stage batch: recorded under the first's hop
+    (client -> gateway.stage_batch -> server), linked from both hops; the second's hop has no
+    server span in its own trace. The model took 30 of each hop's 32 ms."""
+    span, resource = otlp_span, otlp_resource
+    first, second = f"{1:032x}", f"{2:032x}"
+    batch = span(first, 3, 2, "gateway.stage_batch", 1, 0.5, 31.5)
+    batch["links"] = [
+        {"traceId": first, "spanId": f"{2:016x}"},
+        {"traceId": second, "spanId": f"{12:016x}"},
+    ]
+    batch["attributes"] = [{"key": "hopline.hop", "value": {"stringValue": "inference"}}]
+    return [
+        {
+            "resourceSpans": [
+                resource(
+                    "gateway",
+                    [
+                        span(first, 1, 0, PREDICT, 2, 0, 34),
+                        span(first, 2, 1, "inference", 3, 0, 32),
+                        batch,
+                    ],
+                ),
+                resource("inference", [span(first, 4, 3, "Infer", 2, 1, 31)]),
+            ]
+        },
+        {
+            "resourceSpans": [
+                resource(
+                    "gateway",
+                    [
+                        span(second, 11, 0, PREDICT, 2, 0, 34),
+                        span(second, 12, 11, "inference", 3, 0, 32),
+                    ],
+                ),
+            ]
+        },
+    ]
+
+
+def test_a_batched_hop_is_charged_to_its_service_in_every_request_it_served() -> None:
+    """Before, every request but the one the batch was recorded under read its model time as
+    `gap:inference` (network), and the service's row counted one request in two."""
+    report = analyse(parse_otlp(_batched_pair()), above=0)
+    rows = {r["name"]: r for r in report.rows}
+    assert rows["inference"]["count"] == 2
+    assert rows["inference"]["p50_ms"] == pytest.approx(30.0)
+    assert rows["gap:inference"]["p50_ms"] == pytest.approx(2.0)  # 32 - 30, in both
+    assert rows["inference"]["critical_ms"] == pytest.approx(30.0)
+    # The batch RPC's time outside its server is the hop's gap, not the gateway's work.
+    assert rows["gap:inference"]["critical_ms"] == pytest.approx(2.0)
+    assert rows["gateway"]["critical_ms"] == pytest.approx(2.0)
+    assert hop(report, "inference", "inference")["count"] == 2
+
+
+def test_a_store_batchs_own_call_is_a_row_under_the_store_not_the_store_again() -> None:
+    """The store queue's batch opens its own cache_store client span under the request's:
+    it was counted as a second cache_store (count 2, a p50 between the two), and its server
+    span, after the reply, in the cache's row of the request's own times."""
+    span, resource = otlp_span, otlp_resource
+    trace = f"{3:032x}"
+    docs = [
+        {
+            "resourceSpans": [
+                resource(
+                    "gateway",
+                    [
+                        span(trace, 1, 0, PREDICT, 2, 0, 10),
+                        span(trace, 2, 1, "cache_lookup", 3, 0, 4),
+                        span(trace, 5, 1, "cache_store", 3, 9, 500),
+                        span(trace, 6, 5, "gateway.store_batch", 1, 480, 495),
+                        span(trace, 7, 6, "cache_store", 3, 481, 494),
+                    ],
+                ),
+                resource(
+                    "cache",
+                    [
+                        span(trace, 3, 2, "Lookup", 2, 1, 3),
+                        span(trace, 8, 7, "StoreBatch", 2, 482, 493),
+                    ],
+                ),
+            ]
+        }
+    ]
+    report = analyse(parse_otlp(docs), above=0)
+    store = hop(report, "cache_store")
+    assert store["count"] == 1
+    assert store["p50_ms"] == pytest.approx(491.0)
+    inner = hop(report, "cache_store", "gateway.store_batch", "cache_store")
+    assert (inner["count"], inner["depth"]) == (1, 2)
+    rows = {r["name"]: r for r in report.rows}
+    assert rows["cache"]["count"] == 1  # the Lookup alone: the store came after the reply
+    assert rows["cache"]["p50_ms"] == pytest.approx(2.0)
