@@ -16,10 +16,13 @@ import contextlib
 import logging
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from hopline.gateway.errors import RequestError
 from hopline.gateway.upstream import Pool
+from hopline.observability import schema
 from hopline.observability.logs import Episodes
+from hopline.observability.tracing import child_span, outgoing_metadata
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("hopline.gateway.catalogue")
@@ -45,9 +48,11 @@ class ModelCatalogue:
         self._started += 1
         number = self._started
         try:
-            response = await self.inference.stub().ListModels(
-                inference_pb2.ListModelsRequest(), timeout=5.0
-            )
+            # Within a request (one naming a model the gateway does not know), its trace.
+            with child_span(schema.SPAN_LIST_MODELS, kind=SpanKind.CLIENT):
+                response = await self.inference.stub().ListModels(
+                    inference_pb2.ListModelsRequest(), timeout=5.0, metadata=outgoing_metadata()
+                )
         except grpc.aio.AioRpcError as err:
             if self.models:
                 code = err.code().name

@@ -88,6 +88,7 @@ SPAN_CACHE_WRITE = "cache.write"
 SPAN_CACHE_VERIFY = "cache_verify"
 SPAN_STREAM_MESSAGE = "gateway.stream_message"
 SPAN_STAGE_BATCH = "gateway.stage_batch"
+SPAN_LIST_MODELS = "list_models"
 
 SPANS: dict[str, str] = {
     SPAN_TOKENIZE: "gateway client span: the call to the tokenizer",
@@ -108,4 +109,6 @@ SPANS: dict[str, str] = {
     "span",
     SPAN_STREAM_MESSAGE: "gateway: one request on a PredictStream, under the stream's server "
     "span; its hops' client spans are its children",
+    SPAN_LIST_MODELS: "gateway client span: the model list read again for a request naming a "
+    "model or version the gateway does not know (the inference service's ListModels)",
 }

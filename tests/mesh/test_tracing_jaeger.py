@@ -22,8 +22,8 @@ from prometheus_client.openmetrics.parser import (
 from conftest import DEFAULT_MODEL
 from harness import Mesh, fetch_trace
 from hopline.gateway.client import predict
-from hopline.observability.jaeger import JaegerError, LocalJaeger
-from hopline.observability.report import Span, build_tree
+from hopline.observability.jaeger import JaegerError, LocalJaeger, get_json
+from hopline.observability.report import Span, build_tree, parse_otlp
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -247,3 +247,33 @@ def test_latency_exemplars_carry_the_trace_id_of_an_exported_trace(
     with urllib.request.urlopen(url, timeout=10) as r:
         assert "trace_id" not in r.read().decode()
     assert {s.trace_id for s in fetch_trace(jaeger["query"], reply.trace_id, 1)} == {reply.trace_id}
+
+
+def test_the_model_list_read_for_an_unknown_model_is_in_the_requests_trace(
+    traced: Mesh, jaeger: dict[str, str]
+) -> None:
+    """A request naming a model the gateway does not know reads the model list again before
+    answering NOT_FOUND: that ListModels is part of its time, so its trace holds it (a client
+    span and inference's server span under it); before, it was a root trace of its own."""
+    trace_id = "4f1c" + "0" * 27 + "1"
+    with grpc.insecure_channel(traced.gateway) as channel, pytest.raises(grpc.RpcError) as info:
+        gateway_pb2_grpc.GatewayServiceStub(channel).Predict(
+            gateway_pb2.PredictRequest(text="hello", model="no-such-model"),
+            timeout=30,
+            metadata=(("traceparent", f"00-{trace_id}-{'1' * 16}-01"),),
+        )
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    names = {"list_models", "hopline.inference.v1.InferenceService/ListModels"}
+    deadline = time.monotonic() + 30
+    while True:  # the caller's span is the parent: no span of the trace is its root
+        try:
+            doc = get_json(f"{jaeger['query']}/api/v3/traces/{trace_id}")
+            spans = parse_otlp([doc]).get(trace_id, [])
+        except urllib.error.HTTPError:
+            spans = []
+        if names <= {s.name for s in spans} or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    client = one(spans, "list_models", "gateway")
+    server = one(spans, "hopline.inference.v1.InferenceService/ListModels", "inference")
+    assert server.parent_id == client.span_id
