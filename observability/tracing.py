@@ -321,6 +321,13 @@ class ServerTracing(RpcWrapper):
             except asyncio.CancelledError:  # the client went away, or its deadline passed
                 code = _cancelled_code(context)
                 raise
+            except GeneratorExit:
+                # grpc closed the stream's generator under us (its client went away between
+                # two replies): cancelled, not OK. The close runs in grpc's context, not the
+                # one the span was attached in, so that one is not restored here (detaching
+                # there failed and logged an error).
+                code, token = _cancelled_code(context), None
+                raise
             except Exception as exc:
                 code = _failed_code(span, context, exc)
                 raise

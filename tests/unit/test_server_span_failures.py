@@ -6,8 +6,9 @@ loopback, and the in-process channel that co-located services are called through
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+import contextvars
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -19,7 +20,7 @@ from opentelemetry.trace import StatusCode
 
 from hopline.observability import metrics, tracing
 from hopline.observability.tracing import ServerTracing
-from hopline.runtime.inproc import InProcessChannel
+from hopline.runtime.inproc import InProcessChannel, _Context
 
 SERVICE = "hopline.test.v1.Failing"
 Behaviour = Callable[[bytes, Any], Awaitable[bytes]]
@@ -132,3 +133,36 @@ def test_a_failed_rpc_is_recorded_under_the_status_its_caller_sees(
         assert event.attributes["exception.type"] == "ValueError"
     else:
         assert exceptions == []  # an abort is the handler's answer, not an exception
+
+
+def test_a_stream_whose_generator_is_closed_between_replies_is_cancelled(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """grpc closes a stream handler's generator (GeneratorExit at its `yield`) when the client
+    goes away between two replies, from a context of its own: the span read OK, the RPC was
+    counted OK, and restoring the span's context there logged 'Failed to detach context'."""
+    exporter = _recorder(monkeypatch)
+    method = f"/{SERVICE}/Stream"
+
+    async def replies(request: Any, context: Any) -> Any:
+        for n in range(10):
+            yield f"reply {n}"
+
+    async def run() -> None:
+        context = cast(Any, _Context((), None))
+        stream = cast(
+            AsyncGenerator[Any], ServerTracing().wrap_stream(method, replies)(b"x", context)
+        )
+        assert await anext(stream) == "reply 0"
+        # grpc's own task closes it, in another context than the one the span was made in.
+        await asyncio.create_task(stream.aclose(), context=contextvars.Context())
+
+    cancelled_before = _recorded("Stream", grpc.StatusCode.CANCELLED)
+    ok_before = _recorded("Stream", grpc.StatusCode.OK)
+    asyncio.run(run())
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes is not None
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert _recorded("Stream", grpc.StatusCode.CANCELLED) == cancelled_before + 1
+    assert _recorded("Stream", grpc.StatusCode.OK) == ok_before
+    assert not [r for r in caplog.records if "Failed to detach context" in r.getMessage()]
