@@ -125,7 +125,9 @@ bench: model $(GHZ) $(JAEGER) $(STAMPS)/bench-extra
 SAMPLING_STRATEGIES := $(CURDIR)/deploy/observability/sampling-strategies.json
 jaeger: $(JAEGER)
 	$(JAEGER) --set=extensions.remote_sampling.file.path=$(SAMPLING_STRATEGIES) \
-		--set=extensions.remote_sampling.file.reload_interval=5s
+		--set=extensions.remote_sampling.file.reload_interval=5s \
+		--set=extensions.jaeger_query.http.endpoint=127.0.0.1:16686 \
+		--set=extensions.jaeger_query.grpc.endpoint=127.0.0.1:16685
 
 .tools/bin/protoc-gen-go:
 	$(GOENV) GOBIN=$(CURDIR)/.tools/bin go install $(PROTOC_GEN_GO)

@@ -23,7 +23,7 @@ T = TypeVar("T")
 class SettingError(ValueError):
     """A setting whose value cannot work, found while a service is built (a file it names
     that does not read as it must): the service does not start, and says why in one line
-    (cli/main.py exits 2, as for a value out of its range)."""
+    (cli/main.py exits 2)."""
 
 
 @dataclasses.dataclass(frozen=True)
