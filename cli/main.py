@@ -94,6 +94,7 @@ def _serve(name: str, argv: Sequence[str]) -> int:
 
 def _predict(args: argparse.Namespace) -> int:
     from hopline.gateway.client import gateway_address, predict, to_json
+    from hopline.gateway.errors import TRACE_ID_METADATA
     from hopline.runtime.tls import CA_ENV
 
     try:
@@ -110,7 +111,11 @@ def _predict(args: argparse.Namespace) -> int:
         )
     except grpc.RpcError as err:
         code = err.code()
-        sys.stderr.write(f"error: {code.name}: {err.details()}\n")
+        trailing = dict(getattr(err, "trailing_metadata", lambda: ())() or ())
+        traced = trailing.get(TRACE_ID_METADATA)
+        sys.stderr.write(
+            f"error: {code.name}: {err.details()}" + (f" (trace {traced})" if traced else "") + "\n"
+        )
         if code == grpc.StatusCode.UNAUTHENTICATED:
             sys.stderr.write(f"(give your key with --api-key or {API_KEY_ENV})\n")
         elif code == grpc.StatusCode.UNAVAILABLE:

@@ -45,7 +45,7 @@ from google.protobuf import json_format
 from hopline.cache.keys import normalise_text
 from hopline.gateway.call import unreadable
 from hopline.gateway.client import CACHE_MODES, outcome_name
-from hopline.gateway.errors import RequestError
+from hopline.gateway.errors import RequestError, abort
 from hopline.gateway.identity import IdentityError
 from hopline.gateway.model_config import Tensor, triton_config
 from hopline.gateway.service import GatewayService
@@ -493,7 +493,7 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
             answers = await self._predict_all(texts, info, tenant, top_k, mode, deadline_s, started)
             return self._response(request, info, tenant, outputs, answers)
         except StatusError as err:
-            await context.abort(err.code, err.message)
+            await abort(context, err)
 
     async def _predict_all(
         self,

@@ -43,7 +43,7 @@ from hopline.gateway.cache_writes import CacheWrites, spawn
 from hopline.gateway.call import PredictCall, check_cache_mode, discard
 from hopline.gateway.catalogue import ModelCatalogue
 from hopline.gateway.config import GatewayConfig
-from hopline.gateway.errors import RequestError
+from hopline.gateway.errors import RequestError, abort
 from hopline.gateway.exact_tier import LocalExactTier
 from hopline.gateway.identity import IdentityError, TenantResolver
 from hopline.gateway.key_mirror import KeyMirror
@@ -260,7 +260,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 request, context.invocation_metadata() or (), self.timeout_for(context)
             )
         except StatusError as err:
-            await context.abort(err.code, err.message)
+            await abort(context, err)
 
     async def PredictStream(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -283,3 +284,38 @@ def test_a_port_past_65535_is_refused_not_wrapped(mesh: Mesh) -> None:
     said = gateway.stdout + gateway.stderr
     assert gateway.returncode == 1, said
     assert f"HOPLINE_POSTPROCESS_ADDR={typo!r}: the port must be" in said, said
+
+
+def test_a_failed_prediction_carries_its_trace_id(mesh: Mesh) -> None:
+    """A failure has no reply to carry `trace_id` in, and the failed requests are the ones a
+    user wants to find: its trailing metadata carries it, and `hopline predict` prints it."""
+    trace_id = "5e2a" + "0" * 27 + "7"
+    with grpc.insecure_channel(mesh.gateway) as channel, pytest.raises(grpc.RpcError) as info:
+        gateway_pb2_grpc.GatewayServiceStub(channel).Predict(
+            gateway_pb2.PredictRequest(text="hello", model="no-such-model"),
+            timeout=30,
+            metadata=(("traceparent", f"00-{trace_id}-{'2' * 16}-01"),),
+        )
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    trailing = {m.key: str(m.value) for m in info.value.trailing_metadata() or ()}
+    assert trailing["x-hopline-trace-id"] == trace_id
+    said = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hopline",
+            "predict",
+            "--gateway",
+            mesh.gateway,
+            "--model",
+            "nope",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert said.returncode == 1
+    assert said.stderr.startswith("error: NOT_FOUND: unknown model 'nope'")
+    assert re.search(r"\(trace [0-9a-f]{32}\)", said.stderr), said.stderr
