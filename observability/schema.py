@@ -37,6 +37,7 @@ HOP = "hopline.hop"
 DELAY_MS = "hopline.test_delay_ms"
 STREAM_MESSAGES_SENT = "hopline.stream.messages_sent"
 STREAM_MESSAGE_ID = "hopline.stream.message_id"
+TEXT_INDEX = "hopline.text_index"
 
 ATTRIBUTES: dict[str, str] = {
     MODEL: "model name the request resolved to",
@@ -70,6 +71,7 @@ ATTRIBUTES: dict[str, str] = {
     DELAY_MS: "test-only delay injected into this RPC (HOPLINE_TEST_DELAY_MS)",
     STREAM_MESSAGES_SENT: "responses a streaming RPC sent before it ended (on its server span)",
     STREAM_MESSAGE_ID: "the client's id of one message on a stream (PredictStreamRequest.id)",
+    TEXT_INDEX: "which element of a ModelInfer's text input a `gateway.infer_text` span is",
 }
 
 # -- spans (server spans are named after their RPC, e.g. hopline.gateway.v1.GatewayService/Predict)
@@ -89,6 +91,7 @@ SPAN_CACHE_VERIFY = "cache_verify"
 SPAN_STREAM_MESSAGE = "gateway.stream_message"
 SPAN_STAGE_BATCH = "gateway.stage_batch"
 SPAN_LIST_MODELS = "list_models"
+SPAN_INFER_TEXT = "gateway.infer_text"
 
 SPANS: dict[str, str] = {
     SPAN_TOKENIZE: "gateway client span: the call to the tokenizer",
@@ -109,6 +112,8 @@ SPANS: dict[str, str] = {
     "span",
     SPAN_STREAM_MESSAGE: "gateway: one request on a PredictStream, under the stream's server "
     "span; its hops' client spans are its children",
+    SPAN_INFER_TEXT: "gateway: one text of a KServe ModelInfer, under its server span; that "
+    "text's hops and cache outcome are on it and under it",
     SPAN_LIST_MODELS: "gateway client span: the model list read again for a request naming a "
     "model or version the gateway does not know (the inference service's ListModels)",
 }

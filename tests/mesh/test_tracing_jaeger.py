@@ -277,3 +277,41 @@ def test_the_model_list_read_for_an_unknown_model_is_in_the_requests_trace(
     client = one(spans, "list_models", "gateway")
     server = one(spans, "hopline.inference.v1.InferenceService/ListModels", "inference")
     assert server.parent_id == client.span_id
+
+
+def test_each_text_of_a_kserve_batch_has_its_own_span(traced: Mesh, jaeger: dict[str, str]) -> None:
+    """A ModelInfer's texts ran flat under its server span: which hop was whose could not be
+    told, and each text's cache outcome overwrote the others' on that one span."""
+    import tritonclient.grpc as triton
+    from triton_calls import text_input
+
+    trace_id = "6b3d" + "0" * 27 + "2"
+    client = triton.InferenceServerClient(url=traced.gateway)
+    try:
+        client.infer(
+            DEFAULT_MODEL,
+            [text_input(["where is parcel 7781?", "cancel order 7781 please"])],
+            parameters={"cache_mode": "bypass"},
+            headers={"traceparent": f"00-{trace_id}-{'3' * 16}-01"},
+            client_timeout=60,
+        )
+    finally:
+        client.close()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            doc = get_json(f"{jaeger['query']}/api/v3/traces/{trace_id}")
+            spans = parse_otlp([doc]).get(trace_id, [])
+        except urllib.error.HTTPError:
+            spans = []
+        texts = [s for s in spans if s.name == "gateway.infer_text"]
+        hops = [s for s in spans if s.name == "postprocess" and s.service == "gateway"]
+        if (len(texts) == 2 and len(hops) == 2) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    server = one(spans, "inference.GRPCInferenceService/ModelInfer", "gateway")
+    assert sorted(s.attributes["hopline.text_index"] for s in texts) == [0, 1]
+    assert {s.parent_id for s in texts} == {server.span_id}
+    # Each text's hops under its own span; its cache outcome on it.
+    assert sorted(h.parent_id for h in hops) == sorted(s.span_id for s in texts)
+    assert all(s.attributes.get("hopline.cache.outcome") == "skipped" for s in texts)
