@@ -15,7 +15,7 @@ import grpc
 from hopline.runtime import config as cfg
 from hopline.runtime import grpc_io
 from hopline.runtime.api_keys import API_KEY_ENV
-from hopline.runtime.service_table import SERVICES, Topology, spec
+from hopline.runtime.service_table import INPROC, SERVICES, Topology, spec
 
 SERVICE_NAMES = tuple(s.name for s in SERVICES)
 # `hopline model build`'s check limits, named as CheckLimits' fields.
@@ -57,7 +57,7 @@ def _serve(name: str, argv: Sequence[str]) -> int:
         follow_supervisor()
     elif workers != 1:
         try:
-            check(config.listen, workers, "HOPLINE_GATEWAY_WORKERS")
+            check(config.listen, workers, "HOPLINE_GATEWAY_WORKERS", _colocated_store_file(config))
         except WorkersConfigError as exc:
             logging.getLogger("hopline").error("cannot start workers", extra={"error": str(exc)})
             return 2
@@ -90,6 +90,18 @@ def _serve(name: str, argv: Sequence[str]) -> int:
     except cfg.SettingError as exc:
         logging.getLogger("hopline").error("cannot start", extra={"error": str(exc)})
         return 2
+
+
+def _colocated_store_file(config: object) -> str:
+    """The milvus-lite file a cache co-located in the gateway opens ("" when the cache is not
+    co-located, or is on a Milvus server)."""
+    if getattr(config, "cache_addr", "") != INPROC:
+        return ""
+    from hopline.cache.config import CacheConfig
+    from hopline.cache.milvus_lite import is_local
+
+    uri = cfg.load(CacheConfig, []).uri
+    return uri if is_local(uri) else ""
 
 
 def _predict(args: argparse.Namespace) -> int:

@@ -37,8 +37,8 @@ class GatewayConfig(ServerConfig):
         "HOPLINE_GATEWAY_WORKERS",
         1,
         "gateway processes sharing its port (SO_REUSEPORT, Linux), each with its own event "
-        "loop: for machines with cores to spare, where one loop is the limit; worker i serves "
-        "/metrics on HOPLINE_METRICS_PORT + i",
+        "loop: for machines with cores to spare, where one loop is the limit; the supervisor "
+        "serves every worker's /metrics merged on HOPLINE_METRICS_PORT",
     )
     default_model: str = env_field(
         "HOPLINE_DEFAULT_MODEL", "support-intents", "model used when a request names none"

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from hopline.runtime.ports import address_in_use
+from hopline.runtime.ports import address_in_use, port_problem
 
 log = logging.getLogger("hopline.runtime.workers")
 
@@ -65,10 +65,20 @@ def follow_supervisor() -> None:
         raise SystemExit("the gateway's supervisor exited before this worker started")
 
 
-def check(listen: str, workers: int, setting: str) -> None:
-    """WorkersConfigError when `workers` processes cannot share `listen`."""
+def check(listen: str, workers: int, setting: str, store_file: str = "") -> None:
+    """WorkersConfigError when `workers` processes cannot share `listen`; `store_file`: the
+    milvus-lite file of a cache co-located in each worker ("" when none is)."""
     if workers < 1:
         raise WorkersConfigError(f"{setting}={workers}: at least 1 process must serve")
+    if problem := port_problem(listen):
+        raise WorkersConfigError(problem)
+    if store_file:
+        raise WorkersConfigError(
+            f"{setting}={workers} with the cache in the gateway (HOPLINE_CACHE_ADDR=inproc) on "
+            f"the milvus-lite file {store_file}: milvus-lite serves one process a file, so every "
+            "worker but one would fail; run the cache as its own service, or point "
+            "HOPLINE_CACHE_URI at a Milvus server"
+        )
     _, _, port = listen.rpartition(":")
     if listen.startswith("unix:") or not port.isdigit() or int(port) == 0:
         raise WorkersConfigError(
@@ -142,12 +152,25 @@ def _wait(procs: Sequence[subprocess.Popen[bytes]]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    while any(proc.poll() is None for proc in procs):
-        exited = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode is not None]
+    while True:
+        # Every worker polled each pass: `any()` stopped at the first one running, so a worker
+        # after it that died was never seen (the gateway served on with fewer, silently).
+        codes = [proc.poll() for proc in procs]
+        if all(code is not None for code in codes):
+            break
+        exited = [(i, code) for i, code in enumerate(codes) if code is not None]
         if exited and not stopping:
             index, code = exited[0]
             log.error("worker exited; stopping the others", extra={"worker": index, "code": code})
-            stopping, failed = True, code or 1
+            stopping, failed = True, _exit_status(code)
             stop_all()
         time.sleep(POLL_S)
-    return failed or max(proc.returncode for proc in procs)
+    return failed or max(_exit_status(proc.returncode) for proc in procs)
+
+
+def _exit_status(code: int | None) -> int:
+    """A worker's return code as a process exit status: killed by signal N is 128 + N, as a
+    shell reports it (returning -9 made the supervisor exit 247); 0 stays 0."""
+    if code is None or code >= 0:
+        return code or 0
+    return 128 - code

@@ -138,15 +138,20 @@ def test_sigterm_drains_every_worker(mesh: Mesh) -> None:
     assert not [pid for pid in workers if _alive(pid)]
 
 
-def test_a_worker_that_dies_takes_the_gateway_down(mesh: Mesh) -> None:
+@pytest.mark.parametrize("which", [0, -1])
+def test_a_worker_that_dies_takes_the_gateway_down(mesh: Mesh, which: int) -> None:
+    """Whichever worker dies (before, one after the first running one was never polled: the
+    gateway served on with fewer workers, silently); the supervisor exits as a shell reports
+    a kill (128 + 9; it exited 247 from -9)."""
     gateway = mesh.procs["gateway"]
-    first, second = _workers(gateway.pid)
-    os.kill(first, signal.SIGKILL)
-    assert gateway.wait(timeout=30) != 0
+    workers = _workers(gateway.pid)
+    killed = workers[which]
+    os.kill(killed, signal.SIGKILL)
+    assert gateway.wait(timeout=30) == 128 + signal.SIGKILL
     deadline = time.monotonic() + 10
-    while _alive(second) and time.monotonic() < deadline:
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(second)
+    assert not [pid for pid in workers if _alive(pid)]
     assert "worker exited; stopping the others" in mesh.log("gateway")
 
 
@@ -168,19 +173,29 @@ def test_a_supervisor_killed_outright_takes_its_workers_along(mesh: Mesh) -> Non
         ("unix:/tmp/hopline-gateway.sock", WORKERS, "needs a fixed TCP port to share"),
         ("taken", WORKERS, "address in use"),
         ("taken", 0, "HOPLINE_GATEWAY_WORKERS=0: at least 1 process must serve"),
+        # A traceback (OverflowError) before: the port was probed before it was checked.
+        ("127.0.0.1:99999", WORKERS, "'127.0.0.1:99999': the port must be a number from 0"),
+        # Each worker opened the same milvus-lite file: all but one failed, the gateway
+        # served on with fewer (or said the file was damaged).
+        ("colocated", WORKERS, "milvus-lite serves one process a file"),
     ],
 )
 def test_settings_workers_cannot_share_are_refused(addr: str, workers: int, says: str) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
+        colocated = {}
         if addr == "taken":
             addr = f"127.0.0.1:{holder.getsockname()[1]}"
+        elif addr == "colocated":
+            addr = f"127.0.0.1:{free_port()}"
+            colocated = {"HOPLINE_CACHE_ADDR": "inproc", "HOPLINE_CACHE_URI": "/tmp/x.db"}
         env = {
             **os.environ,
             "HOPLINE_GATEWAY_ADDR": addr,
             "HOPLINE_GATEWAY_WORKERS": str(workers),
             "HOPLINE_LOG_FORMAT": "text",
+            **colocated,
         }
         said = serve_refused("gateway", env)
     assert says in said
