@@ -31,7 +31,7 @@ import grpc
 from opentelemetry.trace import Status, StatusCode
 
 from hopline.observability import metrics, schema
-from hopline.observability.tracing import child_span
+from hopline.observability.tracing import RPC_STATUS_CODE, child_span, server_failed
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.runtime.errors import StatusError
 from hopline.runtime.interceptors import Undecodable
@@ -87,7 +87,9 @@ async def predict_stream(
                         )
                     )
                 except StatusError as err:
-                    span.set_status(Status(StatusCode.ERROR, err.code.name))
+                    span.set_attribute(RPC_STATUS_CODE, err.code.value[0])
+                    if server_failed(err.code):
+                        span.set_status(Status(StatusCode.ERROR, err.code.name))
                     reply.code, reply.message = err.code.value[0], err.message
                 except Exception as exc:  # one request's bug must not end the others
                     log.exception("stream request failed", extra={"id": message.id})

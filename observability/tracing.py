@@ -352,6 +352,28 @@ def _stop(span: trace.Span, token: _Token | None, own: bool) -> None:
 _fields: tuple[object, frozenset[str]] = (None, frozenset())
 _NO_CONTEXT = otel_context.Context()
 
+RPC_STATUS_CODE = "rpc.grpc.status_code"  # OpenTelemetry's, on every RPC's server span
+# The codes that mean the server failed (OpenTelemetry's RPC conventions for gRPC servers).
+# The others answer the caller's own request (INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED,
+# RESOURCE_EXHAUSTED, CANCELLED...): an ERROR there would have the tail sampler keep every
+# trace a misbehaving client sends and show its mistakes as the server's errors in Jaeger.
+# The code itself is on every span (rpc.grpc.status_code), so they stay searchable.
+SERVER_FAILURES = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+
+
+def server_failed(code: grpc.StatusCode) -> bool:
+    """Whether a server span that answered `code` is an error (see SERVER_FAILURES)."""
+    return code in SERVER_FAILURES
+
 
 def _carries_context(metadata: Iterable[tuple[str, Any]]) -> bool:
     """Whether the caller sent trace context (else there is nothing to parse)."""
@@ -458,7 +480,7 @@ class _TracedRpc:
     ) -> None:
         # None until the handler sets a code, whatever the stubs say.
         code = code or cast("grpc.StatusCode | None", context.code()) or grpc.StatusCode.OK
-        if code is not grpc.StatusCode.OK:
+        if server_failed(code):
             span.set_status(Status(StatusCode.ERROR, code.name))
-        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        span.set_attribute(RPC_STATUS_CODE, code.value[0])
         self.meter.leave(code, started, metrics.span_exemplar(span))
