@@ -162,7 +162,8 @@ def _wait(procs: Sequence[subprocess.Popen[bytes]]) -> int:
         if exited and not stopping:
             index, code = exited[0]
             log.error("worker exited; stopping the others", extra={"worker": index, "code": code})
-            stopping, failed = True, _exit_status(code)
+            # A worker that ended on its own is a failure even with 0: the gateway lost it.
+            stopping, failed = True, _exit_status(code) or 1
             stop_all()
         time.sleep(POLL_S)
     return failed or max(_exit_status(proc.returncode) for proc in procs)
