@@ -252,7 +252,9 @@ class ModelRepository:
         try:
             return bool(self.versions(name) or self.misnamed(name))
         except OSError:
-            return True
+            # Said only for a folder that could be a model: a volume's root-only lost+found
+            # would be warned about at every start of every service.
+            return _NAME_RE.match(name) is not None
 
     def versions(self, name: str) -> list[str]:
         """The model's complete versions (folders named by a positive integer that hold a
@@ -270,8 +272,12 @@ class ModelRepository:
         base = self.root / name
         if not base.is_dir():
             return []
+        # A hidden folder is `model build`'s staging (its config.json written just before
+        # the rename), or anything else a user hid: neither is a misnamed version.
         return sorted(
-            p.name for p in base.iterdir() if p.is_dir() and not is_version(p.name) and _present(p)
+            p.name
+            for p in base.iterdir()
+            if p.is_dir() and not p.name.startswith(".") and not is_version(p.name) and _present(p)
         )
 
     def next_version(self, name: str) -> str:

@@ -315,11 +315,12 @@ def test_folders_not_named_as_versions_are_said_and_never_the_latest(
     version); `v7` was ignored without a word; `²` passed isdigit() and broke every scan."""
     registry = ModelRegistry(ModelRepository(repo), Loader())
     registry.load_all()
-    for folder in ("0", "v7", "²"):
+    for folder in ("0", "v7", "²", ".staging-2-4242"):  # the last: `model build`'s own
         shutil.copytree(repo / DEFAULT_MODEL / "1", repo / DEFAULT_MODEL / folder)
     registry.load_new()
     assert [cfg.version for cfg, _ in registry.loaded()] == ["1"]
     broken = registry.broken()
+    assert (DEFAULT_MODEL, ".staging-2-4242") not in broken
     for folder in ("0", "v7", "²"):
         assert (
             "is not a version folder: versions are positive integers"
@@ -362,6 +363,7 @@ def test_an_unreadable_model_folder_leaves_out_that_model_only(default_repo: Pat
         for path in [top, *top.rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
         other.chmod(0)
+        (repo / "lost+found").mkdir(mode=0)  # a volume's own: no model name, not said
         done = subprocess.run(
             ["unshare", "--user", sys.executable, "-c", UNREADABLE_SCAN, str(repo)],
             capture_output=True,
@@ -374,6 +376,7 @@ def test_an_unreadable_model_folder_leaves_out_that_model_only(default_repo: Pat
         assert seen["broken"] == {"other/": "cannot list other/: Permission denied"}
     finally:
         (top / "models" / "other").chmod(0o755)
+        (top / "models" / "lost+found").chmod(0o755)
         shutil.rmtree(top)
 
 
