@@ -90,6 +90,11 @@ class CacheWrites:
             self.spawn(self.send_report(call, prediction))
 
     async def send_report(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
+        if call.files_differ:
+            # An answer mixing two builds of the version is no evidence about the entry
+            # (its stages disagree with each other): the verification threshold must not learn
+            # from it. The candidate stays unverified and is asked about again.
+            return
         try:
             await call_hop(
                 schema.SPAN_CACHE_VERIFY,

@@ -173,14 +173,16 @@ class PredictCall:
         return self.info.cache.mode != "off" and self.mode == common_pb2.CACHE_MODE_USE
 
     @property
+    def wants_store(self) -> bool:
+        """Whether the request's inference is to be written back: REFRESH stores, BYPASS
+        does not, nor does a model whose cache is off."""
+        return self.info.cache.mode != "off" and self.mode != common_pb2.CACHE_MODE_BYPASS
+
+    @property
     def may_store(self) -> bool:
-        """Whether an inference may be written back: REFRESH stores, BYPASS does not, nor
-        an answer some stage computed from other files than the scope's."""
-        return (
-            self.info.cache.mode != "off"
-            and self.mode != common_pb2.CACHE_MODE_BYPASS
-            and not self.files_differ
-        )
+        """wants_store, unless some stage computed the answer from other files than the
+        scope's."""
+        return self.wants_store and not self.files_differ
 
     def drop_tokens(self) -> None:
         if self.tokenizing is not None:

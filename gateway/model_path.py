@@ -173,8 +173,7 @@ class ModelPath:
             check_files(call, "tokenize", tokens.model_digest)
         check_files(call, "inference", inferred.model_digest)
         check_files(call, "postprocess", post.model_digest)
-        if call.files_differ:
-            metrics.CACHE_STORES.labels("skipped_files_differ").inc()
+        if call.files_differ:  # not stored (counted where the store is decided)
             FILES_DIFFER.failed(
                 (info.name, info.version),
                 "differ",

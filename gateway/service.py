@@ -350,6 +350,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 prediction, ran_here = await (speculative or model.infer_once(call))
                 if ran_here and call.may_store:
                     cache.store_later(call, prediction)
+                elif ran_here and call.wants_store:  # its stages' files differ
+                    metrics.CACHE_STORES.labels("skipped_files_differ").inc()
                 self.writes.report(call, prediction)
             elif call.verify_id:  # the cache wants the model's answer too, after this reply
                 self.writes.spawn(self._verify(call, speculative))
