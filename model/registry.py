@@ -104,6 +104,10 @@ class ModelRegistry(Generic[T]):
         self._rescan_s = rescan_s
         self._next_rescan = 0.0 if rescan_s is None else time.monotonic() + rescan_s
         self._configs: dict[Key, ModelConfig] = {}  # every complete version seen
+        # The files each config was read from: a version not loaded yet whose files change
+        # (labels.json replaced in place) is read again, or it would be loaded with its old
+        # config and recorded under its new files, for good.
+        self._config_files: dict[Key, Signature] = {}
         self._loaded: dict[Key, tuple[ModelConfig, T]] = {}
         self._files: dict[Key, Signature] = {}  # each loaded version's files when loaded
         self._empty_seen = False  # the last scan found the repository empty (warned once)
@@ -135,6 +139,7 @@ class ModelRegistry(Generic[T]):
     def _scan(self) -> None:
         self._scans_started += 1
         configs: dict[Key, ModelConfig] = {}
+        config_files: dict[Key, Signature] = {}
         broken: dict[Key, str] = {}
         for name in self._repo.names():
             try:
@@ -159,17 +164,20 @@ class ModelRegistry(Generic[T]):
                         continue
                     del self._unloadable[key]  # its files changed: try it again
                 if key in self._loaded and files != self._files[key]:
-                    configs[key] = self._reload(key, files)
+                    configs[key], config_files[key] = self._reload(key, files), files
                     continue
-                cfg = self._configs.get(key)  # read once per version's files
+                # Read once per version's files (a loaded version's are its load's).
+                read_from = self._files.get(key, self._config_files.get(key))
+                cfg = self._configs.get(key) if read_from == files else None
                 if cfg is None:
                     try:
                         cfg = load_config(self._repo.root / name / version)
                     except InvalidModelError as exc:
                         self._left_out(broken, key, str(exc))
                         continue
-                    log.info("model version found", extra={"model": name, "version": version})
-                configs[key] = cfg
+                    if key not in self._configs:
+                        log.info("model version found", extra={"model": name, "version": version})
+                configs[key], config_files[key] = cfg, files
         if not configs and not broken and self._loaded:
             # A listing with nothing in it is far likelier an unmounted or half-synced volume
             # than an operator removing every model a service serves: keep serving them.
@@ -190,7 +198,7 @@ class ModelRegistry(Generic[T]):
             if key in configs or time.monotonic() >= deadline:
                 del self._leaving[key]
                 self._retire(model)
-        self._configs, self._broken = configs, broken
+        self._configs, self._config_files, self._broken = configs, config_files, broken
         self._latest = _latest(configs)
         self._scans_done = self._scans_started
 
@@ -232,6 +240,7 @@ class ModelRegistry(Generic[T]):
         _, model = self._loaded.pop(key)
         del self._files[key]
         self._configs.pop(key, None)  # published again: its config is read again
+        self._config_files.pop(key, None)
         return model
 
     def _retire(self, model: T) -> None:
@@ -250,25 +259,36 @@ class ModelRegistry(Generic[T]):
         if found is None:
             cfg = self._configs[key]
             folder = self._repo.root / cfg.name / cfg.version
+            # Taken before the loader reads the files: a change while it reads is seen by
+            # the next scan, which loads the version again.
             files = signature(folder)
             try:
+                if files != self._config_files.get(key):  # changed since the scan read it
+                    cfg = self._configs[key] = load_config(folder)
+                    self._config_files[key] = files
                 model = self._loader(cfg)
+            except InvalidModelError as exc:  # its config, read again, no longer serves
+                self._not_loaded(key, files, str(exc))
+                return None
             except Exception as exc:  # ONNX Runtime's own errors have no common base
-                error = f"failed to load: {type(exc).__name__}: {exc}"
-                log.warning(
-                    "model version left out",
-                    extra={"model": cfg.name, "version": cfg.version, "error": error},
-                )
-                self._unloadable[key] = (files, error)
-                self._broken[key] = error
-                del self._configs[key]
-                self._latest = _latest(self._configs)
+                self._not_loaded(key, files, f"failed to load: {type(exc).__name__}: {exc}")
                 return None
             found = (cfg, model)
             self._loaded[key] = found
             self._files[key] = files
             log.info("model loaded", extra={"model": cfg.name, "version": cfg.version})
         return found
+
+    def _not_loaded(self, key: Key, files: Signature, error: str) -> None:
+        """A version that failed to load: left out until its files change."""
+        log.warning(
+            "model version left out", extra={"model": key[0], "version": key[1], "error": error}
+        )
+        self._unloadable[key] = (files, error)
+        self._broken[key] = error
+        del self._configs[key]
+        self._config_files.pop(key, None)
+        self._latest = _latest(self._configs)
 
     # -- lookups ---------------------------------------------------------------------------
 

@@ -20,7 +20,12 @@ import pytest
 
 from conftest import DEFAULT_MODEL
 from hopline.model.registry import ModelRegistry
-from hopline.model.repository import ModelConfig, ModelNotFoundError, ModelRepository
+from hopline.model.repository import (
+    ModelConfig,
+    ModelNotFoundError,
+    ModelRepository,
+    version_digest,
+)
 
 BROKEN = b"broken"
 
@@ -406,3 +411,32 @@ def test_files_replaced_keeping_size_and_mtime_are_loaded_again(
 
     assert loader.attempts == ["1", "2", "2"]
     assert list(registry.get(DEFAULT_MODEL, "2")[0].labels) == names
+
+
+def test_files_changed_between_the_scan_and_the_first_load_are_loaded_with_their_config(
+    repo: Path, default_repo: Path
+) -> None:
+    """A scan reads a new version's config; the version loads on its first request, maybe
+    much later. Its labels.json replaced in between: it was loaded with the config read
+    before (the old labels) and recorded under its new files' signature and digest, so never
+    loaded again, and postprocess labelled with the old labels under the new digest."""
+
+    def load(cfg: ModelConfig) -> tuple[tuple[str, ...], str]:
+        return tuple(cfg.labels), version_digest(cfg.path)
+
+    registry = ModelRegistry(ModelRepository(repo), load, rescan_s=0.0)
+    registry.load_all()
+    folder = publish(default_repo, repo, "2")
+    registry.get(DEFAULT_MODEL, "1")  # a request's rescan: version 2 seen, not loaded
+    assert [cfg.version for cfg, _ in registry.loaded()] == ["1"]
+    labels = json.loads((folder / "labels.json").read_text())
+    labels[0], labels[1] = labels[1], labels[0]
+    staged = folder / "labels.staged"
+    staged.write_text(json.dumps(labels))
+    staged.replace(folder / "labels.json")
+
+    cfg, (loaded_labels, digest) = registry.get(DEFAULT_MODEL, "2")
+
+    assert list(cfg.labels) == labels
+    assert list(loaded_labels) == labels
+    assert digest == version_digest(folder)
