@@ -102,7 +102,10 @@ async def predict_stream(
             slots.release()  # cancelled before its reply was queued
             raise
 
+    drained = half_closed = False
+
     async def read() -> None:
+        nonlocal half_closed
         try:
             try:
                 async for message in requests:
@@ -116,17 +119,20 @@ async def predict_stream(
                 while running:
                     await asyncio.wait(set(running))
                 raise
+            half_closed = True  # a drain from now lets the stream end OK once answered
             while running:  # the client has half-closed: finish what it sent
                 await asyncio.wait(set(running))
         finally:
             if not drained:  # a drain ends the stream once what was read is answered
                 replies.put_nowait(_END)
 
-    drained = False
-
     async def on_drain() -> None:
         nonlocal drained
         await gateway.stream_drain.wait()
+        if half_closed:
+            # The client sent everything it will: nothing is left for another replica, and
+            # UNAVAILABLE would have it send the whole stream again.
+            return
         drained = True
         reader.cancel()  # messages not read yet were never accepted
         while running:

@@ -240,6 +240,44 @@ def test_a_drain_answers_what_a_stream_read_and_ends_it_unavailable(
         mesh.stop()
 
 
+def test_a_drain_ends_a_half_closed_stream_ok_once_it_is_answered(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """A client that sent its last request and half-closed, its answers still on their way
+    (inference slowed on purpose) when the gateway drains: every request is answered and the
+    stream ends OK. Before, the drain ended it UNAVAILABLE after answering everything, so a
+    client took a finished stream for a failed one and sent it all again elsewhere."""
+    mesh = Mesh(
+        default_repo,
+        tmp_path,
+        service_env={"inference": {"HOPLINE_TEST_DELAY_MS": "1500"}},
+        HOPLINE_DRAIN_GRACE_S="30",
+    ).start()
+    salt = uuid.uuid4().hex[:8]
+    ids = [f"h{n}" for n in range(3)]
+    try:
+        with grpc.insecure_channel(mesh.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            call = stub.PredictStream(
+                iter(
+                    gateway_pb2.PredictStreamRequest(
+                        id=rid,
+                        request=gateway_pb2.PredictRequest(text=f"where is parcel {rid} {salt}"),
+                    )
+                    for rid in ids
+                ),
+                timeout=60,
+            )
+            time.sleep(0.5)  # read and half-closed; the answers wait on inference
+            mesh.procs["gateway"].terminate()  # SIGTERM
+            answered = list(call)  # raises if the stream does not end OK
+        assert sorted(r.id for r in answered) == ids
+        assert all(r.code == OK for r in answered), [r.message for r in answered if r.code]
+        assert mesh.procs["gateway"].wait(timeout=60) == 0
+    finally:
+        mesh.stop()
+
+
 def test_an_undecodable_message_ends_the_stream_after_answering_what_came_before(
     mesh: Mesh,
 ) -> None:
