@@ -72,10 +72,11 @@ def test_an_id_buried_again_before_its_first_stone_expires_keeps_the_later_one()
     assert len(stones) == 0
 
 
-def test_a_large_invalidation_expires_whole() -> None:
-    """An Invalidate of 60,000 ids, then another: the first's stones all leave at once (taking
-    the dict's oldest item one at a time cost the square of their number: 60,000 held the
-    cache's event loop for minutes; this runs in well under a second)."""
+def test_a_large_invalidation_expires_whole_but_for_the_ids_buried_again() -> None:
+    """An Invalidate of 60,000 ids, ten of them buried again later, then another of 60,000:
+    the first's stones leave together at its expiry, the ten stay until theirs. Behaviour
+    only: the expiry's cost (1.02 s -> 0.004 s for these 60,000, measured when burials were
+    made batches) is no test's business here, as a time bound would be the machine's."""
     stones = Tombstones(KEEP_S)
     first = [f"{i:064x}" for i in range(60_000)]
     second = [f"{i:064x}" for i in range(60_000, 120_000)]
