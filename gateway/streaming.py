@@ -31,7 +31,7 @@ import grpc
 from opentelemetry.trace import Status, StatusCode
 
 from hopline.observability import metrics, schema
-from hopline.observability.tracing import RPC_STATUS_CODE, child_span, server_failed
+from hopline.observability.tracing import child_span, server_failed
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.runtime.errors import StatusError
 from hopline.runtime.interceptors import Undecodable
@@ -87,7 +87,7 @@ async def predict_stream(
                         )
                     )
                 except StatusError as err:
-                    span.set_attribute(RPC_STATUS_CODE, err.code.value[0])
+                    span.set_attribute("rpc.grpc.status_code", err.code.value[0])
                     if server_failed(err.code):
                         span.set_status(Status(StatusCode.ERROR, err.code.name))
                     reply.code, reply.message = err.code.value[0], err.message

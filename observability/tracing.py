@@ -352,7 +352,6 @@ def _stop(span: trace.Span, token: _Token | None, own: bool) -> None:
 _fields: tuple[object, frozenset[str]] = (None, frozenset())
 _NO_CONTEXT = otel_context.Context()
 
-RPC_STATUS_CODE = "rpc.grpc.status_code"  # OpenTelemetry's, on every RPC's server span
 # The codes that mean the server failed (OpenTelemetry's RPC conventions for gRPC servers).
 # The others answer the caller's own request (INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED,
 # RESOURCE_EXHAUSTED, CANCELLED...): an ERROR there would have the tail sampler keep every
@@ -482,5 +481,5 @@ class _TracedRpc:
         code = code or cast("grpc.StatusCode | None", context.code()) or grpc.StatusCode.OK
         if server_failed(code):
             span.set_status(Status(StatusCode.ERROR, code.name))
-        span.set_attribute(RPC_STATUS_CODE, code.value[0])
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
         self.meter.leave(code, started, metrics.span_exemplar(span))

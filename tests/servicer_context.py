@@ -18,9 +18,16 @@ class Aborted(Exception):
 class AbortingContext:
     def __init__(self) -> None:
         self.aborted: tuple[grpc.StatusCode, str] | None = None
+        self.trailing_metadata: tuple[tuple[str, str | bytes], ...] = ()
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+    async def abort(
+        self,
+        code: grpc.StatusCode,
+        details: str = "",
+        trailing_metadata: tuple[tuple[str, str | bytes], ...] = (),
+    ) -> None:
         self.aborted = (code, details)
+        self.trailing_metadata = trailing_metadata
         raise Aborted(details)
 
     def code(self) -> grpc.StatusCode | None:
