@@ -77,14 +77,17 @@ def previous_proto_commit() -> tuple[str, tuple[ServiceName, ...], tuple[str, ..
     commit changed, and the changed files (as protoc registers them: relative to protos/).
     Today's working tree must have that commit's protos (uncommitted proto edits would make
     "previous" ambiguous)."""
-    newest = _git("log", "-1", "--format=%H", "--", PROTOS).strip()
+    # A commit that changed only comments changed no contract: its parent serves the same
+    # descriptors, so it could not stand for the previous release.
+    newest = next(
+        (c for c in _git("log", "--format=%H", "--", PROTOS).split() if _changes_contract(c)),
+        "",
+    )
     if not newest:
-        raise HistoryMissing("no commit in this clone changed protos/")
-    if _git("diff", "--name-only", newest, "--", PROTOS).strip():
+        raise HistoryMissing("no commit in this clone changed a contract in protos/")
+    if _changes_contract(newest, working_tree=True):
         raise HistoryMissing(f"protos/ differs from {newest[:10]}: commit the proto change first")
     parent = _git("rev-parse", "--verify", "-q", f"{newest}^").strip()
-    if not parent:
-        raise HistoryMissing(f"{newest[:10]} has no parent in this clone (shallow?)")
     paths = _git("diff", "--name-only", parent, newest, "--", PROTOS).split()
     changed = {
         _service_of(match.group(1)) for path in paths if (match := _PROTO_SERVICE.match(path))
@@ -96,6 +99,24 @@ def previous_proto_commit() -> tuple[str, tuple[ServiceName, ...], tuple[str, ..
         str(Path(path).relative_to(PROTOS)) for path in paths if _PROTO_SERVICE.match(path)
     )
     return parent, services, files
+
+
+def _changes_contract(commit: str, *, working_tree: bool = False) -> bool:
+    """Whether protos/ differs beyond comments and blank lines between `commit`'s parent and
+    `commit` (with `working_tree`: between `commit` and the working tree)."""
+    if working_tree:
+        revs = [commit]
+    else:
+        parent = _git("rev-parse", "--verify", "-q", f"{commit}^").strip()
+        if not parent:
+            raise HistoryMissing(f"{commit[:10]} has no parent in this clone (shallow?)")
+        revs = [parent, commit]
+    for line in _git("diff", "-U0", *revs, "--", PROTOS).splitlines():
+        if line.startswith(("+++", "---")) or not line.startswith(("+", "-")):
+            continue
+        if line[1:].split("//", 1)[0].strip():
+            return True
+    return False
 
 
 def build_previous(dest: Path) -> PreviousBuild:
