@@ -180,7 +180,11 @@ def test_the_cache_runs_as_a_user_with_only_its_privileges(
                 common_pb2.CACHE_OUTCOME_MISS,
             )
             assert service.counts[CacheCount.MILVUS_SEARCHES] >= 1
-            removed = await stub.Invalidate(cache_pb2.InvalidateRequest(scope=scope()), timeout=10)
+            # Invalidate matches tenant, model and version only (parameters would be refused).
+            version = common_pb2.Scope(
+                tenant=scope().tenant, model=scope().model, model_version="1"
+            )
+            removed = await stub.Invalidate(cache_pb2.InvalidateRequest(scope=version), timeout=10)
             assert removed.removed == 2
             assert not {c: service.counts[c] for c in ERROR_COUNTS if service.counts[c]}
 
