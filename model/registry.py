@@ -5,7 +5,8 @@ version or model written while the services run is picked up on first use, with 
 window in which it is refused:
 
 - `get` on a name or version it has not loaded rescans the repository's listing (a few
-  directory reads) and loads the new version there and then;
+  directory reads) and loads the new version there and then (`find`, what request handlers
+  call, does both on a worker thread: the event loop serves loaded versions meanwhile);
 - `load_new` rescans and loads every version not loaded yet: the inference service runs it
   off its event loop before answering ListModels (which the gateway reads when a request
   names a model it does not know), so that list holds every version the repository holds
@@ -36,7 +37,9 @@ every request.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -102,7 +105,7 @@ class ModelRegistry(Generic[T]):
         # Removed versions still served when named, until their deadline (monotonic).
         self._leaving: dict[Key, tuple[float, tuple[ModelConfig, T]]] = {}
         self._rescan_s = rescan_s
-        self._next_rescan = 0.0 if rescan_s is None else time.monotonic() + rescan_s
+        self._next_rescan = math.inf if rescan_s is None else time.monotonic() + rescan_s
         self._configs: dict[Key, ModelConfig] = {}  # every complete version seen
         # The files each config was read from: a version not loaded yet whose files change
         # (labels.json replaced in place) is read again, or it would be loaded with its old
@@ -295,10 +298,28 @@ class ModelRegistry(Generic[T]):
     def _key(self, name: str, version: str) -> Key:
         return (name, version or self._latest.get(name, ""))
 
+    async def find(self, name: str, version: str = "") -> tuple[ModelConfig, T]:
+        """`get` for a service's event loop: a version already loaded is answered on the loop;
+        a rescan or a load runs on the loop's default executor, so requests for loaded versions
+        are served meanwhile. A load reads and hashes the version's files (version_digest: 58
+        ms for the default model), and the inference service's builds and warms two ONNX
+        Runtime sessions (about a second): on the loop, a model built while the mesh ran
+        stalled every request in the process on its first use (co-located, an exact repeat
+        of another model waited 101 ms)."""
+        if not self._rescan_due():
+            found = self._loaded.get(self._key(name, version))
+            if found is not None:
+                return found
+        return await asyncio.get_running_loop().run_in_executor(None, self.get, name, version)
+
+    def _rescan_due(self) -> bool:
+        return time.monotonic() >= self._next_rescan
+
     def get(self, name: str, version: str = "") -> tuple[ModelConfig, T]:
-        """The loaded model; rescans and loads on a name or version not loaded yet."""
-        if self._rescan_s is not None and time.monotonic() >= self._next_rescan:
-            self._next_rescan = time.monotonic() + self._rescan_s
+        """The loaded model; rescans and loads on a name or version not loaded yet (blocking:
+        a service's request handlers call `find`)."""
+        if self._rescan_due():
+            self._next_rescan = time.monotonic() + (self._rescan_s or math.inf)
             try:
                 self._rescan_after(self._scans_started)
             except OSError as exc:  # a volume going away under the listing: serve on

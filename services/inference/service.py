@@ -280,7 +280,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         context: grpc.aio.ServicerContext[inference_pb2.InferRequest, inference_pb2.InferResponse],
     ) -> inference_pb2.InferResponse:
         try:
-            cfg, model = self.models.get(request.model, request.model_version)
+            cfg, model = await self.models.find(request.model, request.model_version)
         except ModelNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         known = [o.name for o in cfg.outputs]

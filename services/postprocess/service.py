@@ -74,7 +74,7 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
         ],
     ) -> postprocess_pb2.PostprocessResponse:
         try:
-            cfg, digest = self.models.get(request.model, request.model_version)
+            cfg, digest = await self.models.find(request.model, request.model_version)
         except ModelNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         top_k = request.top_k or 1

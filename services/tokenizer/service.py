@@ -98,7 +98,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
                     f"texts[{i}] is over {self.config.max_text_bytes} bytes",
                 )
         try:
-            _, (tokenizer, digest) = self.models.get(request.model, request.model_version)
+            _, (tokenizer, digest) = await self.models.find(request.model, request.model_version)
         except ModelNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         batch = encode(tokenizer, texts)

@@ -7,12 +7,14 @@ as ONNX Runtime fails on one it cannot parse (the mesh test does it with ONNX Ru
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -440,3 +442,67 @@ def test_files_changed_between_the_scan_and_the_first_load_are_loaded_with_their
     assert list(cfg.labels) == labels
     assert list(loaded_labels) == labels
     assert digest == version_digest(folder)
+
+
+def test_a_loaded_model_is_answered_on_the_loop_while_a_new_one_loads(
+    repo: Path, default_repo: Path
+) -> None:
+    """`find` (what the services' handlers call) loads a version the registry has not seen
+    off the event loop: a request for a loaded model is answered while another model's first
+    request waits for its load. The loader is held on an event the test releases, standing
+    in for a load that takes long (hashing the files, building ONNX Runtime sessions)."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def loader(cfg: ModelConfig) -> str:
+        if cfg.name == "other-intents":
+            started.set()
+            assert release.wait(30), "the test never released the load"
+        return f"session {cfg.name}"
+
+    registry = ModelRegistry(ModelRepository(repo), loader, rescan_s=3600.0)
+    registry.load_all()
+    other = repo / "other-intents" / "1"
+    shutil.copytree(default_repo / DEFAULT_MODEL / "1", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "name": "other-intents"}))
+
+    async def scenario() -> tuple[bool, str, str]:
+        new = asyncio.ensure_future(registry.find("other-intents"))
+        # The new model's load has begun, on another thread.
+        assert await asyncio.to_thread(started.wait, 10), "the new model's load never began"
+        _, loaded = await asyncio.wait_for(registry.find(DEFAULT_MODEL), 10)
+        waiting = not new.done()
+        release.set()
+        _, fresh = await asyncio.wait_for(new, 10)
+        return waiting, loaded, fresh
+
+    waiting, loaded, fresh = asyncio.run(scenario())
+    assert loaded == f"session {DEFAULT_MODEL}"
+    assert waiting, "the loaded model's request was answered only after the new model loaded"
+    assert fresh == "session other-intents"
+
+
+def test_a_version_digest_follows_a_file_edited_in_place_keeping_size_and_mtime(
+    repo: Path,
+) -> None:
+    """version_digest remembers each file's hash by its stat (co-located services fingerprint
+    the same files); a same-length edit in place with its mtime put back, as `cp -p` of a
+    build with equal sizes does, still changes the ctime, so the file is hashed again."""
+    folder = repo / DEFAULT_MODEL / "1"
+    labels = folder / "labels.json"
+    before = version_digest(folder)
+    assert version_digest(folder) == before
+    stat = labels.stat()
+    text = labels.read_text()
+    labels.write_text(text.replace("a", "b", 1))
+    os.utime(labels, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert labels.stat().st_size == stat.st_size
+    assert labels.stat().st_mtime_ns == stat.st_mtime_ns
+
+    after = version_digest(folder)
+
+    assert after != before
+    labels.write_text(text)
+    os.utime(labels, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert version_digest(folder) == before
