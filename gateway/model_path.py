@@ -35,6 +35,11 @@ log = logging.getLogger("hopline.gateway.model_path")
 FILES_DIFFER = Episodes(
     log, "a stage answered from other model files than the model list's; answer not cached"
 )
+STAGES_DIFFER = Episodes(
+    log, "the stages answered from different files of one model version; asked again"
+)
+# The stages, by the names check_files and the replies' digests go under.
+TOKENIZE, INFERENCE, POSTPROCESS = "tokenize", "inference", "postprocess"
 
 
 def check_files(call: PredictCall, stage: str, digest: str) -> None:
@@ -86,10 +91,15 @@ class ModelPath:
             return await call.tokenizing
         return await self._tokenize_hop(call)
 
-    def _tokenize_hop(self, call: PredictCall) -> Awaitable[tokenizer_pb2.TokenizeResponse]:
+    def _tokenize_hop(
+        self, call: PredictCall, expect: str | None = None
+    ) -> Awaitable[tokenizer_pb2.TokenizeResponse]:
         return self.tokenize(
             tokenizer_pb2.TokenizeRequest(
-                model=call.info.name, model_version=call.info.version, texts=[call.text]
+                model=call.info.name,
+                model_version=call.info.version,
+                texts=[call.text],
+                model_digest=call.info.digest if expect is None else expect,
             ),
             call.timeout_s,
             call.timings,
@@ -140,39 +150,36 @@ class ModelPath:
         return prediction, not shared
 
     async def tokenize_infer_postprocess(self, call: PredictCall) -> common_pb2.Prediction:
+        """The three stages for one text, from one build of the version: a version changed in
+        place is reloaded by each service on its own, so the stages may answer from different
+        files (new labels over the old model's logits: a wrong label). Then each is asked
+        again expecting another's files, which makes the lagging ones look at the repository
+        now; stages that still differ fail the request UNAVAILABLE rather than answer it."""
         metrics.INFERENCES.inc()
         info = call.info
-        if call.embedding is not None:
-            inputs = [call.embedding]  # the head alone (_take_embedding)
-        else:
-            tokens = await self._tokens(call)
-            inputs = [tokens.input_ids, tokens.attention_mask]
-        inferred = await self.infer(
-            inference_pb2.InferRequest(
+        prediction, answered = await self._stages(call, {})
+        if _mixed(answered):
+            STAGES_DIFFER.failed(
+                (info.name, info.version),
+                "differ",
                 model=info.name,
-                model_version=info.version,
-                inputs=inputs,
-                outputs=["logits"],
-            ),
-            call.timeout_s,
-            call.timings,
-        )
-        call.timings["inference.queue"] = inferred.queue_ms
-        call.timings["inference.compute"] = inferred.compute_ms
-        post = await self.postprocess(
-            postprocess_pb2.PostprocessRequest(
-                model=info.name,
-                model_version=info.version,
-                outputs=inferred.outputs,
-                top_k=call.top_k,
-            ),
-            call.timeout_s,
-            call.timings,
-        )
-        if call.embedding is None:
-            check_files(call, "tokenize", tokens.model_digest)
-        check_files(call, "inference", inferred.model_digest)
-        check_files(call, "postprocess", post.model_digest)
+                version=info.version,
+                stages=answered,
+            )
+            metrics.STAGES_ASKED_AGAIN.inc()
+            prediction, answered = await self._stages(call, _other_files(answered))
+            if _mixed(answered):
+                raise HopError(
+                    INFERENCE,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"model {info.name} version {info.version} is being changed in place: its "
+                    f"stages answered from different files ({_said(answered)}); retry once "
+                    "every service has the new files (a version that does not load everywhere "
+                    "stays so until its files are fixed)",
+                )
+        STAGES_DIFFER.ended((info.name, info.version))
+        for stage, digest in answered.items():
+            check_files(call, stage, digest)
         if call.files_differ:  # not stored (counted where the store is decided)
             FILES_DIFFER.failed(
                 (info.name, info.version),
@@ -184,4 +191,68 @@ class ModelPath:
             )
         else:
             FILES_DIFFER.ended((info.name, info.version))
-        return post.predictions[0]
+        return prediction
+
+    async def _stages(
+        self, call: PredictCall, expect: dict[str, str]
+    ) -> tuple[common_pb2.Prediction, dict[str, str]]:
+        """One pass of the stages, each told to expect the files `expect` names for it (the
+        model list's by default); returns the answer and each stage's files (empty digests,
+        from services older than the field, left out)."""
+        info = call.info
+        answered: dict[str, str] = {}
+        if call.embedding is not None:
+            inputs = [call.embedding]  # the head alone (_take_embedding)
+        else:
+            # Asked again: tokenized again, the early request's ids may be the other build's.
+            tokens = await (
+                self._tokenize_hop(call, expect.get(TOKENIZE, info.digest))
+                if expect
+                else self._tokens(call)
+            )
+            answered[TOKENIZE] = tokens.model_digest
+            inputs = [tokens.input_ids, tokens.attention_mask]
+        inferred = await self.infer(
+            inference_pb2.InferRequest(
+                model=info.name,
+                model_version=info.version,
+                inputs=inputs,
+                outputs=["logits"],
+                model_digest=expect.get(INFERENCE, info.digest),
+            ),
+            call.timeout_s,
+            call.timings,
+        )
+        answered[INFERENCE] = inferred.model_digest
+        call.timings["inference.queue"] = inferred.queue_ms
+        call.timings["inference.compute"] = inferred.compute_ms
+        post = await self.postprocess(
+            postprocess_pb2.PostprocessRequest(
+                model=info.name,
+                model_version=info.version,
+                outputs=inferred.outputs,
+                top_k=call.top_k,
+                model_digest=expect.get(POSTPROCESS, info.digest),
+            ),
+            call.timeout_s,
+            call.timings,
+        )
+        answered[POSTPROCESS] = post.model_digest
+        return post.predictions[0], {stage: d for stage, d in answered.items() if d}
+
+
+def _mixed(answered: dict[str, str]) -> bool:
+    return len(set(answered.values())) > 1
+
+
+def _other_files(answered: dict[str, str]) -> dict[str, str]:
+    """For each stage, files another stage answered from: the ones it lacks, if the others
+    are the newer side, and if it is, asking makes it look again and find none newer."""
+    return {
+        stage: next(d for d in answered.values() if d != digest)
+        for stage, digest in answered.items()
+    }
+
+
+def _said(answered: dict[str, str]) -> str:
+    return ", ".join(f"{stage} {digest}" for stage, digest in answered.items())

@@ -4,7 +4,8 @@
 Rows are cut back to their own length when a batch is split (the tokenizer pads a batch to
 its longest text), so a batched row is the same tensor a single request would have carried.
 Inference rows are keyed by length bucket, so a 9-token text is never padded to a 200-token
-one in a shared run.
+one in a shared run. Rows are keyed by the files they expect (`model_digest`) too: a request
+asked again to make a lagging stage reload never shares an RPC with rows that do not.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _stack(name: str, rows: Sequence[np.ndarray[Any, Any]]) -> common_pb2.Tensor
 
 class TokenizeCodec(Codec[tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeResponse]):
     def key(self, request: tokenizer_pb2.TokenizeRequest) -> Hashable:
-        return (request.model, request.model_version)
+        return (request.model, request.model_version, request.model_digest)
 
     def merge(
         self, requests: Sequence[tokenizer_pb2.TokenizeRequest]
@@ -66,6 +67,7 @@ class TokenizeCodec(Codec[tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeR
             model=first.model,
             model_version=first.model_version,
             texts=[t for r in requests for t in r.texts],
+            model_digest=first.model_digest,
         )
 
     def split(
@@ -95,7 +97,14 @@ class InferCodec(Codec[inference_pb2.InferRequest, inference_pb2.InferResponse])
         bucket = next((b for b in LENGTH_BUCKETS if length <= b), length)
         # Token ids and embeddings (the head alone) never share a run.
         names = tuple(t.name for t in request.inputs)
-        return (request.model, request.model_version, tuple(request.outputs), names, bucket)
+        return (
+            request.model,
+            request.model_version,
+            request.model_digest,
+            tuple(request.outputs),
+            names,
+            bucket,
+        )
 
     def merge(self, requests: Sequence[inference_pb2.InferRequest]) -> inference_pb2.InferRequest:
         first = requests[0]
@@ -108,6 +117,7 @@ class InferCodec(Codec[inference_pb2.InferRequest, inference_pb2.InferResponse])
             model_version=first.model_version,
             inputs=inputs,
             outputs=first.outputs,
+            model_digest=first.model_digest,
         )
 
     def split(
@@ -133,7 +143,7 @@ class PostprocessCodec(
 ):
     def key(self, request: postprocess_pb2.PostprocessRequest) -> Hashable:
         names = tuple(t.name for t in request.outputs)
-        return (request.model, request.model_version, request.top_k, names)
+        return (request.model, request.model_version, request.model_digest, request.top_k, names)
 
     def merge(
         self, requests: Sequence[postprocess_pb2.PostprocessRequest]
@@ -148,6 +158,7 @@ class PostprocessCodec(
             model_version=first.model_version,
             outputs=outputs,
             top_k=first.top_k,
+            model_digest=first.model_digest,
         )
 
     def split(

@@ -24,6 +24,17 @@ for it) and are tried again when they change again. A replaced or forgotten obje
 also rescans at most that often from `get` (the tokenizer and postprocess services, which
 are not asked for ListModels): a few directory reads and stats every few seconds.
 
+A caller may say which files it expects a version to have (`find`'s `expect`: the digest the
+gateway's model list gives it), so that one request's stages answer from one build of a
+version changed in place, though each service reloads it on its own. With `keep_replaced`
+the files a reload replaced are kept, and answer callers that still expect them, until none
+has for `linger_s` (the gateway's list names the old build until inference has loaded the
+new one, and for as long as the new one does not load there); a
+caller that expects files this service has not loaded makes it rescan there and then, not
+at its next refresh (at most once a second per version, whatever the digest: a caller's
+list may itself be the stale side, and made-up digests must not make every request a
+rescan).
+
 Rescans are single-flight: callers that miss while one is running share the next one (a scan
 that started before a caller missed may not have seen what the caller wants), so a burst of
 requests for an unknown name costs at most two listings. Only complete versions are seen
@@ -86,6 +97,8 @@ log = logging.getLogger("hopline.model.registry")
 # then every gateway has re-read the model list (each does once a period) and stopped routing
 # to it.
 LINGER_REFRESHES = 2
+# How often one caller's expected digest may make a loaded version rescan (`find`'s `expect`).
+RECHECK_S = 1.0
 
 
 class ModelRegistry(Generic[T]):
@@ -97,9 +110,17 @@ class ModelRegistry(Generic[T]):
         on_retire: Callable[[T], None] | None = None,
         rescan_s: float | None = None,
         linger_s: float = 0.0,
+        digest_of: Callable[[T], str] | None = None,
+        keep_replaced: bool = False,
     ) -> None:
         self._repo = repo
         self._loader = loader
+        self._digest_of = digest_of
+        self._keep_replaced = keep_replaced
+        # Files a reload replaced, still served to callers that expect them.
+        self._replaced: dict[Key, _Kept[T]] = {}
+        # When a caller's `expect` last made each version rescan.
+        self._rechecked: dict[Key, float] = {}
         self._on_retire = on_retire
         self._linger_s = linger_s
         # Removed versions still served when named, until their deadline (monotonic).
@@ -201,6 +222,10 @@ class ModelRegistry(Generic[T]):
             if key in configs or time.monotonic() >= deadline:
                 del self._leaving[key]
                 self._retire(model)
+        for key, kept in list(self._replaced.items()):
+            if key not in configs or time.monotonic() >= kept.until:
+                del self._replaced[key]
+                self._retire(kept.found[1])
         self._configs, self._config_files, self._broken = configs, config_files, broken
         self._latest = _latest(configs)
         self._scans_done = self._scans_started
@@ -235,11 +260,19 @@ class ModelRegistry(Generic[T]):
             "model version changed; loaded from its new files",
             extra={"model": name, "version": version},
         )
-        self._retire(old_model)
+        if self._keep_replaced:
+            older = self._replaced.get(key)
+            self._replaced[key] = _Kept((old_cfg, old_model), self._linger_s)
+            if older is not None:
+                self._retire(older.found[1])
+        else:
+            self._retire(old_model)
         return cfg
 
     def _forget(self, key: Key) -> T:
         """Drop a loaded version (requests running on it keep their reference)."""
+        if (replaced := self._replaced.pop(key, None)) is not None:
+            self._retire(replaced.found[1])
         _, model = self._loaded.pop(key)
         del self._files[key]
         self._configs.pop(key, None)  # published again: its config is read again
@@ -298,35 +331,84 @@ class ModelRegistry(Generic[T]):
     def _key(self, name: str, version: str) -> Key:
         return (name, version or self._latest.get(name, ""))
 
-    async def find(self, name: str, version: str = "") -> tuple[ModelConfig, T]:
+    async def find(self, name: str, version: str = "", expect: str = "") -> tuple[ModelConfig, T]:
         """`get` for a service's event loop: a version already loaded is answered on the loop;
         a rescan or a load runs on the loop's default executor, so requests for loaded versions
         are served meanwhile. A load reads and hashes the version's files (version_digest: 58
         ms for the default model), and the inference service's builds and warms two ONNX
         Runtime sessions (about a second): on the loop, a model built while the mesh ran
         stalled every request in the process on its first use (co-located, an exact repeat
-        of another model waited 101 ms)."""
+        of another model waited 101 ms). `expect`: the module docstring."""
         if not self._rescan_due():
-            found = self._loaded.get(self._key(name, version))
+            key = self._key(name, version)
+            found = self._loaded.get(key)
+            if found is not None and self._differs(found, expect):
+                found = self._kept(key, expect) or (
+                    None if self._recheck_due(key) or self._lock.locked() else found
+                )
             if found is not None:
                 return found
-        return await asyncio.get_running_loop().run_in_executor(None, self.get, name, version)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self.get, name, version, expect
+        )
+
+    def _differs(self, found: tuple[ModelConfig, T], expect: str) -> bool:
+        """A caller expects other files than the loaded version's."""
+        return bool(expect) and self._digest_of is not None and self._digest_of(found[1]) != expect
+
+    def _kept(self, key: Key, expect: str) -> tuple[ModelConfig, T] | None:
+        """The files a reload replaced, when they are the ones the caller expects (kept
+        `linger_s` longer from now)."""
+        kept = self._replaced.get(key)
+        now = time.monotonic()
+        if kept is None or now >= kept.until or self._differs(kept.found, expect):
+            return None  # (let go at the next scan once past `until`)
+        kept.until = now + self._linger_s
+        return kept.found
+
+    def _recheck_due(self, key: Key) -> bool:
+        """No rescan for a caller's `expect` of this version in the last second."""
+        return time.monotonic() - self._rechecked.get(key, -math.inf) >= RECHECK_S
+
+    def _recheck(self, key: Key) -> None:
+        """A rescan for a caller that expects other files than the loaded ones, unless one ran
+        in the last second; one running now is waited for (it holds the lock), so callers
+        that came meanwhile get what it loaded, not the files it is replacing."""
+        with self._lock:
+            if not self._recheck_due(key):
+                return
+            self._rechecked[key] = time.monotonic()
+            try:
+                self._scan()
+            except OSError as exc:  # a volume going away under the listing: serve on
+                log.warning("model repository rescan failed", extra={"error": str(exc)})
 
     def _rescan_due(self) -> bool:
         return time.monotonic() >= self._next_rescan
 
-    def get(self, name: str, version: str = "") -> tuple[ModelConfig, T]:
-        """The loaded model; rescans and loads on a name or version not loaded yet (blocking:
-        a service's request handlers call `find`)."""
-        if self._rescan_due():
+    def get(self, name: str, version: str = "", expect: str = "") -> tuple[ModelConfig, T]:
+        """The loaded model; rescans and loads on a name or version not loaded yet, or loaded
+        from files other than `expect`'s (blocking: a service's request handlers call
+        `find`)."""
+        key = self._key(name, version)
+        loaded = self._loaded.get(key)
+        if loaded is not None and self._differs(loaded, expect):
+            if (kept := self._kept(key, expect)) is not None:
+                return kept
+            self._recheck(key)
+        elif self._rescan_due():
             self._next_rescan = time.monotonic() + (self._rescan_s or math.inf)
             try:
                 self._rescan_after(self._scans_started)
             except OSError as exc:  # a volume going away under the listing: serve on
                 log.warning("model repository rescan failed", extra={"error": str(exc)})
-        found = self._loaded.get(self._key(name, version))
+        key = self._key(name, version)
+        found = self._loaded.get(key)
         if found is not None:
-            return found
+            # A rescan may just have replaced the files the caller expects; else it gets what
+            # is here, and says so in its reply's digest.
+            kept = self._kept(key, expect) if self._differs(found, expect) else None
+            return kept or found
         leaving = self._leaving.get((name, version)) if version else None
         if leaving is not None and not (self._repo.root / name / version).exists():
             return leaving[1]  # removed, still served when named: one stat, not a rescan
@@ -356,6 +438,14 @@ class ModelRegistry(Generic[T]):
 
     def loaded(self) -> list[tuple[ModelConfig, T]]:
         return sorted(self._loaded.values(), key=lambda m: m[0].key)
+
+
+class _Kept(Generic[T]):
+    """A version's files that a reload replaced, and until when they are kept."""
+
+    def __init__(self, found: tuple[ModelConfig, T], linger_s: float) -> None:
+        self.found = found
+        self.until = time.monotonic() + linger_s
 
 
 def _latest(configs: dict[Key, ModelConfig]) -> dict[str, str]:

@@ -129,6 +129,12 @@ COALESCED_RERUN = LoopCounter(
     "within their own",
     (),
 )
+STAGES_ASKED_AGAIN = LoopCounter(
+    "hopline_stages_asked_again_total",
+    "Misses whose stages answered from different files of one model version (changed in "
+    "place, not yet reloaded everywhere) and were asked again expecting one build",
+    (),
+)
 # The gateway's GetStats counters are read from these (and the three above): Prometheus is
 # the one place a gateway count is kept, so a scrape and GetStats cannot disagree.
 GATEWAY_REQUESTS = LoopCounter(

@@ -217,6 +217,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             self._load,
             on_retire=self._retired,
             linger_s=LINGER_REFRESHES * config.model_refresh_s,
+            digest_of=lambda model: model.digest,
         )
         self.executor = nicer_executor(self.concurrency, "model", config.nice)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -280,7 +281,9 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         context: grpc.aio.ServicerContext[inference_pb2.InferRequest, inference_pb2.InferResponse],
     ) -> inference_pb2.InferResponse:
         try:
-            cfg, model = await self.models.find(request.model, request.model_version)
+            cfg, model = await self.models.find(
+                request.model, request.model_version, request.model_digest
+            )
         except ModelNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         known = [o.name for o in cfg.outputs]

@@ -54,6 +54,9 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
             lambda cfg: version_digest(cfg.path),
             rescan_s=config.model_refresh_s,
             linger_s=LINGER_REFRESHES * config.model_refresh_s,
+            digest_of=lambda digest: digest,
+            # Answer the gateway's model list's build until it names the new one.
+            keep_replaced=True,
         )
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -74,7 +77,9 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
         ],
     ) -> postprocess_pb2.PostprocessResponse:
         try:
-            cfg, digest = await self.models.find(request.model, request.model_version)
+            cfg, digest = await self.models.find(
+                request.model, request.model_version, request.model_digest
+            )
         except ModelNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         top_k = request.top_k or 1

@@ -64,6 +64,9 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
             _load,
             rescan_s=config.model_refresh_s,
             linger_s=LINGER_REFRESHES * config.model_refresh_s,
+            digest_of=lambda loaded: loaded[1],
+            # Answer the gateway's model list's build until it names the new one.
+            keep_replaced=True,
         )
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -98,7 +101,9 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
                     f"texts[{i}] is over {self.config.max_text_bytes} bytes",
                 )
         try:
-            _, (tokenizer, digest) = await self.models.find(request.model, request.model_version)
+            _, (tokenizer, digest) = await self.models.find(
+                request.model, request.model_version, request.model_digest
+            )
         except ModelNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         batch = encode(tokenizer, texts)

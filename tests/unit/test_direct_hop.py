@@ -239,7 +239,7 @@ def test_the_short_way_holds_the_stage_slot_so_requests_meanwhile_batch() -> Non
         rest = [asyncio.ensure_future(hop(request(t), 5.0, {})) for t in ("bb", "ccc")]
         await asyncio.sleep(0.01)
         assert servicer.calls == [["a"]]  # the others wait for the slot
-        assert len(stage._queues[(DEFAULT_MODEL, "")]) == 2
+        assert len(stage._queues[(DEFAULT_MODEL, "", "")]) == 2  # model, version, files
         servicer.release.set()
         return list(await asyncio.gather(first, *rest))
 

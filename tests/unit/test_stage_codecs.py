@@ -4,9 +4,11 @@ digest is the scope's: gateway/model_path.py:check_files)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from hopline.gateway.stage_codecs import InferCodec, PostprocessCodec, TokenizeCodec
+from hopline.gateway.stage_codecs import Codec, InferCodec, PostprocessCodec, TokenizeCodec
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2
@@ -50,3 +52,30 @@ def test_every_split_reply_keeps_the_digest_of_the_batch() -> None:
     for parts in (split_tokens, split_inferred, split_answered):
         assert [p.model_digest for p in parts] == [DIGEST, DIGEST]
     assert [p.predictions[0].label for p in split_answered] == ["x", "y"]
+
+
+def test_rows_expecting_other_files_never_share_a_batch_and_a_batch_says_its_rows_files() -> None:
+    """A request asked again to make a lagging stage reload (gateway/model_path.py) expects
+    other files than the rows beside it: in one RPC, one of them would not be asked for its."""
+    ids = to_tensor("input_ids", np.array([[101, 7, 102]], dtype=np.int64))
+    logits = to_tensor("logits", np.zeros((1, 3), dtype=np.float32))
+    cases: list[tuple[Codec[Any, Any], list[Any]]] = [
+        (
+            TokenizeCodec(),
+            [tokenizer_pb2.TokenizeRequest(model="m", texts=["a"], model_digest=d) for d in "ab"],
+        ),
+        (
+            InferCodec(),
+            [inference_pb2.InferRequest(model="m", inputs=[ids], model_digest=d) for d in "ab"],
+        ),
+        (
+            PostprocessCodec(),
+            [
+                postprocess_pb2.PostprocessRequest(model="m", outputs=[logits], model_digest=d)
+                for d in "ab"
+            ],
+        ),
+    ]
+    for codec, (a, b) in cases:
+        assert codec.key(a) != codec.key(b), type(codec).__name__
+        assert codec.merge([a, a]).model_digest == "a", type(codec).__name__
