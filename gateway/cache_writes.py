@@ -91,9 +91,10 @@ class CacheWrites:
 
     async def send_report(self, call: PredictCall, prediction: common_pb2.Prediction) -> None:
         if call.files_differ:
-            # An answer mixing two builds of the version is no evidence about the entry
-            # (its stages disagree with each other): the verification threshold must not learn
-            # from it. The candidate stays unverified and is asked about again.
+            # An answer from another build of the version than the entry's scope names (one
+            # the model list does not name yet) is no evidence about the entry: the
+            # verification threshold must not learn from it. The candidate stays unverified
+            # and is asked about again.
             return
         try:
             await call_hop(
