@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from hopline.cache.keys import exact_key
 from hopline.cache.watch_feed import LISTING_CHUNK, WatchFeed
-from hopline.gateway.key_mirror import KeyMirror
+from hopline.gateway.key_mirror import PURGE_CHUNK, KeyMirror
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 
@@ -72,6 +72,50 @@ def test_past_capacity_the_mirror_stops_vouching_until_it_is_reset() -> None:
     assert len(mirror) == 0
     mirror.reset()
     assert not mirror.full
+
+
+def test_a_scope_invalidation_answers_at_once_and_deletes_its_keys_between_turns_of_the_loop() -> (
+    None
+):
+    """A scope's keys are misses the moment its invalidation is applied; their entries are
+    deleted afterwards a chunk at a time, the loop's other work running in between (deleting
+    them on the spot held the gateway's loop 531-544 ms at the default capacity of 2 million
+    keys: bench/scripts/key_mirror_stall.py). A key stored again meanwhile stays held."""
+    n = 3 * PURGE_CHUNK
+
+    async def scenario() -> None:
+        mirror = KeyMirror(capacity=n + 10)
+        held = cache_pb2.HeldKeys(scope=scope_of(T1), entry_ids=[key(str(i)) for i in range(n)])
+        other = cache_pb2.HeldKeys(scope=scope_of(T2), entry_ids=[key("x", T2)])
+        mirror.apply(Event(held=[held, other], keys_synced=True))
+        turns = 0
+
+        async def ticker() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        ticking = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        mirror.apply(Event(scope=common_pb2.Scope(tenant="t1")))
+        assert mirror.known_miss(key("0"))
+        assert mirror.known_miss(key(str(n - 1)))
+        assert len(mirror) == n + 1, "the scope's keys were deleted on the spot"
+        mirror.hold(scope_of(T1), [key("7")])  # stored again after the invalidation
+        before = turns
+        for _ in range(1000):  # turns of the loop, far more than the deletion needs
+            if len(mirror) == 2:
+                break
+            await asyncio.sleep(0)
+        assert len(mirror) == 2, "the invalidated scope's keys were never deleted"
+        assert turns - before >= 3, "the deletion did not yield to the loop between chunks"
+        assert not mirror.known_miss(key("7"))
+        assert not mirror.known_miss(key("x", T2))
+        assert mirror.known_miss(key("1"))
+        ticking.cancel()
+
+    asyncio.run(scenario())
 
 
 async def take(stream: AsyncIterator[Event], n: int) -> list[Event]:
