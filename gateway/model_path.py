@@ -246,8 +246,10 @@ def _mixed(answered: dict[str, str]) -> bool:
 
 
 def _other_files(answered: dict[str, str]) -> dict[str, str]:
-    """For each stage, files another stage answered from: the ones it lacks, if the others
-    are the newer side, and if it is, asking makes it look again and find none newer."""
+    """For each stage, a build another stage answered from. A stage without those files
+    looks at the repository at once and loads them if they are there, and one that kept them
+    from before a reload answers from them, so the second pass settles on a build every
+    stage has, where there is one."""
     return {
         stage: next(d for d in answered.values() if d != digest)
         for stage, digest in answered.items()
