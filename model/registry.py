@@ -29,11 +29,10 @@ gateway's model list gives it), so that one request's stages answer from one bui
 version changed in place, though each service reloads it on its own. With `keep_replaced`
 the files a reload replaced are kept, and answer callers that still expect them, until none
 has for `linger_s` (the gateway's list names the old build until inference has loaded the
-new one, and for as long as the new one does not load there); a
-caller that expects files this service has not loaded makes it rescan there and then, not
-at its next refresh (at most once a second per version, whatever the digest: a caller's
-list may itself be the stale side, and made-up digests must not make every request a
-rescan).
+new one, and for as long as the new one does not load there); a caller that expects files
+this service has not loaded makes it rescan there and then, not at its next refresh (at
+most once a second per version, whatever the digest: a caller's list may itself be the
+stale side, and made-up digests must not make every request a rescan).
 
 Rescans are single-flight: callers that miss while one is running share the next one (a scan
 that started before a caller missed may not have seen what the caller wants), so a burst of
