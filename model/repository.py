@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -147,8 +148,10 @@ def cache_problem(cache: CachePolicy) -> str | None:
     `hopline model build` refuses to build one."""
     if cache.mode not in ("off", "exact", "semantic"):
         return "cache.mode must be off, exact or semantic"
-    if not 0.0 < cache.threshold <= 1.0 or cache.ttl_s <= 0 or cache.max_entries < 1:
-        return "cache needs 0 < threshold <= 1, ttl_s > 0 and max_entries >= 1"
+    # A TTL of infinity (JSON's 1e999) or NaN would pass `> 0`; the cache refuses every store
+    # of such an entry (cache/intake.py), so the version is refused here, where it is said.
+    if not 0.0 < cache.threshold <= 1.0 or not 0 < cache.ttl_s < math.inf or cache.max_entries < 1:
+        return "cache needs 0 < threshold <= 1, ttl_s > 0 and finite, and max_entries >= 1"
     if not 0.0 <= cache.verify_target < 1.0 or not 0.0 < cache.verify_confidence < 1.0:
         return "cache needs 0 <= verify_target < 1 and 0 < verify_confidence < 1"
     return None

@@ -299,6 +299,13 @@ def _edit_config(folder: Path, **changes: object) -> None:
         ),
         (lambda f: (f / "labels.json").write_text("[oops"), "labels.json is not JSON"),
         (lambda f: (f / "config.json").write_text("{oops"), "config.json is not JSON"),
+        # A TTL past any number (JSON's 1e999): every store was refused by the cache, unsaid.
+        (
+            lambda f: (f / "config.json").write_text(
+                (f / "config.json").read_text().replace('"ttl_s": 3600.0', '"ttl_s": 1e999')
+            ),
+            "ttl_s > 0 and finite",
+        ),
     ],
 )
 def test_a_version_whose_config_cannot_serve_is_left_out_naming_what_is_wrong(
