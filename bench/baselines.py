@@ -74,6 +74,7 @@ def inprocess_target(name: str, args: argparse.Namespace, spec: str = "") -> InP
             threads=threads,
             spin=service.spin,
             nice=service.nice,
+            slice_us=service.slice_us,
             suffix=suffix,
         )
     return InProcessTarget(
@@ -83,6 +84,7 @@ def inprocess_target(name: str, args: argparse.Namespace, spec: str = "") -> InP
         threads=service.threads,
         spin=service.spin,
         nice=service.nice,
+        slice_us=service.slice_us,
         suffix=suffix,
     )
 

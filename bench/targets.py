@@ -187,6 +187,7 @@ class InProcessTarget:
         threads: int,
         spin: Spin,
         nice: int = 0,
+        slice_us: int = 0,
         top_k: int = 1,
         suffix: str = "",
     ) -> None:
@@ -195,14 +196,17 @@ class InProcessTarget:
         self.top_k = top_k
         self.tokenizer = load_tokenizer(config.file("tokenizer"), config.max_sequence_length)
         # The model's threads as nice as the inference service's (runtime/priority.py).
-        self.backend = on_nicer_thread(nice, lambda: create_backend(config, threads, spin=spin))
-        self.executor = nicer_executor(workers, "inprocess", nice)
+        self.backend = on_nicer_thread(
+            nice, lambda: create_backend(config, threads, spin=spin), slice_us
+        )
+        self.executor = nicer_executor(workers, "inprocess", nice, slice_us)
         self.model = BatchedModel(self.backend, self.executor, workers) if batched else None
         self.settings = {
             "workers": workers,
             "threads": threads,
             "spin": spin.value,
             "nice": nice,
+            "slice_us": slice_us,
             "batched": batched,
         }
 

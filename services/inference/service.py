@@ -103,6 +103,19 @@ class InferenceConfig(ServerConfig):
         "0: the same): the loop preempts a run when a request needs it",
         valid=Range(high=19),
     )
+    # 100 against the kernel's default (1.4 ms on 2 cores: runtime/priority.py), the
+    # co-located mesh's model threads switched on a running `make run` (Linux 6.18, AMD EPYC
+    # VM, 2 cores), alternated rounds (2026-12-03): c=1 misses p50 lower in 5 of 6 (medians 4.39
+    # against 4.88 ms), c=32 336, 332, 358 and 310 rps against 328, 329, 334 and 242, open
+    # loop at 240 rps p50 median 16.1 against 15.9 ms (6 rounds, the hour's spread 13.9-17.5).
+    slice_us: int = env_field(
+        "HOPLINE_INFERENCE_SLICE_US",
+        100,
+        "the scheduler slice the threads that run models ask for, in microseconds (Linux "
+        "6.12 and later; 0: the kernel's default, about 1.4 ms on 2 cores; the kernel grants "
+        "0.1 ms at least): a request's step on the event loop preempts a run within it",
+        valid=Range(high=100_000),
+    )
 
 
 TOKEN_IDS, ATTENTION_MASK = "input_ids", "attention_mask"
@@ -219,7 +232,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             linger_s=LINGER_REFRESHES * config.model_refresh_s,
             digest_of=lambda model: model.digest,
         )
-        self.executor = nicer_executor(self.concurrency, "model", config.nice)
+        self.executor = nicer_executor(self.concurrency, "model", config.nice, config.slice_us)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -228,6 +241,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         backend = on_nicer_thread(
             self.config.nice,
             lambda: create_backend(cfg, self.config.threads, spin=self.config.spin),
+            self.config.slice_us,
         )
         warm_up(backend)
         return BatchedModel(backend, self.executor, self.concurrency, version_digest(cfg.path))
