@@ -257,6 +257,8 @@ milvus-server-tests: model $(MILVUS_STANDALONE)
 # Kubernetes manifests, offline: each overlay rendered by kustomize and validated, strict, by
 # kubeconform against the JSON schemas the PyPI package kubernetes-validate bundles (laid out
 # by deploy/k8s/schemas.py). kubeconform exits 0 on no resources, so the count is checked.
+# Then each overlay's NetworkPolicies against the connections its own addresses name
+# (deploy/k8s/network_policy.py): every one admitted, nothing else into the namespace.
 KUBECONFORM := .tools/bin/kubeconform
 KUBECONFORM_VERSION := v0.7.0
 KUBERNETES_VALIDATE := kubernetes-validate==1.37.0
@@ -285,7 +287,7 @@ $(K8S_SCHEMAS)/.stamp: $(STAMPS)/venv deploy/k8s/schemas.py
 	done
 	@touch $@
 
-k8s-check: $(KUBECONFORM) $(K8S_SCHEMAS)/.stamp $(if $(shell command -v kubectl),,.tools/bin/kustomize)
+k8s-check: $(KUBECONFORM) $(K8S_SCHEMAS)/.stamp $(STAMPS)/install $(if $(shell command -v kubectl),,.tools/bin/kustomize)
 	@mkdir -p build
 	@set -euo pipefail; for overlay in $(K8S_OVERLAYS); do \
 		$(KUSTOMIZE) deploy/k8s/overlays/$$overlay > build/k8s-$$overlay.yaml; \
@@ -303,6 +305,8 @@ k8s-check: $(KUBECONFORM) $(K8S_SCHEMAS)/.stamp $(if $(shell command -v kubectl)
 			grep -Eq 'Valid: [1-9][0-9]*, Invalid: 0, Errors: 0, Skipped: 0' <<< "$$summary" || \
 				{ echo "$$overlay: no resource validated, or some not"; exit 1; }; \
 		done; \
+		$(PY) deploy/k8s/network_policy.py build/k8s-$$overlay.yaml \
+			--isolated hopline --public hopline/gateway; \
 	done
 
 # Compose, offline: Debian's docker-compose validates the file without an engine.
