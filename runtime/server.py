@@ -35,7 +35,7 @@ from hopline.runtime.tls import (
     peer_check,
     server_credentials,
 )
-from hopline.runtime.workers import serve_own_metrics, worker_index
+from hopline.runtime.workers import serve_own_metrics, strangers, worker_index
 
 log = logging.getLogger("hopline.runtime.server")
 
@@ -245,6 +245,23 @@ async def _listen(
     return True
 
 
+def _port_to_ourselves(listen: str) -> bool:
+    """False, said, when a process other than this worker's siblings listens where the
+    worker just bound: with SO_REUSEPORT it would be handed some of the gateway's connections."""
+    others = strangers(listen)
+    if others:
+        log.error(
+            "address in use",
+            extra={
+                "listen": listen,
+                "error": f"address in use: {listen}: {'; '.join(others)} listens there too "
+                "(SO_REUSEPORT), so the workers would share its connections; stop it, or give "
+                "the service another port",
+            },
+        )
+    return not others
+
+
 async def _serve_probes(config: ServerConfig, health: HealthServicer) -> bool:
     """grpc.health.v1 alone, in plaintext, on `HOPLINE_HEALTH_PORT` of the listen address's
     host (loopback for a Unix socket), when set: Kubernetes' gRPC probes cannot speak TLS,
@@ -338,7 +355,9 @@ async def serve(service: Service, config: ServerConfig) -> int:
             await server.stop(0)
             return 1
         if late_bind and not (
-            await _listen(server, config, tls, peers) and await _serve_probes(config, health)
+            await _listen(server, config, tls, peers)
+            and _port_to_ourselves(config.listen)
+            and await _serve_probes(config, health)
         ):
             await service.stop()
             return 2

@@ -10,7 +10,9 @@ gateway's loop (bench/results/2026-11-26-h100-fused-cuda-fp16-int8-mesh.json).
 each a full gateway with its own loop, channels and local exact tier, all bound to the same
 address with SO_REUSEPORT, so the kernel spreads incoming connections over them (a connection
 stays with one worker). A worker binds only once it is ready (runtime/server.py), so no
-connection lands on one still starting. SIGTERM or SIGINT to the supervisor drains every
+connection lands on one still starting; having bound, it checks that no process but its
+siblings listens there (`strangers`), since one that took the port meanwhile with
+SO_REUSEPORT would share the connections, and exits 2 naming it if one does. SIGTERM or SIGINT to the supervisor drains every
 worker; a worker that exits on its own stops the rest and the supervisor exits with its code,
 for the orchestrator to restart the whole gateway, as it would a single process; a supervisor
 killed outright (SIGKILL) takes its workers along (each asked for PR_SET_PDEATHSIG). Linux only
@@ -19,9 +21,11 @@ killed outright (SIGKILL) takes its workers along (each asked for PR_SET_PDEATHS
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -175,3 +179,39 @@ def _exit_status(code: int | None) -> int:
     if code is None or code >= 0:
         return code or 0
     return 128 - code
+
+
+def strangers(listen: str) -> list[str]:
+    """Who else listens where this worker has just bound `listen` (host:port), each said in
+    words; [] when only this worker's siblings do (runtime/listeners.py says why it asks)."""
+    from hopline.runtime import listeners
+
+    host, _, port = listen.rpartition(":")
+    addresses = _addresses(host.strip("[]"))
+    there = [
+        listener
+        for listener in listeners.listening(int(port))
+        if any(listeners.overlaps(listener.address, a) for a in addresses)
+    ]
+    held = listeners.owners(listener.inode for listener in there)
+    supervisor = int(os.environ.get(SUPERVISOR_ENV, "0"))
+    said = []
+    for listener in there:
+        pid = held.get(listener.inode)
+        if pid is None:
+            said.append(
+                f"a socket of a process this one cannot see (another user's, or another PID "
+                f"namespace's: inode {listener.inode}, {listener.address})"
+            )
+        elif pid != os.getpid() and listeners.parent(pid) != supervisor:
+            said.append(f"process {pid} ({listeners.command(pid)}) on {listener.address}")
+    return said
+
+
+def _addresses(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses a listen host binds: itself, or what its name resolves to."""
+    try:
+        return [ipaddress.ip_address(host or "0.0.0.0")]
+    except ValueError:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        return [ipaddress.ip_address(info[4][0]) for info in infos]

@@ -24,6 +24,7 @@ import pytest
 from harness import Mesh, free_port, rpcs_answered, serve_refused, served_ok
 from hopline.bench.cli import bench_once
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.launcher import ALL
 from hopline.runtime.workers import METRICS_DIR_ENV, WORKER_ENV
 
 WORKERS = 2
@@ -199,6 +200,39 @@ def test_settings_workers_cannot_share_are_refused(addr: str, workers: int, says
         }
         said = serve_refused("gateway", env)
     assert says in said
+
+
+def test_a_process_that_takes_the_port_while_the_workers_start_stops_the_gateway(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """The supervisor finds the port free, but its workers bind it only once ready, seconds
+    later. A process that binds it meanwhile with SO_REUSEPORT (gRPC servers set it by
+    default; here the test's own socket) would share the gateway's connections: the first
+    worker to bind sees it and the gateway exits 2 naming it. Before, it served on beside it."""
+    mesh = Mesh(
+        default_repo, tmp_path, service_env={"gateway": {"HOPLINE_GATEWAY_WORKERS": str(WORKERS)}}
+    )
+    host, _, port = mesh.addrs["gateway"].rpartition(":")
+    try:
+        mesh.spawn(["gateway"])
+        deadline = time.monotonic() + 60
+        while "workers started" not in mesh.log("gateway"):  # the supervisor's check passed
+            assert mesh.procs["gateway"].poll() is None, mesh.log("gateway")
+            assert time.monotonic() < deadline, mesh.log("gateway")
+            time.sleep(0.05)
+        with socket.socket() as stranger:
+            stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            stranger.bind((host, int(port)))
+            stranger.listen()
+            # The workers wait for their upstreams before they bind.
+            mesh.spawn([name for name in ALL if name != "gateway"])
+            code = mesh.procs["gateway"].wait(timeout=120)
+        said = mesh.log("gateway")
+        assert code == 2, said
+        assert "address in use" in said
+        assert f"process {os.getpid()} (" in said, said
+    finally:
+        mesh.stop()
 
 
 def test_each_worker_logs_the_pool_sizes_it_inherits(tmp_path: Path) -> None:
