@@ -12,11 +12,12 @@ address with SO_REUSEPORT, so the kernel spreads incoming connections over them 
 stays with one worker). A worker binds only once it is ready (runtime/server.py), so no
 connection lands on one still starting; having bound, it checks that no process but its
 siblings listens there (`strangers`), since one that took the port meanwhile with
-SO_REUSEPORT would share the connections, and exits 2 naming it if one does. SIGTERM or SIGINT to the supervisor drains every
-worker; a worker that exits on its own stops the rest and the supervisor exits with its code,
-for the orchestrator to restart the whole gateway, as it would a single process; a supervisor
-killed outright (SIGKILL) takes its workers along (each asked for PR_SET_PDEATHSIG). Linux only
-(SO_REUSEPORT's balancing); on two cores there are no spare cores for a second loop.
+SO_REUSEPORT would share the connections, and exits 2 naming it if one does. SIGTERM or
+SIGINT to the supervisor drains every worker; a worker that exits on its own stops the rest
+and the supervisor exits with its code, for the orchestrator to restart the whole gateway, as
+it would a single process; a supervisor killed outright (SIGKILL) takes its workers along
+(each asked for PR_SET_PDEATHSIG). Linux only (SO_REUSEPORT's balancing); on two cores there
+are no spare cores for a second loop.
 """
 
 from __future__ import annotations
