@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from hopline.runtime import listeners
 from hopline.runtime.ports import address_in_use, port_problem
 
 log = logging.getLogger("hopline.runtime.workers")
@@ -185,8 +186,6 @@ def _exit_status(code: int | None) -> int:
 def strangers(listen: str) -> list[str]:
     """Who else listens where this worker has just bound `listen` (host:port), each said in
     words; [] when only this worker's siblings do (runtime/listeners.py says why it asks)."""
-    from hopline.runtime import listeners
-
     host, _, port = listen.rpartition(":")
     addresses = _addresses(host.strip("[]"))
     there = [

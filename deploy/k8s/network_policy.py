@@ -90,7 +90,8 @@ def load(documents: Iterable[Any]) -> Manifests:
         for o in objects
         if o["kind"] == "ConfigMap"
     }
-    found = Manifests({}, [], [], [])
+    # The namespace of the pod that stands for the rest of the cluster (`_strays`).
+    found = Manifests({ELSEWHERE: {NAME_LABEL: ELSEWHERE}}, [], [], [])
     for obj in objects:
         namespace, kind = _namespace(obj), obj["kind"]
         if kind in (*TEMPLATE_PATHS, "Service", "NetworkPolicy"):
@@ -255,8 +256,7 @@ def needed(found: Manifests, public: Sequence[str], scrape_port: str) -> dict[Fl
 
 
 def _strays(found: Manifests) -> dict[str, Pod]:
-    """Stand-ins: an unlabelled pod in each namespace, and one in a namespace of its own."""
-    found.namespaces.setdefault(ELSEWHERE, {NAME_LABEL: ELSEWHERE})
+    """Stand-ins: an unlabelled pod in each namespace, ELSEWHERE (one of its own) included."""
     return {
         ns: Pod(f"{ns}/(a pod no workload here owns)", ns, {}, {}, frozenset(), ())
         for ns in found.namespaces
