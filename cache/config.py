@@ -7,7 +7,6 @@ import dataclasses
 import enum
 from pathlib import Path
 
-from hopline.cache.milvus_lite import is_local
 from hopline.cache.store import LookupConsistency
 from hopline.model.spin import Spin
 from hopline.runtime.config import (
@@ -176,16 +175,14 @@ class CacheConfig(ServerConfig):
     verify_state: str = env_field(
         "HOPLINE_CACHE_VERIFY_STATE",
         "",
-        "SQLite file of verified-hit evidence (default: beside a milvus-lite file, else "
-        "cache-verify.sqlite in HOPLINE_CACHE_DIR)",
+        "SQLite file of verified-hit evidence on a milvus-lite file (default: beside it); "
+        "with a Milvus server the evidence is kept there, shared by the replicas",
     )
 
     def verify_state_path(self) -> Path:
         if self.verify_state:
             return Path(self.verify_state)
-        if is_local(self.uri):
-            return Path(self.uri).with_suffix(".verify.sqlite")
-        return Path(self.work_dir) / "cache-verify.sqlite"
+        return Path(self.uri).with_suffix(".verify.sqlite")
 
     reclaim_ratio: float = env_field(
         "HOPLINE_CACHE_RECLAIM_RATIO",

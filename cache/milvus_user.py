@@ -41,7 +41,7 @@ class Grant(enum.StrEnum):
 # each refusal named (store, overwrite, restart and rebuild, lookup, invalidate, the shared
 # invalidation log), then what its other paths call.
 PRIVILEGES: tuple[tuple[Grant, str], ...] = (
-    (Grant.GLOBAL, "CreateCollection"),  # its collection and its invalidation log, first start
+    (Grant.GLOBAL, "CreateCollection"),  # its collection, invalidation log, evidence: first start
     (Grant.GLOBAL, "DropCollection"),  # the copy an unfinished reclaim left (generations.py)
     (Grant.COLLECTION, "CreateIndex"),
     (Grant.COLLECTION, "Load"),

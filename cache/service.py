@@ -36,6 +36,7 @@ from hopline.cache.config import CacheConfig
 from hopline.cache.counts import CacheCount, CacheCounts
 from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.entry_bounds import COUNT_REFRESH_S, EntryBounds
+from hopline.cache.evidence import EvidenceLog
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, scope_tuple
 from hopline.cache.lookup import CacheLookup
@@ -44,6 +45,7 @@ from hopline.cache.milvus_lite import is_local
 from hopline.cache.milvus_rows import MAX_TEXT_BYTES, row_problem
 from hopline.cache.milvus_store import MilvusStore
 from hopline.cache.semantic_search import SemanticSearch
+from hopline.cache.shared_evidence import SharedEvidence
 from hopline.cache.shared_invalidations import SharedInvalidations, follow
 from hopline.cache.store import CacheStore, CacheStoreError, ScopeFilter
 from hopline.cache.tombstones import Tombstones
@@ -52,12 +54,13 @@ from hopline.cache.vector_index import (
     one_blas_thread,
 )
 from hopline.cache.verifier import Verifier, policy_of
+from hopline.cache.verify_ids import BadVerifyId, UnknownVerifyId
 from hopline.cache.watch_feed import WatchFeed
 from hopline.cache.writer import PendingWrites
 from hopline.observability import schema
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.runtime.batching import QueueFullError
-from hopline.runtime.errors import clip, status_code
+from hopline.runtime.errors import status_code
 
 log = logging.getLogger("hopline.cache")
 # The counts GetStatsResponse has a field for, by the field's name.
@@ -97,7 +100,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         # written by this cache alone, never counted again only because it is old.
         self.bounds = EntryBounds(math.inf if is_local(config.uri) else COUNT_REFRESH_S)
         self.embedder: Embedder | None = None
-        self.verifier = Verifier(config.verify_state_path())
+        self.verifier = Verifier()
         self.counts = CacheCounts()
         self.lookup_ms: deque[float] = deque(maxlen=10_000)
         # Accepted stores not yet in Milvus; the exact tier reads them so a repeat hits at once.
@@ -168,7 +171,16 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 self.index.vectors = VectorIndex(model.dim, self.config.semantic_index_max_rows)
                 self._blas = one_blas_thread()
             await self._rebuild_index(self.index, self.store)
-        await self.verifier.start()
+        if is_local(self.config.uri):
+            state = self.config.verify_state_path()
+            await self.verifier.start(lambda: EvidenceLog(state), str(state))
+        else:
+            await self.verifier.start(
+                lambda: SharedEvidence(
+                    self.config.uri, model.collection, self.config.milvus_timeout_s, access
+                ),
+                f"{model.collection}_evidence",
+            )
         self._tasks = [
             asyncio.create_task(self._sweep(), name="sweep"),
             asyncio.create_task(self.writes.run(), name="writer"),
@@ -180,6 +192,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 self.peers, self.io_call, lambda event: invalidation.apply_peer(self, event), poll_s
             )
             self._tasks.append(asyncio.create_task(follower, name="peers"))
+            evidence = self.verifier.follow(poll_s)
+            self._tasks.append(asyncio.create_task(evidence, name="peer-evidence"))
         self._ready = True
 
     async def _rebuild_index(self, index: ExactIndex, store: CacheStore) -> None:
@@ -431,12 +445,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             )
         try:
             agreed = await self.verifier.report(request.verify_id, request.prediction)
-        except KeyError:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"no verification pending for id {clip(request.verify_id)!r}: it was reported "
-                "already or expired; send the verify_id of a recent lookup",
-            )
+        except UnknownVerifyId as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except BadVerifyId as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         trace.get_current_span().set_attribute(schema.CACHE_VERIFY_AGREED, agreed)
         return cache_pb2.ReportVerificationResponse(agreed=agreed)
 

@@ -4,54 +4,50 @@
 carries the model's `verify_target` has its best semantic candidate (past the unseen-parts
 check and the runner-up agreement rule) decided by the scope's rule. SERVE_AND_VERIFY and
 VERIFY_FIRST get a `verify_id`: the caller reports the model's answer for that id with
-ReportVerification, the two answers are compared (the same label: the classifier's equality
-rule) and the result becomes evidence, appended to the SQLite log beside the Milvus data.
+ReportVerification (to any replica: the id carries the comparison, cache/verify_ids.py), the
+two answers are compared (the same label: the classifier's equality rule) and the result
+becomes evidence, appended to the evidence store (cache/evidence.py) that every replica over
+one Milvus server shares and follows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import json
 import logging
-import secrets
 import time
-from collections import OrderedDict
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from opentelemetry import trace
 
-from hopline.cache.store import Entry
+from hopline.cache.evidence import EvidenceStore, Noted
+from hopline.cache.store import CacheStoreError, Entry
 from hopline.cache.verify import (
     Decision,
-    EvidenceLog,
     Observation,
     Rules,
     VerifyPolicy,
     scope_key,
     stratum,
 )
+from hopline.cache.verify_ids import (
+    PENDING_TTL_S,
+    Pending,
+    UnknownKey,
+    VerifyIds,
+    new_nonce,
+)
 from hopline.observability import metrics, schema
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 
 log = logging.getLogger("hopline.cache.verify")
+T = TypeVar("T")
 
-PENDING_MAX = 100_000  # comparisons awaited at once; the oldest are dropped past it
-PENDING_TTL_S = 300.0  # an id not reported by then is forgotten
 LEARN_SPAN = 0.3  # candidates this far below the static threshold are still learned from
-
-
-@dataclasses.dataclass(frozen=True)
-class Pending:
-    scope: tuple[str, str, str, str]
-    region: str  # the candidate's answer
-    stratum: str  # its runner-ups' agreement (cache/verify.py:stratum)
-    similarity: float
-    weight: float
-    policy: VerifyPolicy
-    created: float
+TRIM_EVERY_S = 60.0  # how often the shared store drops observations past every window
 
 
 def policy_of(request: cache_pb2.LookupRequest) -> VerifyPolicy | None:
@@ -79,43 +75,81 @@ def same_answer(cached: common_pb2.Prediction, fresh: common_pb2.Prediction) -> 
 
 
 class Verifier:
-    def __init__(self, state_path: Path, seed: int | None = None) -> None:
-        self.state_path = state_path
+    def __init__(self, seed: int | None = None) -> None:
+        self.where = ""  # the store, for logs
         self.rules = Rules(seed)
-        self.log: EvidenceLog | None = None
-        self.pending: OrderedDict[str, Pending] = OrderedDict()
+        self.store: EvidenceStore | None = None
+        self.ids = VerifyIds([])
         self.counts = dict.fromkeys(("candidates", "verified", "disagreements", "after_reply"), 0)
         self._policies: dict[str, tuple[tuple[str, str, str, str], VerifyPolicy]] = {}
-        # SQLite writes off the event loop, in order, apart from Milvus's threads.
+        # Store calls off the event loop, in order, apart from Milvus's threads.
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="evidence")
 
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.log = await loop.run_in_executor(self._writer, EvidenceLog, self.state_path)
-        replayed = await loop.run_in_executor(self._writer, self.log.replay, self.rules)
-        if self.log.unreadable is not None:
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
+
+    async def start(self, open_store: Callable[[], EvidenceStore], where: str) -> None:
+        """Opens the store and replays it into the rules (before the cache is SERVING)."""
+        self.where = where
+        self.store = store = await self._run(open_store)
+        replayed = await self._run(store.replay)
+        self._take(replayed)
+        self.ids.learn(await self._run(store.keys))
+        if store.unreadable is not None:
             log.warning(
                 "verified-hit evidence unreadable, set aside; learning again",
                 extra={
-                    "path": str(self.state_path),
-                    "set_aside": str(self.log.set_aside),
-                    "error": self.log.unreadable,
+                    "path": self.where,
+                    "set_aside": str(store.set_aside),
+                    "error": store.unreadable,
                 },
             )
-        elif self.log.set_aside is not None:
+        elif store.set_aside is not None:
             log.warning(
                 "verified-hit evidence of another schema set aside; learning again",
-                extra={"path": str(self.state_path), "set_aside": str(self.log.set_aside)},
+                extra={"path": self.where, "set_aside": str(store.set_aside)},
             )
         log.info(
             "verified-hit evidence replayed",
-            extra={"path": str(self.state_path), "observations": replayed},
+            extra={"path": self.where, "observations": len(replayed)},
         )
 
+    def _take(self, rows: list[Noted]) -> None:
+        """Observations made elsewhere (before a restart, or by a peer) into the rules, as
+        they were judged; their verify ids count as reported."""
+        now = time.time()
+        for nonce, scope, region, obs in rows:
+            self.rules.evidence(scope).add(region, obs)
+            if nonce and now - obs.at <= PENDING_TTL_S:
+                self.ids.taken(nonce, obs.at, now)
+
+    async def follow(self, poll_s: float) -> None:
+        """The peers' observations into the rules every `poll_s`, for good; each
+        TRIM_EVERY_S the rows past every window leave the store."""
+        assert self.store is not None
+        trimmed = time.monotonic()
+        failing = False
+        while True:
+            await asyncio.sleep(poll_s)
+            try:
+                rows = await self._run(self.store.poll)
+                self._take(rows)
+                if time.monotonic() - trimmed > TRIM_EVERY_S:
+                    trimmed = time.monotonic()
+                    await self._run(self.store.trim, self.rules.cutoffs())
+            except CacheStoreError as exc:
+                if not failing:  # once per outage
+                    log.warning("reading the peers' evidence failed", extra={"error": str(exc)})
+                failing = True
+                continue
+            if failing:
+                log.info("reading the peers' evidence again")
+            failing = False
+
     async def stop(self) -> None:
-        if self.log is not None:
-            evidence, self.log = self.log, None
-            await asyncio.get_running_loop().run_in_executor(self._writer, evidence.close)
+        if self.store is not None:
+            store, self.store = self.store, None
+            await self._run(store.close)
         self._writer.shutdown(wait=True)
 
     def serve(
@@ -165,38 +199,39 @@ class Verifier:
         )
         if decision not in (Decision.SERVE_AND_VERIFY, Decision.VERIFY_FIRST):
             return decision, "", threshold
-        verify_id = secrets.token_hex(16)
-        self._expire(time.monotonic())
-        self.pending[verify_id] = Pending(
-            scope, cached.label, stratum, similarity, weight, policy, time.monotonic()
+        pending = Pending(
+            new_nonce(), scope, cached.label, stratum, similarity, weight, policy, time.time()
         )
-        return decision, verify_id, threshold
-
-    def _expire(self, now: float) -> None:
-        while self.pending:
-            oldest = next(iter(self.pending.values()))
-            if len(self.pending) < PENDING_MAX and now - oldest.created < PENDING_TTL_S:
-                return
-            self.pending.popitem(last=False)
+        return decision, self.ids.issue(pending), threshold
 
     async def report(self, verify_id: str, fresh: common_pb2.Prediction) -> bool:
-        """Compare the model's answer with the candidate's; KeyError for an unknown id."""
-        pending = self.pending.pop(verify_id)
+        """Compare the model's answer with the candidate's. Raises UnknownVerifyId (taken,
+        expired, a key no store here knows) and BadVerifyId (not an id a cache issued)."""
+        try:
+            pending = self.ids.open(verify_id, time.time())
+        except UnknownKey:
+            if self.store is None:
+                raise
+            # A peer started since this replica read the keys and signed with its own.
+            self.ids.learn(await self._run(self.store.keys))
+            pending = self.ids.open(verify_id, time.time())
         agreed = same_answer(common_pb2.Prediction(label=pending.region), fresh)
         key = scope_key(pending.scope)
-        judged = self.rules.observe(
-            key,
-            pending.region,
-            Observation(pending.similarity, agreed, pending.weight, stratum=pending.stratum),
-            pending.policy,
+        observed = Observation(
+            pending.similarity, agreed, pending.weight, stratum=pending.stratum, at=time.time()
         )
+        judged = self.rules.observe(key, pending.region, observed, pending.policy)
         self.counts["verified"] += 1
         self.counts["disagreements"] += not agreed
         metrics.CACHE_VERIFIED.labels(pending.scope[1], "agreed" if agreed else "disagreed").inc()
-        if self.log is not None:
-            await asyncio.get_running_loop().run_in_executor(
-                self._writer, self.log.append, [(key, pending.region, judged)]
-            )
+        if self.store is not None:
+            try:
+                await self._run(
+                    self.store.append, [Noted(pending.nonce, key, pending.region, judged)]
+                )
+            except CacheStoreError as exc:
+                # Learnt here all the same; the peers and the next start miss this one.
+                log.warning("keeping verified-hit evidence failed", extra={"error": str(exc)})
         return agreed
 
     def rules_for_stats(self) -> list[cache_pb2.VerifyRule]:

@@ -38,8 +38,9 @@ The rule (`Rules.decide`) has two parts:
    them. The pools count only observations the region rule would have served when they were
    made, so the region rule cannot flatter the pooled rate after the fact.
 
-Decisions survive a restart: observations are appended to a SQLite file beside the Milvus
-data (`EvidenceLog`) and replayed at start-up; the rules are recomputed from them.
+Decisions survive a restart: observations are appended to an evidence store (cache/evidence.py:
+a SQLite file beside a milvus-lite file, or a collection of the Milvus server the replicas
+share) and replayed at start-up; the rules are recomputed from them.
 """
 
 from __future__ import annotations
@@ -49,12 +50,8 @@ import enum
 import json
 import math
 import random
-import sqlite3
-import threading
-import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from statistics import NormalDist
 
 REGION_WINDOW = 512  # observations kept per region: the rule follows recent traffic
@@ -98,6 +95,7 @@ class Observation:
     # known, so the region rule's own fit cannot flatter the pooled rate.
     region_ok: bool = True
     stratum: str = ""  # see `stratum`
+    at: float = 0.0  # wall clock when it was made: the shared store trims by it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +258,16 @@ class Rules:
     def evidence(self, scope: str) -> ScopeEvidence:
         return self.scopes.setdefault(scope, ScopeEvidence())
 
+    def cutoffs(self) -> dict[tuple[str, str], float]:
+        """Per full (scope, stratum) pool, its oldest observation's time: what was made
+        before has left the window, and the shared store may drop it."""
+        return {
+            (scope, name): min(o.at for _, o in pool)
+            for scope, evidence in self.scopes.items()
+            for name, pool in evidence.pooled.items()
+            if len(pool) == SCOPE_WINDOW
+        }
+
     def threshold_for(
         self, scope: str, region: str, policy: VerifyPolicy, stratum: str = ""
     ) -> float:
@@ -309,140 +317,6 @@ class Rules:
         judged = evidence.judge(region, obs, policy)
         evidence.add(region, judged)
         return judged
-
-
-# The observations table as this code writes it; SQLite's user_version carries the number.
-# Change both together: an older file is set aside at start-up (EvidenceLog.open_schema).
-SCHEMA_VERSION = 2
-COLUMNS = (
-    ("scope", "TEXT"),
-    ("region", "TEXT"),
-    ("similarity", "REAL"),
-    ("agreed", "INTEGER"),
-    ("weight", "REAL"),
-    ("region_ok", "INTEGER"),
-    ("stratum", "TEXT"),
-    ("at", "REAL"),
-)
-
-
-class EvidenceLog:
-    """Observations appended to a SQLite file, replayed at start-up (decisions survive a
-    restart). One writer thread's connection; Milvus stays the store of entries."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self.set_aside: Path | None = None  # where a file of another schema was moved
-        self.unreadable: str | None = None  # why SQLite could not read the file set aside
-        self._lock = threading.Lock()
-        try:
-            self._db = self.open_schema(path)
-        except sqlite3.DatabaseError as exc:
-            self._db = self._begin_again(exc, None)
-
-    def open_schema(self, path: Path) -> sqlite3.Connection:
-        """The file at `path` with this code's schema. A file written by another version of
-        the schema is moved aside (`<name>.v<version>`, never deleted) and a new one begun:
-        evidence is what verification has learnt, so starting over only verifies more until
-        it is learnt again, while reading columns that mean something else would misjudge."""
-        db = self._connect(path)
-        found = self._schema(db)
-        if found not in (None, SCHEMA_VERSION):
-            db.close()
-            self.set_aside = path.with_name(f"{path.name}.v{found}")
-            for suffix in ("", "-wal", "-shm"):
-                old = Path(f"{path}{suffix}")
-                if old.exists():
-                    old.replace(f"{self.set_aside}{suffix}")
-            db = self._connect(path)
-        columns = ", ".join(f"{name} {kind} NOT NULL" for name, kind in COLUMNS)
-        db.execute(f"CREATE TABLE IF NOT EXISTS observations ({columns})")
-        db.execute("CREATE INDEX IF NOT EXISTS by_scope ON observations (scope, at)")
-        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        return db
-
-    def _begin_again(
-        self, exc: sqlite3.DatabaseError, db: sqlite3.Connection | None
-    ) -> sqlite3.Connection:
-        """A file SQLite cannot read (not a database, a damaged page: a disk fault, a copy
-        cut short) is moved aside (`<name>.unreadable-<UTC time>`, never deleted) and a new
-        one begun, as for another schema: the cache serves on, verifying more until it has
-        learnt again, rather than failing every start. A file it cannot open or write at all
-        (a missing directory's permissions, a read-only disk) is the operator's to fix, said
-        with the setting's name."""
-        if isinstance(exc, sqlite3.OperationalError):
-            raise RuntimeError(f"HOPLINE_CACHE_VERIFY_STATE {self.path}: {exc}") from exc
-        if db is not None:
-            db.close()
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        self.set_aside = self.path.with_name(f"{self.path.name}.unreadable-{stamp}")
-        self.unreadable = str(exc)
-        for suffix in ("", "-wal", "-shm"):
-            old = Path(f"{self.path}{suffix}")
-            if old.exists():
-                old.replace(f"{self.set_aside}{suffix}")
-        return self.open_schema(self.path)
-
-    @staticmethod
-    def _connect(path: Path) -> sqlite3.Connection:
-        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
-        return db
-
-    @staticmethod
-    def _schema(db: sqlite3.Connection) -> int | None:
-        """The file's schema version; None for a new file. A file from before versions
-        were numbered (user_version 0) counts as this version when its columns are these."""
-        (version,) = db.execute("PRAGMA user_version").fetchone()
-        if version:
-            return int(version)
-        table = db.execute("PRAGMA table_info(observations)").fetchall()
-        if not table:
-            return None
-        # rows are (cid, name, type, notnull, default, pk)
-        same = tuple((row[1], row[2]) for row in table) == COLUMNS
-        return SCHEMA_VERSION if same else 1
-
-    def append(self, rows: Sequence[tuple[str, str, Observation]]) -> None:
-        now = time.time()
-        with self._lock:
-            self._db.executemany(
-                "INSERT INTO observations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (s, r, o.similarity, int(o.agreed), o.weight, int(o.region_ok), o.stratum, now)
-                    for s, r, o in rows
-                ],
-            )
-
-    def replay(self, rules: Rules) -> int:
-        """Every scope's latest SCOPE_WINDOW observations per stratum into `rules`, oldest
-        first."""
-        with self._lock:
-            try:
-                rows = self._db.execute(
-                    "SELECT scope, region, similarity, agreed, weight, region_ok, stratum FROM ("
-                    " SELECT *, rowid AS seq, ROW_NUMBER() OVER"
-                    " (PARTITION BY scope, stratum ORDER BY rowid DESC) AS newest"
-                    " FROM observations) WHERE newest <= ? ORDER BY seq",
-                    (SCOPE_WINDOW,),
-                ).fetchall()
-            except sqlite3.DatabaseError as exc:  # a damaged page the header did not show
-                self._db = self._begin_again(exc, self._db)
-                return 0
-        for scope, region, similarity, agreed, weight, region_ok, stratum in rows:
-            # As judged when it was made: the region rule of that moment is not rebuilt.
-            obs = Observation(similarity, bool(agreed), weight, bool(region_ok), stratum)
-            rules.evidence(scope).add(region, obs)
-        return len(rows)
-
-    def forget(self, scopes: Iterable[str]) -> None:
-        with self._lock:
-            self._db.executemany("DELETE FROM observations WHERE scope = ?", [(s,) for s in scopes])
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
 
 
 def scope_key(scope: tuple[str, str, str, str]) -> str:

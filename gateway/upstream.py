@@ -89,8 +89,8 @@ class HopError(StatusError):
 #   over itself.
 # - Invalidate: deleting what is already deleted deletes nothing more.
 # - ReportVerification: an UNAVAILABLE or CANCELLED attempt never reached (or never finished
-#   in) a servicer, so the verify_id is still pending; on another replica it is unknown:
-#   NOT_FOUND, not retried.
+#   in) a servicer, so the verify_id was not taken; any replica takes it (it carries the
+#   comparison: cache/verify_ids.py).
 # WatchInvalidations is left out: a long-lived stream the local exact tier re-opens itself
 # (gateway/exact_tier.py), and gRPC could not retry it after its first message anyway.
 RETRY_METHODS: dict[str, tuple[str, ...]] = {

@@ -4,7 +4,6 @@ so its counters and store can be looked at, and the calls the cache tests make t
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -27,13 +26,9 @@ def scope(tenant: str = "idx", model: str = "m") -> common_pb2.Scope:
 
 @asynccontextmanager
 async def cache(db: Path | str, **config: Any) -> AsyncIterator[tuple[CacheService, Any]]:
-    """Over a Milvus server URI the verified-hit evidence goes to a file of this cache's own
-    (by default it is the checkout's .hopline/cache-verify.sqlite, shared by every test)."""
-    with tempfile.TemporaryDirectory(prefix="cache-service-") as scratch:
-        if "://" in str(db):
-            config.setdefault("verify_state", str(Path(scratch) / "verify.sqlite"))
-        async with _serve(db, config) as served:
-            yield served
+    """A cache service on `db` (a milvus-lite file or a Milvus server's URI) on a free port."""
+    async with _serve(db, config) as served:
+        yield served
 
 
 @asynccontextmanager

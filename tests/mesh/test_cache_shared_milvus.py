@@ -9,7 +9,10 @@ What must hold (cache/shared_invalidations.py):
 - a store through one replica is served by the other once its batched write lands (an
   exact-index miss reads Milvus by key), as an EXACT hit;
 - an invalidation through either replica stops the other from serving the entries from its
-  exact index, and reaches every gateway's local exact tier, within the shared log's poll.
+  exact index, and reaches every gateway's local exact tier, within the shared log's poll;
+- a verify_id one replica issued is taken by the other (a load balancer's choice), and the
+  evidence reaches both replicas' rules and survives a replica's restart
+  (cache/verify_ids.py, cache/shared_evidence.py).
 """
 
 from __future__ import annotations
@@ -60,7 +63,6 @@ def replicas(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         service_env=gateway_env,
         HOPLINE_CACHE_URI=server.uri,
         HOPLINE_CACHE_PEER_POLL_MS=poll,
-        HOPLINE_CACHE_VERIFY_STATE=str(work / "a" / "verify.sqlite"),
     )
     b = Mesh(
         repo,
@@ -69,7 +71,6 @@ def replicas(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         addrs={name: a.addrs[name] for name in ("tokenizer", "inference", "postprocess")},
         HOPLINE_CACHE_URI=server.uri,
         HOPLINE_CACHE_PEER_POLL_MS=poll,
-        HOPLINE_CACHE_VERIFY_STATE=str(work / "b" / "verify.sqlite"),
     )
     try:
         server.start()
@@ -244,3 +245,85 @@ def test_an_invalidation_through_either_replica_reaches_both_gateways(
         f"invalidation -> other gateway's copy dropped: by id {by_id_s:.3f} s, "
         f"by scope {by_scope_s:.3f} s (poll {POLL_MS} ms)"
     )
+
+
+def verified_lookup_request(tenant: str) -> cache_pb2.LookupRequest:
+    return cache_pb2.LookupRequest(
+        scope=common_pb2.Scope(tenant=tenant, model=DEFAULT_MODEL, model_version="1"),
+        text="someone stole my card",
+        mode="semantic",
+        threshold=0.7,
+        verify_target=0.01,
+        verify_confidence=0.9,
+    )
+
+
+def verified_lookup(stub: cache_pb2_grpc.CacheServiceStub, tenant: str) -> cache_pb2.LookupResponse:
+    reply: cache_pb2.LookupResponse = stub.Lookup(verified_lookup_request(tenant), timeout=10)
+    return reply
+
+
+def rule_of(mesh: Mesh, tenant: str) -> cache_pb2.VerifyRule | None:
+    rules = [r for r in mesh.cache_stats().verify_rules if r.scope.tenant == tenant]
+    return rules[0] if rules else None
+
+
+def test_a_verify_id_is_taken_by_either_replica_and_both_learn_from_it(
+    replicas: Replicas,
+) -> None:
+    """Runs last in this module: it restarts replica B's cache. Before the shared store, the
+    report at B was NOT_FOUND ("no verification pending") and A never learnt."""
+    a, b = replicas
+    tenant = "verified-shared"
+    with cache_stubs(replicas) as (stub_a, stub_b):
+        stub_a.Store(
+            cache_pb2.StoreRequest(
+                scope=common_pb2.Scope(tenant=tenant, model=DEFAULT_MODEL, model_version="1"),
+                text="my card was stolen",
+                mode="semantic",
+                prediction=common_pb2.Prediction(label="card_stolen"),
+            ),
+            timeout=10,
+        )
+        waited(
+            lambda: answers(
+                stub_a, verified_lookup_request(tenant), common_pb2.CACHE_OUTCOME_SEMANTIC
+            ),
+            "replica A's search finding its own semantic store",
+        )
+        issued = verified_lookup(stub_a, tenant)
+        assert issued.outcome == common_pb2.CACHE_OUTCOME_SEMANTIC
+        assert issued.verify_id  # nothing known yet: every served hit is checked
+        # The model disagrees, and the report reaches replica B.
+        reported = stub_b.ReportVerification(
+            cache_pb2.ReportVerificationRequest(
+                verify_id=issued.verify_id, prediction=common_pb2.Prediction(label="card_lost")
+            ),
+            timeout=10,
+        )
+        assert not reported.agreed
+        # Replica A learns it from B's evidence: the answer is held back there too.
+        waited(lambda: (rule_of(a, tenant) or cache_pb2.VerifyRule()).disagreements == 1, "A")
+        held = verified_lookup(stub_a, tenant)
+        assert held.outcome == common_pb2.CACHE_OUTCOME_MISS
+        assert held.verify_id  # still a candidate: its comparison is evidence
+        # The id counts as reported on A as well.
+        with pytest.raises(grpc.RpcError) as again:
+            stub_a.ReportVerification(
+                cache_pb2.ReportVerificationRequest(
+                    verify_id=issued.verify_id,
+                    prediction=common_pb2.Prediction(label="card_lost"),
+                ),
+                timeout=10,
+            )
+        assert again.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "reported already" in (again.value.details() or "")
+
+    # A replica replaced (a pod in a rollout, with an empty disk) starts from the evidence.
+    assert b.terminate("cache") == 0
+    b.start(names=("cache",))
+    with cache_stubs(replicas) as (_, stub_b):
+        assert verified_lookup(stub_b, tenant).outcome == common_pb2.CACHE_OUTCOME_MISS
+    rule = rule_of(b, tenant)  # GetStats lists the scopes looked up since the start
+    assert rule is not None
+    assert (rule.observations, rule.disagreements) == (1, 1)

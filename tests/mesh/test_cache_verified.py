@@ -150,10 +150,19 @@ def test_a_scope_the_model_contradicts_stops_being_served_and_stays_so_after_a_r
 def test_bad_verification_input_gets_a_clear_status(cache: Mesh) -> None:
     with grpc.insecure_channel(cache.addrs["cache"]) as channel:
         stub = cache_pb2_grpc.CacheServiceStub(channel)
-        with pytest.raises(grpc.RpcError) as unknown:
+        with pytest.raises(grpc.RpcError) as made_up:
             report(stub, "0" * 32, "x")
-        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
-        assert "verify_id" in (unknown.value.details() or "")
+        assert made_up.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not one a cache issued" in (made_up.value.details() or "")
+        store(stub, "ids")
+        settle(cache)
+        issued = lookup(stub, "ids").verify_id
+        assert issued  # nothing known of the scope: every served hit is checked
+        report(stub, issued, "reset_password")
+        with pytest.raises(grpc.RpcError) as again:
+            report(stub, issued, "reset_password")
+        assert again.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "reported already" in (again.value.details() or "")
         with pytest.raises(grpc.RpcError) as target:
             lookup(stub, "control", target=1.5)
         assert target.value.code() == grpc.StatusCode.INVALID_ARGUMENT

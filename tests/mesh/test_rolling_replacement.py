@@ -176,7 +176,6 @@ def replica_sets(default_repo: Path, tmp_path: Path) -> Iterator[ReplicaSets]:
                 repo,
                 tmp_path / name,
                 HOPLINE_CACHE_URI=server.uri,
-                HOPLINE_CACHE_VERIFY_STATE=str(tmp_path / name / "verify.sqlite"),
                 # One ONNX Runtime thread each: ten processes share this machine's cores.
                 HOPLINE_INFERENCE_THREADS="1",
                 HOPLINE_CACHE_EMBED_THREADS="1",

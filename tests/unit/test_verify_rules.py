@@ -1,5 +1,6 @@
 """The verified-hit rule (cache/verify.py) on evidence built by hand: what it serves, what it
-holds back, how often it checks, and that its evidence log replays into the same rule."""
+holds back, how often it checks, and that its evidence log (cache/evidence.py) replays into
+the same rule."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from hopline.cache.evidence import SCHEMA_VERSION, EvidenceLog, Noted
 from hopline.cache.verify import (
-    SCHEMA_VERSION,
     Decision,
-    EvidenceLog,
     Observation,
     Rules,
     VerifyPolicy,
@@ -21,6 +21,14 @@ from hopline.cache.verify import (
     stratum,
     wilson,
 )
+
+
+def into(rules: Rules, rows: list[Noted]) -> int:
+    """The replayed rows into `rules`, as the verifier takes them; how many."""
+    for _, scope, region, obs in rows:
+        rules.evidence(scope).add(region, obs)
+    return len(rows)
+
 
 POLICY = VerifyPolicy(target=0.01, confidence=0.9, prior_threshold=0.85, floor=0.55)
 SCOPE = '["t","m","1","{}"]'
@@ -88,13 +96,14 @@ def test_the_evidence_log_replays_into_the_same_rule(tmp_path: Path) -> None:
     log = EvidenceLog(tmp_path / "evidence.sqlite")
     rows = []
     for i in range(30):
-        judged = rules.observe(SCOPE, "a", Observation(0.9 + i / 1000, i != 7, 2.0), POLICY)
-        rows.append((SCOPE, "a", judged))
+        made = Observation(0.9 + i / 1000, i != 7, 2.0, at=1000.0 + i)
+        judged = rules.observe(SCOPE, "a", made, POLICY)
+        rows.append(Noted("", SCOPE, "a", judged))
     log.append(rows)
     log.close()
     replayed = Rules(seed=5)
     reopened = EvidenceLog(tmp_path / "evidence.sqlite")
-    assert reopened.replay(replayed) == 30
+    assert into(replayed, reopened.replay()) == 30
     reopened.close()
     assert replayed.threshold_for(SCOPE, "a", POLICY) == rules.threshold_for(SCOPE, "a", POLICY)
     assert list(replayed.evidence(SCOPE).regions["a"]) == list(rules.evidence(SCOPE).regions["a"])
@@ -116,15 +125,15 @@ def test_an_evidence_file_of_another_schema_is_set_aside_not_misread(tmp_path: P
     old.close()
     log = EvidenceLog(path)
     assert log.set_aside == tmp_path / "evidence.sqlite.v1"
-    assert log.replay(Rules(seed=1)) == 0
-    log.append([(SCOPE, "a", Observation(0.9, True, 1.0))])
+    assert into(Rules(seed=1), log.replay()) == 0
+    log.append([Noted("", SCOPE, "a", Observation(0.9, True, 1.0))])
     log.close()
     kept = sqlite3.connect(tmp_path / "evidence.sqlite.v1")
     assert kept.execute("SELECT COUNT(*) FROM observations").fetchone() == (1,)
     kept.close()
     reopened = EvidenceLog(path)  # now of this schema: kept, versioned
     assert reopened.set_aside is None
-    assert reopened.replay(Rules(seed=1)) == 1
+    assert into(Rules(seed=1), reopened.replay()) == 1
     reopened.close()
     versioned = sqlite3.connect(path)
     assert versioned.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,)
@@ -154,8 +163,8 @@ def test_a_file_sqlite_cannot_read_is_set_aside_and_learning_starts_over(tmp_pat
     assert log.unreadable is not None
     assert "not a database" in log.unreadable
     assert log.set_aside.read_bytes() == garbage  # kept whole, for whoever looks into it
-    log.append([(SCOPE, "a", Observation(0.9, True, 1.0))])
-    assert log.replay(Rules(seed=1)) == 1
+    log.append([Noted("", SCOPE, "a", Observation(0.9, True, 1.0))])
+    assert into(Rules(seed=1), log.replay()) == 1
     log.close()
 
 
@@ -164,7 +173,10 @@ def test_damaged_pages_found_at_replay_set_the_file_aside_too(tmp_path: Path) ->
     path = tmp_path / "evidence.sqlite"
     log = EvidenceLog(path)
     log.append(
-        [(f'["t{n % 50}","m","1","{{}}"]', "a", Observation(0.9, True, 1.0)) for n in range(5000)]
+        [
+            Noted("", f'["t{n % 50}","m","1","{{}}"]', "a", Observation(0.9, True, 1.0))
+            for n in range(5000)
+        ]
     )
     log.close()
     data = bytearray(path.read_bytes())
@@ -174,14 +186,14 @@ def test_damaged_pages_found_at_replay_set_the_file_aside_too(tmp_path: Path) ->
     path.write_bytes(bytes(data))
     damaged = EvidenceLog(path)
     assert (damaged.set_aside, damaged.unreadable) == (None, None)  # its header reads well
-    assert damaged.replay(Rules(seed=1)) == 0
+    assert into(Rules(seed=1), damaged.replay()) == 0
     assert damaged.set_aside is not None
     assert damaged.unreadable is not None
     assert "malformed" in damaged.unreadable
-    damaged.append([(SCOPE, "a", Observation(0.9, True, 1.0))])  # the new file takes them
+    damaged.append([Noted("", SCOPE, "a", Observation(0.9, True, 1.0))])  # the new file takes them
     damaged.close()
     reopened = EvidenceLog(path)
-    assert (reopened.set_aside, reopened.replay(Rules(seed=1))) == (None, 1)
+    assert (reopened.set_aside, into(Rules(seed=1), reopened.replay())) == (None, 1)
     reopened.close()
 
 
@@ -199,14 +211,14 @@ def test_an_unversioned_file_with_these_columns_is_adopted(tmp_path: Path) -> No
     """Files written before versions were numbered, by this schema, keep their evidence."""
     path = tmp_path / "evidence.sqlite"
     log = EvidenceLog(path)
-    log.append([(SCOPE, "a", Observation(0.9, True, 1.0))])
+    log.append([Noted("", SCOPE, "a", Observation(0.9, True, 1.0))])
     log.close()
     unversioned = sqlite3.connect(path)
     unversioned.execute("PRAGMA user_version = 0")
     unversioned.close()
     reopened = EvidenceLog(path)
     assert reopened.set_aside is None
-    assert reopened.replay(Rules(seed=1)) == 1
+    assert into(Rules(seed=1), reopened.replay()) == 1
     reopened.close()
 
 
