@@ -94,7 +94,7 @@ class VerifyIds:
                 pending.stratum,
                 pending.similarity,
                 pending.weight,
-                dataclasses.astuple(pending.policy),
+                _policy_fields(pending.policy),
             ],
             separators=(",", ":"),
             ensure_ascii=False,
@@ -169,6 +169,14 @@ class VerifyIds:
     @staticmethod
     def _mac(key: bytes, head: str) -> bytes:
         return hmac.new(key, head.encode(), hashlib.sha256).digest()[:_MAC_BYTES]
+
+
+def _policy_fields(policy: VerifyPolicy) -> list[float]:
+    # Not dataclasses.astuple: its deep copy made an id cost 38 us here instead of 16-20.
+    return [getattr(policy, field.name) for field in _POLICY_FIELDS]
+
+
+_POLICY_FIELDS = dataclasses.fields(VerifyPolicy)
 
 
 def new_nonce() -> str:
