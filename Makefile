@@ -306,7 +306,7 @@ k8s-check: $(KUBECONFORM) $(K8S_SCHEMAS)/.stamp $(STAMPS)/install $(if $(shell c
 				{ echo "$$overlay: no resource validated, or some not"; exit 1; }; \
 		done; \
 		$(PY) deploy/k8s/network_policy.py build/k8s-$$overlay.yaml \
-			--isolated hopline --public hopline/gateway; \
+			--isolated hopline --isolated observability --public hopline/gateway; \
 	done
 
 # Compose, offline: Debian's docker-compose validates the file without an engine.

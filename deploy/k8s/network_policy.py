@@ -6,8 +6,10 @@ No cluster here enforces a policy (kwok's nodes run no network plugin), so the r
 the way the API defines them (ingress only: podSelector, namespaceSelector, named and
 numbered ports) and compared with what the manifests need:
 - every address a container's environment names (`dns:///cache:8012`, `https://milvus:19530`,
-  also through `envFrom` ConfigMaps) that is a Service of the manifests: its caller's pods
-  must reach the Service's pods on the target port;
+  also through `envFrom` ConfigMaps), or a ConfigMap mounted as a file (a collector's config:
+  `endpoint: jaeger-collector:4317`, or `hostname:` and `port:` side by side), that is a
+  Service of the manifests: its caller's pods must reach the Service's pods on the target
+  port;
 - each `--public` Service's ports from anywhere (a pod of another namespace stands for a
   client), and each container port named `--scrape-port` from another namespace (Prometheus).
 In an `--isolated` namespace every other connection a pod could open to a container port
@@ -132,6 +134,10 @@ def _pod(obj: Mapping[str, Any], config_maps: Mapping[tuple[str, str], Mapping[s
         for source in container.get("envFrom") or []:
             if ref := source.get("configMapRef"):
                 addresses += map(str, config_maps.get((namespace, ref["name"]), {}).values())
+    for volume in spec.get("volumes") or []:
+        if ref := volume.get("configMap"):
+            for text in config_maps.get((namespace, ref["name"]), {}).values():
+                addresses += [str(text), *_host_and_port(_parsed(str(text)))]
     return Pod(
         f"{namespace}/{obj['metadata']['name']}",
         namespace,
@@ -140,6 +146,28 @@ def _pod(obj: Mapping[str, Any], config_maps: Mapping[tuple[str, str], Mapping[s
         frozenset(numbers),
         tuple(addresses),
     )
+
+
+def _parsed(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None  # not YAML (a script, a certificate): its text is searched all the same
+
+
+def _host_and_port(node: Any) -> list[str]:
+    """`host:port` for each mapping in a parsed config that names both apart (the
+    collector's load-balancing exporter: `hostname:` and `port:`)."""
+    found = []
+    if isinstance(node, dict):
+        if isinstance(node.get("hostname"), str) and isinstance(node.get("port"), int):
+            found.append(f"{node['hostname']}:{node['port']}")
+        for value in node.values():
+            found += _host_and_port(value)
+    elif isinstance(node, list):
+        for value in node:
+            found += _host_and_port(value)
+    return found
 
 
 def _service(obj: Mapping[str, Any]) -> Service:

@@ -216,3 +216,38 @@ def test_ports_by_name_number_range_and_protocol() -> None:
     assert not reaches(9000, [{"port": 9000, "protocol": "UDP"}])
     assert reaches(9000, [{"protocol": "TCP"}])  # no port: every TCP port
     assert reaches(9001, [])  # an empty `ports` list, as a missing one: every port
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        # An OpenTelemetry collector's exporter, in the file's own words.
+        "exporters:\n  otlp:\n    endpoint: back:9000\n",
+        # The load-balancing exporter names the host and the port apart.
+        "exporters:\n  loadbalancing:\n    resolver:\n      dns:\n"
+        "        hostname: back.app.svc.cluster.local\n        port: 9000\n",
+    ],
+)
+def test_an_address_in_a_config_file_mounted_from_a_config_map_is_followed(config: str) -> None:
+    front = deployment("front", {"grpc": 8001})
+    spec = front["spec"]["template"]["spec"]
+    spec["volumes"] = [{"name": "config", "configMap": {"name": "collector"}}]
+    found = load(
+        [
+            {
+                "kind": "ConfigMap",
+                "metadata": {"name": "collector", "namespace": NS},
+                # A receiver's listening address names no Service: nothing needed for it.
+                "data": {
+                    "config.yaml": "receivers:\n  otlp:\n    endpoint: 0.0.0.0:4317\n" + config
+                },
+            },
+            front,
+            deployment("back", {"grpc": 9000}),
+            service("back", 9000),
+            DENY_ALL,
+        ]
+    )
+    wrong = problems(found, [NS], [], "metrics")[0]
+    assert len(wrong) == 1
+    assert wrong[0].startswith("needed, not admitted: app/front -> app/back:9000/TCP (it names ")
