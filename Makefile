@@ -248,7 +248,8 @@ milvus-standalone: $(MILVUS_STANDALONE)
 # then the cache against a standalone with authentication and TLS, one-way and mutual.
 CACHE_SERVER_TESTS := tests/mesh/test_cache.py tests/mesh/test_cache_exact_index.py \
 	tests/mesh/test_exact_tier.py tests/mesh/test_cache_unseen.py tests/mesh/test_cache_shared_milvus.py \
-	tests/mesh/test_cache_startup.py tests/mesh/test_tenancy_e2e.py tests/mesh/test_cache_verified.py
+	tests/mesh/test_cache_startup.py tests/mesh/test_tenancy_e2e.py tests/mesh/test_cache_verified.py \
+	tests/unit/test_shared_evidence.py
 milvus-server-tests: model $(MILVUS_STANDALONE)
 	HOPLINE_MODEL_REPO=$(MODEL_REPO) HOPLINE_TEST_MILVUS=lite-server $(BIN)/pytest $(CACHE_SERVER_TESTS)
 	HOPLINE_MODEL_REPO=$(MODEL_REPO) HOPLINE_TEST_MILVUS=standalone $(BIN)/pytest $(CACHE_SERVER_TESTS)

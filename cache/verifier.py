@@ -126,17 +126,18 @@ class Verifier:
     async def follow(self, poll_s: float) -> None:
         """The peers' observations into the rules every `poll_s`, for good; each
         TRIM_EVERY_S the rows past every window leave the store."""
-        assert self.store is not None
         trimmed = time.monotonic()
         failing = False
         while True:
             await asyncio.sleep(poll_s)
+            if (store := self.store) is None:
+                return  # stopped
             try:
-                rows = await self._run(self.store.poll)
+                rows = await self._run(store.poll)
                 self._take(rows)
                 if time.monotonic() - trimmed > TRIM_EVERY_S:
                     trimmed = time.monotonic()
-                    await self._run(self.store.trim, self.rules.cutoffs())
+                    await self._run(store.trim, self.rules.cutoffs())
             except CacheStoreError as exc:
                 if not failing:  # once per outage
                     log.warning("reading the peers' evidence failed", extra={"error": str(exc)})

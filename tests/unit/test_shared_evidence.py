@@ -1,15 +1,17 @@
-"""The shared evidence store (cache/shared_evidence.py) on a real milvus-lite file, two
-stores in one process standing in for two replicas (a milvus-lite file takes one process;
-the mesh test tests/mesh/test_cache_shared_milvus.py runs replicas over a server): what
+"""The shared evidence store (cache/shared_evidence.py) on a real milvus-lite file (or the
+Milvus server HOPLINE_TEST_MILVUS names, in `make milvus-server-tests`), two stores in one
+process standing in for two replicas (the mesh test tests/mesh/test_cache_shared_milvus.py
+runs replica processes over a server): what
 one appends the other polls, a new store replays the latest window per stratum, the rows
 past a window are trimmed, and the replicas agree on the key that signs verify ids."""
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
+from milvus_server import MilvusKind, MilvusServer, chosen_kind
 
 from hopline.cache.evidence import Noted
 from hopline.cache.shared_evidence import SharedEvidence
@@ -17,25 +19,43 @@ from hopline.cache.verify import Observation, Rules
 from hopline.cache.verify_ids import new_nonce
 
 SCOPE = '["t","m","1","{}"]'
-BASE = time.time()  # observations are made now: a poll reads the last seconds
+BASE = 0.0
 
 
-@pytest.fixture
-def uri(tmp_path: Path) -> str:
-    return str(tmp_path / "milvus.db")
+@pytest.fixture(scope="module")
+def uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One Milvus for the module; each test names collections of its own."""
+    work = tmp_path_factory.mktemp("shared-evidence")
+    kind = chosen_kind()
+    if kind is MilvusKind.FILE:
+        yield str(work / "milvus.db")
+        return
+    server = MilvusServer(work / "milvus", kind).start()
+    try:
+        yield server.uri
+    finally:
+        server.stop()
+
+
+def began() -> None:
+    global BASE
+    BASE = time.time()
 
 
 def noted(i: int, stratum: str = "2+0", agreed: bool = True) -> Noted:
+    """The i-th observation, made i ms after BASE (set once the test's stores are open: a
+    poll reads the last seconds)."""
     return Noted(
         new_nonce(), SCOPE, "a", Observation(0.9, agreed, 1.0, True, stratum, BASE + i / 1000)
     )
 
 
 def test_one_replicas_evidence_reaches_the_other_and_a_newcomer(uri: str) -> None:
-    first = SharedEvidence(uri, "c", 10.0)
-    second = SharedEvidence(uri, "c", 10.0)
+    first = SharedEvidence(uri, "c1", 10.0)
+    second = SharedEvidence(uri, "c1", 10.0)
     try:
         assert second.poll() == []
+        began()
         rows = [noted(i, agreed=i != 3) for i in range(5)]
         first.append(rows)
         assert first.poll() == []  # its own rows are not news to it
@@ -43,7 +63,7 @@ def test_one_replicas_evidence_reaches_the_other_and_a_newcomer(uri: str) -> Non
         assert [r.nonce for r in polled] == [r.nonce for r in rows]
         assert polled[3].obs == rows[3].obs
         assert second.poll() == []  # each row once
-        third = SharedEvidence(uri, "c", 10.0)
+        third = SharedEvidence(uri, "c1", 10.0)
         assert [r.nonce for r in third.replay()] == [r.nonce for r in rows]
         third.close()
     finally:
@@ -52,8 +72,8 @@ def test_one_replicas_evidence_reaches_the_other_and_a_newcomer(uri: str) -> Non
 
 
 def test_the_replicas_sign_with_one_key(uri: str) -> None:
-    first = SharedEvidence(uri, "c", 10.0)
-    second = SharedEvidence(uri, "c", 10.0)
+    first = SharedEvidence(uri, "c2", 10.0)
+    second = SharedEvidence(uri, "c2", 10.0)
     try:
         assert first.keys() == second.keys()
         assert len(first.keys()) == 1
@@ -67,7 +87,8 @@ def test_a_replay_keeps_each_strata_latest_window_and_trim_drops_the_rest(
 ) -> None:
     monkeypatch.setattr("hopline.cache.shared_evidence.SCOPE_WINDOW", 4)
     monkeypatch.setattr("hopline.cache.verify.SCOPE_WINDOW", 4)
-    store = SharedEvidence(uri, "c", 10.0)
+    store = SharedEvidence(uri, "c3", 10.0)
+    began()
     try:
         store.append([noted(i, "2+0") for i in range(10)] + [noted(i, "0+2") for i in range(3)])
         replayed = store.replay()
@@ -82,7 +103,7 @@ def test_a_replay_keeps_each_strata_latest_window_and_trim_drops_the_rest(
         assert cutoffs == {(SCOPE, "2+0"): BASE + 6 / 1000}  # "0+2" is not full: nothing leaves it
         store.trim(cutoffs)
         monkeypatch.setattr("hopline.cache.shared_evidence.SCOPE_WINDOW", 100)
-        left = SharedEvidence(uri, "c", 10.0)
+        left = SharedEvidence(uri, "c3", 10.0)
         assert len(left.replay()) == 7  # 13 before the trim
         left.close()
     finally:
