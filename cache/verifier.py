@@ -135,6 +135,7 @@ class Verifier:
             try:
                 rows = await self._run(store.poll)
                 self._take(rows)
+                metrics.CACHE_VERIFY_EVIDENCE.labels("read_from_peers").inc(len(rows))
                 if time.monotonic() - trimmed > TRIM_EVERY_S:
                     trimmed = time.monotonic()
                     await self._run(store.trim, self.rules.cutoffs())
@@ -232,6 +233,7 @@ class Verifier:
                 )
             except CacheStoreError as exc:
                 # Learnt here all the same; the peers and the next start miss this one.
+                metrics.CACHE_VERIFY_EVIDENCE.labels("not_kept").inc()
                 log.warning("keeping verified-hit evidence failed", extra={"error": str(exc)})
         return agreed
 

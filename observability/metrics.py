@@ -206,6 +206,12 @@ CACHE_VERIFIED = Counter(
     "Model answers reported for verified candidates, by result (agreed, disagreed)",
     ("model", "result"),
 )
+CACHE_VERIFY_EVIDENCE = Counter(
+    "hopline_cache_verify_evidence_total",
+    "Verified-hit observations through the evidence store, by event (read_from_peers: another "
+    "replica's, taken into this one's rules; not_kept: this replica's, not written to the store)",
+    ("event",),
+)
 CACHE_VERIFY_THRESHOLD = Gauge(
     "hopline_cache_verify_threshold",
     "The similarity a scope's verified-hit rule serves from now (held-back answers need more)",

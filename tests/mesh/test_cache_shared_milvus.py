@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import shutil
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -304,6 +306,13 @@ def test_a_verify_id_is_taken_by_either_replica_and_both_learn_from_it(
         assert not reported.agreed
         # Replica A learns it from B's evidence: the answer is held back there too.
         waited(lambda: (rule_of(a, tenant) or cache_pb2.VerifyRule()).disagreements == 1, "A")
+        url = f"http://127.0.0.1:{a.metrics_ports['cache']}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as scraped:
+            assert re.search(
+                rb'^hopline_cache_verify_evidence_total\{event="read_from_peers"\} [1-9]',
+                scraped.read(),
+                re.MULTILINE,
+            )
         held = verified_lookup(stub_a, tenant)
         assert held.outcome == common_pb2.CACHE_OUTCOME_MISS
         assert held.verify_id  # still a candidate: its comparison is evidence
