@@ -449,6 +449,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except BadVerifyId as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except CacheStoreError as exc:  # the signing keys could not be read again
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"verify_id's key: {exc}")
         trace.get_current_span().set_attribute(schema.CACHE_VERIFY_AGREED, agreed)
         return cache_pb2.ReportVerificationResponse(agreed=agreed)
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -48,6 +50,8 @@ T = TypeVar("T")
 
 LEARN_SPAN = 0.3  # candidates this far below the static threshold are still learned from
 TRIM_EVERY_S = 60.0  # how often the shared store drops observations past every window
+KEYS_READ_EVERY_S = 1.0  # the store's signing keys read again at most this often
+UNSENT_MAX = 10_000  # observations held for the store while it cannot be written
 
 
 def policy_of(request: cache_pb2.LookupRequest) -> VerifyPolicy | None:
@@ -82,6 +86,9 @@ class Verifier:
         self.ids = VerifyIds([])
         self.counts = dict.fromkeys(("candidates", "verified", "disagreements", "after_reply"), 0)
         self._policies: dict[str, tuple[tuple[str, str, str, str], VerifyPolicy]] = {}
+        self._unsent: deque[Noted] = deque()  # not written yet: the store was unreachable
+        self._store_failing = False
+        self._keys_read = 0.0  # monotonic time the keys were last read again
         # Store calls off the event loop, in order, apart from Milvus's threads.
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="evidence")
 
@@ -133,6 +140,8 @@ class Verifier:
             if (store := self.store) is None:
                 return  # stopped
             try:
+                if self._unsent:
+                    await self._keep([])
                 rows = await self._run(store.poll)
                 self._take(rows)
                 metrics.CACHE_VERIFY_EVIDENCE.labels("read_from_peers").inc(len(rows))
@@ -212,10 +221,12 @@ class Verifier:
         try:
             pending = self.ids.open(verify_id, time.time())
         except UnknownKey:
-            if self.store is None:
+            # A peer started since this replica read the keys and signed with its own. At
+            # most once a second: ids naming made-up keys must not become Milvus queries.
+            if self.store is None or time.monotonic() - self._keys_read < KEYS_READ_EVERY_S:
                 raise
-            # A peer started since this replica read the keys and signed with its own.
-            self.ids.learn(await self._run(self.store.keys))
+            self._keys_read = time.monotonic()
+            self.ids.learn(await self._run(self.store.keys))  # CacheStoreError: UNAVAILABLE
             pending = self.ids.open(verify_id, time.time())
         agreed = same_answer(common_pb2.Prediction(label=pending.region), fresh)
         key = scope_key(pending.scope)
@@ -226,16 +237,36 @@ class Verifier:
         self.counts["verified"] += 1
         self.counts["disagreements"] += not agreed
         metrics.CACHE_VERIFIED.labels(pending.scope[1], "agreed" if agreed else "disagreed").inc()
-        if self.store is not None:
-            try:
-                await self._run(
-                    self.store.append, [Noted(pending.nonce, key, pending.region, judged)]
-                )
-            except CacheStoreError as exc:
-                # Learnt here all the same; the peers and the next start miss this one.
-                metrics.CACHE_VERIFY_EVIDENCE.labels("not_kept").inc()
-                log.warning("keeping verified-hit evidence failed", extra={"error": str(exc)})
+        await self._keep([Noted(pending.nonce, key, pending.region, judged)])
         return agreed
+
+    async def _keep(self, rows: list[Noted]) -> None:
+        """Write `rows` to the store, after any it could not take before. While it cannot
+        (Milvus unreachable) they are learnt here only and held, up to UNSENT_MAX, and sent
+        once it can: the peers and the next start see them then."""
+        if self.store is None:
+            return
+        now = time.time()
+        # Restamped: a peer's poll reads the last seconds, and would pass over their time.
+        held = [row._replace(obs=dataclasses.replace(row.obs, at=now)) for row in self._unsent]
+        self._unsent.clear()
+        batch = held + rows
+        try:
+            await self._run(self.store.append, batch)
+        except CacheStoreError as exc:
+            kept = batch[-UNSENT_MAX:]
+            self._unsent.extend(kept)
+            metrics.CACHE_VERIFY_EVIDENCE.labels("not_kept").inc(len(batch) - len(kept))
+            if not self._store_failing:  # once per outage
+                log.warning(
+                    "keeping verified-hit evidence failed; holding it for the store",
+                    extra={"error": str(exc), "held": len(self._unsent)},
+                )
+            self._store_failing = True
+            return
+        if self._store_failing:
+            log.info("keeping verified-hit evidence again", extra={"sent": len(batch)})
+        self._store_failing = False
 
     def rules_for_stats(self) -> list[cache_pb2.VerifyRule]:
         out = []

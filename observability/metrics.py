@@ -209,7 +209,8 @@ CACHE_VERIFIED = Counter(
 CACHE_VERIFY_EVIDENCE = Counter(
     "hopline_cache_verify_evidence_total",
     "Verified-hit observations through the evidence store, by event (read_from_peers: another "
-    "replica's, taken into this one's rules; not_kept: this replica's, not written to the store)",
+    "replica's, taken into this one's rules; not_kept: this replica's, dropped past the bound "
+    "held while the store could not be written)",
     ("event",),
 )
 CACHE_VERIFY_THRESHOLD = Gauge(
