@@ -209,7 +209,8 @@ class CacheConfig(ServerConfig):
         "HOPLINE_CACHE_PEER_POLL_MS",
         100.0,
         "with a Milvus server, how often this replica applies the other replicas' "
-        "invalidations (cache/shared_invalidations.py: the bound on how stale they can be); "
+        "invalidations (cache/shared_invalidations.py: the bound on how stale they can be) "
+        "and takes their verified-hit evidence (cache/shared_evidence.py); "
         "while on, every exact-index miss reads Milvus (another replica's stores); 0: off",
     )
     search_batch_rows: int = env_field(
