@@ -25,7 +25,7 @@ import secrets
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,10 @@ log = logging.getLogger("hopline.cache.shared_evidence")
 _DIM = 2  # Milvus wants a vector field in every collection; these are never searched
 _TEXT = 65_535  # a Milvus VARCHAR's limit: a scope or answer longer is kept on this replica
 _PAGE = 1_000
-_FIELDS = ["id", "origin", "at", "scope", "region", "stratum", "similarity", "agreed"]
-_FIELDS += ["weight", "region_ok"]
+_FIELDS = [
+    *("id", "origin", "at", "scope", "region", "stratum"),
+    *("similarity", "agreed", "weight", "region_ok"),
+]
 
 
 def pool_key(scope: str, stratum: str) -> str:
@@ -106,7 +108,8 @@ class SharedEvidence:
         schema.add_field("at", dt.DOUBLE)
         schema.add_field("key", dt.VARCHAR, max_length=2 * KEY_BYTES)
 
-    def _open(self, name: str, fields: Any) -> None:
+    def _open(self, name: str, fields: Callable[[Any, Any], None]) -> None:
+        """The collection `name` (made with `fields` if it is not there yet), loaded."""
         client = self._client
         if not client.has_collection(name, timeout=self.timeout_s):
             schema = self._pymilvus.MilvusClient.create_schema(
