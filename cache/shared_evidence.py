@@ -45,8 +45,16 @@ _DIM = 2  # Milvus wants a vector field in every collection; these are never sea
 _TEXT = 65_535  # a Milvus VARCHAR's limit: a scope or answer longer is kept on this replica
 _PAGE = 1_000
 _FIELDS = [
-    *("id", "origin", "at", "scope", "region", "stratum"),
-    *("similarity", "agreed", "weight", "region_ok"),
+    "id",
+    "origin",
+    "at",
+    "scope",
+    "region",
+    "stratum",
+    "similarity",
+    "agreed",
+    "weight",
+    "region_ok",
 ]
 
 
