@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from opentelemetry import trace
 
+from hopline.cache import milvus_log
 from hopline.cache.evidence import EvidenceStore, Noted
 from hopline.cache.store import CacheStoreError, Entry
 from hopline.cache.verify import (
@@ -49,7 +50,6 @@ log = logging.getLogger("hopline.cache.verify")
 T = TypeVar("T")
 
 LEARN_SPAN = 0.3  # candidates this far below the static threshold are still learned from
-TRIM_EVERY_S = 60.0  # how often the shared store drops observations past every window
 KEYS_READ_EVERY_S = 1.0  # the store's signing keys read again at most this often
 UNSENT_MAX = 10_000  # observations held for the store while it cannot be written
 
@@ -131,31 +131,24 @@ class Verifier:
                 self.ids.taken(nonce, obs.at, now)
 
     async def follow(self, poll_s: float) -> None:
-        """The peers' observations into the rules every `poll_s`, for good; each
-        TRIM_EVERY_S the rows past every window leave the store."""
-        trimmed = time.monotonic()
-        failing = False
-        while True:
-            await asyncio.sleep(poll_s)
+        """The peers' observations into the rules every `poll_s`, for good (with what this
+        replica could not write before); every milvus_log.TRIM_EVERY_S the rows past every
+        window leave the store."""
+
+        async def poll() -> None:
             if (store := self.store) is None:
                 return  # stopped
-            try:
-                if self._unsent:
-                    await self._keep([])
-                rows = await self._run(store.poll)
-                self._take(rows)
-                metrics.CACHE_VERIFY_EVIDENCE.labels("read_from_peers").inc(len(rows))
-                if time.monotonic() - trimmed > TRIM_EVERY_S:
-                    trimmed = time.monotonic()
-                    await self._run(store.trim, self.rules.cutoffs())
-            except CacheStoreError as exc:
-                if not failing:  # once per outage
-                    log.warning("reading the peers' evidence failed", extra={"error": str(exc)})
-                failing = True
-                continue
-            if failing:
-                log.info("reading the peers' evidence again")
-            failing = False
+            if self._unsent:
+                await self._keep([])
+            rows = await self._run(store.poll)
+            self._take(rows)
+            metrics.CACHE_VERIFY_EVIDENCE.labels("read_from_peers").inc(len(rows))
+
+        async def trim() -> None:
+            if (store := self.store) is not None:
+                await self._run(store.trim, self.rules.cutoffs())
+
+        await milvus_log.follow("the peers' evidence", poll, trim, poll_s)
 
     async def stop(self) -> None:
         if self.store is not None:

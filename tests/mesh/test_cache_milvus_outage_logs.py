@@ -40,7 +40,7 @@ def test_an_outage_is_logged_a_few_times_and_the_cache_recovers(
                 assert not errors, [f"{r.name}: {r.getMessage()[:120]}" for r in errors]
                 warnings = [r for r in outage if r.levelno == logging.WARNING]
                 said = sorted({f"{r.name}: {r.getMessage()}" for r in warnings})
-                # Once for the log reads, once per write retry (0.5, 1, 2 s backoff).
+                # Once per shared log (invalidations, evidence), once per write retry (0.5, 1, 2 s).
                 assert len(warnings) <= 6, said
                 assert any("shared invalidation log" in line for line in said), said
 
