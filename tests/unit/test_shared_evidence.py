@@ -1,5 +1,5 @@
-"""The shared evidence store (cache/shared_evidence.py) on a real milvus-lite file (or the
-Milvus server HOPLINE_TEST_MILVUS names, in `make milvus-server-tests`), two stores in one
+"""The shared evidence store (cache/shared_evidence.py) on milvus-lite's own server process
+(or the Milvus server HOPLINE_TEST_MILVUS names, in `make milvus-server-tests`), two stores in one
 process standing in for two replicas (the mesh test tests/mesh/test_cache_shared_milvus.py
 runs replica processes over a server): what
 one appends the other polls, a new store replays the latest window per stratum, the rows
@@ -24,13 +24,13 @@ BASE = 0.0
 
 @pytest.fixture(scope="module")
 def uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One Milvus for the module; each test names collections of its own."""
+    """One Milvus server for the module (milvus-lite's own process by default, as the store
+    is used only over a server URI); each test names collections of its own."""
     work = tmp_path_factory.mktemp("shared-evidence")
     kind = chosen_kind()
-    if kind is MilvusKind.FILE:
-        yield str(work / "milvus.db")
-        return
-    server = MilvusServer(work / "milvus", kind).start()
+    server = MilvusServer(
+        work / "milvus", MilvusKind.LITE_SERVER if kind is MilvusKind.FILE else kind
+    ).start()
     try:
         yield server.uri
     finally:
