@@ -1,9 +1,9 @@
 """The shared evidence store (cache/shared_evidence.py) on milvus-lite's own server process
-(or the Milvus server HOPLINE_TEST_MILVUS names, in `make milvus-server-tests`), two stores in one
-process standing in for two replicas (the mesh test tests/mesh/test_cache_shared_milvus.py
-runs replica processes over a server): what
-one appends the other polls, a new store replays the latest window per stratum, the rows
-past a window are trimmed, and the replicas agree on the key that signs verify ids."""
+(or the Milvus server HOPLINE_TEST_MILVUS names, in `make milvus-server-tests`), two stores in
+one process standing in for two replicas (the mesh test tests/mesh/test_cache_shared_milvus.py
+runs replica processes over a server): what one appends the other polls, a new store replays
+the latest window per stratum, the rows past a window are trimmed, an id two replicas took at
+once counts once, and the replicas agree on the key that signs verify ids."""
 
 from __future__ import annotations
 
@@ -65,6 +65,28 @@ def test_one_replicas_evidence_reaches_the_other_and_a_newcomer(uri: str) -> Non
         assert second.poll() == []  # each row once
         third = SharedEvidence(uri, "c1", 10.0)
         assert [r.nonce for r in third.replay()] == [r.nonce for r in rows]
+        third.close()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_one_id_reported_to_two_replicas_at_once_counts_once_everywhere(uri: str) -> None:
+    """A gateway that retries a report on another replica (the first answered too late) can
+    have both take the id before either reads the other's row: each has counted its own, so
+    neither may count the peer's, and the store keeps one row for a newcomer."""
+    first = SharedEvidence(uri, "c4", 10.0)
+    second = SharedEvidence(uri, "c4", 10.0)
+    try:
+        began()
+        mine = noted(0)
+        theirs = mine._replace(obs=Observation(0.9, False, 1.0, True, "2+0", BASE + 0.002))
+        first.append([mine])
+        second.append([theirs])
+        assert first.poll() == []
+        assert second.poll() == []
+        third = SharedEvidence(uri, "c4", 10.0)
+        assert [r.nonce for r in third.replay()] == [mine.nonce]
         third.close()
     finally:
         first.close()
