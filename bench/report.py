@@ -83,9 +83,11 @@ def window_figures(run: Run, describe: Describe | None = None) -> dict[str, floa
     and a model computes up to a tenth faster in one process than in the next for the whole
     of its life on these machines, which a comparison of two meshes' p50s takes in whole."""
     answered = run.answered_ns  # in run.responses' order
+    latency = percentiles_ms(answered)
     figures = {
         "throughput_rps": len(answered) / run.duration_s if run.duration_s else 0.0,
-        "p50_ms": percentiles_ms(answered)["p50_ms"],
+        "p50_ms": latency["p50_ms"],
+        "p99_ms": latency["p99_ms"],
     }
     if describe is not None:
         less = [

@@ -121,7 +121,9 @@ def test_a_windows_figures_are_of_the_requests_answered() -> None:
     assert record["mean_ms"] == pytest.approx(10.0)
     assert (record["errors"], record["errors_by_status"]) == (1000, {"UNAVAILABLE": 1000})
     assert record["cpu_ms_per_request"]["load_generator"] == pytest.approx(2.0)
-    assert window_figures(run) == pytest.approx({"throughput_rps": 50.0, "p50_ms": 10.0}, rel=1e-3)
+    assert window_figures(run) == pytest.approx(
+        {"throughput_rps": 50.0, "p50_ms": 10.0, "p99_ms": 10.0}, rel=1e-3
+    )
     nothing = dataclasses.replace(
         run, latencies_ns=[50_000] * 10, statuses=refused[:10], responses=[]
     )
