@@ -18,6 +18,7 @@ the shared embedding, so a run where it was not taken cannot pass for one where 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import shutil
@@ -69,6 +70,31 @@ def colocated_meshes(
     finally:
         for mesh in meshes.values():
             mesh.stop()
+
+
+def add_ab_load_arguments(parser: argparse.ArgumentParser, rounds: int, duration_s: float) -> None:
+    """The load options of a script that compares meshes side by side: closed loop
+    (--concurrency) or open loop (--rps), alternated rounds and their total duration."""
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=32)
+    load.add_argument("--rps", type=float)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--duration", type=float, default=duration_s)
+
+
+def alternated_misses(
+    meshes: Mapping[str, Mesh], repo: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    """`hopline bench --mix miss` through every mesh, the first as target and the rest as
+    peers, in alternated rounds with the load `add_ab_load_arguments` parsed into `args`."""
+    names = list(meshes)
+    peers = [a for n in names[1:] for a in ("--peer", f"{n}={meshes[n].gateway}")]
+    load = ["--rps", f"{args.rps:g}"] if args.rps else ["--concurrency", f"{args.concurrency}"]
+    return bench_once(
+        *("--target", meshes[names[0]].gateway, *peers, *load),
+        *("--mix", "miss", "--baseline", "none", "--model-repo", str(repo)),
+        *("--rounds", str(args.rounds), "--duration", f"{args.duration:g}"),
+    )
 
 
 def paired_windows(

@@ -16,8 +16,11 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from hopline.bench.cli import bench_once
-from hopline.bench.shared_embedding import colocated_meshes
+from hopline.bench.shared_embedding import (
+    add_ab_load_arguments,
+    alternated_misses,
+    colocated_meshes,
+)
 from hopline.runtime.launcher import Mesh, rpcs_answered
 from hopline.runtime.service_table import Topology
 
@@ -35,11 +38,7 @@ def main() -> None:
     parser.add_argument("--model-repo", type=Path, default=ROOT / "models")
     parser.add_argument("--topology", type=Topology, default=Topology.FIVE_PROCESS)
     parser.add_argument("--in-flight", default="2,1", help="values to compare, the first as target")
-    load = parser.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, default=32)
-    load.add_argument("--rps", type=float)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--duration", type=float, default=36.0)
+    add_ab_load_arguments(parser, rounds=6, duration_s=36.0)
     args = parser.parse_args()
     values = args.in_flight.split(",")
     envs = {f"in_flight_{v}": {"HOPLINE_GATEWAY_BATCH_IN_FLIGHT": v} for v in values}
@@ -49,15 +48,7 @@ def main() -> None:
         names = list(meshes)
         counted = ("gateway", "Predict"), *STAGES.items()
         before = {n: [answered(meshes[n], *c) for c in counted] for n in names if five}
-        peers = [a for n in names[1:] for a in ("--peer", f"{n}={meshes[n].gateway}")]
-        load_args = (
-            ["--rps", f"{args.rps:g}"] if args.rps else ["--concurrency", f"{args.concurrency}"]
-        )
-        result = bench_once(
-            *("--target", meshes[names[0]].gateway, *peers, *load_args),
-            *("--mix", "miss", "--baseline", "none", "--model-repo", str(args.model_repo)),
-            *("--rounds", str(args.rounds), "--duration", f"{args.duration:g}"),
-        )
+        result = alternated_misses(meshes, args.model_repo, args)
         for name, target in zip(names, result["targets"].values(), strict=True):
             line = (
                 f"{name}: {target['throughput_rps']:.1f} rps, p50 {target['p50_ms']:.2f} ms, "
