@@ -183,9 +183,23 @@ def _exit_status(code: int | None) -> int:
     return 128 - code
 
 
-def strangers(listen: str) -> list[str]:
+def strangers(listen: str, looks: int = 3, between_s: float = 0.1) -> list[str]:
     """Who else listens where this worker has just bound `listen` (host:port), each said in
-    words; [] when only this worker's siblings do (runtime/listeners.py says why it asks)."""
+    words; [] when only this worker's siblings do (runtime/listeners.py says why it asks).
+
+    Said only when `looks` looks `between_s` apart all find someone: the kernel's list of
+    listeners and the processes' descriptors are read one after the other, and a socket
+    closed between the two reads has no owner to be found. One make test run had a worker
+    refuse a v4-mapped listener on its own port whose owner it could not see, while the
+    only processes on that port were it and its sibling."""
+    for _ in range(looks - 1):
+        if not _strangers_now(listen):
+            return []
+        time.sleep(between_s)
+    return _strangers_now(listen)
+
+
+def _strangers_now(listen: str) -> list[str]:
     host, _, port = listen.rpartition(":")
     addresses = _addresses(host.strip("[]"))
     there = [

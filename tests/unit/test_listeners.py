@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hopline.runtime import workers
 from hopline.runtime.listeners import command, listening, overlaps, owners, parent
 
 HEADER = (
@@ -99,3 +100,21 @@ def test_which_addresses_one_port_shares(a: str, b: str, shared: bool) -> None:
     first, second = ipaddress.ip_address(a), ipaddress.ip_address(b)
     assert overlaps(first, second) is shared
     assert overlaps(second, first) is shared
+
+
+def test_a_stranger_is_said_only_when_every_look_finds_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A socket closed between the read of the kernel's listeners and the read of the
+    processes' descriptors looks ownerless once; one that stays is said."""
+    seen = [["a socket of a process this one cannot see"], []]
+    monkeypatch.setattr(workers, "_strangers_now", lambda listen: seen.pop(0) if seen else [])
+    assert workers.strangers("127.0.0.1:1", between_s=0) == []
+    stays = ["process 7 (other) on 127.0.0.1"]
+    looks: list[str] = []
+
+    def stranger(listen: str) -> list[str]:
+        looks.append(listen)
+        return stays
+
+    monkeypatch.setattr(workers, "_strangers_now", stranger)
+    assert workers.strangers("127.0.0.1:2", looks=3, between_s=0) == stays
+    assert looks == ["127.0.0.1:2"] * 3
