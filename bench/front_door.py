@@ -49,7 +49,7 @@ class FrontDoor:
     ) -> gateway_pb2.PredictResponse:
         if not request.text:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text is empty")
-        prediction = await self.pipeline.call(request.text)
+        prediction = (await self.pipeline.call(request.text)).prediction
         config = self.pipeline.config
         return gateway_pb2.PredictResponse(
             prediction=prediction, model=config.name, model_version=config.version

@@ -9,7 +9,9 @@ says what a response was (`describe`: cache outcome and per-hop timings).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -171,6 +173,25 @@ def inprocess_threads(concurrency: int) -> tuple[int, int]:
     return workers, max(1, cores // workers)
 
 
+@dataclasses.dataclass(frozen=True)
+class InProcessReply:
+    """An in-process request's answer, and its model run timed as the inference service's
+    batcher times a mesh's (`inference.queue`: waiting for a free run slot;
+    `inference.compute`: from the run's hand-over to a model thread until the event loop has
+    its result, thread wake-ups included), so the model's own run reads alike in process and
+    in a mesh (bench/suite_report.py:model_run_share)."""
+
+    prediction: common_pb2.Prediction
+    timings: dict[str, float]
+
+
+def _run_timings(enqueued_ns: int, started_ns: int, finished_ns: int) -> dict[str, float]:
+    return {
+        "inference.queue": (started_ns - enqueued_ns) / 1e6,
+        "inference.compute": (finished_ns - started_ns) / 1e6,
+    }
+
+
 class InProcessTarget:
     """Tokenizer, model and postprocessing called in this process: no hops, no cache.
 
@@ -200,6 +221,8 @@ class InProcessTarget:
             nice, lambda: create_backend(config, threads, spin=spin), slice_us
         )
         self.executor = nicer_executor(workers, "inprocess", nice, slice_us)
+        self.workers = workers
+        self._running = 0  # runs handed to the executor and not yet back
         self.model = BatchedModel(self.backend, self.executor, workers) if batched else None
         self.settings = {
             "workers": workers,
@@ -217,30 +240,48 @@ class InProcessTarget:
         batch = encode(self.tokenizer, [text])
         return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
 
-    def _alone(self, text: str) -> np.ndarray[Any, Any]:
+    def _alone(self, text: str) -> tuple[np.ndarray[Any, Any], int]:
+        started = time.time_ns()
         logits: np.ndarray[Any, Any] = self.backend.run(self._tensors(text), ["logits"])["logits"]
-        return logits
+        return logits, started
 
-    async def call(self, text: str) -> common_pb2.Prediction:
-        if self.model is None:
-            logits = await asyncio.get_running_loop().run_in_executor(
+    async def _run_alone(self, text: str) -> tuple[np.ndarray[Any, Any], dict[str, float]]:
+        """One run on the executor. A run handed over while a thread is free starts at once,
+        as the batcher hands runs only to a free slot: all of it is compute. One that waits in
+        the executor's queue waited from hand-over to its thread's start (time.time_ns, as
+        the batcher's clock). This pipeline tokenizes on the model's thread (about 30 us),
+        inside its compute."""
+        free = self._running < self.workers
+        self._running += 1
+        handed = time.time_ns()
+        try:
+            logits, started = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self._alone, text
             )
+        finally:
+            self._running -= 1
+        return logits, _run_timings(handed, handed if free else started, time.time_ns())
+
+    async def call(self, text: str) -> InProcessReply:
+        if self.model is None:
+            logits, timings = await self._run_alone(text)
         else:
             # Tokenized on the event loop, as the tokenizer service does (about 30 us).
             inputs = self._tensors(text)
             rows, length = inputs["input_ids"].shape
-            outputs, _ = await self.model.infer(ModelRequest(inputs, ("logits",), rows, length))
+            outputs, run = await self.model.infer(ModelRequest(inputs, ("logits",), rows, length))
             logits = outputs["logits"]
+            timings = _run_timings(run.enqueued_ns, run.started_ns, run.finished_ns)
         cfg = self.config
-        return predictions(logits, None, cfg.labels, cfg.oos_threshold, self.top_k)[0]
+        prediction = predictions(logits, None, cfg.labels, cfg.oos_threshold, self.top_k)[0]
+        return InProcessReply(prediction, timings)
 
     def blocking(self) -> None:
         """None: measured on the event loop, as a service would call its own pipeline."""
         return None
 
-    def describe(self, response: Any) -> tuple[str | None, dict[str, float]]:
-        return None, {}
+    def describe(self, response: InProcessReply) -> tuple[str | None, dict[str, float]]:
+        return None, response.timings
 
     async def close(self) -> None:
         if self.model is not None:

@@ -38,6 +38,13 @@ def test_bench_writes_every_target_with_the_documented_keys(mesh: Mesh, tmp_path
         assert target["p50_ms"] <= target["p99_ms"] <= target["max_ms"]
     mesh_hops = doc["targets"]["mesh"]["hops_ms"]
     assert {"tokenize", "inference", "inference.compute", "postprocess"} <= set(mesh_hops)
+    # The in-process pipelines time their model runs as the inference service does, so the
+    # model's own run can be read against the mesh's (bench/suite_report.py:model_run_share).
+    for name in ("inprocess", "inprocess_batched"):
+        runs = doc["targets"][name]["hops_ms"]
+        assert {"inference.queue", "inference.compute"} == set(runs), (name, runs)
+        assert runs["inference.compute"]["count"] == doc["targets"][name]["requests"]
+        assert 0 < runs["inference.compute"]["p50"] < doc["targets"][name]["p50_ms"]
     # Every text is new: each request misses (or fails open, on a machine too busy for the
     # lookup budget), and the outcomes account for every request.
     outcomes = doc["targets"]["mesh"]["cache_outcomes"]
@@ -170,7 +177,7 @@ async def _in_process_labels(repo: Path, texts: list[str]) -> list[str]:
     settings = argparse.Namespace(model="", model_repo=repo, concurrency=1, rps=0)
     target = inprocess_target("inprocess_batched", settings)
     try:
-        return [(await target.call(t)).label for t in texts]
+        return [(await target.call(t)).prediction.label for t in texts]
     finally:
         await target.close()
 

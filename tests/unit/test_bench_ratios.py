@@ -11,7 +11,12 @@ import pytest
 
 from hopline.bench.load import Run
 from hopline.bench.report import ratios, summarise, window_figures
-from hopline.bench.suite_report import front_door_echoes, front_door_share, peer_judgement
+from hopline.bench.suite_report import (
+    front_door_echoes,
+    front_door_share,
+    model_run_share,
+    peer_judgement,
+)
 
 
 def _target(p50: float, p99: float, rps: float) -> dict[str, Any]:
@@ -79,6 +84,21 @@ def test_the_c1_row_says_how_many_echoes_the_front_door_takes() -> None:
     )
     del targets["grpc_batched"]
     assert front_door_echoes(targets) == "no grpc_batched run"
+
+
+def test_the_c1_row_says_how_much_slower_the_model_ran_in_the_mesh() -> None:
+    """The model's run p50 in the mesh against the same run's in process, both from the
+    replies' `inference.compute`; a record without it (a run before the in-process target
+    timed its runs) says so rather than reading as no difference."""
+    targets: dict[str, Any] = {
+        "inprocess": {"hops_ms": {"inference.compute": {"p50": 3.0, "p99": 4.0}}},
+        "mesh": {"hops_ms": {"inference.compute": {"p50": 3.6, "p99": 9.0}}},
+    }
+    assert model_run_share(targets, "mesh") == (
+        "the model's run p50 3.60 ms against 3.00 in process (+0.60)"
+    )
+    targets["inprocess"] = {"hops_ms": {}}
+    assert model_run_share(targets, "mesh") == "no model run timed"
 
 
 def _answered(p99: float, rps: float, errors: int) -> dict[str, Any]:
