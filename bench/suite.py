@@ -56,6 +56,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from hopline.bench import machine
 from hopline.bench.cli import bench_once as bench
 from hopline.bench.full_cache import full_cache_scenario
 from hopline.bench.ghz import GHZ_DEFAULT, ghz_beside_bench
@@ -115,6 +116,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "cores": usable_cpus(),
+        "machine": machine.describe(),
         "scenarios": {},
     }
     sc = doc["scenarios"]

@@ -166,6 +166,9 @@ def open_loop_judgement(m: dict[str, Any]) -> tuple[float, bool, str]:
 
 def markdown(doc: dict[str, Any]) -> str:
     lines = [f"# hopline bench suite, {doc['date']} on {doc['host']} ({doc['cores']} cores)", ""]
+    if "machine" in doc:  # runs before 2026-12-04 did not record it
+        m = doc["machine"]
+        lines += [f"CPU {m['cpu']}, kernel {m['kernel']}, idle: {m['idle']}", ""]
     lines += [
         "| scenario | target | requests | errors | rps | p50 ms | p90 ms | p99 ms | max ms |",
         "|---|---|---|---|---|---|---|---|---|",
