@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hopline.bench import machine
+from hopline.bench.suite_report import markdown
 
 
 def _write(root: Path, relative: str, text: str) -> None:
@@ -39,3 +40,18 @@ def test_a_machine_without_haltpoll_names_its_driver_only(tmp_path: Path) -> Non
     _write(tmp_path, f"{machine.CPUIDLE}/current_governor", "menu\n")
     assert machine.idle_setting(tmp_path) == "intel_idle/menu"
     assert machine.idle_setting(tmp_path / "missing") == "none/none"
+
+
+def test_the_report_names_the_machine_under_its_title() -> None:
+    """A record from before bench/machine.py has no machine: its report has no such line."""
+    doc: dict[str, object] = {
+        "date": "2026-12-04T12:00:00+00:00",
+        "host": "vm",
+        "cores": 2,
+        "scenarios": {},
+        "targets_met": [],
+    }
+    assert "idle:" not in markdown(doc)
+    doc["machine"] = {"cpu": "Xeon", "kernel": "6.18", "idle": "haltpoll/haltpoll"}
+    lines = markdown(doc).splitlines()
+    assert lines[2] == "CPU Xeon, kernel 6.18, idle: haltpoll/haltpoll"
