@@ -169,7 +169,7 @@ def model_ratios(
         )
         # What the model itself saved inside these requests (a run after the request's other
         # work, not back to back as compute alone runs): the saving the p50's is set against.
-        here, there = _compute_p50(t), _compute_p50(first[base])
+        here, there = compute_p50(t), compute_p50(first[base])
         if here is not None and there is not None:
             out[f"{name}_inference_compute_saving_ms"] = there - here
     if compute:
@@ -182,9 +182,9 @@ def model_ratios(
     return out
 
 
-def _compute_p50(target: Mapping[str, Any]) -> float | None:
+def compute_p50(target: Mapping[str, Any]) -> float | None:
     """The target's `inference.compute` hop p50 (ms), where its replies carry one."""
-    hop = target.get("hops_ms", {}).get("inference.compute")
+    hop = target.get("hops_ms", {}).get(COMPUTE)
     return None if hop is None else float(hop["p50"])
 
 

@@ -10,7 +10,7 @@ from hopline.bench.full_cache import full_cache_targets
 from hopline.bench.hop_split import hop_label
 from hopline.bench.load import MAX_LATENCY_GROWTH
 from hopline.bench.providers import providers_targets
-from hopline.bench.report import COMPUTE
+from hopline.bench.report import compute_p50
 from hopline.bench.shared_embedding import shared_embedding_targets
 from hopline.bench.tracing import tracing_targets
 
@@ -53,10 +53,9 @@ def model_run_share(targets: dict[str, Any], name: str) -> str:
     time it) against the same run's in process. A mesh's run starts after the rest of the
     request, not right after the last one, and runs slower for it (docs/performance.md,
     "Why a mesh's model runs slower at concurrency 1"); no hop can take that part back."""
-    runs = [targets[t].get("hops_ms", {}).get(COMPUTE) for t in (name, "inprocess")]
-    if runs[0] is None or runs[1] is None:
+    mesh, alone = compute_p50(targets[name]), compute_p50(targets["inprocess"])
+    if mesh is None or alone is None:
         return "no model run timed"
-    mesh, alone = runs[0]["p50"], runs[1]["p50"]
     return f"the model's run p50 {mesh:.2f} ms against {alone:.2f} in process ({mesh - alone:+.2f})"
 
 
