@@ -46,6 +46,27 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(line)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def module_dirs_go_with_the_module(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[None]:
+    """Folders a module's fixtures make with `tmp_path_factory.mktemp` are removed when the
+    module ends, unless one of its tests failed (kept for reading, as pyproject.toml's
+    "failed" retention keeps a failed test's `tmp_path`). Most hold a copy of the model
+    (90 MB): a whole run left about 11 GB of them, which is what CI's disk could not hold at
+    stop 84. Every `mktemp` in tests/ is in a module-scoped fixture, torn down (its processes
+    stopped) before this autouse one; a session-scoped fixture must not call it."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    failed_before = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed_before:
+        return
+    for path in set(base.iterdir()) - before:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def default_repo() -> Path:
     """The repository `make` built; tests never build the default model behind its back."""
