@@ -39,7 +39,23 @@ def figures(request: pytest.FixtureRequest) -> Callable[[str], None]:
     return add
 
 
+# Free bytes where the tests write (the first reading, the least), so a run that fills the
+# disk says so in CI's log instead of leaving fixture errors to guess from.
+_FREE_DISK: list[int] = []
+
+
+def _note_free_disk(path: Path) -> None:
+    stat = os.statvfs(path)
+    free = stat.f_bavail * stat.f_frsize
+    if not _FREE_DISK:
+        _FREE_DISK.extend((free, free))
+    _FREE_DISK[1] = min(_FREE_DISK[1], free)
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _FREE_DISK:
+        first, least = (round(b / 2**30, 1) for b in _FREE_DISK)
+        _FIGURES.append(f"disk free where the tests write: {first} GiB at the start, {least} least")
     if _FIGURES:
         terminalreporter.section("measured")
         for line in _FIGURES:
@@ -53,13 +69,16 @@ def module_dirs_go_with_the_module(
     """Folders a module's fixtures make with `tmp_path_factory.mktemp` are removed when the
     module ends, unless one of its tests failed (kept for reading, as pyproject.toml's
     "failed" retention keeps a failed test's `tmp_path`). Most hold a copy of the model
-    (90 MB): a whole run left about 11 GB of them, which is what CI's disk could not hold at
-    stop 84. Every `mktemp` in tests/ is in a module-scoped fixture, torn down (its processes
-    stopped) before this autouse one; a session-scoped fixture must not call it."""
+    (90 MB): a whole run left about 11 GB of them, the likely reason stop 84's CI failed in
+    fixture set-up from one module on. Every `mktemp` in tests/ is in a module-scoped fixture,
+    torn down (its processes stopped) before this autouse one; a session-scoped fixture must
+    not call it. The free space is noted before each removal for the run's summary."""
     base = tmp_path_factory.getbasetemp()
+    _note_free_disk(base)
     before = set(base.iterdir())
     failed_before = request.session.testsfailed
     yield
+    _note_free_disk(base)
     if request.session.testsfailed > failed_before:
         return
     for path in set(base.iterdir()) - before:
