@@ -23,6 +23,8 @@ from hopline.runtime.ports import free_ports
 ROOT = Path(__file__).resolve().parents[1]
 BINARY = ROOT / ".tools" / "bin" / "jaeger"
 # The collector's batch timeout is short so that a test reading a trace back waits little.
+# The query extension's own tracing is off: it exported to the OTLP default, 127.0.0.1:4317,
+# where nothing of ours listens, and its exporter's 10 s timeout held every stop that long.
 CONFIG = """
 service:
   extensions: [jaeger_storage, jaeger_query, remote_sampling]
@@ -32,6 +34,7 @@ service:
 extensions:
   jaeger_query:
     storage: {{traces: mem}}
+    enable_tracing: false
     http: {{endpoint: "127.0.0.1:{query}"}}
     grpc: {{endpoint: "127.0.0.1:{query_grpc}"}}
   jaeger_storage:
