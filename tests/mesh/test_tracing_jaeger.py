@@ -315,3 +315,21 @@ def test_each_text_of_a_kserve_batch_has_its_own_span(traced: Mesh, jaeger: dict
     # Each text's hops under its own span; its cache outcome on it.
     assert sorted(h.parent_id for h in hops) == sorted(s.span_id for s in texts)
     assert all(s.attributes.get("hopline.cache.outcome") == "skipped" for s in texts)
+
+
+def test_jaeger_exports_nothing_of_its_own_and_stops_without_waiting_on_it(
+    tmp_path: Path,
+) -> None:
+    """Jaeger v2's query extension traces its own API calls unless its config says
+    `enable_tracing: false`, and exports them to the OTLP default, 127.0.0.1:4317, where
+    nothing of ours listens: it logged each failed connection, and at its stop the export's
+    10 s timeout ran out ("traces export: ... timeout") before it exited. A Jaeger asked
+    for its services and stopped logs none of that."""
+    local = LocalJaeger(tmp_path).start()
+    try:
+        get_json(f"{local.query}/api/services")
+    finally:
+        local.stop()
+    log = local.log_path.read_text(encoding="utf-8")
+    assert "4317" not in log, log[-2000:]
+    assert "traces export" not in log, log[-2000:]
