@@ -19,6 +19,7 @@ import grpc
 
 from hopline.cache.milvus_access import NO_ACCESS, MilvusAccess
 from hopline.cache.milvus_connection import MilvusConnection
+from hopline.cache.milvus_index import IndexNotBuilt, create_indexed
 from hopline.cache.milvus_store import CONSISTENCY, milvus_reason, quiet_pymilvus
 from hopline.cache.store import CacheStoreError
 
@@ -58,7 +59,7 @@ class MilvusLog:
             if not self._client.has_collection(name, timeout=self.timeout_s):
                 self._create(name, fields)
             self._client.load_collection(name, timeout=self.timeout_s * 6)
-        except (self._exc, grpc.RpcError) as exc:
+        except (self._exc, grpc.RpcError, IndexNotBuilt) as exc:
             raise CacheStoreError(f"Milvus at {self.uri}: {milvus_reason(exc)}") from exc
 
     def _create(self, name: str, fields: Fields) -> None:
@@ -70,12 +71,13 @@ class MilvusLog:
         index = self._client.prepare_index_params()
         index.add_index(field_name="vector", index_type="AUTOINDEX", metric_type="L2")
         try:
-            self._client.create_collection(
+            create_indexed(
+                self._client,
                 name,
                 schema=schema,
                 index_params=index,
                 consistency_level=CONSISTENCY,
-                timeout=self.timeout_s * 6,
+                timeout_s=self.timeout_s * 6,
             )
         except self._exc:
             # Another replica created it between our check and our create: use theirs.

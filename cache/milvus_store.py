@@ -38,6 +38,7 @@ from hopline.cache.generations import (
 from hopline.cache.keys import scope_digest
 from hopline.cache.milvus_access import NO_ACCESS, MilvusAccess
 from hopline.cache.milvus_connection import MilvusConnection
+from hopline.cache.milvus_index import IndexNotBuilt, build_index, create_indexed
 from hopline.cache.milvus_lite import is_local
 from hopline.cache.milvus_rows import (
     MAX_TEXT_BYTES,
@@ -153,7 +154,7 @@ class MilvusStore:
             else:
                 self._create(self.collection)
             self._client.load_collection(self.collection, timeout=timeout_s * 6)
-        except (self._exc, grpc.RpcError) as exc:
+        except (self._exc, grpc.RpcError, IndexNotBuilt) as exc:
             self.close()
             raise CacheStoreError(f"Milvus at {uri}: {milvus_reason(exc)}") from exc
 
@@ -233,12 +234,13 @@ class MilvusStore:
             schema.add_field(name, dt.VARCHAR, max_length=MAX_TEXT_BYTES)
         schema.add_field("created_at", dt.DOUBLE)
         schema.add_field("expires_at", dt.DOUBLE)
-        self._client.create_collection(
+        create_indexed(
+            self._client,
             collection,
             schema=schema,
             index_params=self._index_params(),
             consistency_level=CONSISTENCY,
-            timeout=self.timeout_s * 6,
+            timeout_s=self.timeout_s * 6,
         )
         log.info(
             "created cache collection",
@@ -277,9 +279,7 @@ class MilvusStore:
                 "indexing a cache collection left without its index",
                 extra={"collection": self.collection, "uri": self.uri},
             )
-            self._client.create_index(
-                self.collection, self._index_params(), timeout=self.timeout_s * 6
-            )
+            build_index(self._client, self.collection, self._index_params(), self.timeout_s * 6)
             return
         metric = index.get("metric_type")
         if metric != "COSINE":
@@ -501,7 +501,7 @@ class MilvusStore:
                 with self._dead_lock:
                     self._dead = 0
                 switch_ms = (time.perf_counter() - switch_started) * 1e3
-        except (self._exc, grpc.RpcError, CacheStoreError) as exc:
+        except (self._exc, grpc.RpcError, CacheStoreError, IndexNotBuilt) as exc:
             with self._gate.held():
                 self._gate.close_journal()
             if self.collection == old and self._client is not None:
