@@ -241,11 +241,13 @@ def stop_server(db: Path) -> None:
     not at all after a failed open.
 
     milvus-lite's own stop only releases the lock the server watches and gives it 2 s before
-    SIGKILL; the server looks at that lock every 5 s (it exited 4.5-5.0 s after the release,
-    measured), so every stop waited the 2 s and then killed it anyway. What the server has
-    acknowledged is in its SQLite file already: 2,000 rows inserted and 100 deleted just
-    before the stop were all read back after SIGTERM, SIGINT, SIGKILL or its own exit alike.
-    So it is not waited for."""
+    SIGKILL, and the server did not always look in time: a store opened and closed on its own
+    (tests, bench/scripts/write_cost.py) took 2.0 s to close, the server killed, where it
+    exited by itself 4.5-5.0 s after the release (the cache service's own stop was already
+    quick: 0.28 s from draining to stopped; why its server looked sooner was not found). What
+    the server has acknowledged is in its SQLite file already: 2,000 rows inserted and 100
+    deleted just before the stop were all read back after SIGTERM, SIGINT, SIGKILL or its own
+    exit alike. So it is not waited for."""
     process = _server_process(db)
     if process is not None and process.poll() is None:
         process.terminate()
