@@ -79,9 +79,12 @@ def embedding_model(weights_dir: Path) -> EmbeddingModel:
     return EmbeddingModel(ENCODER_NAME, _digest(weights_dir / "model.safetensors"), 384)
 
 
-def encoder_file(weights_dir: Path, work_dir: Path) -> tuple[Path, EmbeddingModel]:
-    """The optimised embedding-only encoder for `weights_dir`, building it if missing."""
-    model = embedding_model(weights_dir)
+def encoder_file(
+    weights_dir: Path, work_dir: Path, model: EmbeddingModel | None = None
+) -> tuple[Path, EmbeddingModel]:
+    """The optimised embedding-only encoder for `weights_dir`, building it if missing
+    (`model`: `embedding_model(weights_dir)` when the caller has it already)."""
+    model = model or embedding_model(weights_dir)
     path = work_dir / "embedders" / f"minilm-{model.digest[:16]}-f{ENCODER_FORMAT}.onnx"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,11 +145,13 @@ class Embedder:
         threads: int = 0,
         workers: int = 0,
         spin: Spin = Spin.OFF,
+        model: EmbeddingModel | None = None,
     ) -> Embedder:
         """threads=0: every core for a batch alone and a one-core session beside it for
         batches side by side, `workers` at once (on one core, a single session); else one
-        batch at a time on `threads` threads."""
-        path, model = encoder_file(weights_dir, work_dir)
+        batch at a time on `threads` threads. `model`: `embedding_model(weights_dir)`, when
+        the caller has it already."""
+        path, model = encoder_file(weights_dir, work_dir, model)
         tokenizer = load_tokenizer(weights_dir / "tokenizer.json", DEFAULT_MAX_LENGTH)
         try:
             session = make_session(path, threads=threads, spin=spin)
