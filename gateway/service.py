@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any, cast
@@ -65,6 +66,10 @@ from hopline.runtime.errors import ECHO_CHARS, StatusError, clip
 log = logging.getLogger("hopline.gateway")
 # A served semantic hit's model run that failed: once an episode, as the model's hops are.
 VERIFY_FAILURES = Episodes(log, "verification inference failed")
+# While inference starts (listening, NOT_SERVING), the gateway asks for its models this
+# often: the launcher starts the gateway beside its upstreams, so this is its last step.
+INFERENCE_POLL_S = 0.1
+WAIT_SAID_EVERY_S = 5.0  # "waiting for inference" logged at most this often
 VERIFICATIONS = "verifications"
 
 Context = grpc.aio.ServicerContext[gateway_pb2.PredictRequest, gateway_pb2.PredictResponse]
@@ -168,16 +173,22 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             raise ValueError("; ".join(problems))
         # Not SERVING until co-located services are, and inference has said which models exist.
         await self.upstreams.start()
+        said_at = -math.inf
         while True:  # an address naming another service is said by Upstream.check_serves
             try:
                 await self.catalogue.refresh()
                 break
             except grpc.aio.AioRpcError as err:
-                log.info(
-                    "waiting for inference",
-                    extra={"target": self.upstreams.inference.target, "status": err.code().name},
-                )
-                await asyncio.sleep(0.5)
+                if time.monotonic() - said_at >= WAIT_SAID_EVERY_S:
+                    said_at = time.monotonic()
+                    log.info(
+                        "waiting for inference",
+                        extra={
+                            "target": self.upstreams.inference.target,
+                            "status": err.code().name,
+                        },
+                    )
+                await asyncio.sleep(INFERENCE_POLL_S)
         log.info("models", extra={"models": sorted(f"{n}/{v}" for n, v in self.models)})
         spawn(self.catalogue.follow(self.config.model_refresh_s), self._loops)
         if self.exact_tier.capacity > 0 or self.key_mirror.capacity > 0:

@@ -215,6 +215,10 @@ class Mesh:
         """How the launcher dials `name`: with the operator's certificate when TLS is on."""
         return operator_tls(name, self.env)
 
+    def _answering(self, name: str) -> Callable[[], bool]:
+        """Whether `name` answers its health check at all (NOT_SERVING while it starts)."""
+        return lambda: health_status(self.addrs[name], tls=self.client_tls(name)) is not None
+
     def _serving(self, name: str) -> Callable[[], bool]:
         return lambda: health_status(self.addrs[name], tls=self.client_tls(name)) == SERVING
 
@@ -246,10 +250,16 @@ class Mesh:
     ) -> Self:
         """Start `names` and return when each answers, in the order that makes "ready" true.
 
-        The gateway's upstreams first, until SERVING: a gateway channel that met a refused
-        connection backs off and fails the first requests sent on it (FAIL_OPEN on the cache,
-        UNAVAILABLE on inference). Then the gateway, and, with the cache running and the local
-        exact tier on, until that tier is live, so the first repeat is an EXACT hit. On any
+        The gateway's upstreams first. The gateway starts once each of them listens (a
+        service binds before it loads, and answers NOT_SERVING until ready), not once it
+        serves: a gateway channel that met a refused connection backs off and fails the first
+        requests sent on it (FAIL_OPEN on the cache, UNAVAILABLE on inference), while one that
+        meets a service still starting only waits (the gateway asks inference for its models
+        until it answers). So the gateway's start overlaps theirs: `make run` co-located, a
+        new cache file, up in 3.2-3.4 s one after the other and 1.9-2.3 s so (3 alternated
+        runs; five processes on 2 cores, 2.4-3.2 against 2.6-2.7, level). "Ready" then waits
+        for every upstream SERVING, the gateway SERVING and, with the cache running and the
+        local exact tier on, that tier live, so the first repeat is an EXACT hit. On any
         failure every service started is stopped.
         """
         names = tuple(names)
@@ -268,10 +278,13 @@ class Mesh:
         local_tier = self.service_env_value("gateway", "HOPLINE_GATEWAY_EXACT_ENTRIES") != "0"
         try:
             self.spawn(upstreams)
+            if ServiceName.GATEWAY in names:
+                for name in upstreams:
+                    self.wait_until(f"{name} listening", self._answering(name), deadline, stopping)
+                self.spawn([ServiceName.GATEWAY])
             for name in upstreams:
                 self.wait_until(f"{name} SERVING", self._serving(name), deadline, stopping)
             if ServiceName.GATEWAY in names:
-                self.spawn([ServiceName.GATEWAY])
                 self.wait_until(
                     "gateway SERVING",
                     lambda: is_serving(self.gateway, tls=self.client_tls(ServiceName.GATEWAY)),
