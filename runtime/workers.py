@@ -25,6 +25,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -125,7 +126,9 @@ def supervise(
     on the service's metrics port."""
     from hopline.observability.worker_metrics import AnnouncedPorts, serve_workers_metrics
 
-    with tempfile.TemporaryDirectory(prefix=f"hopline-{name}-workers-") as folder:
+    remove_orphaned_folders(name)
+    prefix = f"{folder_prefix(name)}{os.getpid()}-"
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
         metrics_dir = Path(folder) if metrics_port else None
         procs = [
             subprocess.Popen(
@@ -138,6 +141,38 @@ def supervise(
         if metrics_dir is not None:
             serve_workers_metrics(metrics_host, metrics_port, AnnouncedPorts(metrics_dir, workers))
         return _wait(procs)
+
+
+def folder_prefix(name: str) -> str:
+    """A supervisor's folder (its workers announce their metrics ports there) is named
+    `<prefix><supervisor's pid>-<random>` in the temporary directory."""
+    return f"hopline-{name}-workers-"
+
+
+def remove_orphaned_folders(name: str) -> list[Path]:
+    """Remove the folders of `name`'s supervisors that no longer run: one killed outright
+    (SIGKILL, the OOM killer) cannot remove its own, and each such death left one behind.
+    A folder whose pid runs (perhaps another process since: pids are reused) is left alone,
+    as is one not named as this module names them. Returns what was removed."""
+    removed: list[Path] = []
+    prefix = folder_prefix(name)
+    for folder in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+        pid = folder.name.removeprefix(prefix).split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _running(int(pid)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _wait(procs: Sequence[subprocess.Popen[bytes]]) -> int:
