@@ -325,11 +325,8 @@ def test_jaeger_exports_nothing_of_its_own_and_stops_without_waiting_on_it(
     nothing of ours listens: it logged each failed connection, and at its stop the export's
     10 s timeout ran out ("traces export: ... timeout") before it exited. A Jaeger asked
     for its services and stopped logs none of that."""
-    local = LocalJaeger(tmp_path).start()
-    try:
+    with LocalJaeger(tmp_path) as local:
         get_json(f"{local.query}/api/services")
-    finally:
-        local.stop()
     log = local.log_path.read_text(encoding="utf-8")
     assert "4317" not in log, log[-2000:]
     assert "traces export" not in log, log[-2000:]
