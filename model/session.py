@@ -20,7 +20,7 @@ from hopline.model.providers import (
 from hopline.model.repository import SENTENCE_EMBEDDING
 from hopline.model.spin import Spin
 from hopline.model.tokenizer import encode
-from hopline.runtime.cpu_quota import limited, usable_cpus
+from hopline.runtime.cpu_quota import physical_cores
 
 # How long a thread of a RUN session spins for its next piece of work before it sleeps. The
 # gaps between a short run's operators are microseconds, so they are caught; a thread waiting
@@ -32,14 +32,33 @@ from hopline.runtime.cpu_quota import limited, usable_cpus
 RUN_SPIN_US = 50
 
 
+def pool_size(threads: int) -> int:
+    """`threads`, or for 0 a thread per physical core this process may use.
+
+    Always a count, never ONNX Runtime's own default, for two reasons. Its default counts the
+    machine's cores, too many under a container's CPU limit or an affinity mask
+    (runtime/cpu_quota.py says what they cost). And left to choose, it pins each pool thread to
+    a core of its own, while the thread that calls `run` (a model thread of hopline's, which
+    does a share of every operator) is free to move: when the scheduler puts that thread on
+    the core a pool thread is pinned to, the pool thread waits behind it with the other core
+    idle, and the caller runs the operators' pieces itself, one thread doing the run. With a
+    count given, nothing is pinned and a waiting thread takes the idle core.
+    `perf sched` on a co-located mesh at one caller (2-core VM): the pool thread woke on the
+    caller's core and waited 2.0-3.4 ms there while the other core was idle or ran the cache's
+    writes, then found no work left. Measured (alternated `make run` rounds, c=1 misses,
+    2026-12-04): co-located p90 4.94, 4.71, 5.16 ms -> 4.18, 4.21, 4.54, p50 3.67, 3.63, 3.69
+    -> 3.42, 3.43, 3.72, 250, 259, 248 -> 277, 272, 254 rps; five processes, the model's run
+    p99 7.05, 6.38, 7.51 -> 5.56, 5.45, 4.83 ms."""
+    return threads or physical_cores()
+
+
 def session_options(threads: int, spin: Spin) -> ort.SessionOptions:
-    """The options every hopline session runs with: `threads` intra-op threads (0: every
-    core this process may use), one run at a time, `spin` between operators."""
+    """The options every hopline session runs with: `threads` intra-op threads (0: one per
+    physical core this process may use, `pool_size`), one run at a time, `spin` between
+    operators."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # ONNX Runtime's own default counts the machine's cores; under a container's CPU limit or
-    # an affinity mask that is too many threads (runtime/cpu_quota.py says what they cost).
-    options.intra_op_num_threads = threads or (usable_cpus() if limited() else 0)
+    options.intra_op_num_threads = pool_size(threads)
     # One request runs at a time per session call; inter-op parallelism only adds contention.
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -61,7 +80,8 @@ def make_session(
     spin: Spin = Spin.OFF,
 ) -> ort.InferenceSession:
     """An optimised session on the first of `providers` this machine has (CPU last).
-    threads=0 lets ONNX Runtime use every core. `session.get_providers()` says what runs."""
+    threads=0 gives it a thread per physical core this process may use.
+    `session.get_providers()` says what runs."""
     options = session_options(threads, spin)
     specs = as_specs(providers)
     chosen = session_providers(specs, ort.get_available_providers(), path.parent)

@@ -146,6 +146,23 @@ def usable_cpus() -> int:
     return cpus_allowed(len(os.sched_getaffinity(0)), quota_cpus())
 
 
+@functools.cache
+def physical_cores(sys_cpu: Path = Path("/sys/devices/system/cpu")) -> int:
+    """The physical cores among this process's CPUs (two hyperthreads of one core count
+    once), no more than its whole CPUs (`usable_cpus`): the thread count ONNX Runtime picks
+    for itself. Where the topology cannot be read, every CPU counts as a core."""
+    cores: set[tuple[str, str]] = set()
+    for cpu in os.sched_getaffinity(0):
+        topology = sys_cpu / f"cpu{cpu}" / "topology"
+        try:
+            package = (topology / "physical_package_id").read_text().strip()
+            core = (topology / "core_id").read_text().strip()
+        except OSError:
+            package, core = "cpu", str(cpu)
+        cores.add((package, core))
+    return max(1, min(len(cores), usable_cpus()))
+
+
 def machine_cpus() -> int:
     """The machine's CPUs, as libraries that size their own thread pools count them."""
     return os.cpu_count() or 1
