@@ -159,8 +159,9 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             "--mix",
             "miss",
             "--baseline",
-            # grpc_batched: what any Python gRPC server over the same batcher adds at c=1.
-            "echo,echo_idle,inprocess,grpc_batched",
+            # grpc_batched: what any Python gRPC server over the same batcher adds at c=1;
+            # inprocess_batched: what the batcher itself adds, without gRPC.
+            "echo,echo_idle,inprocess,inprocess_batched,grpc_batched",
             *alternated,
             *split,
         )

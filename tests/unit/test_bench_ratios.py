@@ -82,6 +82,11 @@ def test_the_c1_row_says_how_many_echoes_the_front_door_takes() -> None:
     assert front_door_echoes(targets) == (
         "a bare gRPC server over the same batcher p50 9.75 ms, 3.5 echoes up"
     )
+    targets["inprocess_batched"] = {"p50_ms": 8.25}
+    assert front_door_echoes(targets) == (
+        "a bare gRPC server over the same batcher p50 9.75 ms, 3.5 echoes up, "
+        "the batcher alone p50 8.25 ms, 0.5 up"
+    )
     del targets["grpc_batched"]
     assert front_door_echoes(targets) == "no grpc_batched run"
 
