@@ -149,8 +149,9 @@ def usable_cpus() -> int:
 @functools.cache
 def physical_cores(sys_cpu: Path = Path("/sys/devices/system/cpu")) -> int:
     """The physical cores among this process's CPUs (two hyperthreads of one core count
-    once), no more than its whole CPUs (`usable_cpus`): the thread count ONNX Runtime picks
-    for itself. Where the topology cannot be read, every CPU counts as a core."""
+    once), no more than its whole CPUs (`usable_cpus`): ONNX Runtime's own way of counting
+    (one thread per physical core), kept within the process's affinity and quota. Where the
+    topology cannot be read, every CPU counts as a core."""
     cores: set[tuple[str, str]] = set()
     for cpu in os.sched_getaffinity(0):
         topology = sys_cpu / f"cpu{cpu}" / "topology"
