@@ -170,8 +170,8 @@ def _running(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
-        return True
+    except PermissionError:  # another user's process: it runs
+        pass
     return True
 
 

@@ -17,10 +17,6 @@ def _threads() -> set[int]:
     return {int(tid) for tid in os.listdir("/proc/self/task")}
 
 
-def _allowed(tid: int) -> set[int]:
-    return os.sched_getaffinity(tid)
-
-
 def test_a_default_session_leaves_its_pool_threads_free_to_move(default_repo: Path) -> None:
     """Real: the model's session with threads=0; the threads it starts may run on every CPU
     this process may use. On a machine of one core there is no pool thread to look at, and the
@@ -34,7 +30,8 @@ def test_a_default_session_leaves_its_pool_threads_free_to_move(default_repo: Pa
     assert len(started) >= cores - 1, f"{len(started)} threads for a pool of {cores}"
     if cores == 1:
         print("one core: ONNX Runtime starts no pool thread, nothing to check")
-    pinned = {tid: sorted(_allowed(tid)) for tid in started if _allowed(tid) != process}
+    allowed = {tid: os.sched_getaffinity(tid) for tid in started}
+    pinned = {tid: sorted(cpus) for tid, cpus in allowed.items() if cpus != process}
     assert not pinned, f"pool threads pinned (process may use {sorted(process)}): {pinned}"
     del session
 
