@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import OrderedDict
 from typing import Any
 
 import grpc
@@ -44,7 +45,9 @@ class _Scopes:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._scopes: dict[tuple[str, str, str, str, int], tuple[common_pb2.Scope, ScopeTuple]] = {}
+        self._scopes: OrderedDict[
+            tuple[str, str, str, str, int], tuple[common_pb2.Scope, ScopeTuple]
+        ] = OrderedDict()
 
     def get(
         self, tenant: str, info: inference_pb2.ModelInfo, top_k: int
@@ -69,7 +72,7 @@ class _KeyMemo:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._keys: dict[tuple[ScopeTuple, str], str] = {}
+        self._keys: OrderedDict[tuple[ScopeTuple, str], str] = OrderedDict()
 
     def get(self, scope: ScopeTuple, text: str) -> str:
         memo = (scope, text)
@@ -92,9 +95,12 @@ def unreadable(where: str) -> RequestError:
     )
 
 
-def _bounded_put(memo: dict[Any, Any], key: Any, value: Any, capacity: int) -> None:
+def _bounded_put(memo: OrderedDict[Any, Any], key: Any, value: Any, capacity: int) -> None:
+    # An OrderedDict finds its oldest entry through its own links. A plain dict's first key is
+    # found by walking every slot deleted before it, and at the key memo's bound every miss
+    # deleted one: 7 us a put in a loop, against 0.35 (docs/performance.md, stop 88).
     if len(memo) >= capacity:
-        del memo[next(iter(memo))]  # the oldest
+        memo.popitem(last=False)
     memo[key] = value
 
 
