@@ -11,6 +11,7 @@ request's error), `record_outcome` (the one place an outcome is counted) and `st
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -222,7 +223,10 @@ class CachePath:
         # and a repeat meanwhile is this gateway's to answer. One the cache then refuses is
         # still the model's answer for this scope, so it may be served until it expires.
         self._keep_locally(call, prediction, time.time(), self.exact_tier.generation)
-        self.writes.store(call, prediction)
+        # The write itself once the reply is on its way: the handler returns the reply to
+        # gRPC, which starts its send before the loop turns to this. The key is held and kept
+        # above, so a repeat meanwhile is still this gateway's to answer.
+        asyncio.get_running_loop().call_soon(self.writes.store, call, prediction)
 
     def _keep_locally(
         self,

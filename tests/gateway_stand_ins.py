@@ -255,7 +255,10 @@ class Mesh:
 
     async def settle(self) -> None:
         """Until the stores the gateway scheduled have landed (as tests/harness.py waits);
-        they linger HOPLINE_GATEWAY_STORE_LINGER_MS before they are sent."""
+        they linger HOPLINE_GATEWAY_STORE_LINGER_MS before they are sent. A store is
+        scheduled once its reply is on its way (the loop's next turn): a client over gRPC
+        has its reply only after that turn, `predict` here at once, so the loop turns first."""
+        await asyncio.sleep(0)
         for _ in range(1000):
             if not (await self.counters())["stores_in_flight"]:
                 return

@@ -64,7 +64,10 @@ def test_a_miss_runs_tokenize_infer_postprocess_then_stores_after_the_reply() ->
                 "total",
             ]
         )
-        # The store is scheduled, not awaited: it lands after the reply.
+        # The store is scheduled, not awaited: it is queued once the reply is on its way
+        # (the loop's next turn), and lands after it.
+        assert (await m.counters())["stores_in_flight"] == 0
+        await asyncio.sleep(0)
         assert (await m.counters())["stores_in_flight"] == 1
         assert m.cache.stores == []
         m.cache.store_gate.set()
