@@ -169,7 +169,7 @@ CACHE_STORES = LoopCounter(
     "skipped_files_differ: a stage answered from other model files than the scope names)",
     ("result",),
 )
-LOCAL_EXACT_ENTRIES = Gauge(
+LOCAL_EXACT_ENTRIES = LoopGauge(  # set on every store the gateway keeps: the loop's alone
     "hopline_local_exact_entries",
     "Exact entries in the gateway's local tier (0 while its cache watch is not live)",
     (),
@@ -230,7 +230,7 @@ CACHE_SEARCH_ROWS = Histogram(
     "the count is the calls, the sum the searches",
     buckets=BATCH_BUCKETS,
 )
-QUEUE_DEPTH = Gauge(
+QUEUE_DEPTH = LoopGauge(  # set by the batchers on every request and run: their loop's alone
     "hopline_queue_depth",
     "Requests waiting for a model or embedder run",
     ("component", "model"),
