@@ -16,6 +16,7 @@ from hopline.gateway.admission import (
     MIN_SAMPLES,
     WINDOW,
     Admission,
+    Recent,
 )
 from hopline.gateway.errors import RequestError
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -159,3 +160,19 @@ def test_an_overloaded_cache_is_forgotten_once_its_overruns_are_old() -> None:
     clock.now += MAX_SAMPLE_AGE_S + 0.001
     assert not admission.overloaded()
     assert not admission.skip_lookup(call())
+
+
+def test_recent_keeps_its_window_in_order_as_samples_come_and_expire() -> None:
+    now = [0.0]
+    recent = Recent(lambda: now[0])
+    rng = random.Random(7)
+    kept: list[tuple[float, float]] = []  # (at, value), what the window should hold
+    for step in range(2_000):
+        now[0] += rng.choice((0.001, 0.01, 0.5, 2.0 if step % 97 else MAX_SAMPLE_AGE_S + 1))
+        value = round(rng.uniform(0.001, 0.05), rng.choice((2, 6)))  # repeats too
+        recent.append(value)
+        kept = [*kept, (now[0], value)][-WINDOW:]
+        kept = [(at, v) for at, v in kept if at >= now[0] - MAX_SAMPLE_AGE_S]
+        assert recent.count() == len(kept)
+        assert recent.ordered() == sorted(v for _, v in kept)
+        assert recent.total == pytest.approx(sum(v for _, v in kept), abs=1e-9)
