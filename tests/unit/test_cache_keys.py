@@ -3,6 +3,7 @@ same token ids from them (an exact hit serves the cached answer as the model's o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import DEFAULT_MODEL
-from hopline.cache.keys import MODEL_NORMALIZER, exact_key, normalise_text
+from hopline.cache.keys import MODEL_NORMALIZER, exact_key, normalise_text, normalised_key
 from hopline.model.build import default_weights_dir
 
 SCOPE = ("tenant", DEFAULT_MODEL, "1", "{}")
@@ -86,3 +87,28 @@ def test_the_ascii_shortcut_normalises_as_the_tokenizers_normalizer(
         text = "".join(rng.choices(alphabet, k=rng.randint(0, 24)))
         by_tokenizer = " ".join(normalizer.normalize_str(text).split())
         assert normalise_text(text) == by_tokenizer, repr(text)
+
+
+KEPT_SCOPE = ("acme", "support-intents", "1", '{"digest":"1abb43659d6f74d0","top_k":"1"}')
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        (
+            "where is my order 42",
+            "fc9899f30f3249d022831c104686bdb86e2591c06332cea60557a395db8b76e0",
+        ),
+        (
+            'quo"te \\ back \u00e9\u4e2d \x01 \u2028 \U0001f600 \t\n',
+            "280092feb7594e618a6b614ba7d3bb908612034ff63230c67ad1483f7b98dbd6",
+        ),
+        ("", "6b5b8777d878c88981f03248ce8253dd841444618cc8d9a813b4f49e46c90c08"),
+    ],
+)
+def test_keys_stay_the_ones_the_cache_holds(text: str, key: str) -> None:
+    """Keys are stored in Milvus: a change in how the document is written would orphan every
+    entry. These are the SHA-256s of json.dumps([*scope, text]) as keys were first written."""
+    document = json.dumps([*KEPT_SCOPE, text], separators=(",", ":"), ensure_ascii=False)
+    assert hashlib.sha256(document.encode("utf-8")).hexdigest() == key
+    assert normalised_key(KEPT_SCOPE, text) == key
