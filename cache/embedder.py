@@ -103,11 +103,11 @@ class Embedder:
     once (0: one per core). Without `narrow`, one batch at a time on `session`.
 
     One slot per core, not one more as the inference service has (model/run_width.py:
-    run_slots): the gateway keeps inference calls on their way to feed a third run, while a
-    third embedder run only splits the texts waiting into smaller runs sharing two cores. Four
-    meshes side by side (32 callers, semantic misses, 4 alternated rounds of 8 s): one run
-    at a time 179.2 rps (p99 247.6 ms), three slots 199.6 (p99 321.7), two 208.2 (p99 230.1),
-    three slots of up to 32 texts 205.8 (p99 331.1).
+    run_slots): the gateway's misses queue in the co-located inference service's batcher and
+    feed a third run, while a third embedder run only splits the texts waiting into smaller runs
+    sharing two cores. Four meshes side by side (32 callers, semantic misses, 4 alternated
+    rounds of 8 s): one run at a time 179.2 rps (p99 247.6 ms), three slots 199.6 (p99 321.7),
+    two 208.2 (p99 230.1), three slots of up to 32 texts 205.8 (p99 331.1).
     """
 
     def __init__(

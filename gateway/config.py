@@ -134,7 +134,8 @@ class GatewayConfig(ServerConfig):
         "HOPLINE_GATEWAY_BATCH_MAX_ROWS",
         32,
         "misses that wait for a busy stage go to it together, up to this many rows per RPC "
-        "(1: one RPC per request); a lone request never waits (gateway/stage_batching.py)",
+        "(1: one RPC per request); a lone request never waits; a co-located stage is called "
+        "per request (gateway/stage_batching.py)",
         valid=AT_LEAST_ONE,
     )
     # 1: one RPC per stage and model on its way, the rest wait for it and go together in the
@@ -143,8 +144,8 @@ class GatewayConfig(ServerConfig):
     # 32 callers (five processes, 2 cores) against 0.46, 0.28 and 0.17 at 1. Alternated rounds,
     # c=32 miss: five processes 134.4 -> 158.7 and 141.8 -> 167.5 rps (p99 447 -> 350 ms),
     # co-located 167.1 -> 175.5; open loop at 120 rps co-located p99 192 -> 170 ms. A lone
-    # request still goes at once, so c=1 is the same code path. A co-located inference
-    # service gets at least its run slots (GatewayStages.over).
+    # request still goes at once, so c=1 is the same code path. Co-located stages are not
+    # batched by the gateway (GatewayStages.over).
     batch_in_flight: int = env_field(
         "HOPLINE_GATEWAY_BATCH_IN_FLIGHT",
         1,

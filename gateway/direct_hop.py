@@ -1,16 +1,15 @@
 """A miss's stage as the gateway calls it, with a short way for co-located services.
 
 Every hop goes through `call_hop` (its client span, the trace context in metadata, timing,
-HopError) over the stage's batching (gateway/stage_batching.py) and, for a co-located
-service, the in-process stub and the server side's wrappers: about ten layers of coroutine
-the event loop steps through at every suspension, on the cores the model runs on. A request
-whose trace is not recorded gets no span from any of them, and one that finds its co-located
-stage free is sent alone anyway, so for that request `StageHop` calls the servicer through
-runtime/inproc.py:DirectCall, keeping what the layers give it: the stage's slot (requests
-that come meanwhile queue and batch behind it as before), the readiness gate, the deadline,
-the hop's timing and its `hopline_hop_duration_seconds`, the service's RPC metrics, and its
-failures as the same HopError. A recorded request, a busy stage and a remote service take the
-layered path, so traces and `hopline trace report` read as before.
+HopError) over the stage's batching (gateway/stage_batching.py; a remote service's stage
+only) and, for a co-located service, the in-process stub and the server side's wrappers:
+about ten layers of coroutine the event loop steps through at every suspension, on the cores
+the model runs on. A request whose trace is not recorded gets no span from any of them, so
+for that request `StageHop` calls a co-located servicer through runtime/inproc.py:DirectCall,
+keeping what the layers give it: the readiness gate, the deadline, the hop's timing and its
+`hopline_hop_duration_seconds`, the service's RPC metrics, and its failures as the same
+HopError. A recorded request and a remote service take the layered path, so traces and
+`hopline trace report` read as before.
 
 Measured (docs/performance.md, "Co-located hops without their layers"): 40-110 us less a
 hop at the gateway, at one caller and at 32, on the 2-core VM; c=32 throughput level.
@@ -70,14 +69,7 @@ class StageHop(Generic[Req, Rep]):
         # A refusing gate (a co-located service starting or draining) fails either path the
         # same way, so the direct one checks it once, inside DirectCall.
         if direct is not None and not trace.get_current_span().is_recording():
-            if self._stage is None:
-                return await self._call_direct(direct, request, timeout_s, timings)
-            key = self._stage.occupy(request)
-            if key is not None:
-                try:
-                    return await self._call_direct(direct, request, timeout_s, timings)
-                finally:
-                    self._stage.release(key)
+            return await self._call_direct(direct, request, timeout_s, timings)
         return await call_hop(  # type: ignore[no-any-return]
             self.hop, self._pool.target, self._layered(), request, timeout_s, timings
         )

@@ -147,18 +147,6 @@ class BatchedStage(Generic[Req, Rep]):
         finally:
             self.release(key)
 
-    def occupy(self, request: Req) -> Hashable | None:
-        """Take a free slot for `request`, sent by the caller itself (gateway/direct_hop.py):
-        its key, to `release` when the call ends; None when `__call__` would queue it or
-        gather company for it."""
-        key = self._codec.key(request)
-        if key in self._queues or self._busy.get(key, 0) >= self._in_flight:
-            return None
-        if self._gathers(request):
-            return None
-        self._busy[key] = self._busy.get(key, 0) + 1
-        return key
-
     def release(self, key: Hashable) -> None:
         """A call that held a slot of `key` ended: the rows queued meanwhile may go."""
         self._busy[key] -= 1
@@ -311,13 +299,14 @@ def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 @dataclasses.dataclass(frozen=True)
 class GatewayStages:
-    """The batched stages over the gateway's upstream pools: the three a miss goes through."""
+    """The batched stages over the gateway's upstream pools: the three a miss goes through.
+    None for a co-located service's stage: each request calls it alone (`over` says why)."""
 
-    tokenize: BatchedStage[tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeResponse]
-    infer: BatchedStage[inference_pb2.InferRequest, inference_pb2.InferResponse]
-    postprocess: BatchedStage[
-        postprocess_pb2.PostprocessRequest, postprocess_pb2.PostprocessResponse
-    ]
+    tokenize: BatchedStage[tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeResponse] | None
+    infer: BatchedStage[inference_pb2.InferRequest, inference_pb2.InferResponse] | None
+    postprocess: (
+        BatchedStage[postprocess_pb2.PostprocessRequest, postprocess_pb2.PostprocessResponse] | None
+    )
 
     @classmethod
     def over(
@@ -331,65 +320,63 @@ class GatewayStages:
     ) -> GatewayStages:
         """`model_rows(model, version)`: the most rows the model takes in one run (0: unknown).
 
-        `company()`: whether other requests are in the gateway now. Given, a stage whose
-        upstream is a process of its own gathers while it says so: the first request to find
-        its slot free waits up to `linger_s` (0: one loop turn) and the requests that reach
-        the stage meanwhile go in its RPC, up to a full batch; a lone request still goes at
-        once. Under load misses reach a stage a few at a time (the replies of one batch release
-        their callers together, and their next requests trickle in), so without it the first
-        of each burst went alone ahead of the rest. Not for a co-located upstream: its call is
-        a function call, and gathering it cost a co-located mesh 17% of its c=32 throughput.
-        The figures are in README.md's settings table (HOPLINE_GATEWAY_BATCH_LINGER_MS).
+        `company()`: whether other requests are in the gateway now. Given, a stage gathers
+        while it says so: the first request to find its slot free waits up to `linger_s` (0:
+        one loop turn) and the requests that reach the stage meanwhile go in its RPC, up to a
+        full batch; a lone request still goes at once. Under load misses reach a stage a few
+        at a time (the replies of one batch release their callers together, and their next
+        requests trickle in), so without it the first of each burst went alone ahead of the
+        rest. The figures are in README.md's settings table (HOPLINE_GATEWAY_BATCH_LINGER_MS).
 
-        `in_flight` calls per stage and batch key are on their way before further rows queue
-        here; a co-located service that works on several calls at once (the inference
-        service: one run per core and one more) gets at least that many, since its own
-        batcher queues and merges them: with one, a run that ended waited for this stage's
-        next call (model/run_width.py:run_slots has the figures).
+        A co-located service's stage is not batched here: its call is a function call with
+        no RPC to share, the tokenizer and postprocessing answer without yielding (a second
+        call never finds the first on its way), and the inference service's dynamic batcher
+        merges its own queue, from numpy arrays, where this stage merged and split tensors in
+        messages. Against keeping as many calls on their way as the service has run slots and
+        merging the rest, co-located, alternated pairs (docs/performance.md, "Co-located
+        stages unbatched"): c=32 misses 380.6 -> 406.6 and 387.5 -> 402.4 rps (higher in 10
+        of 10), open loop at 280 rps p99 61.4 -> 50.1 ms (lower in 6 of 6).
         """
 
-        def gather(pool: Pool[Any]) -> Callable[[], bool] | None:
-            return None if isinstance(pool, CoLocated) else company
-
-        def slots(pool: Pool[Any]) -> int:
-            # A co-located service batches its own queue (the inference service's dynamic
-            # batcher): it gets as many calls as it runs at once, so a run slot that frees
-            # up finds its next batch there instead of waiting for this stage's next call.
-            return max(in_flight, pool.concurrency) if isinstance(pool, CoLocated) else in_flight
+        def batched(
+            hop: str,
+            pool: Pool[Any],
+            send: Callable[[], Callable[..., Awaitable[Rep]]],
+            codec: Codec[Req, Rep],
+            max_rows_of: Callable[[Req], int],
+        ) -> BatchedStage[Req, Rep] | None:
+            if isinstance(pool, CoLocated):
+                return None
+            return BatchedStage(hop, send, codec, in_flight, max_rows_of, company, linger_s)
 
         def infer_rows(request: inference_pb2.InferRequest) -> int:
             return min(max_rows, model_rows(request.model, request.model_version) or max_rows)
 
         return cls(
-            tokenize=BatchedStage(
+            tokenize=batched(
                 schema.SPAN_TOKENIZE,
+                upstreams.tokenizer,
                 lambda: upstreams.tokenizer.stub().Tokenize,
                 TokenizeCodec(),
-                slots(upstreams.tokenizer),
                 lambda _: max_rows,
-                gather(upstreams.tokenizer),
-                linger_s,
             ),
-            infer=BatchedStage(
+            infer=batched(
                 schema.SPAN_INFERENCE,
+                upstreams.inference,
                 lambda: upstreams.inference.stub().Infer,
                 InferCodec(),
-                slots(upstreams.inference),
                 infer_rows,
-                gather(upstreams.inference),
-                linger_s,
             ),
-            postprocess=BatchedStage(
+            postprocess=batched(
                 schema.SPAN_POSTPROCESS,
+                upstreams.postprocess,
                 lambda: upstreams.postprocess.stub().Postprocess,
                 PostprocessCodec(),
-                slots(upstreams.postprocess),
                 lambda _: max_rows,
-                gather(upstreams.postprocess),
-                linger_s,
             ),
         )
 
     async def close(self) -> None:
         for stage in (self.tokenize, self.infer, self.postprocess):
-            await stage.close()
+            if stage is not None:
+                await stage.close()

@@ -350,12 +350,6 @@ class CoLocated(Generic[StubT]):
     def target(self) -> str:
         return INPROC
 
-    @property
-    def concurrency(self) -> int:
-        """Calls the service works on at once (its `concurrency`, else 1: its calls return
-        without yielding, so a second one never finds the first still on its way)."""
-        return int(getattr(self.service.servicer, "concurrency", 1))
-
     def stub(self) -> StubT:
         return self._stub
 

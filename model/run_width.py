@@ -38,19 +38,20 @@ def cores() -> int:
 def run_slots(workers: int) -> int:
     """Model runs in parallel: `workers`, or for 0 one per core and one more.
 
-    The extra run keeps the cores busy between runs: a run that ends leaves its core idle
-    until the event loop wakes, finds the next batch and hands it to a worker thread, and at
-    32 callers through the co-located mesh (2 cores) only one run was going 9.4% of the time
-    with one slot per core. A third run, already started, takes the freed core at once. With
-    the gateway keeping as many inference calls on their way (gateway/stage_batching.py:
-    GatewayStages.over), alternated rounds of c=32 misses, co-located, against one slot per
-    core and one call: 319.1 -> 334.2 rps (6 rounds), 313.3 -> 319.3 (5 rounds), 308.3 ->
-    325.7 (4 rounds; 3 and 2 calls on their way in the first two runs); five processes
-    233.9 -> 237.5 (6 rounds: the gateway sends one call per stage and length bucket there).
-    The in-process batcher (`hopline bench`'s inprocess_batched) 410.7 -> 406.5 (5 rounds,
-    within its noise). As landed (stop 57), against the code before, 6 alternated rounds
-    each, co-located: c=32 303.3 -> 323.4 rps (p99 211.6 -> 195.0 ms), open loop at 210 rps
-    p50 29.6 -> 21.5 ms and p99 147.7 -> 102.1, c=1 miss p50 4.709 vs 4.720 ms (one run at a
+    The extra run keeps the cores busy between runs: a run that ends leaves its core idle until
+    the event loop wakes, finds the next batch and hands it to a worker thread, and at 32
+    callers through the co-located mesh (2 cores) only one run was going 9.4% of the time with
+    one slot per core. A third run, already started, takes the freed core at once. With the
+    gateway keeping as many inference calls on their way (stop 57; since stop 89 a co-located
+    gateway calls the service per request, and its misses queue here: see
+    gateway/stage_batching.py:GatewayStages.over), alternated rounds of c=32 misses, co-located,
+    against one slot per core and one call: 319.1 -> 334.2 rps (6 rounds), 313.3 -> 319.3 (5
+    rounds), 308.3 -> 325.7 (4 rounds; 3 and 2 calls on their way in the first two runs); five
+    processes 233.9 -> 237.5 (6 rounds: the gateway sends one call per stage and length bucket
+    there). The in-process batcher (`hopline bench`'s inprocess_batched) 410.7 -> 406.5 (5
+    rounds, within its noise). As landed (stop 57), against the code before, 6 alternated rounds
+    each, co-located: c=32 303.3 -> 323.4 rps (p99 211.6 -> 195.0 ms), open loop at 210 rps p50
+    29.6 -> 21.5 ms and p99 147.7 -> 102.1, c=1 miss p50 4.709 vs 4.720 ms (one run at a
     time: unchanged)."""
     return workers if workers > 0 else cores() + 1
 

@@ -1,11 +1,10 @@
-"""A co-located stage's short way (hopline.gateway.direct_hop.StageHop): a lone request whose
-trace is not recorded goes straight to the servicer, with the reply, timing, metrics and
-failures the layered path (call_hop, the stage, the in-process stub and its wrappers) gives.
+"""A co-located stage's short way (hopline.gateway.direct_hop.StageHop): a request whose trace
+is not recorded goes straight to the servicer, with the reply, timing, metrics and failures
+the layered path (call_hop, the in-process stub and its wrappers) gives.
 
 The tokenizer is the real servicer over the default model repository, in this process. One
 stand-in: a tokenizer servicer that waits for the test before it answers (the real one never
-yields), so a second request can arrive while the first holds the stage's slot. Nothing opens
-a socket.
+yields), so further requests arrive while the first is in it. Nothing opens a socket.
 """
 
 from __future__ import annotations
@@ -26,8 +25,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from conftest import DEFAULT_MODEL
 from hopline.gateway.direct_hop import StageHop
-from hopline.gateway.stage_batching import BatchedStage
-from hopline.gateway.stage_codecs import TokenizeCodec
 from hopline.gateway.upstream import CoLocated, HopError
 from hopline.observability import metrics, schema, tracing
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -63,12 +60,6 @@ def _tokenizer(repo: Path, monkeypatch: pytest.MonkeyPatch) -> _CountingPool:
     return _CountingPool(InProcessService.load(spec(ServiceName.TOKENIZER)))
 
 
-def _stage(pool: _CountingPool) -> BatchedStage[Any, Any]:
-    return BatchedStage(
-        schema.SPAN_TOKENIZE, lambda: pool.stub().Tokenize, TokenizeCodec(), 1, lambda _: 32
-    )
-
-
 def _run(pool: _CountingPool, scenario: Callable[[], Awaitable[Any]]) -> Any:
     async def started() -> Any:
         await pool.start()
@@ -84,15 +75,13 @@ def _request(model: str = DEFAULT_MODEL) -> tokenizer_pb2.TokenizeRequest:
     return tokenizer_pb2.TokenizeRequest(model=model, texts=["reset my password"])
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["no stage", "stage"])
-def test_a_lone_unrecorded_request_goes_straight_to_the_servicer(
-    default_repo: Path, monkeypatch: pytest.MonkeyPatch, batched: bool
+def test_an_unrecorded_request_goes_straight_to_the_servicer(
+    default_repo: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Same reply as the layered path, the hop's timing and metric, the service's RPC metric,
-    and no stub asked for; the stage's slot is free again after it."""
+    and no stub asked for."""
     pool = _tokenizer(default_repo, monkeypatch)
-    stage = _stage(pool) if batched else None
-    hop = Tokenize(schema.SPAN_TOKENIZE, pool, stage, "Tokenize")
+    hop = Tokenize(schema.SPAN_TOKENIZE, pool, None, "Tokenize")
     hops = metrics.count(metrics.HOP_DURATION, hop=schema.SPAN_TOKENIZE, code="OK")
     rpcs = metrics.count(metrics.RPC_DURATION, service=TOKENIZE_RPC[0], method="Tokenize")
 
@@ -111,8 +100,6 @@ def test_a_lone_unrecorded_request_goes_straight_to_the_servicer(
     assert (
         metrics.count(metrics.RPC_DURATION, service=TOKENIZE_RPC[0], method="Tokenize") == rpcs + 2
     )
-    if stage is not None:
-        assert stage._busy == {}
 
 
 def test_a_recorded_trace_takes_the_layered_path_with_its_spans(
@@ -125,7 +112,7 @@ def test_a_recorded_trace_takes_the_layered_path_with_its_spans(
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     monkeypatch.setattr(tracing, "_TRACER", provider.get_tracer("hopline"))
     pool = _tokenizer(default_repo, monkeypatch)
-    hop = Tokenize(schema.SPAN_TOKENIZE, pool, _stage(pool), "Tokenize")
+    hop = Tokenize(schema.SPAN_TOKENIZE, pool, None, "Tokenize")
 
     async def scenario() -> None:
         with provider.get_tracer("test").start_as_current_span("request"):
@@ -222,28 +209,24 @@ class _HeldTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         )
 
 
-def test_the_short_way_holds_the_stage_slot_so_requests_meanwhile_batch() -> None:
-    """While a request that went straight is in the servicer, the next ones queue at the
-    stage and go together in one call when it ends, as behind any other call."""
+def test_requests_meanwhile_go_straight_too_each_alone() -> None:
+    """A co-located stage is not batched by the gateway (gateway/stage_batching.py:
+    GatewayStages.over): while one request is in the servicer, the next ones reach it too,
+    each with its own call and none through the layers."""
     servicer = _HeldTokenizer()
     pool = _CountingPool(InProcessService("tokenizer", servicer))  # type: ignore[arg-type]
-    stage = _stage(pool)
-    hop = Tokenize(schema.SPAN_TOKENIZE, pool, stage, "Tokenize")
+    hop = Tokenize(schema.SPAN_TOKENIZE, pool, None, "Tokenize")
 
     def request(text: str) -> tokenizer_pb2.TokenizeRequest:
         return tokenizer_pb2.TokenizeRequest(model=DEFAULT_MODEL, texts=[text])
 
     async def scenario() -> list[Any]:
-        first = asyncio.ensure_future(hop(request("a"), 5.0, {}))
-        await asyncio.sleep(0)
-        rest = [asyncio.ensure_future(hop(request(t), 5.0, {})) for t in ("bb", "ccc")]
+        calls = [asyncio.ensure_future(hop(request(t), 5.0, {})) for t in ("a", "bb", "ccc")]
         await asyncio.sleep(0.01)
-        assert servicer.calls == [["a"]]  # the others wait for the slot
-        assert len(stage._queues[(DEFAULT_MODEL, "", "")]) == 2  # model, version, files
+        assert servicer.calls == [["a"], ["bb"], ["ccc"]]  # all three in it at once
         servicer.release.set()
-        return list(await asyncio.gather(first, *rest))
+        return list(await asyncio.gather(*calls))
 
     replies = _run(pool, scenario)
-    assert servicer.calls == [["a"], ["bb", "ccc"]]
-    assert pool.stubs == 1  # the batch went through the layers
+    assert pool.stubs == 0
     assert [int(from_tensor(r.input_ids)[0][0]) for r in replies] == [1, 2, 3]

@@ -219,34 +219,11 @@ def test_a_gathering_request_lingers_for_company_until_the_batch_is_full() -> No
     asyncio.run(scenario())
 
 
-def test_only_stages_with_an_upstream_process_of_their_own_gather() -> None:
-    """Gathering is for RPCs; a co-located stage's call is a function call (and gathering it
-    measured slower), so GatewayStages.over gives company only to remote pools."""
-    from hopline.gateway.upstream import CoLocated, GatewayUpstreams
-
-    remote: Any = object()  # an Upstream's place: only its type is looked at
-    local: Any = CoLocated.__new__(CoLocated)
-    local.service = type("Service", (), {"servicer": object()})()  # no concurrency of its own
-    upstreams = GatewayUpstreams(
-        tokenizer=remote, cache=remote, inference=local, postprocess=remote
-    )
-
-    def company() -> bool:
-        return True
-
-    stages = GatewayStages.over(upstreams, 1, 32, lambda model, version: 0, company, 0.001)
-    assert stages.tokenize._company is company
-    assert stages.tokenize._linger_s == 0.001
-    assert stages.postprocess._company is company
-    assert stages.infer._company is None
-    assert GatewayStages.over(upstreams, 1, 32, lambda m, v: 0).tokenize._company is None
-
-
-def test_a_co_located_inference_gets_as_many_calls_as_it_runs_at_once() -> None:
-    """The co-located inference service's batcher queues and batches itself: the stage keeps
-    as many calls on their way as it has run slots (one per core and one more), so a freed
-    slot takes its next batch from there. Remote stages and the other co-located ones keep
-    the configured number."""
+def test_only_stages_with_an_upstream_process_of_their_own_are_batched() -> None:
+    """Batching and gathering are for RPCs. A co-located service's stage is a function call:
+    GatewayStages.over leaves it unbatched (None), so each request calls the servicer alone
+    and the inference service's own batcher merges them; remote stages get the configured
+    slots, company and linger."""
     import dataclasses
 
     from hopline.gateway.upstream import CoLocated, GatewayUpstreams
@@ -256,27 +233,36 @@ def test_a_co_located_inference_gets_as_many_calls_as_it_runs_at_once() -> None:
     from hopline.runtime.inproc import InProcessService
     from hopline.services.inference.service import InferenceConfig, InferenceService
 
+    def company() -> bool:
+        return True
+
     settings = cfg.load(InferenceConfig, [])
     for workers, slots in ((0, cores() + 1), (5, 5)):
         servicer = InferenceService(dataclasses.replace(settings, workers=workers))
         try:
+            # The service's own batcher runs as many batches at once as it has threads.
             assert servicer.concurrency == slots
-            assert servicer.executor._max_workers == slots  # a thread for every run slot
+            assert servicer.executor._max_workers == slots
             local: Any = CoLocated(
                 InProcessService("inference", servicer), inference_pb2_grpc.InferenceServiceStub
             )
-            remote: Any = object()
+            remote: Any = object()  # an Upstream's place: only its type is looked at
             upstreams = GatewayUpstreams(
                 tokenizer=remote, cache=remote, inference=local, postprocess=remote
             )
-            stages = GatewayStages.over(upstreams, 1, 32, lambda m, v: 0)
-            assert stages.infer._in_flight == slots
-            assert (stages.tokenize._in_flight, stages.postprocess._in_flight) == (1, 1)
-            assert GatewayStages.over(upstreams, 9, 32, lambda m, v: 0).infer._in_flight == 9
+            stages = GatewayStages.over(upstreams, 3, 32, lambda m, v: 0, company, 0.001)
+            assert stages.infer is None
+            assert stages.tokenize is not None
+            assert stages.postprocess is not None
+            for stage in (stages.tokenize, stages.postprocess):
+                assert (stage._in_flight, stage._company, stage._linger_s) == (3, company, 0.001)
             far = GatewayUpstreams(
                 tokenizer=remote, cache=remote, inference=remote, postprocess=remote
             )
-            assert GatewayStages.over(far, 1, 32, lambda m, v: 0).infer._in_flight == 1
+            alone = GatewayStages.over(far, 1, 32, lambda m, v: 0)
+            assert alone.infer is not None
+            assert alone.infer._in_flight == 1
+            assert alone.infer._company is None
         finally:
             servicer.executor.shutdown()
 
