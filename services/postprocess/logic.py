@@ -45,17 +45,15 @@ def _prediction(
 ) -> common_pb2.Prediction:
     """One row's softmax and top k in plain Python, in float64. A request's row comes right
     after its model run swept the caches, where each of numpy's seven small-array calls
-    cost about 10 us: one row took 80 us that way against 34 here (15 against 4.5 hot); a
+    cost about 10 us: one row took 70-90 us that way against 33-38 here (15 against 5-6 hot); a
     32-row batch 195 either way (115 against 128 hot; stop 89,
     `bench/scripts/postprocess_cold.py`). Ties go to the lower class index, as a stable
     sort puts them."""
     best = max(row)
     exps = [math.exp(x - best) for x in row]
     total = sum(exps)
-    if top_k == 1:
-        order = [row.index(best)]
-    else:
-        order = heapq.nlargest(min(top_k, len(row)), range(len(row)), key=row.__getitem__)
+    # nlargest keeps equal scores in index order (and takes max() for k = 1)
+    order = heapq.nlargest(min(top_k, len(row)), range(len(row)), key=row.__getitem__)
     top = exps[order[0]] / total
     out_of_scope = top < oos_threshold
     pred = common_pb2.Prediction(
