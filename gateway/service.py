@@ -414,7 +414,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 }
             )
         call.timings["total"] = (time.perf_counter() - call.started) * 1e3
-        response.timings.extend(
-            common_pb2.HopTiming(hop=h, ms=ms) for h, ms in call.timings.items()
-        )
+        # Added in place: half the time of building the messages and extending (in a loop).
+        add = response.timings.add
+        for hop, ms in call.timings.items():
+            add(hop=hop, ms=ms)
         return response

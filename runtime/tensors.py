@@ -19,11 +19,13 @@ _TO_NUMPY: dict[int, np.dtype[np.generic]] = {
     common_pb2.DATA_TYPE_FP32: np.dtype("<f4"),
 }
 _FROM_NUMPY = {dt: code for code, dt in _TO_NUMPY.items()}
-# The dtypes a model's config.json may name (KServe v2 names): those a tensor can carry.
-DTYPE_NAMES = frozenset(
-    common_pb2.DataType.Name(code).removeprefix("DATA_TYPE_")  # type: ignore[arg-type]
+# The dtypes a model's config.json may name (KServe v2 names), those a tensor can carry, by
+# name: a request's dtype is checked against its number, not named per tensor.
+DTYPE_CODES: dict[str, int] = {
+    common_pb2.DataType.Name(code).removeprefix("DATA_TYPE_"): code  # type: ignore[arg-type]
     for code in _TO_NUMPY
-)
+}
+DTYPE_NAMES = frozenset(DTYPE_CODES)
 
 
 class TensorError(ValueError):

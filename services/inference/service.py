@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -38,7 +39,13 @@ from hopline.runtime.config import (
     model_refresh_field,
 )
 from hopline.runtime.priority import nicer_executor, on_nicer_thread
-from hopline.runtime.tensors import TensorError, dtype_name, from_tensor, to_tensor
+from hopline.runtime.tensors import (
+    DTYPE_CODES,
+    TensorError,
+    dtype_name,
+    from_tensor,
+    to_tensor,
+)
 from hopline.services.inference.backend import (
     Array,
     create_backend,
@@ -136,7 +143,7 @@ def _validate(
         if spec.name not in given:
             raise TensorError(f"{cfg.key} needs input {spec.name!r}")
         tensor = given[spec.name]
-        if dtype_name(tensor.dtype) != spec.dtype:
+        if tensor.dtype != DTYPE_CODES[spec.dtype]:
             raise TensorError(
                 f"input {spec.name!r} must be {spec.dtype}, got {dtype_name(tensor.dtype)}"
             )
@@ -162,15 +169,33 @@ def _validate(
 
 def _check_tokens(cfg: ModelConfig, arrays: dict[str, Array], vocab: int | None) -> None:
     ids, mask = arrays.get(TOKEN_IDS), arrays.get(ATTENTION_MASK)
-    if ids is not None and vocab is not None:
+    if ids is not None and vocab is not None and _largest(ids) >= vocab:
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab:
             raise TensorError(
                 f"input {TOKEN_IDS!r} holds token id {low if low < 0 else high}; "
                 f"{cfg.key} takes ids 0 to {vocab - 1}"
             )
-    if mask is not None and ((mask != 0) & (mask != 1)).any():
+    if mask is not None and (
+        _largest(mask) > 1 if _integral(mask) else ((mask != 0) & (mask != 1)).any()
+    ):
         raise TensorError(f"input {ATTENTION_MASK!r} must hold only 0 and 1")
+
+
+_UNSIGNED = {size: np.dtype(f"u{size}") for size in (1, 2, 4, 8)}  # by item size
+
+
+def _integral(array: Array) -> bool:
+    return array.dtype.kind in "iub"
+
+
+def _largest(array: Array) -> float:
+    """The largest element, an integer array's read as unsigned (a negative one is then
+    larger than any vocabulary): one reduction where min, max and four comparisons were
+    half of _validate's time at 32 callers (py-spy; 4.6 -> 2.8 us a row hot)."""
+    if _integral(array):
+        return int(array.view(_UNSIGNED[array.itemsize]).max())
+    return math.inf if array.min() < 0 else float(array.max())
 
 
 def _run_failure(cfg: ModelConfig, exc: Exception) -> tuple[grpc.StatusCode, str]:
