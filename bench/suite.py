@@ -19,8 +19,8 @@ too (runtime/service_table.py:Topology). It measures, one scenario after the oth
    and the bound this CPU's integer GEMM kernel puts on INT8's speed-up (bench/int8_bound.py).
 8. Tracing exporting to Jaeger, and to a collector that discards what it gets, against
    sampling nothing in the same mesh (bench/tracing.py; Jaeger switches each mesh's sampling
-   between windows), both topologies, miss at concurrency 1 and 32, alternated rounds, each
-   round's exporting window against its own off window.
+   between windows), both topologies, miss at concurrency 1 (10 rounds) and 32 (5), alternated
+   rounds, each round's exporting window against its own off window.
 9. A semantic policy's misses with the cache lookup's embedding shared with the model's head
    against not (bench/shared_embedding.py), co-located, concurrency 1 and 32, alternated.
 10. Misses at concurrency 32 through a co-located mesh whose cache is full (prefilled to the

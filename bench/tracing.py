@@ -10,7 +10,9 @@ measured one at a time, each for all its rounds; a round is two adjacent windows
 mesh, one with the share of traces kept at 0 (off: every span non-recording, nothing
 exported, as `make run`'s default) and one at hopline's 10% (exporting), their order swapped
 every round. Each figure is the median over rounds of one round's exporting window against
-that round's off window (`p50_added`, `throughput_loss`).
+that round's off window (`p50_added`, `throughput_loss`), with the standard error of those
+differences beside it in its row; at one caller twice as many rounds as at 32, because a
+c=1 round's difference moves by nearly the limit (C1_ROUNDS_PER_ROUND).
 
 Why adjacent: until stop 67 a round measured all four meshes off, then all four exporting,
 so a mesh's two windows of a round were about 30 s apart, and this machine's c=1 p50 moves
@@ -48,6 +50,12 @@ from hopline.runtime.launcher import Mesh
 from hopline.runtime.service_table import Topology
 
 TOPOLOGIES = (Topology.COLOCATED, Topology.FIVE_PROCESS)
+# Rounds at one caller for each round at 32. One round's exporting-less-off p50 at c=1 moves
+# by about 0.33 ms (standard deviation over 32 rounds of 6 s, a five-process mesh exporting to
+# Jaeger, stop 90: mean +0.17 ms, standard error 0.06), so over 5 rounds the median could
+# land 0.2 ms either side of what it estimates, against a 0.3 ms limit (stop 89's row read
+# +0.45). Twice the rounds halve that variance; c=32's loss (1-2% against 5%) needs no more.
+C1_ROUNDS_PER_ROUND = 2
 # How often each mesh asks Jaeger for its strategy, and Jaeger rereads its file: a switch
 # lands within about 1.5 s, between windows.
 POLL_MS = 200
@@ -134,8 +142,16 @@ def merged(windows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def tracing_scenario(
-    model_repo: Path, work: Path, *, rounds: int = 5, duration_s: float = 6.0, warmup_s: float = 1.0
+    model_repo: Path,
+    work: Path,
+    *,
+    rounds: int = 5,
+    c1_rounds: int | None = None,
+    duration_s: float = 6.0,
+    warmup_s: float = 1.0,
 ) -> dict[str, Any]:
+    """Each mesh's c=32 windows in `rounds` rounds, its c=1 windows in `c1_rounds` (default
+    C1_ROUNDS_PER_ROUND times `rounds`)."""
     work.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         jaeger = stack.enter_context(LocalJaeger(work))
@@ -163,19 +179,24 @@ def tracing_scenario(
             "--model-repo", str(model_repo),
         ]  # fmt: skip
         results: dict[str, dict[str, Any]] = {}
-        for concurrency in ("1", "32"):
+        at_c1 = rounds * C1_ROUNDS_PER_ROUND if c1_rounds is None else c1_rounds
+        for concurrency, its_rounds in (("1", at_c1), ("32", rounds)):
             # Not recorded: the first window after start ran slow enough (stop 51: 19.1
             # against 10.5 ms p50) to decide its round's pair, and it is always an off one.
             every = [arg for peer_argv in argv.values() for arg in peer_argv]
             bench_once("--concurrency", concurrency, *common, *every)
             windows: dict[str, list[dict[str, Any]]] = {}
             for peer, (topology, variant) in names.items():
-                for sampling in pair_order(rounds):
+                for sampling in pair_order(its_rounds):
                     switch(jaeger, meshes, sampling)
                     run = bench_once("--concurrency", concurrency, *common, *argv[peer])
                     target = target_name(topology, variant, sampling)
                     windows.setdefault(target, []).append(run["targets"][peer])
-            results[concurrency] = {**run, "targets": {n: merged(w) for n, w in windows.items()}}
+            results[concurrency] = {
+                **run,
+                "targets": {n: merged(w) for n, w in windows.items()},
+                "rounds_paired": its_rounds,
+            }
         c1, c32 = results["1"], results["32"]
         services = jaeger.services()
     # The sink's counts are read as it stops, after the meshes have flushed their spans.
@@ -200,6 +221,13 @@ def tracing_scenario(
             )
             for t, v, off, on in _pairs()
             if figure == "p50_added_ms"
+        }
+        # How far the figure could move by chance: its rounds' differences' standard error.
+        result["standard_error"] = {
+            ratio_name(t, v, figure): paired_standard_error(
+                result["targets"][off], result["targets"][on], figure
+            )
+            for t, v, off, on in _pairs()
         }
         # The same figure from the median windows, which drift between rounds enters whole.
         result["pooled"] = {
@@ -243,6 +271,21 @@ def throughput_loss(off: dict[str, Any], on: dict[str, Any]) -> float:
     )
 
 
+def paired_standard_error(off: dict[str, Any], on: dict[str, Any], figure: str) -> float | None:
+    """The standard error of the mean of the rounds' differences that `figure` (p50_added_ms
+    or throughput_loss) takes the median of; None with fewer than two rounds. Beside the
+    figure in its row, so a reader sees whether the limit is within the measurement's reach
+    (a median's own error is about 1.25 times this)."""
+    pairs = list(zip(off["rounds"], on["rounds"], strict=True))
+    if len(pairs) < 2:
+        return None
+    if figure == "throughput_loss":
+        diffs = [1 - b["throughput_rps"] / a["throughput_rps"] for a, b in pairs]
+    else:
+        diffs = [b["p50_ms"] - a["p50_ms"] for a, b in pairs]
+    return float(statistics.stdev(diffs) / len(diffs) ** 0.5)
+
+
 def _one_round(target: dict[str, Any]) -> dict[str, Any]:
     """A target's pooled figures as a single round."""
     return {"rounds": [{k: target[k] for k in ("throughput_rps", "p50_ms")}]}
@@ -279,7 +322,12 @@ def tracing_targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
             discarding = name.endswith(DISCARDING_SUFFIX)
             arrived = sc[key]["discarded" if discarding else "exported"]
             nowhere = "NOTHING REACHED THE COLLECTOR" if discarding else "NOTHING REACHED JAEGER"
-            said = how
+            rounds = sc[key].get("rounds_paired")
+            said = how if rounds is None else how.replace("of rounds", f"of {rounds} rounds")
+            error = sc[key].get("standard_error", {}).get(name)
+            if error is not None:
+                unit = " ms" if key == "tracing_miss_c1" else ""
+                said += f", standard error {error:.3f}{unit}"
             less = sc[key].get("less_compute", {}).get(name)
             if less is not None:
                 said += f"; {less:+.3f} ms with each request's own model compute taken out"

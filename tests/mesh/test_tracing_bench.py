@@ -9,6 +9,7 @@ target is not met when no span arrived), not about its figures, which come from 
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,9 @@ from hopline.bench.tracing import (
 def test_tracing_scenario_measures_each_topology_exporting_and_not(
     default_repo: Path, tmp_path: Path
 ) -> None:
-    sc = tracing_scenario(default_repo, tmp_path, rounds=2, duration_s=0.6, warmup_s=0.2)
+    sc = tracing_scenario(
+        default_repo, tmp_path, rounds=2, c1_rounds=3, duration_s=0.6, warmup_s=0.2
+    )
 
     c1, c32 = sc["tracing_miss_c1"], sc["tracing_miss_c32"]
     names = {
@@ -36,12 +39,15 @@ def test_tracing_scenario_measures_each_topology_exporting_and_not(
         for v in ("off", "exporting", "discarding_off", "discarding")
     }
     assert {target_name(t, v, s) for t in TOPOLOGIES for v in Export for s in Sampling} == names
-    for result in (c1, c32):
+    for result, rounds in ((c1, 3), (c32, 2)):
         assert set(result["targets"]) == names
         assert all(t["requests"] > 0 and t["errors"] == 0 for t in result["targets"].values())
-        # A window of each target a round, its requests summed over both.
-        assert all(len(t["rounds"]) == 2 for t in result["targets"].values())
+        # A window of each target a round (more rounds at one caller), requests summed.
+        assert all(len(t["rounds"]) == rounds for t in result["targets"].values())
+        assert result["rounds_paired"] == rounds
         assert set(result["pooled"]) == set(result["ratios"])
+        assert set(result["standard_error"]) == set(result["ratios"])
+        assert all(e is not None and e >= 0 for e in result["standard_error"].values())
         assert result["exported"]
         assert "gateway" in result["jaeger_services"]
         assert result["discarded"]
@@ -50,13 +56,12 @@ def test_tracing_scenario_measures_each_topology_exporting_and_not(
         c1["targets"]["peer_five_process_off"],
         c1["targets"]["peer_five_process_exporting"],
     )
-    # Paired round by round: the median of two rounds' differences is their mean.
+    # Paired round by round: the median of the rounds' differences.
     assert c1["ratios"]["five-process p50_added_ms"] == pytest.approx(
-        sum(
+        statistics.median(
             b["p50_ms"] - a["p50_ms"]
             for a, b in zip(five_off["rounds"], five_on["rounds"], strict=True)
         )
-        / 2
     )
     # Beside it, the same with each request's own model compute taken out: every mesh
     # reply carries its compute time, so every round of every target has the figure.

@@ -14,6 +14,7 @@ from hopline.bench.tracing import (
     p50_added,
     p50_added_less_compute,
     pair_order,
+    paired_standard_error,
     throughput_loss,
     tracing_targets,
 )
@@ -101,3 +102,39 @@ def test_the_target_row_says_the_figure_without_compute_beside_its_own() -> None
     assert row["value"] == pytest.approx(0.45)
     assert row["met"] is False  # the target is the plain p50's
     assert "+0.050 ms with each request's own model compute taken out" in row["how"]
+
+
+def test_the_figure_s_standard_error_is_that_of_its_rounds_differences() -> None:
+    # Differences 0.1, 0.3, 0.5 ms: standard deviation 0.2, standard error 0.2 / sqrt(3).
+    off = target([400.0, 400.0, 400.0], [5.0, 5.0, 5.0])
+    on = target([396.0, 392.0, 388.0], [5.1, 5.3, 5.5])
+    assert paired_standard_error(off, on, "p50_added_ms") == pytest.approx(0.2 / 3**0.5)
+    # Losses 1%, 2%, 3%.
+    assert paired_standard_error(off, on, "throughput_loss") == pytest.approx(0.01 / 3**0.5)
+    # Every round read alike: no spread at all; one round: nothing to say.
+    assert paired_standard_error(off, off, "p50_added_ms") == 0.0
+    assert paired_standard_error(target([1.0], [5.0]), target([1.0], [6.0]), "p50_added_ms") is None
+
+
+def test_the_row_says_how_many_rounds_and_how_far_chance_could_move_it() -> None:
+    sc = {
+        "tracing_miss_c1": {
+            "exported": True,
+            "discarded": True,
+            "ratios": {"five-process p50_added_ms": 0.25},
+            "standard_error": {"five-process p50_added_ms": 0.081},
+            "rounds_paired": 10,
+        },
+        "tracing_miss_c32": {
+            "exported": True,
+            "discarded": True,
+            "ratios": {"five-process throughput_loss": 0.02},
+            "standard_error": {"five-process throughput_loss": 0.004},
+            "rounds_paired": 5,
+        },
+    }
+    c1, c32 = tracing_targets(sc)
+    assert c1["met"]
+    assert c32["met"]
+    assert "median of 10 rounds, standard error 0.081 ms" in c1["how"]
+    assert "median of 5 rounds, standard error 0.004" in c32["how"]
