@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -206,10 +206,12 @@ def tracing_scenario(
         "discarded": sink.calls > 0,
         "sink": sink.summary(),
     }
-    for result, figure, paired in (
-        (c1, "p50_added_ms", p50_added),
-        (c32, "throughput_loss", throughput_loss),
-    ):
+    # Each figure is the median of its per-round differences; their spread is its error.
+    figures: tuple[tuple[dict[str, Any], str, Paired, Differences], ...] = (
+        (c1, "p50_added_ms", p50_added, p50_differences),
+        (c32, "throughput_loss", throughput_loss, losses),
+    )
+    for result, figure, paired, differences in figures:
         result["ratios"] = {
             ratio_name(t, v, figure): paired(result["targets"][off], result["targets"][on])
             for t, v, off, on in _pairs()
@@ -224,8 +226,8 @@ def tracing_scenario(
         }
         # How far the figure could move by chance: its rounds' differences' standard error.
         result["standard_error"] = {
-            ratio_name(t, v, figure): paired_standard_error(
-                result["targets"][off], result["targets"][on], figure
+            ratio_name(t, v, figure): standard_error(
+                differences(result["targets"][off], result["targets"][on])
             )
             for t, v, off, on in _pairs()
         }
@@ -238,11 +240,28 @@ def tracing_scenario(
     return {"tracing_miss_c1": c1 | arrived, "tracing_miss_c32": c32 | arrived}
 
 
-def p50_added(off: dict[str, Any], on: dict[str, Any]) -> float:
-    """Median over rounds of the exporting window's p50 less the off window's of that round."""
-    return statistics.median(
+Differences = Callable[[dict[str, Any], dict[str, Any]], list[float]]
+Paired = Callable[[dict[str, Any], dict[str, Any]], float]
+
+
+def p50_differences(off: dict[str, Any], on: dict[str, Any]) -> list[float]:
+    """Each round's exporting window's p50 less the off window's of that round."""
+    return [
         float(b["p50_ms"] - a["p50_ms"]) for a, b in zip(off["rounds"], on["rounds"], strict=True)
-    )
+    ]
+
+
+def losses(off: dict[str, Any], on: dict[str, Any]) -> list[float]:
+    """Each round's share of the off window's throughput its exporting window did not reach."""
+    return [
+        float(1 - b["throughput_rps"] / a["throughput_rps"])
+        for a, b in zip(off["rounds"], on["rounds"], strict=True)
+    ]
+
+
+def p50_added(off: dict[str, Any], on: dict[str, Any]) -> float:
+    """Median over rounds of `p50_differences`."""
+    return statistics.median(p50_differences(off, on))
 
 
 def p50_added_less_compute(off: dict[str, Any], on: dict[str, Any]) -> float | None:
@@ -258,32 +277,23 @@ def p50_added_less_compute(off: dict[str, Any], on: dict[str, Any]) -> float | N
 
 
 def throughput_loss(off: dict[str, Any], on: dict[str, Any]) -> float:
-    """Median over rounds of the share of the off window's throughput the exporting window of
-    that round did not reach.
+    """Median over rounds of `losses`.
 
     Paired by round because this machine drifts by more than the figure between rounds (a
     mesh's c=32 windows spread 372-417 rps over six rounds while another's ratios to them,
     round by round, stayed within 2.5%): pooled, a slow window on one side reads as
     exporting's cost."""
-    return statistics.median(
-        float(1 - b["throughput_rps"] / a["throughput_rps"])
-        for a, b in zip(off["rounds"], on["rounds"], strict=True)
-    )
+    return statistics.median(losses(off, on))
 
 
-def paired_standard_error(off: dict[str, Any], on: dict[str, Any], figure: str) -> float | None:
-    """The standard error of the mean of the rounds' differences that `figure` (p50_added_ms
-    or throughput_loss) takes the median of; None with fewer than two rounds. Beside the
-    figure in its row, so a reader sees whether the limit is within the measurement's reach
-    (a median's own error is about 1.25 times this)."""
-    pairs = list(zip(off["rounds"], on["rounds"], strict=True))
-    if len(pairs) < 2:
+def standard_error(differences: list[float]) -> float | None:
+    """The standard error of the mean of a figure's per-round differences; None with fewer
+    than two rounds. Beside the figure (their median) in its row, so a reader sees whether
+    the limit is within the measurement's reach (a median's own error is about 1.25 times
+    this)."""
+    if len(differences) < 2:
         return None
-    if figure == "throughput_loss":
-        diffs = [1 - b["throughput_rps"] / a["throughput_rps"] for a, b in pairs]
-    else:
-        diffs = [b["p50_ms"] - a["p50_ms"] for a, b in pairs]
-    return float(statistics.stdev(diffs) / len(diffs) ** 0.5)
+    return float(statistics.stdev(differences) / len(differences) ** 0.5)
 
 
 def _one_round(target: dict[str, Any]) -> dict[str, Any]:

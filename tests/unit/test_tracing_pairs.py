@@ -11,10 +11,12 @@ from hopline.bench.load import Run
 from hopline.bench.report import window_figures
 from hopline.bench.tracing import (
     Sampling,
+    losses,
     p50_added,
     p50_added_less_compute,
+    p50_differences,
     pair_order,
-    paired_standard_error,
+    standard_error,
     throughput_loss,
     tracing_targets,
 )
@@ -108,12 +110,14 @@ def test_the_figure_s_standard_error_is_that_of_its_rounds_differences() -> None
     # Differences 0.1, 0.3, 0.5 ms: standard deviation 0.2, standard error 0.2 / sqrt(3).
     off = target([400.0, 400.0, 400.0], [5.0, 5.0, 5.0])
     on = target([396.0, 392.0, 388.0], [5.1, 5.3, 5.5])
-    assert paired_standard_error(off, on, "p50_added_ms") == pytest.approx(0.2 / 3**0.5)
+    assert p50_differences(off, on) == pytest.approx([0.1, 0.3, 0.5])
+    assert standard_error(p50_differences(off, on)) == pytest.approx(0.2 / 3**0.5)
     # Losses 1%, 2%, 3%.
-    assert paired_standard_error(off, on, "throughput_loss") == pytest.approx(0.01 / 3**0.5)
+    assert losses(off, on) == pytest.approx([0.01, 0.02, 0.03])
+    assert standard_error(losses(off, on)) == pytest.approx(0.01 / 3**0.5)
     # Every round read alike: no spread at all; one round: nothing to say.
-    assert paired_standard_error(off, off, "p50_added_ms") == 0.0
-    assert paired_standard_error(target([1.0], [5.0]), target([1.0], [6.0]), "p50_added_ms") is None
+    assert standard_error(p50_differences(off, off)) == 0.0
+    assert standard_error([1.0]) is None
 
 
 def test_the_row_says_how_many_rounds_and_how_far_chance_could_move_it() -> None:
