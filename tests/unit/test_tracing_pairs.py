@@ -26,6 +26,11 @@ def target(rps: list[float], p50: list[float]) -> dict[str, object]:
     return {"rounds": [{"throughput_rps": r, "p50_ms": p} for r, p in zip(rps, p50, strict=True)]}
 
 
+def arrived(**figures: object) -> dict[str, object]:
+    """A scenario's results for one concurrency whose spans reached Jaeger and the collector."""
+    return {"exported": True, "discarded": True, **figures}
+
+
 def test_a_slow_window_on_one_side_is_not_read_as_exporting_s_cost() -> None:
     # The third round's exporting window ran while the machine was slow (300 rps): each
     # round's pair says 1%, 1% and 25%; the windows pooled (equal lengths) say 9.1%.
@@ -93,12 +98,10 @@ def test_each_requests_own_compute_is_taken_out_beside_the_target_figure() -> No
 
 def test_the_target_row_says_the_figure_without_compute_beside_its_own() -> None:
     sc = {
-        "tracing_miss_c1": {
-            "exported": True,
-            "discarded": True,
-            "ratios": {"colocated p50_added_ms": 0.45},
-            "less_compute": {"colocated p50_added_ms": 0.05},
-        }
+        "tracing_miss_c1": arrived(
+            ratios={"colocated p50_added_ms": 0.45},
+            less_compute={"colocated p50_added_ms": 0.05},
+        )
     }
     (row,) = tracing_targets(sc)
     assert row["value"] == pytest.approx(0.45)
@@ -122,20 +125,16 @@ def test_the_figure_s_standard_error_is_that_of_its_rounds_differences() -> None
 
 def test_the_row_says_how_many_rounds_and_how_far_chance_could_move_it() -> None:
     sc = {
-        "tracing_miss_c1": {
-            "exported": True,
-            "discarded": True,
-            "ratios": {"five-process p50_added_ms": 0.25},
-            "standard_error": {"five-process p50_added_ms": 0.081},
-            "rounds_paired": 10,
-        },
-        "tracing_miss_c32": {
-            "exported": True,
-            "discarded": True,
-            "ratios": {"five-process throughput_loss": 0.02},
-            "standard_error": {"five-process throughput_loss": 0.004},
-            "rounds_paired": 5,
-        },
+        "tracing_miss_c1": arrived(
+            ratios={"five-process p50_added_ms": 0.25},
+            standard_error={"five-process p50_added_ms": 0.081},
+            rounds_paired=10,
+        ),
+        "tracing_miss_c32": arrived(
+            ratios={"five-process throughput_loss": 0.02},
+            standard_error={"five-process throughput_loss": 0.004},
+            rounds_paired=5,
+        ),
     }
     c1, c32 = tracing_targets(sc)
     assert c1["met"]
