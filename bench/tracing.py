@@ -11,8 +11,9 @@ mesh, one with the share of traces kept at 0 (off: every span non-recording, not
 exported, as `make run`'s default) and one at hopline's 10% (exporting), their order swapped
 every round. Each figure is the median over rounds of one round's exporting window against
 that round's off window (`p50_added`, `throughput_loss`), with the standard error of those
-differences beside it in its row; at one caller twice as many rounds as at 32, because a
-c=1 round's difference moves by nearly the limit (C1_ROUNDS_PER_ROUND).
+differences beside it in its row (and "undecided" where the limit is within two of them,
+`undecided`); at one caller twice as many rounds as at 32, because a c=1 round's difference
+moves by nearly the limit (C1_ROUNDS_PER_ROUND).
 
 Why adjacent: until stop 67 a round measured all four meshes off, then all four exporting,
 so a mesh's two windows of a round were about 30 s apart, and this machine's c=1 p50 moves
@@ -296,6 +297,21 @@ def standard_error(differences: list[float]) -> float | None:
     return float(statistics.stdev(differences) / len(differences) ** 0.5)
 
 
+# How many standard errors from the limit a figure must be for its row to be decided by the
+# run. At 32 callers this machine's throughput moves between two adjacent windows of one mesh
+# with nothing changed as much as with the sampling switched (stop 91: A/A rounds mostly
+# within 2%, some 14-17% apart; off/exporting rounds' standard deviation 6-9% in three runs),
+# so over 5 rounds a loss of 3% would read over the 5% limit in about one run in three. The
+# row's met says which side of the limit the median fell on; this says whether the run
+# could tell.
+UNDECIDED_ERRORS = 2
+
+
+def undecided(value: float, limit: float, error: float) -> bool:
+    """Whether the limit lies within UNDECIDED_ERRORS standard errors of the figure."""
+    return abs(value - limit) < UNDECIDED_ERRORS * error
+
+
 def _one_round(target: dict[str, Any]) -> dict[str, Any]:
     """A target's pooled figures as a single round."""
     return {"rounds": [{k: target[k] for k in ("throughput_rps", "p50_ms")}]}
@@ -338,6 +354,8 @@ def tracing_targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
             if error is not None:
                 unit = " ms" if key == "tracing_miss_c1" else ""
                 said += f", standard error {error:.3f}{unit}"
+                if undecided(value, limit, error):
+                    said += f"; the limit is within {UNDECIDED_ERRORS} standard errors: undecided"
             less = sc[key].get("less_compute", {}).get(name)
             if less is not None:
                 said += f"; {less:+.3f} ms with each request's own model compute taken out"

@@ -19,6 +19,7 @@ from hopline.bench.tracing import (
     standard_error,
     throughput_loss,
     tracing_targets,
+    undecided,
 )
 
 
@@ -141,3 +142,29 @@ def test_the_row_says_how_many_rounds_and_how_far_chance_could_move_it() -> None
     assert c32["met"]
     assert "median of 10 rounds, standard error 0.081 ms" in c1["how"]
     assert "median of 5 rounds, standard error 0.004" in c32["how"]
+
+
+def test_a_row_whose_limit_is_within_two_standard_errors_says_it_is_undecided() -> None:
+    """Stop 90's five-process row to the discarding collector: 13.5% lost, standard error
+    6.3%, against 5%: not met, and not decided either (1.35 errors from the limit)."""
+    assert undecided(0.135, 0.05, 0.063)
+    assert not undecided(0.017, 0.05, 0.004)  # 8 errors below: decided, met
+    assert not undecided(0.20, 0.05, 0.05)  # 3 errors above: decided, not met
+    sc = {
+        "tracing_miss_c32": arrived(
+            ratios={
+                "five-process throughput_loss, discarding collector": 0.135,
+                "colocated throughput_loss": 0.005,
+            },
+            standard_error={
+                "five-process throughput_loss, discarding collector": 0.063,
+                "colocated throughput_loss": 0.009,
+            },
+            rounds_paired=5,
+        ),
+    }
+    five, colocated = tracing_targets(sc)
+    assert not five["met"]  # the target's own test is unchanged
+    assert "within 2 standard errors: undecided" in five["how"]
+    assert colocated["met"]
+    assert "undecided" not in colocated["how"]
