@@ -55,7 +55,9 @@ TOPOLOGIES = (Topology.COLOCATED, Topology.FIVE_PROCESS)
 # by about 0.33 ms (standard deviation over 32 rounds of 6 s, a five-process mesh exporting to
 # Jaeger, stop 90: mean +0.17 ms, standard error 0.06), so over 5 rounds the median could
 # land 0.2 ms either side of what it estimates, against a 0.3 ms limit (stop 89's row read
-# +0.45). Twice the rounds halve that variance; c=32's loss (1-2% against 5%) needs no more.
+# +0.45). Twice the rounds halve that variance. At 32 callers more rounds would not pay: a
+# round moves by 6-9% (stop 91, UNDECIDED_ERRORS), so telling a 3% loss from the 5% limit
+# would take 40-80 rounds of about 17 s a mesh; the rows say when a run has not decided them.
 C1_ROUNDS_PER_ROUND = 2
 # How often each mesh asks Jaeger for its strategy, and Jaeger rereads its file: a switch
 # lands within about 1.5 s, between windows.
