@@ -43,9 +43,12 @@ def test_run_spins_only_while_a_run_is_in_progress(default_repo: Path) -> None:
     run = _cpu_per_cycle(model, Spin.RUN)
     always = _cpu_per_cycle(model, Spin.ALWAYS)
     figures = f"per cycle: OFF {off * 1e3:.1f}, RUN {run * 1e3:.1f}, ALWAYS {always * 1e3:.1f} ms"
-    # ALWAYS keeps its worker on a core through most of each gap; RUN spins only inside the
-    # run, so it costs OFF's CPU plus a fraction of one run.
-    assert always - off > 0.5 * GAP_S, figures
+    # ALWAYS keeps its worker spinning through the gap; RUN spins only inside the run, so it
+    # costs OFF's CPU plus a fraction of one run. A quarter of the gap, not most of it: the
+    # spinning thread shares two cores with the other test worker (one run of the unit lane
+    # in fourteen measured OFF 3.9, RUN 4.4, ALWAYS 23.7 ms a cycle), and a thread that
+    # sleeps through the gap adds nothing at all.
+    assert always - off > 0.25 * GAP_S, figures
     assert run - off < (always - off) / 4, figures
 
 
