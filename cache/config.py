@@ -7,7 +7,7 @@ import dataclasses
 import enum
 from pathlib import Path
 
-from hopline.cache.store import LookupConsistency
+from hopline.cache.store import LOAD_TIMEOUT_S, LookupConsistency
 from hopline.model.spin import Spin
 from hopline.runtime.config import (
     AT_LEAST_ONE,
@@ -85,6 +85,13 @@ class CacheConfig(ServerConfig):
         5.0,
         "bound on each Milvus call, connecting included (a milvus-lite file's server gets 30 s "
         "to start)",
+        valid=POSITIVE,
+    )
+    load_timeout_s: float = env_field(
+        "HOPLINE_CACHE_LOAD_TIMEOUT_S",
+        LOAD_TIMEOUT_S,
+        "bound on loading the collection into Milvus's memory at start-up, which grows with "
+        "its rows",
         valid=POSITIVE,
     )
     max_entries: int = env_field(

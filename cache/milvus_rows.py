@@ -8,6 +8,7 @@ expression, and a key reaches one only as the SHA-256 hex digest `entry_id` lets
 from __future__ import annotations
 
 import base64
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +38,17 @@ def entry_id(key: str) -> str:
     if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
         raise ValueError(f"not a cache entry id: {key[:80]!r}")
     return key
+
+
+def id_ranges() -> list[str]:
+    """Filters that split the ids by their first hex digit into 16 ranges, each id in exactly
+    one: the first range and the last are open-ended, so even an id no digest could be has
+    one."""
+    firsts = "123456789abcdef"
+    ranges = [f'id < "{firsts[0]}"']
+    ranges += [f'id >= "{low}" and id < "{high}"' for low, high in itertools.pairwise(firsts)]
+    ranges.append(f'id >= "{firsts[-1]}"')
+    return ranges
 
 
 def deleted_count(result: Any) -> int:

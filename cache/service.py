@@ -203,6 +203,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                 model.dim,
                 index_type=config.index_type,
                 timeout_s=config.milvus_timeout_s,
+                load_timeout_s=config.load_timeout_s,
                 reclaim_ratio=config.reclaim_ratio,
                 lookup_consistency=config.lookup_consistency,
                 access=access,

@@ -16,12 +16,16 @@ from cache_service import cache, lookup, run, store, written
 from harness import Mesh, free_port
 from hopline.cache.embedder import embedding_model
 from hopline.model.build import default_weights_dir
+from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 
 
-def serve_cache(uri: str, timeout_s: float = 60.0) -> tuple[int, str, float]:
+def serve_cache(
+    uri: str, timeout_s: float = 60.0, env: dict[str, str] | None = None
+) -> tuple[int, str, float]:
     env = dict(
         os.environ,
+        **(env or {}),
         HOPLINE_CACHE_URI=uri,
         HOPLINE_CACHE_ADDR=f"127.0.0.1:{free_port()}",
         HOPLINE_LOG_FORMAT="text",
@@ -125,5 +129,42 @@ def test_a_collection_left_without_its_index_is_indexed_and_served(tmp_path: Pat
             await written(stub)
             reply = await lookup(stub, "where is my parcel", mode="exact")
             assert reply.outcome == common_pb2.CACHE_OUTCOME_EXACT
+
+    run(body)
+
+
+def test_a_load_past_its_bound_fails_with_the_setting_to_raise(tmp_path: Path) -> None:
+    """Loading a collection into Milvus's memory grows with its rows (66 s for 1,000,000 on
+    milvus-lite, 2 cores), so it has its own bound, HOPLINE_CACHE_LOAD_TIMEOUT_S, not a
+    call's. A load past it ends the start with a message naming the setting and the rows
+    (here 4,000 rows against a 10 ms bound), and leaves the file for the next start: the
+    same file then opens with the default bound and holds every row."""
+    db = tmp_path / "cache.db"
+    model = embedding_model(default_weights_dir())
+    script = f"""
+        import time, warnings
+        warnings.simplefilter("ignore")
+        import numpy as np
+        from hopline.cache.keys import digest
+        from hopline.cache.milvus_store import MilvusStore
+        from hopline.cache.store import Entry
+        store = MilvusStore({str(db)!r}, {model.collection!r}, {model.dim})
+        now, vector = time.time(), np.ones({model.dim}, dtype=np.float32)
+        scope = ("t", "m", "1", "{{}}")
+        rows = [(Entry(digest(str(i)), scope, "text", b"x", now, now + 3600), vector)
+                for i in range(4000)]
+        store.upsert(rows)
+        store.close()
+    """
+    subprocess.run([sys.executable, "-c", textwrap.dedent(script)], check=True, timeout=120)
+    code, log, _ = serve_cache(str(db), env={"HOPLINE_CACHE_LOAD_TIMEOUT_S": "0.01"})
+    assert code != 0
+    assert "did not load the 4000 rows" in log, log
+    assert "within 0.01 s (HOPLINE_CACHE_LOAD_TIMEOUT_S)" in log, log
+
+    async def body() -> None:
+        async with cache(db) as (_, stub):
+            stats = await stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+            assert stats.entries == 4000
 
     run(body)

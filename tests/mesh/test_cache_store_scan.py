@@ -87,3 +87,28 @@ def test_a_write_of_new_and_replaced_keys_lands_every_field_of_every_row(tmp_pat
         assert store.count("other", "m") == 3
     finally:
         store.close()
+
+
+def test_the_rebuild_reads_every_live_row_once_from_every_id_range(tmp_path: Path) -> None:
+    """The exact index's rebuild reads 16 id ranges side by side (`MilvusStore.live`): every
+    live row comes back once, the ranges' first and last ids included and a range read over
+    several pages, and no expired row does."""
+    store = MilvusStore(str(tmp_path / "cache.db"), "ranges_test", DIM)
+    try:
+        now = time.time()
+        vector: Vector = np.full(DIM, 0.5, dtype=np.float32)
+        edges = [first + fill * 63 for first in "0123456789abcdef" for fill in "0f"]
+        spread = [digest("row", str(i)) for i in range(2000)]
+        expired = [digest("expired", str(i)) for i in range(300)]
+        rows = [
+            (Entry(key, SCOPE, "text", b"x", now, now + ttl), vector)
+            for keys, ttl in ((edges, 3600), (spread, 3600), (expired, -1))
+            for key in keys
+        ]
+        for start in range(0, len(rows), 1000):
+            store.upsert(rows[start : start + 1000])
+        read = [entry.key for entry in store.live(now, page=50)]
+        assert len(read) == len(edges) + len(spread)
+        assert sorted(read) == sorted([*edges, *spread])
+    finally:
+        store.close()
