@@ -18,7 +18,6 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
-RECLAIM_PAGE = 500  # rows per page of the copy (peak memory of a 20k-row copy: +100 MB)
 CATCH_UP_ROUNDS = 4  # replays of recorded writes before the switch, while calls go on
 HELD_REPLAY_MAX = 4  # catching up stops once a round has this few: the switch replays the rest
 

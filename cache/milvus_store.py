@@ -28,7 +28,6 @@ from hopline.cache.config import MILVUS_DB_ENV
 from hopline.cache.generations import (
     CATCH_UP_ROUNDS,
     HELD_REPLAY_MAX,
-    RECLAIM_PAGE,
     Gate,
     Reclaimed,
     Write,
@@ -73,6 +72,12 @@ RECLAIM_MIN_DEAD = 1000  # below this many deleted rows a reclaim is not worth i
 # Rows per page of the scan for a scope's oldest (two short fields a row): on 94,500 rows in
 # milvus-lite 1.0-1.1 s in pages of 2,000, 0.36-0.38 s in pages of 16,000.
 AGES_PAGE = 16_000
+# Rows per page of a read that carries vectors: a scope's read-back (`vectors_of`) and the
+# reclaim's copy (peak memory of a 20k-row copy: +100 MB). Unlike scalar fields, such pages
+# cost milvus-lite more past about 1,000 rows: over 200,000 rows the read-back took 24.7-25.0 s
+# in pages of 500, 26.6 in 1,000, 35.7-37.2 in 2,000 (what it had), 29.8-35.3 in 250; a page of
+# 16,384 passed the 5 s call bound, and the copy took 133 s in pages of 4,000 against 58.
+VECTORS_PAGE = 500
 LIVE_READERS = 2  # the exact index's rebuild reads this many id ranges at once (`live`)
 T = TypeVar("T")
 
@@ -352,6 +357,7 @@ class MilvusStore:
             f'scope_key == "{scope_digest(scope)}" and expires_at > {now!r}',
             ["id", "vector"],
             lambda row: (str(row["id"]), np.asarray(row["vector"], dtype=np.float32)),
+            VECTORS_PAGE,
         )
 
     def _scan(
@@ -359,7 +365,7 @@ class MilvusStore:
         expression: str,
         fields: list[str],
         each: Callable[[dict[str, Any]], T],
-        page: int = LIVE_PAGE,
+        page: int,
     ) -> list[T]:
         """`each` of every row matching `expression`, read in pages: a plain query returns at
         most 16,384 rows (Milvus's result window, milvus-lite's too), whatever it matches."""
@@ -560,7 +566,7 @@ class MilvusStore:
     def _copy_live(self, source: str, target: str, now: float) -> int:
         pages = self._client.query_iterator(
             source,
-            batch_size=RECLAIM_PAGE,
+            batch_size=VECTORS_PAGE,
             filter=f"expires_at > {now!r}",
             output_fields=["id", "vector", *SCALARS],
             consistency_level=CONSISTENCY,
