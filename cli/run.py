@@ -34,6 +34,9 @@ STOP_TIMEOUT_S = 8.0
 # README.md "Placement" has the measurements behind this default.
 DEFAULT_TOPOLOGY = Topology.COLOCATED
 
+# "Up" within this beyond the cache's bound on loading its collection (`ready_bound_s`).
+READY_TIMEOUT_S = 180.0
+
 RESTART_BACKOFF_S = 0.5  # before the first restart; doubled for each within the window
 MAX_RESTART_BACKOFF_S = 8.0
 MAX_RESTARTS = 5
@@ -97,15 +100,28 @@ def supervise(mesh: Mesh, stopping: Callable[[], bool]) -> int:
     return 0
 
 
+def ready_bound_s() -> float:
+    """How long `hopline run` waits for "up": READY_TIMEOUT_S beyond the cache's own bound on
+    loading its collection (HOPLINE_CACHE_LOAD_TIMEOUT_S, read as the cache will read it),
+    which grows with the rows (1,000,000 entries: "up" in 88 s on 2 cores), so a full cache is
+    not given up on while it loads within the bound it was given."""
+    from hopline.cache.config import CacheConfig
+    from hopline.runtime.config import load
+
+    return READY_TIMEOUT_S + load(CacheConfig, []).load_timeout_s
+
+
 def run_mesh(
     model_repo: Path,
     log_format: str = "text",
-    ready_timeout_s: float = 180.0,
+    ready_timeout_s: float | None = None,
     topology: Topology = DEFAULT_TOPOLOGY,
 ) -> int:
     from hopline.observability.logs import setup_logging
 
     started = time.monotonic()
+    if ready_timeout_s is None:
+        ready_timeout_s = ready_bound_s()
     setup_logging("run", "info", log_format)
     if not model_repo.is_dir():
         log.error("no model repository; run `make model`", extra={"path": str(model_repo)})
