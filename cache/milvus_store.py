@@ -178,8 +178,7 @@ class MilvusStore:
         and 66 s for 1,000,000 on the 2-core VM, and with the 30 s a call's bound gave it, a
         cache past about 450,000 rows (under the default bound of 1,000,000) failed every
         start. What it waits for is logged first."""
-        stats = self._client.get_collection_stats(self.collection, timeout=self.timeout_s)
-        rows = int(stats.get("row_count", 0))
+        rows = self._rows_before_load()
         where = {"collection": self.collection, "uri": self.uri, "rows": rows}
         log.info("loading the cache collection", extra=where)
         started = time.perf_counter()
@@ -188,15 +187,27 @@ class MilvusStore:
         except (self._exc, grpc.RpcError) as exc:
             if time.perf_counter() - started < self.load_timeout_s:
                 raise
+            what = self.collection if rows is None else f"the {rows} rows of {self.collection}"
             raise CacheStoreError(
-                f"Milvus at {self.uri} did not load the {rows} rows of {self.collection} "
-                f"within {self.load_timeout_s:g} s (HOPLINE_CACHE_LOAD_TIMEOUT_S): raise it, "
-                f"or lower HOPLINE_CACHE_MAX_ENTRIES ({milvus_reason(exc)})"
+                f"Milvus at {self.uri} did not load {what} within {self.load_timeout_s:g} s "
+                "(HOPLINE_CACHE_LOAD_TIMEOUT_S): raise it, or lower HOPLINE_CACHE_MAX_ENTRIES "
+                f"({milvus_reason(exc)})"
             ) from exc
         log.info(
             "cache collection loaded",
             extra={**where, "seconds": round(time.perf_counter() - started, 2)},
         )
+
+    def _rows_before_load(self) -> int | None:
+        """The collection's rows, for the load's log and message; None where the cache's
+        Milvus user may not read a collection's statistics (`hopline cache milvus-user` grants
+        only the privileges the cache's calls need, and users made before this call have not
+        got it)."""
+        try:
+            stats = self._client.get_collection_stats(self.collection, timeout=self.timeout_s)
+        except (self._exc, grpc.RpcError):
+            return None
+        return int(stats.get("row_count", 0))
 
     def _connect(self, pymilvus: Any) -> MilvusConnection:
         if not is_local(self.uri):
