@@ -100,6 +100,13 @@ class CacheConfig(ServerConfig):
         "bound per (tenant, model) when a model sets none",
         valid=AT_LEAST_ONE,
     )
+    max_total_entries: int = env_field(
+        "HOPLINE_CACHE_MAX_TOTAL_ENTRIES",
+        0,
+        "bound on a milvus-lite file's entries, every (tenant, model) together (its server "
+        "holds about 2.6 KiB a row in this process's container); past it the (tenant, model)s "
+        "holding the most give up their oldest; 0: none",
+    )
     default_ttl_s: float = env_field(
         "HOPLINE_CACHE_TTL_S", 3600.0, "time to live when a store names none", valid=POSITIVE
     )

@@ -22,8 +22,10 @@ class CacheCount(enum.Enum):
     MISSES = "misses"
     STORES = "stores"  # stores taken into the pending writes
     STORE_ERRORS = "store_errors"  # taken stores Milvus never got
-    EVICTIONS = "evictions"  # entries deleted to keep a scope within its bound
+    EVICTIONS = "evictions"  # entries deleted to keep a scope (or a whole file) within its bound
     EVICTION_SCANS = "eviction_scans"  # evictions that scanned Milvus for the oldest entries
+    FILE_EVICTIONS = "file_evictions"  # of the evictions, those for the whole file's bound
+    WRITES_HELD = "writes_held"  # times the writer held stores back for a reclaim's journal
     EXPIRATIONS = "expirations"  # entries the sweep deleted past their TTL
     STORE_EMBEDDINGS = "store_embeddings"  # stores whose vector the encoder ran for
     AMBIGUOUS = "ambiguous"  # semantic candidates refused for disagreeing close neighbours

@@ -27,12 +27,19 @@ work about 12% more) and a co-located mesh's misses at 32 callers fell from 322-
 Past PRUNE_AT groups (many tenants) the counts older than `refresh_s`, which would be taken
 again anyway, are dropped, so memory follows the groups written lately; with no refresh, the
 half counted longest ago (each is counted again at its next write).
+
+A milvus-lite file may also be bounded as a whole (`HOPLINE_CACHE_MAX_TOTAL_ENTRIES`): its
+server holds every row in memory in the cache's own container, about 2.6 KiB a row, and the
+per-scope bounds add up without limit as tenants come. Past that bound the groups holding the
+most give up their oldest (`fair_shares`), so a tenant within its fair share of the file never
+loses an entry to another's traffic.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 Group = tuple[str, str]  # tenant, model
 HEADROOM = 0.05  # of the bound, evicted beyond what it takes to get back under it
@@ -56,6 +63,62 @@ def eviction_size(count: int, limit: int) -> int:
     if count <= limit:
         return 0
     return count - limit + int(limit * HEADROOM)
+
+
+def fair_shares(counts: Mapping[Group, int], excess: int) -> dict[Group, int]:
+    """How many of its entries each group gives up so that `excess` go in all, the largest
+    first: every group above a common level comes down to it (ties broken by the group's
+    name), and no group at or below it gives up any."""
+    if excess <= 0:
+        return {}
+    if excess >= sum(counts.values()):
+        return {group: count for group, count in counts.items() if count}
+
+    def above(level: int) -> int:
+        return sum(count - level for count in counts.values() if count > level)
+
+    low, high = 0, max(counts.values())  # above(high) == 0 <= excess < above(0)
+    while low < high:  # the lowest level whose entries above it are at most `excess`
+        middle = (low + high) // 2
+        if above(middle) <= excess:
+            high = middle
+        else:
+            low = middle + 1
+    level = low
+    shares = {group: count - level for group, count in counts.items() if count > level}
+    # One more from as many of the groups at or above the level as are still short; there are
+    # enough, since one level lower would have taken more than `excess`.
+    rest = excess - sum(shares.values())
+    at_level = sorted(group for group, count in counts.items() if count >= level)
+    for group in at_level[:rest]:
+        shares[group] = shares.get(group, 0) + 1
+    return shares
+
+
+def total_bound_problem(
+    bound: int, *, local: bool, index_room: int | None, batch: int
+) -> str | None:
+    """Why `HOPLINE_CACHE_MAX_TOTAL_ENTRIES` cannot be kept with these settings; None when it
+    can (or is 0, no bound). The exact index's per-group counts are what it is kept by, so
+    the index must hold every entry with a batched write's rows (`batch`) to spare, and
+    this process must be the file's one writer."""
+    if not bound:
+        return None
+    name = "HOPLINE_CACHE_MAX_TOTAL_ENTRIES"
+    if not local:
+        return (
+            f"{name} bounds a milvus-lite file, whose server holds its rows in this "
+            "container's memory; a Milvus server's memory is sized on the server: unset it"
+        )
+    if index_room is None:
+        return f"{name} is kept by the exact index's counts: set HOPLINE_CACHE_EXACT_INDEX=true"
+    if bound + batch > index_room:
+        return (
+            f"{name}={bound} needs HOPLINE_CACHE_EXACT_INDEX_MAX_ENTRIES of at least "
+            f"{bound + batch} (the bound and one batched write's {batch} rows; it is "
+            f"{index_room}): the index must hold every entry the bound counts"
+        )
+    return None
 
 
 class EntryBounds:

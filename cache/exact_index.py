@@ -145,6 +145,10 @@ class ExactIndex:
         """Every key with its scope, copied now (the watch feed's listing)."""
         return [(key, row[SCOPE]) for key, row in self._entries.items()]
 
+    def groups(self) -> list[Group]:
+        """Every (tenant, model) holding an entry here."""
+        return list(self._groups)
+
     def count(self, tenant: str, model: str) -> int:
         return len(self._groups.get((tenant, model), ()))
 

@@ -448,7 +448,14 @@ class MilvusStore:
         """
         if rows:
             columns = to_columns(rows)  # a row Milvus would refuse is refused here, whole
-            self._write(lambda name: self._upsert_into(name, rows, columns))
+            # A reclaim's journal keeps the replay, which makes its columns again: the vector
+            # column is plain floats (about 12 KiB a row at 384 dimensions), the rows' own
+            # vectors a shared placeholder or 1.5 KiB of float32.
+            self._write(
+                lambda name: self._upsert_into(name, rows, columns),
+                lambda name: self._upsert_into(name, rows, to_columns(rows)),
+                len(rows),
+            )
 
     def _upsert_into(
         self,
@@ -501,7 +508,7 @@ class MilvusStore:
         if not keys:
             return 0
         ids = [entry_id(k) for k in keys]
-        return self._write(lambda name: self._delete_from(name, ids=ids))
+        return self._write(lambda name: self._delete_from(name, ids=ids), rows=len(ids))
 
     def delete_scope(self, scope: ScopeFilter) -> int:
         if scope.is_empty():
@@ -516,8 +523,9 @@ class MilvusStore:
     def _delete_from(self, collection: str, **which: Any) -> int:
         return deleted_count(self._client.delete(collection, timeout=self.timeout_s, **which))
 
-    def _write(self, write: Write) -> int:
-        """Applies `write` to the generation in use; during a reclaim, also records it."""
+    def _write(self, write: Write, replay: Write | None = None, rows: int = 1) -> int:
+        """Applies `write` to the generation in use; during a reclaim, also records it (or
+        `replay`, the same write made again from less memory) with the rows it carries."""
         with self._gate.call():
             if self._client is None:
                 raise CacheStoreError("the cache store is closed")
@@ -526,12 +534,15 @@ class MilvusStore:
             except (self._exc, grpc.RpcError) as exc:
                 disk = lite.disk_note(Path(self.uri)) if is_local(self.uri) else ""
                 raise CacheStoreError(f"Milvus at {self.uri}: {milvus_reason(exc)}{disk}") from exc
-            self._gate.record(write)
+            self._gate.record(replay or write, rows)
             with self._dead_lock:
                 self._dead += removed
             return removed
 
     # -- reclaiming milvus-lite's memory (cache/generations.py) ---------------------------
+
+    def stores_wait(self) -> bool:
+        return self._gate.full()
 
     def reclaim(self, now: float) -> Reclaimed | None:
         """Copies the live rows to the next generation once the deleted rows milvus-lite still

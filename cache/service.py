@@ -35,7 +35,7 @@ from hopline.cache import intake, invalidation
 from hopline.cache.config import CacheConfig
 from hopline.cache.counts import CacheCount, CacheCounts
 from hopline.cache.embedder import Embedder, EmbeddingModel, Vector, embedding_model
-from hopline.cache.entry_bounds import COUNT_REFRESH_S, EntryBounds
+from hopline.cache.entry_bounds import COUNT_REFRESH_S, EntryBounds, total_bound_problem
 from hopline.cache.evidence import EvidenceLog
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, scope_tuple
@@ -56,7 +56,7 @@ from hopline.cache.vector_index import (
 from hopline.cache.verifier import Verifier, policy_of
 from hopline.cache.verify_ids import BadVerifyId, UnknownVerifyId
 from hopline.cache.watch_feed import WatchFeed
-from hopline.cache.writer import PendingWrites
+from hopline.cache.writer import WRITE_ROWS, PendingWrites
 from hopline.observability import schema
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.runtime.batching import QueueFullError
@@ -104,7 +104,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.counts = CacheCounts()
         self.lookup_ms: deque[float] = deque(maxlen=10_000)
         # Accepted stores not yet in Milvus; the exact tier reads them so a repeat hits at once.
-        self.writes = PendingWrites(self, config.flush_interval_ms / 1e3)
+        self.writes = PendingWrites(self, config.flush_interval_ms / 1e3, config.max_total_entries)
         self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="milvus")
         # The semantic tier's search, in memory or in Milvus (cache/semantic_search.py).
         self.semantic = SemanticSearch(
@@ -122,6 +122,13 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     async def start(self) -> None:
         access = MilvusAccess.of(self.config)  # first: a wrong setting fails with its name
+        if problem := total_bound_problem(
+            self.config.max_total_entries,
+            local=is_local(self.config.uri),
+            index_room=self.index.max_entries if self.index is not None else None,
+            batch=WRITE_ROWS,
+        ):
+            raise CacheStoreError(problem)
         loop = asyncio.get_running_loop()
         model = await loop.run_in_executor(None, embedding_model, _weights_dir())
         self.embedder, self.store = await self._open(model, access)

@@ -117,4 +117,8 @@ class CacheStore(Protocol):
     def reclaim(self, now: float) -> Reclaimed | None:
         """Frees what deleted rows still hold, when the backend needs it; None when not due."""
 
+    def stores_wait(self) -> bool:
+        """Whether new stores should wait before `upsert` (a reclaim's record of the writes
+        made during its copy is full); they stay pending meanwhile."""
+
     def close(self) -> None: ...

@@ -21,7 +21,7 @@ from opentelemetry.trace import Link, SpanContext
 
 from hopline.cache.counts import CacheCount, CacheCounts
 from hopline.cache.embedder import Vector
-from hopline.cache.entry_bounds import EntryBounds, Group, eviction_size
+from hopline.cache.entry_bounds import EntryBounds, Group, eviction_size, fair_shares
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.shared_invalidations import SharedInvalidations
 from hopline.cache.store import CacheStore, CacheStoreError, Entry, ScopeFilter
@@ -47,6 +47,8 @@ WRITE_RETRY_MAX_S = 10.0
 # A store whose writes failed this many times is dropped (`store_errors`): a row Milvus keeps
 # refusing must not hold every store behind it, oldest first, for ever.
 MAX_WRITE_ATTEMPTS = 5
+# How often a writer held back by a reclaim (CacheStore.stores_wait) looks again.
+STORES_WAIT_POLL_S = 0.1
 
 # A pending store: the entry, its vector (the host's placeholder for an exact-only store)
 # and its (tenant, model)'s entry bound.
@@ -74,9 +76,12 @@ class WriteHost(Protocol):
 class PendingWrites:
     """Accepted stores not yet in Milvus, and the task that writes them (`run`)."""
 
-    def __init__(self, host: WriteHost, flush_interval_s: float) -> None:
+    def __init__(self, host: WriteHost, flush_interval_s: float, max_total: int = 0) -> None:
         self.host = host
         self.flush_interval_s = flush_interval_s
+        # The whole file's bound (cache/entry_bounds.py:total_bound_problem says when it can
+        # be kept); 0: the groups' own bounds only.
+        self.max_total = max_total
         self._pending: dict[str, Pending] = {}
         self._spans: dict[str, SpanContext] = {}  # for the write's span links
         self._wake = asyncio.Event()
@@ -133,9 +138,12 @@ class PendingWrites:
         """Writes the pending stores to Milvus, oldest first, at most WRITE_ROWS a write; a
         write that fails is tried again after a backoff, not dropped (see WRITE_ROWS)."""
         backoff_s = 0.0
+        await self._evict({})  # a file started over a lowered whole-file bound
         while True:
             await self._wake.wait()
             await asyncio.sleep(max(self.flush_interval_s, backoff_s))
+            if self.host.require_store().stores_wait():
+                await self._wait_for_reclaim()
             self._wake.clear()
             batch = dict(itertools.islice(self._pending.items(), WRITE_ROWS))
             if not batch:
@@ -156,6 +164,14 @@ class PendingWrites:
                 )
             if self._pending or self._redelete:
                 self._wake.set()
+
+    async def _wait_for_reclaim(self) -> None:
+        """Holds the stores back while a reclaim's journal is full (cache/generations.py:
+        JOURNAL_MAX_ROWS); it empties in a Milvus thread, so it is polled."""
+        self.host.counts.add(CacheCount.WRITES_HELD)
+        log.info("cache stores wait for the reclaim's copy", extra={"entries": len(self)})
+        while self.host.require_store().stores_wait():  # noqa: ASYNC110
+            await asyncio.sleep(STORES_WAIT_POLL_S)
 
     async def _write(self, batch: dict[str, Pending]) -> str | None:
         """One batched write and what follows it (index, invalidations, bounds); the error
@@ -256,7 +272,8 @@ class PendingWrites:
         self._redelete.difference_update(keys)
 
     async def _evict(self, groups: dict[Group, int]) -> None:
-        """Oldest first, per (tenant, model): one tenant's traffic never evicts another's.
+        """Oldest first, per (tenant, model): one tenant's traffic never evicts another's
+        within its bound, nor within its fair share of the whole file's (`_over_total`).
         Milvus is counted only when a group may be over its bound (cache/entry_bounds.py), and
         every group's victims of one write go in one delete: milvus-lite's delete costs about
         the same for one id as for thousands."""
@@ -269,6 +286,7 @@ class PendingWrites:
                     chosen[group] = doomed
             except CacheStoreError as exc:
                 log.warning("eviction failed", extra={"error": str(exc)})
+        for_file = self._over_total(chosen)
         if not chosen:
             return
         doomed = [key for keys in chosen.values() for key in keys]
@@ -278,6 +296,7 @@ class PendingWrites:
             log.warning("eviction failed", extra={"error": str(exc), "entries": len(doomed)})
             return
         host.counts.add(CacheCount.EVICTIONS, removed)
+        host.counts.add(CacheCount.FILE_EVICTIONS, min(for_file, removed))
         for group, keys in chosen.items():
             if removed == len(doomed):
                 host.bounds.evicted(group, len(keys))
@@ -289,6 +308,31 @@ class PendingWrites:
         evicted = cache_pb2.WatchInvalidationsResponse(entry_ids=doomed)
         host.feed.publish(evicted)
         await host.share(evicted)
+
+    def _over_total(self, chosen: dict[Group, list[str]]) -> int:
+        """Adds to `chosen` the victims that bring the whole file back within `max_total`, a
+        headroom below it, from the groups holding the most (`fair_shares`), each its oldest;
+        returns how many. The exact index holds every entry of the file
+        (`total_bound_problem`), so its counts are the file's; an entry expired but not yet
+        swept counts, so this errs early."""
+        index = self.host.index
+        if not self.max_total or index is None:
+            return 0
+        total = len(index) - sum(len(keys) for keys in chosen.values())
+        if not (excess := eviction_size(total, self.max_total)):
+            return 0
+        added = 0
+        counts = {
+            group: index.count(*group) - len(chosen.get(group, ())) for group in index.groups()
+        }
+        for group, share in fair_shares(counts, excess).items():
+            taken = chosen.setdefault(group, [])
+            already = set(taken)
+            oldest = index.oldest(*group, len(taken) + share)
+            victims = [key for key in oldest if key not in already][:share]
+            taken.extend(victims)
+            added += len(victims)
+        return added
 
     async def _victims(self, store: CacheStore, group: Group, limit: int) -> list[str]:
         """The group's oldest entries past its bound, down to the headroom; none under it."""

@@ -1,9 +1,13 @@
 """A real CacheService (real milvus-lite file, real gRPC server) in the test's own process,
-so its counters and store can be looked at, and the calls the cache tests make to it."""
+so its counters and store can be looked at, and the calls the cache tests make to it; and a
+real `hopline serve cache` process run to its exit (`serve_cache`)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -12,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from harness import free_port
 from hopline.cache.config import CacheConfig
 from hopline.cache.service import CacheService
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
@@ -78,3 +83,27 @@ async def lookup(stub: Any, text: str, **kw: Any) -> cache_pb2.LookupResponse:
 
 def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(test())
+
+
+def serve_cache(
+    uri: str, timeout_s: float = 60.0, env: dict[str, str] | None = None
+) -> tuple[int, str, float]:
+    env = dict(
+        os.environ,
+        **(env or {}),
+        HOPLINE_CACHE_URI=uri,
+        HOPLINE_CACHE_ADDR=f"127.0.0.1:{free_port()}",
+        HOPLINE_LOG_FORMAT="text",
+        HOPLINE_METRICS_PORT="0",  # two caches at once here: no second /metrics on one port
+        HOPLINE_CACHE_MILVUS_TIMEOUT_S="3",
+    )
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "hopline", "serve", "cache"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    return out.returncode, out.stdout + out.stderr, time.monotonic() - started

@@ -22,8 +22,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cache_service import cache, lookup, store, written
+from cache_service import cache, lookup, scope, store, written
 
+from hopline.cache import generations
+from hopline.cache.counts import CacheCount
 from hopline.cache.entry_bounds import HEADROOM
 from hopline.cache.generations import generation_name
 from hopline.cache.milvus_rows import to_row
@@ -230,5 +232,70 @@ def test_the_cache_service_reclaims_under_eviction_and_keeps_serving(tmp_path: P
             # Over its bound a scope gives up its oldest down to HEADROOM below it.
             entries = (await stub.GetStats(cache_pb2.GetStatsRequest())).entries
             assert 200 - int(200 * HEADROOM) <= entries <= 200
+
+    asyncio.run(body())
+
+
+def test_stores_wait_while_a_reclaims_journal_is_full_and_land_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy under a stream of stores records every write for the new generation; past
+    JOURNAL_MAX_ROWS (20 here) the writer holds the stores back (still answered from the
+    pending buffer) until the reclaim ends, and then writes them. The seam: the copy waits
+    for the test's signal after it has copied, as a long copy would."""
+    monkeypatch.setattr(generations, "JOURNAL_MAX_ROWS", 20)
+    copied, release = threading.Event(), threading.Event()
+
+    def batch(tenant: str, texts: range, bound: int = 0) -> cache_pb2.StoreBatchRequest:
+        return cache_pb2.StoreBatchRequest(
+            stores=[
+                cache_pb2.StoreRequest(
+                    scope=scope(tenant),
+                    text=f"{tenant} text {i}",
+                    prediction=common_pb2.Prediction(label="x", score=0.9),
+                    mode="exact",
+                    max_entries=bound,
+                )
+                for i in texts
+            ]
+        )
+
+    async def body() -> None:
+        async with cache(tmp_path / "cache.db") as (service, stub):
+            s = service.store
+            assert isinstance(s, MilvusStore)
+            copy = s._copy_live
+
+            def held_copy(source: str, target: str, now: float) -> int:
+                rows = copy(source, target, now)
+                copied.set()
+                assert release.wait(60)
+                return rows
+
+            s._copy_live = held_copy  # type: ignore[method-assign]
+            for start in range(0, 1150, 250):  # past a bound of 100: 1,000 rows deleted
+                await stub.StoreBatch(batch("a", range(start, start + 250), 100), timeout=10)
+                await written(stub)
+            loop = asyncio.get_running_loop()
+            assert await loop.run_in_executor(None, copied.wait, 30), "no reclaim began"
+            for start in range(0, 60, 10):  # 10 rows a write: the journal is full after 2
+                await stub.StoreBatch(batch("late", range(start, start + 10)), timeout=10)
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)
+            assert s.stores_wait()
+            assert service.counts[CacheCount.WRITES_HELD] == 1
+            stats = await stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+            assert stats.pending_writes >= 30, stats  # held back, not written
+            late = [
+                (await lookup(stub, f"late text {i}", scope=scope("late"))).outcome
+                for i in range(60)
+            ]
+            assert set(late) == {common_pb2.CACHE_OUTCOME_EXACT}  # read from the buffer
+            release.set()
+            await written(stub)
+            assert service.counts[CacheCount.RECLAIMS] == 1
+            assert s.collection.endswith("_g1")
+            assert not s.stores_wait()
+            assert s.count("late") == 60  # every held store written, to the new generation
 
     asyncio.run(body())

@@ -7,41 +7,16 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from cache_service import cache, lookup, run, store, written
+from cache_service import cache, lookup, run, serve_cache, store, written
 
 from harness import Mesh, free_port
 from hopline.cache.embedder import embedding_model
 from hopline.model.build import default_weights_dir
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
-
-
-def serve_cache(
-    uri: str, timeout_s: float = 60.0, env: dict[str, str] | None = None
-) -> tuple[int, str, float]:
-    env = dict(
-        os.environ,
-        **(env or {}),
-        HOPLINE_CACHE_URI=uri,
-        HOPLINE_CACHE_ADDR=f"127.0.0.1:{free_port()}",
-        HOPLINE_LOG_FORMAT="text",
-        HOPLINE_METRICS_PORT="0",  # two caches at once here: no second /metrics on one port
-        HOPLINE_CACHE_MILVUS_TIMEOUT_S="3",
-    )
-    started = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-m", "hopline", "serve", "cache"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
-    return out.returncode, out.stdout + out.stderr, time.monotonic() - started
 
 
 def test_wrong_vector_dimension_is_refused(tmp_path: Path) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
+from hopline.cache import generations
 from hopline.cache.generations import (
     Gate,
     current_and_abandoned,
@@ -86,3 +89,28 @@ def test_the_journal_records_writes_only_while_open() -> None:
         assert gate.close_journal() == [write]
     gate.record(write)
     assert gate.take_journal() == []
+
+
+def test_the_journal_is_full_at_its_rows_and_empty_again_once_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(generations, "JOURNAL_MAX_ROWS", 100)
+    gate = Gate()
+
+    def write(name: str) -> int:
+        return 0
+
+    gate.record(write, 500)
+    assert not gate.full()  # no journal open: nothing recorded
+    gate.open_journal()
+    gate.record(write, 60)
+    assert not gate.full()
+    gate.record(write, 40)
+    assert gate.full()
+    assert gate.take_journal() == [write, write]
+    assert not gate.full()  # taken to be replayed: recording goes on into a fresh journal
+    gate.record(write, 100)
+    assert gate.full()
+    with gate.held():
+        gate.close_journal()
+    assert not gate.full()
