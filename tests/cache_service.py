@@ -66,6 +66,23 @@ async def store(stub: Any, text: str, label: str = "order_status", **kw: Any) ->
     return str(reply.entry_id)
 
 
+def store_batch(tenant: str, texts: range, bound: int = 0) -> cache_pb2.StoreBatchRequest:
+    """Exact stores of "<tenant> text <i>" for each i, under a bound of `bound` (0: the
+    cache's own)."""
+    return cache_pb2.StoreBatchRequest(
+        stores=[
+            cache_pb2.StoreRequest(
+                scope=scope(tenant),
+                text=f"{tenant} text {i}",
+                prediction=common_pb2.Prediction(label="x", score=0.9),
+                mode="exact",
+                max_entries=bound,
+            )
+            for i in texts
+        ]
+    )
+
+
 async def written(stub: Any) -> None:
     """Wait until every acknowledged store is in Milvus (and so in the index)."""
     deadline = time.monotonic() + 20

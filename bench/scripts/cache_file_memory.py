@@ -26,38 +26,13 @@ from typing import Any
 
 import grpc
 
+from hopline.bench.soak import children, rss_mb
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 
 BATCH = 1024  # StoreBatch's most
 SAMPLE_EVERY = 10 * BATCH
 MAX_PENDING = 4096  # below HOPLINE_CACHE_MAX_PENDING's 10,000: no store is refused
-
-
-def resident_mib(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as stat:
-                parent = stat.read().rsplit(") ", 1)[1].split()[1]
-        except OSError:
-            continue
-        if parent == str(pid):
-            found.append(int(name))
-    return found
 
 
 def free_port() -> int:
@@ -126,8 +101,8 @@ def measure(bound: int, stores: int, tenants: int, work: Path) -> dict[str, Any]
                     "stored": sent,
                     "entries": now.entries,
                     "evictions": now.evictions,
-                    "cache_mib": round(resident_mib(cache.pid)),
-                    "milvus_lite_mib": round(sum(map(resident_mib, children(cache.pid)))),
+                    "cache_mib": round(rss_mb(cache.pid)),
+                    "milvus_lite_mib": round(sum(rss_mb(pid) for pid, _ in children(cache.pid))),
                 }
                 samples.append(sample)
                 print(json.dumps(sample), flush=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cache_service import cache, lookup, run, scope, store, written
+from cache_service import cache, lookup, run, scope, store, store_batch, written
 
 from hopline.cache.counts import CacheCount
 from hopline.cache.entry_bounds import HEADROOM
@@ -84,30 +84,20 @@ def test_the_scopes_over_their_bounds_after_one_write_share_one_delete(tmp_path:
     scope's victims of one batched write go in one call."""
     bound, tenants = 40, ("a", "b", "c")
 
-    def stores(tenant: str, texts: range) -> cache_pb2.StoreBatchRequest:
-        return cache_pb2.StoreBatchRequest(
-            stores=[
-                cache_pb2.StoreRequest(
-                    scope=scope(tenant),
-                    text=f"{tenant} text {i}",
-                    prediction=common_pb2.Prediction(label="x", score=0.9),
-                    mode="exact",
-                    max_entries=bound,
-                )
-                for i in texts
-            ]
-        )
-
     async def body() -> None:
         # The default flush interval, so that one StoreBatch is one batched write.
         async with cache(tmp_path / "cache.db", flush_interval_ms=300.0) as (service, stub):
             calls = {"delete": 0}
             for tenant in tenants:  # each scope at its bound, no eviction yet
-                await stub.StoreBatch(stores(tenant, range(bound)), timeout=10)
+                await stub.StoreBatch(store_batch(tenant, range(bound), bound), timeout=10)
                 await written(stub)
             counting(service.store, "delete", calls)
             batch = cache_pb2.StoreBatchRequest(
-                stores=[s for t in tenants for s in stores(t, range(bound, bound + 1)).stores]
+                stores=[
+                    s
+                    for t in tenants
+                    for s in store_batch(t, range(bound, bound + 1), bound).stores
+                ]
             )
             await stub.StoreBatch(batch, timeout=10)
             await written(stub)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cache_service import cache, lookup, scope, store, written
+from cache_service import cache, lookup, scope, store, store_batch, written
 
 from hopline.cache import generations
 from hopline.cache.counts import CacheCount
@@ -246,20 +246,6 @@ def test_stores_wait_while_a_reclaims_journal_is_full_and_land_after_it(
     monkeypatch.setattr(generations, "JOURNAL_MAX_ROWS", 20)
     copied, release = threading.Event(), threading.Event()
 
-    def batch(tenant: str, texts: range, bound: int = 0) -> cache_pb2.StoreBatchRequest:
-        return cache_pb2.StoreBatchRequest(
-            stores=[
-                cache_pb2.StoreRequest(
-                    scope=scope(tenant),
-                    text=f"{tenant} text {i}",
-                    prediction=common_pb2.Prediction(label="x", score=0.9),
-                    mode="exact",
-                    max_entries=bound,
-                )
-                for i in texts
-            ]
-        )
-
     async def body() -> None:
         async with cache(tmp_path / "cache.db") as (service, stub):
             s = service.store
@@ -274,12 +260,12 @@ def test_stores_wait_while_a_reclaims_journal_is_full_and_land_after_it(
 
             s._copy_live = held_copy  # type: ignore[method-assign]
             for start in range(0, 1150, 250):  # past a bound of 100: 1,000 rows deleted
-                await stub.StoreBatch(batch("a", range(start, start + 250), 100), timeout=10)
+                await stub.StoreBatch(store_batch("a", range(start, start + 250), 100), timeout=10)
                 await written(stub)
             loop = asyncio.get_running_loop()
             assert await loop.run_in_executor(None, copied.wait, 30), "no reclaim began"
             for start in range(0, 60, 10):  # 10 rows a write: the journal is full after 2
-                await stub.StoreBatch(batch("late", range(start, start + 10)), timeout=10)
+                await stub.StoreBatch(store_batch("late", range(start, start + 10)), timeout=10)
                 await asyncio.sleep(0.05)
             await asyncio.sleep(1.0)
             assert s.stores_wait()

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cache_service import cache, lookup, run, scope, serve_cache, written
+from cache_service import cache, lookup, run, scope, serve_cache, store_batch, written
 
 from harness import free_port
 from hopline.cache.counts import CacheCount
@@ -20,20 +20,6 @@ from hopline.protos.hopline.common.v1 import common_pb2
 BOUND = 100  # the whole file's; a headroom of int(100 * 5%) = 5 below it after an eviction
 EXACT = common_pb2.CACHE_OUTCOME_EXACT
 MISS = common_pb2.CACHE_OUTCOME_MISS
-
-
-def stores(tenant: str, texts: range) -> cache_pb2.StoreBatchRequest:
-    return cache_pb2.StoreBatchRequest(
-        stores=[
-            cache_pb2.StoreRequest(
-                scope=scope(tenant),
-                text=f"{tenant} text {i}",
-                prediction=common_pb2.Prediction(label="x", score=0.9),
-                mode="exact",
-            )
-            for i in texts
-        ]
-    )
 
 
 async def kept(stub: object, tenant: str, texts: int) -> list[int]:
@@ -51,12 +37,15 @@ def test_past_the_whole_file_bound_the_largest_groups_give_up_their_oldest(
 ) -> None:
     async def body() -> None:
         async with cache(tmp_path / "cache.db", max_total_entries=BOUND) as (service, stub):
-            await stub.StoreBatch(stores("big", range(90)), timeout=10)
+            await stub.StoreBatch(store_batch("big", range(90)), timeout=10)
             await written(stub)
             assert service.counts[CacheCount.EVICTIONS] == 0  # 90 is within the bound
             await stub.StoreBatch(
                 cache_pb2.StoreBatchRequest(
-                    stores=[*stores("small", range(10)).stores, *stores("other", range(10)).stores]
+                    stores=[
+                        *store_batch("small", range(10)).stores,
+                        *store_batch("other", range(10)).stores,
+                    ]
                 ),
                 timeout=10,
             )
@@ -71,7 +60,7 @@ def test_past_the_whole_file_bound_the_largest_groups_give_up_their_oldest(
             assert stats.entries == 95  # Milvus's count of the whole file
 
             # Two groups now far larger than the third: they come down to one level.
-            await stub.StoreBatch(stores("small", range(10, 80)), timeout=10)
+            await stub.StoreBatch(store_batch("small", range(10, 80)), timeout=10)
             await written(stub)
             # big 75, small 80, other 10: 165, so 70 go; big and small come down to 42 and
             # 43 (the odd one from the first by name), other keeps all of its 10.
@@ -91,8 +80,8 @@ def test_a_file_started_over_a_lowered_bound_comes_back_within_it(tmp_path: Path
 
     async def body() -> None:
         async with cache(db) as (_, stub):  # no whole-file bound yet
-            await stub.StoreBatch(stores("big", range(40)), timeout=10)
-            await stub.StoreBatch(stores("small", range(10)), timeout=10)
+            await stub.StoreBatch(store_batch("big", range(40)), timeout=10)
+            await stub.StoreBatch(store_batch("small", range(10)), timeout=10)
             await written(stub)
         async with cache(db, max_total_entries=30) as (service, stub):
             deadline = time.monotonic() + 20
