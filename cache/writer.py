@@ -89,6 +89,9 @@ class PendingWrites:
         # Invalidated while a write of them was in flight, to be deleted from Milvus again.
         self._redelete: set[str] = set()
         self._attempts: dict[str, int] = {}  # failed writes of a pending store, when any
+        # Shutting down: stores are written even while a reclaim's journal is full (at most
+        # HOPLINE_CACHE_MAX_PENDING of them), rather than lost with the process.
+        self._draining = False
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -125,6 +128,7 @@ class PendingWrites:
     async def drain(self, timeout_s: float) -> None:
         """Let the writer land what was accepted: nothing acknowledged is lost on a drain."""
         deadline = time.monotonic() + timeout_s
+        self._draining = True
         while self._pending and time.monotonic() < deadline:
             self._wake.set()
             await asyncio.sleep(0.01)
@@ -170,7 +174,7 @@ class PendingWrites:
         JOURNAL_MAX_ROWS); it empties in a Milvus thread, so it is polled."""
         self.host.counts.add(CacheCount.WRITES_HELD)
         log.info("cache stores wait for the reclaim's copy", extra={"entries": len(self)})
-        while self.host.require_store().stores_wait():  # noqa: ASYNC110
+        while self.host.require_store().stores_wait() and not self._draining:  # noqa: ASYNC110
             await asyncio.sleep(STORES_WAIT_POLL_S)
 
     async def _write(self, batch: dict[str, Pending]) -> str | None:

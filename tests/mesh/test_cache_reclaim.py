@@ -236,13 +236,15 @@ def test_the_cache_service_reclaims_under_eviction_and_keeps_serving(tmp_path: P
     asyncio.run(body())
 
 
+@pytest.mark.parametrize("drained", [False, True], ids=["reclaim-ends", "drain-first"])
 def test_stores_wait_while_a_reclaims_journal_is_full_and_land_after_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drained: bool
 ) -> None:
     """A copy under a stream of stores records every write for the new generation; past
     JOURNAL_MAX_ROWS (20 here) the writer holds the stores back (still answered from the
-    pending buffer) until the reclaim ends, and then writes them. The seam: the copy waits
-    for the test's signal after it has copied, as a long copy would."""
+    pending buffer) until the reclaim ends, and then writes them; a drain (shutting down)
+    writes them at once instead, and the reclaim replays them into the new generation. The
+    seam: the copy waits for the test's signal after it has copied, as a long copy would."""
     monkeypatch.setattr(generations, "JOURNAL_MAX_ROWS", 20)
     copied, release = threading.Event(), threading.Event()
 
@@ -277,9 +279,16 @@ def test_stores_wait_while_a_reclaims_journal_is_full_and_land_after_it(
                 for i in range(60)
             ]
             assert set(late) == {common_pb2.CACHE_OUTCOME_EXACT}  # read from the buffer
+            if drained:
+                await service.writes.drain(20)
+                assert len(service.writes) == 0  # written while the copy is still held
+                assert not release.is_set()
             release.set()
+            deadline = time.monotonic() + 30
+            while not service.counts[CacheCount.RECLAIMS]:
+                assert time.monotonic() < deadline, "the reclaim never ended"
+                await asyncio.sleep(0.05)
             await written(stub)
-            assert service.counts[CacheCount.RECLAIMS] == 1
             assert s.collection.endswith("_g1")
             assert not s.stores_wait()
             assert s.count("late") == 60  # every held store written, to the new generation
