@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from hopline.cache.verify import SCOPE_WINDOW, Observation
+from hopline.cache.verify_ids import key_due, keys_retired
 
 KEY_BYTES = 32
 
@@ -41,7 +42,8 @@ class EvidenceStore(Protocol):
     unreadable: str | None  # why it was unusable
 
     def keys(self) -> list[bytes]:
-        """The keys verify ids may be signed with; the first signs."""
+        """The keys verify ids may be signed with, oldest first (the newest signs), rotated
+        when a new one is due and the retired ones gone (cache/verify_ids.py:KEY_ROTATE_S)."""
         ...
 
     def append(self, rows: Sequence[Noted]) -> None: ...
@@ -87,7 +89,8 @@ class EvidenceLog:
         self.set_aside: Path | None = None  # where a file of another schema was moved
         self.unreadable: str | None = None  # why SQLite could not read the file set aside
         self._lock = threading.Lock()
-        self._key = secrets.token_bytes(KEY_BYTES)
+        # (made at, key), oldest first: this process's own keys (`keys`).
+        self._keys: list[tuple[float, bytes]] = []
         try:
             self._db = self.open_schema(path)
         except sqlite3.DatabaseError as exc:
@@ -156,10 +159,17 @@ class EvidenceLog:
         same = tuple((row[1], row[2]) for row in table) == COLUMNS
         return SCHEMA_VERSION if same else 1
 
-    def keys(self) -> list[bytes]:
-        """A key of this process's own: one process takes its ids, and an id from before a
-        restart is refused (NOT_FOUND), as its comparison was never kept."""
-        return [self._key]
+    def keys(self, now: float | None = None) -> list[bytes]:
+        """Keys of this process's own, rotated and retired as a shared store's are
+        (cache/verify_ids.py:KEY_ROTATE_S): one process takes its ids, and an id from before
+        a restart is refused (NOT_FOUND), as its comparison was never kept."""
+        now = time.time() if now is None else now
+        with self._lock:
+            if key_due([made for made, _ in self._keys], now):
+                self._keys.append((now, secrets.token_bytes(KEY_BYTES)))
+            retired = set(keys_retired([made for made, _ in self._keys], now))
+            self._keys = [k for i, k in enumerate(self._keys) if i not in retired]
+            return [key for _, key in self._keys]
 
     def append(self, rows: Sequence[Noted]) -> None:
         now = time.time()

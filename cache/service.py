@@ -169,6 +169,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             asyncio.create_task(self._sweep(), name="sweep"),
             asyncio.create_task(self.writes.run(), name="writer"),
             asyncio.create_task(self._reclaim(), name="reclaim"),
+            asyncio.create_task(self.verifier.keep_keys(), name="verify-keys"),
         ]
         if self.peers is not None:
             poll_s = self.config.peer_poll_ms / 1e3

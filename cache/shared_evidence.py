@@ -20,6 +20,7 @@ once may each add one).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import secrets
 import time
@@ -35,6 +36,7 @@ from hopline.cache.milvus_log import ROW_VECTOR, MilvusLog
 from hopline.cache.milvus_store import CONSISTENCY
 from hopline.cache.shared_invalidations import SKEW_S
 from hopline.cache.verify import SCOPE_WINDOW, Observation
+from hopline.cache.verify_ids import key_due, keys_retired
 
 log = logging.getLogger("hopline.cache.shared_evidence")
 
@@ -78,14 +80,22 @@ class SharedEvidence:
         self.milvus.open(self.collection, _evidence_fields)
         self.milvus.open(self.key_collection, _key_fields)
 
-    def keys(self) -> list[bytes]:
+    def keys(self, now: float | None = None) -> list[bytes]:
+        """The keys verify ids may be signed with, oldest first (the newest signs): a new one
+        made when the newest is KEY_ROTATE_S old (or there is none), and those retired
+        (`keys_retired`) deleted. Replicas doing this at once each add a key: the newest of
+        them signs once every replica has read them, and the others retire."""
+        now = time.time() if now is None else now
         rows = self._keys()
-        if not rows:
+        if key_due([r["at"] for r in rows], now):
             key = secrets.token_bytes(KEY_BYTES)
-            row = {"id": uuid.uuid4().hex, "vector": ROW_VECTOR, "at": time.time()}
+            row = {"id": uuid.uuid4().hex, "vector": ROW_VECTOR, "at": now}
             self.milvus.call("insert", self.key_collection, [row | {"key": key.hex()}])
             rows = self._keys()
-        return [bytes.fromhex(r["key"]) for r in sorted(rows, key=lambda r: (r["at"], r["id"]))]
+        if retired := [rows[i]["id"] for i in keys_retired([r["at"] for r in rows], now)]:
+            self.milvus.call("delete", self.key_collection, filter=f"id in {json.dumps(retired)}")
+            rows = [r for r in rows if r["id"] not in retired]
+        return [bytes.fromhex(r["key"]) for r in rows]
 
     def _keys(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = self.milvus.call(
@@ -95,7 +105,7 @@ class SharedEvidence:
             output_fields=["id", "at", "key"],
             consistency_level=CONSISTENCY,
         )
-        return rows
+        return sorted(rows, key=lambda r: (r["at"], r["id"]))
 
     def append(self, rows: Sequence[Noted]) -> None:
         now = time.time()

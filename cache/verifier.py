@@ -36,6 +36,7 @@ from hopline.cache.verify import (
     stratum,
 )
 from hopline.cache.verify_ids import (
+    KEYS_READ_S,
     PENDING_TTL_S,
     Pending,
     UnknownKey,
@@ -149,6 +150,23 @@ class Verifier:
                 await self._run(store.trim, self.rules.cutoffs())
 
         await milvus_log.follow("the peers' evidence", poll, trim, poll_s)
+
+    async def keep_keys(self) -> None:
+        """The store's signing keys read again every KEYS_READ_S, for good: the read makes a
+        new key when one is due and deletes the retired ones (cache/verify_ids.py)."""
+        failing = False
+        while True:
+            await asyncio.sleep(KEYS_READ_S)
+            if (store := self.store) is None:
+                return  # stopped
+            try:
+                self.ids.learn(await self._run(store.keys))
+            except CacheStoreError as exc:
+                if not failing:  # the keys in memory go on signing meanwhile
+                    log.warning("reading the verify-id keys failed", extra={"error": str(exc)})
+                failing = True
+                continue
+            failing = False
 
     async def stop(self) -> None:
         if self.store is not None:

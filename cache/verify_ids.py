@@ -27,11 +27,21 @@ import hmac
 import json
 import secrets
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from hopline.cache.verify import VerifyPolicy
 
 PENDING_MAX = 100_000  # ids remembered as reported; past it the oldest issued are refused
 PENDING_TTL_S = 300.0  # an id not reported by then is refused
+# A new signing key every KEY_ROTATE_S (the newest signs), so that a key read out of a
+# replica's memory or the evidence store signs for a day, not for ever. A key is deleted once
+# no id it signed can still be taken: its successor has been in the store for an id's life,
+# plus the time a replica may go on signing with it before it reads the keys again
+# (KEYS_READ_S), plus the clock skew allowed between replicas.
+KEY_ROTATE_S = 86_400.0
+KEYS_READ_S = 60.0
+KEY_SKEW_S = 60.0
+KEY_RETIRE_S = PENDING_TTL_S + KEYS_READ_S + KEY_SKEW_S
 VERSION = "1"
 _MAC_BYTES = 16
 
@@ -67,8 +77,19 @@ def key_id(key: bytes) -> str:
     return hashlib.sha256(key).hexdigest()[:12]
 
 
+def key_due(made: Sequence[float], now: float) -> bool:
+    """Whether a new key is due, for keys made at the wall-clock times `made`, oldest first."""
+    return not made or now - made[-1] >= KEY_ROTATE_S
+
+
+def keys_retired(made: Sequence[float], now: float) -> list[int]:
+    """The positions of the keys (made at `made`, oldest first) no id can still be signed by:
+    each one's successor is KEY_RETIRE_S old."""
+    return [i for i in range(len(made) - 1) if now - made[i + 1] >= KEY_RETIRE_S]
+
+
 class VerifyIds:
-    """Issues and opens verify ids under a set of shared keys (the oldest signs)."""
+    """Issues and opens verify ids under a set of shared keys (the newest signs)."""
 
     def __init__(self, keys: list[bytes]) -> None:
         self._keys: dict[str, bytes] = {}
@@ -78,11 +99,11 @@ class VerifyIds:
         self._floor = 0.0  # ids issued at or before this were forgotten: refused
 
     def learn(self, keys: list[bytes]) -> None:
-        """Keys in the order the store keeps them; the first signs from now on."""
-        for key in keys:
-            self._keys.setdefault(key_id(key), key)
+        """The store's keys, oldest first: the newest signs from now on, and a key the store
+        no longer holds (retired) opens no id from now on."""
         if keys:
-            self._signer = key_id(keys[0])
+            self._keys = {key_id(key): key for key in keys}
+            self._signer = key_id(keys[-1])
 
     def issue(self, pending: Pending) -> str:
         body = json.dumps(

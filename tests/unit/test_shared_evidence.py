@@ -3,7 +3,7 @@
 one process standing in for two replicas (the mesh test tests/mesh/test_cache_shared_milvus.py
 runs replica processes over a server): what one appends the other polls, a new store replays
 the latest window per stratum, the rows past a window are trimmed, an id two replicas took at
-once counts once, and the replicas agree on the key that signs verify ids."""
+once counts once, and the replicas agree on the key that signs verify ids and rotate it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from milvus_server import MilvusKind, MilvusServer, chosen_kind
 from hopline.cache.evidence import Noted
 from hopline.cache.shared_evidence import SharedEvidence
 from hopline.cache.verify import Observation, Rules
-from hopline.cache.verify_ids import new_nonce
+from hopline.cache.verify_ids import KEY_RETIRE_S, KEY_ROTATE_S, new_nonce
 
 SCOPE = '["t","m","1","{}"]'
 BASE = 0.0
@@ -99,6 +99,27 @@ def test_the_replicas_sign_with_one_key(uri: str) -> None:
     try:
         assert first.keys() == second.keys()
         assert len(first.keys()) == 1
+    finally:
+        first.close()
+        second.close()
+
+
+def test_the_replicas_rotate_the_shared_key_and_retire_the_old_one(uri: str) -> None:
+    """A day on (the clocks given), the first replica to read the keys adds one, which the
+    other reads too; once no id the old key signed can still be taken, it is deleted."""
+    first = SharedEvidence(uri, "c5", 10.0)
+    second = SharedEvidence(uri, "c5", 10.0)
+    try:
+        now = time.time()
+        (old,) = first.keys(now)
+        assert second.keys(now + KEY_ROTATE_S - 1) == [old]
+        rotated = first.keys(now + KEY_ROTATE_S)
+        assert rotated[0] == old
+        assert len(rotated) == 2
+        assert second.keys(now + KEY_ROTATE_S + 1) == rotated
+        retired = second.keys(now + KEY_ROTATE_S + KEY_RETIRE_S)
+        assert retired == rotated[1:]
+        assert first.keys(now + KEY_ROTATE_S + KEY_RETIRE_S + 1) == retired
     finally:
         first.close()
         second.close()

@@ -4,17 +4,23 @@ issued, once; a changed, foreign, expired or made-up id is refused with the reas
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
+from hopline.cache.evidence import EvidenceLog
 from hopline.cache.verify import VerifyPolicy
 from hopline.cache.verify_ids import (
+    KEY_RETIRE_S,
+    KEY_ROTATE_S,
     PENDING_TTL_S,
     BadVerifyId,
     Pending,
     UnknownKey,
     UnknownVerifyId,
     VerifyIds,
+    key_due,
+    keys_retired,
     new_nonce,
 )
 
@@ -84,3 +90,43 @@ def test_the_policy_travels_whole() -> None:
     issued = dataclasses.replace(pending(), policy=policy)
     ids = VerifyIds([KEY])
     assert ids.open(ids.issue(issued), NOW).policy == policy
+
+
+def test_the_newest_key_signs_and_a_retired_one_opens_nothing() -> None:
+    old, new = b"o" * 32, b"n" * 32
+    ids = VerifyIds([old])
+    signed_old = ids.issue(pending())
+    ids.learn([old, new])  # a key was added: it signs from now on
+    signed_new = ids.issue(pending())
+    assert signed_new.split(".")[1] != signed_old.split(".")[1]
+    assert VerifyIds([new]).open(signed_new, NOW).region == "reset_password"
+    assert ids.open(signed_old, NOW).region == "reset_password"  # still known
+    ids.learn([new])  # the old key retired from the store
+    with pytest.raises(UnknownKey):
+        ids.open(VerifyIds([old]).issue(pending()), NOW)
+
+
+def test_a_key_is_due_daily_and_retired_once_no_id_it_signed_can_be_taken() -> None:
+    assert key_due([], NOW)
+    assert not key_due([NOW], NOW + KEY_ROTATE_S - 1)
+    assert key_due([NOW], NOW + KEY_ROTATE_S)
+    made = [NOW, NOW + KEY_ROTATE_S, NOW + 2 * KEY_ROTATE_S]
+    # An id signed with a key just before its successor came lives PENDING_TTL_S more.
+    assert KEY_RETIRE_S > PENDING_TTL_S
+    assert keys_retired(made, NOW + KEY_ROTATE_S + KEY_RETIRE_S - 1) == []
+    assert keys_retired(made, NOW + KEY_ROTATE_S + KEY_RETIRE_S) == [0]
+    assert keys_retired(made, NOW + 2 * KEY_ROTATE_S + KEY_RETIRE_S) == [0, 1]  # never the newest
+
+
+def test_one_process_rotates_its_own_keys(tmp_path: Path) -> None:
+    log = EvidenceLog(tmp_path / "verify.sqlite")
+    try:
+        first = log.keys(NOW)
+        assert len(first) == 1
+        assert log.keys(NOW + 10) == first
+        rotated = log.keys(NOW + KEY_ROTATE_S)
+        assert rotated[0] == first[0]
+        assert len(rotated) == 2
+        assert log.keys(NOW + KEY_ROTATE_S + KEY_RETIRE_S) == rotated[1:]
+    finally:
+        log.close()
