@@ -13,6 +13,8 @@ import json
 import math
 import os
 import re
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -233,8 +235,10 @@ def version_digest(folder: Path) -> str:
 # registry takes for "these files changed"): the tokenizer, inference and postprocess each
 # fingerprint a new version, and co-located they share a process, so two of the three reads
 # of a 90 MB model.onnx (about 60 ms each) are skipped.
-_FILE_DIGESTS: dict[tuple[str, int, int, int, int], bytes] = {}
+# Least recently used out first: a file read on every check stays while others come and go.
+_FILE_DIGESTS: OrderedDict[tuple[str, int, int, int, int], bytes] = OrderedDict()
 _FILE_DIGESTS_KEPT = 256
+_FILE_DIGESTS_LOCK = threading.Lock()  # the services' threads check versions side by side
 _HASH_STEP = 16 << 20
 
 
@@ -247,18 +251,22 @@ def _file_digest(path: Path) -> bytes:
     with path.open("rb", buffering=0) as f:
         st = os.fstat(f.fileno())
         key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
-        known = _FILE_DIGESTS.get(key)
-        if known is not None:
-            return known
+        with _FILE_DIGESTS_LOCK:
+            known = _FILE_DIGESTS.get(key)
+            if known is not None:
+                _FILE_DIGESTS.move_to_end(key)
+                return known
         digest = hashlib.sha256()
         buffer = bytearray(min(st.st_size, _HASH_STEP) or 1)
         view = memoryview(buffer)
         while read := f.readinto(buffer):
             digest.update(view[:read])
     found = digest.digest()
-    if len(_FILE_DIGESTS) >= _FILE_DIGESTS_KEPT:
-        _FILE_DIGESTS.pop(next(iter(_FILE_DIGESTS)), None)  # the oldest
-    _FILE_DIGESTS[key] = found
+    with _FILE_DIGESTS_LOCK:
+        _FILE_DIGESTS[key] = found
+        _FILE_DIGESTS.move_to_end(key)
+        while len(_FILE_DIGESTS) > _FILE_DIGESTS_KEPT:
+            _FILE_DIGESTS.popitem(last=False)
     return found
 
 
