@@ -103,9 +103,9 @@ class CacheConfig(ServerConfig):
     max_total_entries: int = env_field(
         "HOPLINE_CACHE_MAX_TOTAL_ENTRIES",
         0,
-        "bound on a milvus-lite file's entries, every (tenant, model) together (its server "
-        "holds about 2.6 KiB a row in this process's container); past it the (tenant, model)s "
-        "holding the most give up their oldest; 0: none",
+        "bound on a milvus-lite file's entries, every (tenant, model) together (its server, "
+        "a child of this process, holds about 2.6 KiB a row in memory); past it the (tenant, "
+        "model)s holding the most give up their oldest; 0: none",
     )
     default_ttl_s: float = env_field(
         "HOPLINE_CACHE_TTL_S", 3600.0, "time to live when a store names none", valid=POSITIVE
