@@ -1,6 +1,8 @@
 """The cache's write side: accepted stores wait in memory, visible to the exact tier at once,
 until one task writes them to Milvus in batches, puts them into the exact index and holds
-each (tenant, model) to its entry bound, oldest first.
+each (tenant, model) to its entry bound, oldest first (and a milvus-lite file to its bound on
+all of them together, the largest groups first). While a reclaim's record of the writes is
+full the stores wait (`CacheStore.stores_wait`).
 
 `PendingWrites` works on the cache service's parts through `WriteHost` (cache/service.py is
 the one host): the store, the exact index, the bounds' counts, the tombstones, the watch feed
