@@ -12,9 +12,9 @@ Size: each (scope, stratum) keeps its latest SCOPE_WINDOW observations in the ru
 replica deletes the rows that have left that window (`trim`), so the collection holds about
 one window per stratum, whatever the traffic.
 
-The keys that sign verify ids live in `<collection>_verify_keys`: a replica that finds none
-adds its own; every replica signs with the oldest and accepts any (two replicas starting at
-once may each add one).
+The keys that sign verify ids live in `<collection>_verify_keys`: a replica that finds none,
+or finds the newest a day old, adds one; every replica signs with the newest and accepts any
+not yet retired (two replicas at once may each add one; cache/verify_ids.py:KEY_ROTATE_S).
 """
 
 from __future__ import annotations
