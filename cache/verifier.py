@@ -153,20 +153,17 @@ class Verifier:
 
     async def keep_keys(self) -> None:
         """The store's signing keys read again every KEYS_READ_S, for good: the read makes a
-        new key when one is due and deletes the retired ones (cache/verify_ids.py)."""
-        failing = False
-        while True:
-            await asyncio.sleep(KEYS_READ_S)
-            if (store := self.store) is None:
-                return  # stopped
-            try:
+        new key when one is due and deletes the retired ones (cache/verify_ids.py). While the
+        store cannot be read the keys in memory go on signing."""
+
+        async def read() -> None:
+            if (store := self.store) is not None:
                 self.ids.learn(await self._run(store.keys))
-            except CacheStoreError as exc:
-                if not failing:  # the keys in memory go on signing meanwhile
-                    log.warning("reading the verify-id keys failed", extra={"error": str(exc)})
-                failing = True
-                continue
-            failing = False
+
+        async def nothing_to_trim() -> None:
+            return None
+
+        await milvus_log.follow("the verify-id keys", read, nothing_to_trim, KEYS_READ_S)
 
     async def stop(self) -> None:
         if self.store is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,17 +28,11 @@ import grpc
 from hopline.bench.soak import children, rss_mb
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.runtime.ports import free_ports
 
 BATCH = 1024  # StoreBatch's most
 SAMPLE_EVERY = 10 * BATCH
 MAX_PENDING = 4096  # below HOPLINE_CACHE_MAX_PENDING's 10,000: no store is refused
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def batch(first: int, tenants: int) -> cache_pb2.StoreBatchRequest:
@@ -59,7 +52,7 @@ def batch(first: int, tenants: int) -> cache_pb2.StoreBatchRequest:
 
 
 def measure(bound: int, stores: int, tenants: int, work: Path) -> dict[str, Any]:
-    port = free_port()
+    (port,) = free_ports(1)
     env = dict(
         os.environ,
         HOPLINE_CACHE_URI=str(work / "cache.db"),
