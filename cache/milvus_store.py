@@ -586,18 +586,21 @@ class MilvusStore:
         return Reclaimed(new, copied, freed, replayed, time.perf_counter() - started, switch_ms)
 
     def _copy_live(self, source: str, target: str, now: float) -> int:
+        fields = ("id", "vector", *SCALARS)
         pages = self._client.query_iterator(
             source,
             batch_size=VECTORS_PAGE,
             filter=f"expires_at > {now!r}",
-            output_fields=["id", "vector", *SCALARS],
+            output_fields=list(fields),
             consistency_level=CONSISTENCY,
             timeout=self.timeout_s,
         )
         copied = 0
         try:
             while rows := pages.next():
-                self._client.insert(target, rows, timeout=self.timeout_s)
+                # By column, as upserts go: the client's row insert packs each field of each
+                # row on its own, a quarter of the copy's time (docs/cache.md, reclaims).
+                self._insert_columns(target, {f: [row[f] for row in rows] for f in fields})
                 copied += len(rows)
         finally:
             pages.close()
