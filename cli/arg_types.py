@@ -25,3 +25,32 @@ def at_least_zero(raw: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {raw}")
     return value
+
+
+INT32_MAX = 2**31 - 1
+
+
+def top_k(raw: str) -> int:
+    """`--top-k`: PredictRequest.top_k is an int32; the gateway checks it against the model's
+    labels. 0 asks for the default (1), as an unset field does."""
+    value = int(raw)
+    if not 0 <= value <= INT32_MAX:
+        raise argparse.ArgumentTypeError(f"must be 0 to {INT32_MAX}, got {raw}")
+    return value
+
+
+top_k.__name__ = "int"
+
+
+def utf8_text(raw: str) -> str:
+    """A string argument that can be sent: bytes the locale could not decode reach Python as
+    lone surrogates, which a protobuf string cannot hold."""
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        undecoded = exc.object[exc.start : exc.end].encode("utf-8", "surrogateescape")
+        raise argparse.ArgumentTypeError(
+            f"is not valid UTF-8 ({undecoded!r} at character {exc.start}): hopline sends "
+            "text as UTF-8"
+        ) from None
+    return raw

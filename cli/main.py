@@ -14,7 +14,7 @@ import grpc
 
 from hopline.runtime import config as cfg
 from hopline.runtime import grpc_io
-from hopline.runtime.api_keys import API_KEY_ENV
+from hopline.runtime.api_keys import API_KEY_ENV, UnsendableKey
 from hopline.runtime.service_table import INPROC, SERVICES, Topology, spec
 
 SERVICE_NAMES = tuple(s.name for s in SERVICES)
@@ -121,6 +121,9 @@ def _predict(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             api_key=args.api_key,
         )
+    except UnsendableKey as err:
+        sys.stderr.write(f"hopline predict: error: {err}\n")
+        return 2
     except grpc.RpcError as err:
         code = err.code()
         trailing = dict(getattr(err, "trailing_metadata", lambda: ())() or ())
@@ -250,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service (see `hopline serve NAME --help`)")
     serve.add_argument("service", choices=SERVICE_NAMES)
 
-    from hopline.cli.arg_types import positive
+    from hopline.cli.arg_types import positive, top_k, utf8_text
     from hopline.cli.run import DEFAULT_TOPOLOGY
 
     run = sub.add_parser("run", help="start the mesh locally (--topology), stop it on Ctrl-C")
@@ -267,20 +270,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     pred = sub.add_parser("predict", help="classify one text through the gateway")
-    pred.add_argument("text")
+    pred.add_argument("text", type=utf8_text)
     pred.add_argument(
         "--gateway",
         help=f"gateway address [env HOPLINE_GATEWAY_ADDR; default {spec('gateway').default_addr}]",
     )
-    pred.add_argument("--tenant", default="")
+    pred.add_argument("--tenant", default="", type=utf8_text)
     pred.add_argument(
         "--api-key",
         help=f"your API key, for a gateway with API keys; it names your tenant [env {API_KEY_ENV}, "
         "which keeps the key out of the process list]",
     )
-    pred.add_argument("--model", default="")
-    pred.add_argument("--model-version", default="")
-    pred.add_argument("--top-k", type=int, default=1)
+    pred.add_argument("--model", default="", type=utf8_text)
+    pred.add_argument("--model-version", default="", type=utf8_text)
+    pred.add_argument("--top-k", type=top_k, default=1)
     pred.add_argument("--cache", default="use", choices=("use", "bypass", "refresh"))
     pred.add_argument("--timeout", type=positive(float), default=10.0, help="deadline in seconds")
     pred.add_argument("--json", action="store_true", help="one JSON object (stable keys)")

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType
 
 from hopline.runtime.launcher import ALL, Mesh, MeshError, StartInterrupted
-from hopline.runtime.service_table import Topology
+from hopline.runtime.service_table import Topology, spec
 
 log = logging.getLogger("hopline.run")
 
@@ -155,10 +155,13 @@ def run_mesh(
         for name in ALL
         if name != "gateway"
     )
+    # The gateway's flag where it is not where `hopline predict` dials by default, so the
+    # line reaches this mesh from a shell without this one's HOPLINE_GATEWAY_ADDR.
+    flag = "" if mesh.gateway == spec("gateway").default_addr else f" --gateway {mesh.gateway}"
     sys.stdout.write(
         f"\nhopline is up in {took:.1f} s: gateway SERVING on {mesh.gateway}, "
         f"{upstreams} SERVING ({topology} topology)\n"
-        f'  try: .venv/bin/hopline predict "I forgot my password"\n'
+        f'  try: .venv/bin/hopline predict{flag} "I forgot my password"\n'
         f"  stop: Ctrl-C\n\n"
     )
     sys.stdout.flush()

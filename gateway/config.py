@@ -92,7 +92,7 @@ class GatewayConfig(ServerConfig):
     upstream_timeout_s: float = env_field(
         "HOPLINE_UPSTREAM_TIMEOUT_S",
         10.0,
-        "per-hop timeout when the client sets no deadline",
+        "the longest a request may take, its hops together: the client's deadline if sooner",
         valid=POSITIVE,
     )
     max_text_bytes: int = env_field(

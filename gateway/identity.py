@@ -3,8 +3,9 @@
 With API keys configured (HOPLINE_API_KEYS: a JSON file mapping key -> tenant) the tenant is
 the key's, from `authorization: Bearer <key>` metadata, and a request naming another tenant
 is refused. Without keys the mesh trusts its callers: `x-hopline-tenant` metadata, then the
-request's tenant field, then "default". The tenant is part of every cache key and filter, so
-getting it from an authenticated identity is what keeps tenants apart.
+request's tenant field, then "default". Either metadata key sent twice is refused, never "the
+last wins" (a proxy appending its own would otherwise decide). The tenant is part of every
+cache key and filter, so getting it from an authenticated identity is what keeps tenants apart.
 
 The keys file is re-read when it changes (checked at most every KEYS_RECHECK_S, from
 requests): a revoked key is refused and a new one served without a restart, as when a
@@ -92,11 +93,24 @@ class TenantResolver:
 
     def resolve(self, field: str, metadata: Iterable[tuple[str, str | bytes]]) -> str:
         sent, auth = "", ""
-        for key, value in metadata:  # the last of a repeated key wins
+        sents = auths = 0
+        for key, value in metadata:
             if key == TENANT_METADATA:
-                sent = _text(value)
+                sent, sents = _text(value), sents + 1
             elif key == AUTHORIZATION:
-                auth = _text(value)
+                auth, auths = _text(value), auths + 1
+        # Twice is ambiguous, not "the last wins": a proxy that appends its own header must
+        # not turn a refused claim into an accepted one.
+        if auths > 1:
+            raise IdentityError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"send one 'authorization' metadata entry, not {auths}",
+            )
+        if sents > 1:
+            raise IdentityError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"send one '{TENANT_METADATA}' metadata entry, not {sents}",
+            )
         if self.keys_file:
             self._reread_if_changed()
         if self.keys:

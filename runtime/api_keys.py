@@ -43,14 +43,22 @@ def _key_problem(key: object, tenant: object) -> str | None:
         return "a key must be a non-empty string"
     if not isinstance(tenant, str) or not valid_tenant(tenant):
         return f"the tenant of a key must be a string of {TENANT_RULE}"
-    # A key travels in an HTTP/2 header ('authorization: Bearer <key>'): a character a header
-    # cannot carry, or spaces around it that the gateway strips, make a key no caller can use.
-    if not (key.isascii() and key.isprintable()) or key != key.strip():
-        return (
-            f"the key of tenant {tenant!r} must be printable ASCII with no spaces around it "
-            "(it is sent as 'authorization: Bearer <key>')"
-        )
+    if not sendable_key(key):
+        return f"the key of tenant {tenant!r} must be {KEY_RULE}"
     return None
+
+
+class UnsendableKey(ValueError):
+    """A caller's key that no header can carry."""
+
+
+KEY_RULE = "printable ASCII with no spaces around it (it is sent as 'authorization: Bearer <key>')"
+
+
+def sendable_key(key: str) -> bool:
+    """A key travels in an HTTP/2 header: a character a header cannot carry, or spaces around
+    it that the gateway strips, make a key no caller can use."""
+    return key.isascii() and key.isprintable() and key == key.strip()
 
 
 def load_api_keys(keys_file: str) -> dict[str, str]:
@@ -93,6 +101,11 @@ def caller_metadata(
 ) -> tuple[tuple[str, str], ...]:
     """What a client tool sends as its caller: `key` (its `--api-key`) where given, else
     `HOPLINE_API_KEY`, else nothing (a gateway without API keys needs none). The key names
-    the caller's tenant at the gateway."""
+    the caller's tenant at the gateway. UnsendableKey, naming where the key came from, for one
+    no header can carry."""
     chosen = (environ.get(API_KEY_ENV, "") if key is None else key).strip()
+    if chosen and not sendable_key(chosen):
+        # Refused here, not by gRPC's core as an INTERNAL "Illegal header value".
+        where = API_KEY_ENV if key is None else "--api-key"
+        raise UnsendableKey(f"{where}: an API key must be {KEY_RULE}")
     return (bearer(chosen),) if chosen else ()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -129,6 +130,19 @@ def test_make_run_on_a_fresh_clone_answers_the_first_repeat_exact(runner: Runner
     assert first.cache.outcome == common_pb2.CACHE_OUTCOME_MISS, (first.cache, runner.logs())
     assert again.cache.outcome == common_pb2.CACHE_OUTCOME_EXACT, (again.cache, runner.logs())
     assert again.prediction.label == first.prediction.label
+
+    # The line it prints to try reaches this mesh, on its own ports, from any shell.
+    tip = runner.lines.get(timeout=10)
+    assert tip is not None
+    assert tip.strip().startswith("try: .venv/bin/hopline predict"), tip
+    argv = shlex.split(tip.strip().removeprefix("try: .venv/bin/hopline"))
+    assert argv[:3] == ["predict", "--gateway", gateway], argv
+    env = {k: v for k, v in os.environ.items() if k != spec("gateway").addr_env}
+    tried = subprocess.run(
+        [sys.executable, "-m", "hopline", *argv], env=env, capture_output=True, text=True
+    )
+    assert tried.returncode == 0, tried.stderr
+    assert tried.stdout.startswith("label"), tried.stdout
 
     assert runner.interrupt() == 0, runner.logs()
 

@@ -133,6 +133,21 @@ def test_a_key_cannot_claim_another_tenant(kmesh: Mesh) -> None:
     assert code == grpc.StatusCode.PERMISSION_DENIED
 
 
+def test_a_repeated_key_or_tenant_header_is_refused_not_the_last_taken(kmesh: Mesh) -> None:
+    """Taking the last of two let a refused claim through behind one the key allows (a
+    proxy appending its own header decides which comes last)."""
+    for first, second in ((GLOBEX_KEY, ACME_KEY), ("not-a-key", ACME_KEY), (ACME_KEY, ACME_KEY)):
+        code, details = rejection(kmesh, TEXT, (*auth(first), *auth(second)))
+        assert code == grpc.StatusCode.UNAUTHENTICATED, (first, second)
+        assert "one 'authorization'" in details, details
+    for tenants in (("globex", "acme"), ("acme", "acme")):
+        metadata = (*auth(ACME_KEY), *(("x-hopline-tenant", t) for t in tenants))
+        code, details = rejection(kmesh, TEXT, metadata)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, tenants
+        assert "one 'x-hopline-tenant'" in details, details
+    assert ask(kmesh, TEXT, (*auth(ACME_KEY), ("x-hopline-tenant", "acme"))).tenant == "acme"
+
+
 def test_the_keys_tenant_scopes_the_cache(kmesh: Mesh) -> None:
     text = "how do I download last month's invoice as a pdf"
     first = ask(kmesh, text, auth(ACME_KEY))

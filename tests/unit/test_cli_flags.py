@@ -1,5 +1,6 @@
 """The `hopline` command's numeric flags (cli/arg_types.py): a count or a time that cannot work
-is argparse's error (exit 2, the flag named) before anything starts. Before, `hopline bench
+is argparse's error (exit 2, the flag named) before anything starts, as is a string argument
+that is not UTF-8 or a top-k past protobuf's int32 (both were tracebacks). Before, `hopline bench
 --rps -5` ended in numpy's traceback, `--concurrency 0` and `--rounds 0` ran as 1,
 `--duration 0` reported NaNs, and `hopline predict --timeout 0` sent no deadline at all."""
 
@@ -15,6 +16,11 @@ from hopline.cli.main import build_parser
     [
         ("predict", "--timeout", "0", "must be above 0"),
         ("predict", "--timeout", "-1", "must be above 0"),
+        ("predict", "--top-k", "99999999999", "must be 0 to 2147483647"),
+        ("predict", "--top-k", "-1", "must be 0 to 2147483647"),
+        ("predict", "--top-k", "x", "invalid int value"),
+        ("predict", "--tenant", "\udcff", "is not valid UTF-8 (b'\\xff' at character 0)"),
+        ("predict", "--model", "m\udcfe", "is not valid UTF-8 (b'\\xfe' at character 1)"),
         ("bench", "--concurrency", "0", "must be above 0"),
         ("bench", "--concurrency", "-3", "must be above 0"),
         ("bench", "--concurrency", "x", "invalid int value"),
@@ -45,3 +51,15 @@ def test_values_that_work_are_taken_as_numbers() -> None:
     assert (args.rps, args.duration, args.warmup, args.rounds) == (2.5, 1.0, 0.0, 3)
     assert isinstance(args.rounds, int)
     assert build_parser().parse_args(["bench", "--concurrency", "32"]).concurrency == 32
+
+
+def test_a_text_the_locale_could_not_decode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Bytes that are not UTF-8 reach argv as lone surrogates (`surrogateescape`); building
+    the request from them ended in protobuf's UnicodeEncodeError traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["predict", "pass\udcff\udcfeword"])
+    assert exit_.value.code == 2
+    assert "argument text: is not valid UTF-8 (b'\\xff\\xfe' at character 4)" in (
+        capsys.readouterr().err
+    )
+    assert build_parser().parse_args(["predict", "pässwörd ✓", "--top-k", "0"]).top_k == 0

@@ -31,6 +31,7 @@ from hopline.runtime.api_keys import (
     API_KEYS_ENV,
     TENANT_MAX_BYTES,
     TENANT_MAX_CHARS,
+    UnsendableKey,
     caller_metadata,
     operator_metadata,
 )
@@ -365,6 +366,22 @@ def test_without_keys_the_field_then_default() -> None:
     assert resolver.resolve("", [bearer("whatever")]) == "default"
 
 
+def test_without_keys_a_repeated_tenant_header_is_invalid_argument() -> None:
+    # Not the last of them: which comes last is a proxy's choice, not the caller's.
+    for tenants in (("a", "b"), ("a", "a")):
+        err = refused(TenantResolver(), "", [(TENANT_METADATA, t) for t in tenants])
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not 2" in err.message
+
+
+def test_with_keys_a_repeated_authorization_is_unauthenticated(keyed: TenantResolver) -> None:
+    for first in ("key-globex-9876543210", "no-such-key", ACME_KEY):
+        err = refused(keyed, "", [bearer(first), bearer(ACME_KEY)])
+        assert err.code == grpc.StatusCode.UNAUTHENTICATED
+        assert "one 'authorization'" in err.message
+        assert ACME_KEY not in err.message
+
+
 def test_without_keys_a_tenant_of_exactly_128_characters_is_fine() -> None:
     assert TenantResolver().resolve("t" * 128, []) == "t" * 128
 
@@ -543,6 +560,15 @@ def test_a_client_tool_sends_its_callers_key(keys_file: Path) -> None:
     assert resolver.resolve("", caller_metadata(second, {})) == KEYS[second]
     # The gateway's file of keys is not a caller's key: it is never sent as one.
     assert caller_metadata(None, {API_KEYS_ENV: str(keys_file)}) == ()
+
+
+@pytest.mark.parametrize("key", ["k\ney", "ключ", "a\tb"])
+def test_a_callers_key_no_header_can_carry_is_refused_naming_its_source(key: str) -> None:
+    """gRPC's core refused such a header itself, as INTERNAL "Illegal header value"."""
+    with pytest.raises(UnsendableKey, match="--api-key: an API key must be printable ASCII"):
+        caller_metadata(key, {})
+    with pytest.raises(UnsendableKey, match=f"{API_KEY_ENV}: an API key must be printable"):
+        caller_metadata(None, {API_KEY_ENV: key})
 
 
 def test_a_revoked_key_is_refused_and_a_new_one_served_without_a_restart(
