@@ -260,9 +260,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def run_cache_command(args: argparse.Namespace) -> int:
-    from hopline.observability.logs import setup_logging
+    from hopline.observability.logs import LogFormat, setup_logging
 
-    setup_logging(f"cache-{args.cache_command}", "info", "text")
+    setup_logging(f"cache-{args.cache_command}", fmt=LogFormat.TEXT)
     handler: Any = args.cache_handler
     try:
         return int(handler(args))

@@ -164,9 +164,9 @@ def _model_build(args: argparse.Namespace) -> int:
     from hopline.model.limits import CheckLimits
     from hopline.model.providers import ProviderConfigError
     from hopline.model.quantize import Precision, PrecisionCheckError
-    from hopline.observability.logs import setup_logging
+    from hopline.observability.logs import LogFormat, setup_logging
 
-    setup_logging("model-build", "info", "text")
+    setup_logging("model-build", fmt=LogFormat.TEXT)
     if args.default:
         train, name = DEFAULT_TRAIN_FILE, args.name or DEFAULT_MODEL_NAME
     elif args.train:

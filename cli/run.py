@@ -117,12 +117,12 @@ def run_mesh(
     ready_timeout_s: float | None = None,
     topology: Topology = DEFAULT_TOPOLOGY,
 ) -> int:
-    from hopline.observability.logs import setup_logging
+    from hopline.observability.logs import LogFormat, setup_logging
 
     started = time.monotonic()
     if ready_timeout_s is None:
         ready_timeout_s = ready_bound_s()
-    setup_logging("run", "info", log_format)
+    setup_logging("run", fmt=LogFormat(log_format))
     if not model_repo.is_dir():
         log.error("no model repository; run `make model`", extra={"path": str(model_repo)})
         return 2

@@ -241,8 +241,9 @@ class GatewayConfig(ServerConfig):
     )
 
     def address_problems(self) -> list[str]:
-        """Upstream addresses whose port gRPC would take modulo 65536 (runtime/ports.py),
-        each named by its variable: such a gateway would wait for an upstream forever."""
+        """Upstream addresses that are empty or whose port gRPC would take modulo 65536
+        (runtime/ports.py), each named by its variable: such a gateway would wait for an
+        upstream for ever."""
         addrs = {
             "tokenizer": self.tokenizer_addr,
             "cache": self.cache_addr,

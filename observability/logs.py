@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import logging
 import sys
@@ -11,6 +12,23 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from opentelemetry import trace
+
+
+class LogLevel(enum.StrEnum):
+    """HOPLINE_LOG_LEVEL: the least severe record written."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+class LogFormat(enum.StrEnum):
+    """HOPLINE_LOG_FORMAT: one JSON object a line, or text for a terminal."""
+
+    JSON = "json"
+    TEXT = "text"
+
 
 # Attributes every LogRecord has; anything else came from `extra=` and is logged as a field.
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
@@ -61,12 +79,15 @@ class TextFormatter(logging.Formatter):
         return line
 
 
-def setup_logging(service: str, level: str = "info", fmt: str = "json") -> None:
+def setup_logging(
+    service: str, level: LogLevel = LogLevel.INFO, fmt: LogFormat = LogFormat.JSON
+) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(TextFormatter(service) if fmt == "text" else JsonFormatter(service))
+    text = fmt is LogFormat.TEXT
+    handler.setFormatter(TextFormatter(service) if text else JsonFormatter(service))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    root.setLevel(level.value.upper())
 
 
 # While a failure lasts, at most one line a key this often: under load an upstream that is

@@ -16,6 +16,7 @@ OTEL_TRACES_SAMPLER keeps its meaning.
 from __future__ import annotations
 
 import random
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -219,12 +220,26 @@ class SpanTracer(trace.Tracer):
             yield current
 
 
+# How long a stop waits for the spans still queued to be sent. The SDK's processor waits up
+# to 30 s, retrying a collector that does not answer: a gateway whose collector was down took
+# 30.6 s to exit after SIGTERM, past its pod's grace period once added to the drain.
+FLUSH_AT_STOP_S = 2.0
+
+
 class SpanTracerProvider(trace.TracerProvider):
     """One `SpanTracer` for every instrumentation name (hopline is the only one), and the
-    processor its spans end in, flushed by `shutdown`."""
+    processor its spans end in, flushed by `shutdown` for at most `flush_s`."""
 
-    def __init__(self, sampler: Sampler, processor: Any | None = None) -> None:
+    def __init__(
+        self,
+        sampler: Sampler,
+        processor: Any | None = None,
+        exporter: Any | None = None,
+        flush_s: float = FLUSH_AT_STOP_S,
+    ) -> None:
         self.processor = processor
+        self.exporter = exporter
+        self.flush_s = flush_s
         sink = None if processor is None else cast("SpanSink", processor.on_end)
         self.tracer = SpanTracer(sampler, sink)
 
@@ -232,5 +247,15 @@ class SpanTracerProvider(trace.TracerProvider):
         return self.tracer
 
     def shutdown(self) -> None:
-        if self.processor is not None:
-            self.processor.shutdown()
+        """Flushes what is queued; past `flush_s` the exporter is shut, which ends its
+        retries and its channel (the spans still queued are lost, as with a dead process)."""
+        if self.processor is None:
+            return
+        flushing = threading.Thread(
+            target=self.processor.shutdown, name="hopline-span-flush", daemon=True
+        )
+        flushing.start()
+        flushing.join(self.flush_s)
+        if flushing.is_alive() and self.exporter is not None:
+            self.exporter.shutdown()
+            flushing.join(self.flush_s)

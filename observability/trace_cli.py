@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,10 @@ PREDICT_OPERATION = "hopline.gateway.v1.GatewayService/Predict"
 
 
 def _percentile(raw: str) -> float:
-    value = float(raw.lower().removeprefix("p"))
+    try:
+        value = float(raw.lower().removeprefix("p"))
+    except ValueError:
+        value = math.nan
     if not 0 <= value < 100:
         raise argparse.ArgumentTypeError(f"a percentile like p90 or p99, got {raw!r}")
     return value

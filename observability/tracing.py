@@ -169,6 +169,7 @@ def setup_tracing(service: str) -> None:
         _REMOTE.start()
         log.info("sampling from Jaeger", extra={"url": _REMOTE.url})
     processor: Any = None
+    exporter: Any = None
     if exporting:
         # Imported only when exporting: they pull in the OTLP protobufs.
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -203,7 +204,7 @@ def setup_tracing(service: str) -> None:
                 "tls": tls.mode if tls else "off",
             },
         )
-    trace.set_tracer_provider(SpanTracerProvider(sampler, processor))
+    trace.set_tracer_provider(SpanTracerProvider(sampler, processor, exporter))
 
 
 def shutdown_tracing() -> None:

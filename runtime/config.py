@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, TypeVar, get_type_hints
 
+from hopline.observability.logs import LogFormat, LogLevel
 from hopline.runtime.event_loop import EventLoop
 from hopline.runtime.service_table import spec
 
@@ -39,6 +40,8 @@ class Range:
     def problem(self, value: float) -> str | None:
         if math.isnan(value):
             return "must be a number"
+        if math.isinf(value):  # "1e400" and "inf" parse: a grace or interval never ending
+            return "must be a finite number"
         if self.low is not None and (value <= self.low if self.open_low else value < self.low):
             return f"must be {'above' if self.open_low else 'at least'} {self.low:g}"
         if self.high is not None and value > self.high:
@@ -98,8 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
             dest=f.name,
             type=_converter(hints[f.name]),
             default=None,
-            help=f"{f.metadata['help']} [env {env}; default {f.default!r}]",
+            help=f"{f.metadata['help']} [env {env}; default {_shown(f.default)}]",
         )
+
+
+def _shown(default: Any) -> str:
+    return repr(default.value) if isinstance(default, enum.Enum) else repr(default)
 
 
 def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
@@ -202,8 +209,12 @@ class ServerConfig:
         EventLoop.UVLOOP,
         "uvloop (faster hops: runtime/event_loop.py) or asyncio (the standard library's loop)",
     )
-    log_level: str = env_field("HOPLINE_LOG_LEVEL", "info", "debug, info, warning or error")
-    log_format: str = env_field("HOPLINE_LOG_FORMAT", "json", "json (structured) or text")
+    log_level: LogLevel = env_field(  # noqa: RUF009 (an enum default, read once)
+        "HOPLINE_LOG_LEVEL", LogLevel.INFO, "debug, info, warning or error"
+    )
+    log_format: LogFormat = env_field(  # noqa: RUF009 (an enum default, read once)
+        "HOPLINE_LOG_FORMAT", LogFormat.JSON, "json (structured) or text"
+    )
     health_port: int = env_field(
         "HOPLINE_HEALTH_PORT",
         0,

@@ -122,12 +122,19 @@ def address_in_use(address: str) -> bool:
     return False
 
 
-def port_problem(address: str) -> str | None:
+def port_problem(address: str, *, listen: bool = False) -> str | None:
     """What is wrong with the port of a host:port address, or None. gRPC takes a port past
     65535 modulo 65536 (127.0.0.1:99999 binds 34463), so a typo would start a service on a
-    port nobody dials. Other forms (unix:PATH, dns:///NAME, inproc) are left to their users."""
-    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")) or ":" not in address:
+    port nobody dials; and it takes a host alone as port 443, which a caller may mean (a
+    name behind TLS) but a service binding (`listen`) never does. An empty address is no
+    address (gRPC's resolver refuses it, and a gateway waited for it for ever). Other forms
+    (unix:PATH, dns:///NAME, inproc) are left to their users."""
+    if not address.strip():
+        return "an empty address: set host:port, unix:PATH or, for an upstream, inproc"
+    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
         return None
+    if ":" not in address:
+        return f"{address!r}: a listen address needs its port (host:port)" if listen else None
     port = address.rpartition(":")[2]
     if not port.isdigit() or int(port) > 65535:
         return f"{address!r}: the port must be a number from 0 to 65535"

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from hopline.observability.metrics import start_metrics_server
 from hopline.observability.tracing import ServerTracing, shutdown_tracing
 from hopline.runtime import collector, event_loop, grpc_io
-from hopline.runtime.config import ServerConfig
+from hopline.runtime.config import ServerConfig, SettingError
 from hopline.runtime.interceptors import (
     Behaviour,
     Context,
@@ -148,7 +148,7 @@ class FaultInjection(RpcWrapper):
             self.code = grpc.StatusCode[code_name.strip().upper()]
         except KeyError:
             known = ", ".join(c.name for c in grpc.StatusCode if c != grpc.StatusCode.OK)
-            raise ValueError(
+            raise SettingError(
                 f"HOPLINE_TEST_FAULT={code_name!r} is no status code ({known})"
             ) from None
 
@@ -204,7 +204,7 @@ def role_of(service: object) -> str:
 
 def _bind(server: grpc.aio.Server, config: ServerConfig, tls: TlsFiles) -> int | None:
     """Bind the port, over TLS when the config has a certificate; None when it cannot."""
-    problem = port_problem(config.listen)
+    problem = port_problem(config.listen, listen=True)
     if problem is not None:
         log.error("cannot bind", extra={"listen": config.listen, "error": problem})
         return None

@@ -77,7 +77,7 @@ def check(listen: str, workers: int, setting: str, store_file: str = "") -> None
     milvus-lite file of a cache co-located in each worker ("" when none is)."""
     if workers < 1:
         raise WorkersConfigError(f"{setting}={workers}: at least 1 process must serve")
-    if problem := port_problem(listen):
+    if problem := port_problem(listen, listen=True):
         raise WorkersConfigError(problem)
     if store_file:
         raise WorkersConfigError(

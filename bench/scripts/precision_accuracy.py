@@ -28,7 +28,7 @@ from hopline.model.encoder import ClassifierHead, build_encoder_graph
 from hopline.model.outliers import calibration_feeds
 from hopline.model.quantize import Precision, convert
 from hopline.model.tokenizer import DEFAULT_MAX_LENGTH, load_tokenizer
-from hopline.observability.logs import setup_logging
+from hopline.observability.logs import LogFormat, setup_logging
 from hopline.services.pipeline import Pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--clinc", type=Path, default=CLINC)
     parser.add_argument("--work", type=Path)
     args = parser.parse_args()
-    setup_logging("precision-accuracy", "info", "text")
+    setup_logging("precision-accuracy", fmt=LogFormat.TEXT)
     repo = (args.work or Path(tempfile.mkdtemp(prefix="hopline-precision-"))) / "models"
     test = json.loads(args.clinc.read_text(encoding="utf-8"))["test"]
     texts, gold = [t for t, _ in test], [g for _, g in test]

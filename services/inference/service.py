@@ -57,6 +57,9 @@ log = logging.getLogger("hopline.inference")
 # A run that fails fails every request in its batch, and a model that fails once often fails
 # every run: its traceback once an episode, by model version (observability/logs.py).
 RUN_FAILURES = Episodes(log, "model run failed", level=logging.ERROR)
+# Threads a run or runs at once: far past any machine's cores, below what wedged a start
+# (100,000 intra-op threads: ONNX Runtime's session creation never returned, nor the drain).
+THREADS = Range(high=1024)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +78,13 @@ class InferenceConfig(ServerConfig):
         0,
         "ONNX Runtime intra-op threads per run (0: every core for a run alone, one core each "
         "for runs side by side)",
+        valid=THREADS,
     )
     workers: int = env_field(
-        "HOPLINE_INFERENCE_WORKERS", 0, "model runs in parallel (0: one per core and one more)"
+        "HOPLINE_INFERENCE_WORKERS",
+        0,
+        "model runs in parallel (0: one per core and one more)",
+        valid=THREADS,
     )
     # 'run' with threads that spin at most model/session.py:RUN_SPIN_US per wait, against
     # 'off', meshes side by side on 2 shared cores, miss, alternated rounds (stop 35):

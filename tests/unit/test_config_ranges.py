@@ -11,6 +11,7 @@ import pytest
 
 from hopline.cache.config import CacheConfig
 from hopline.gateway.config import GatewayConfig
+from hopline.observability.logs import LogFormat, LogLevel
 from hopline.runtime import config as cfg
 from hopline.runtime.service_table import SERVICES
 from hopline.services.inference.service import InferenceConfig
@@ -22,6 +23,8 @@ from hopline.services.inference.service import InferenceConfig
         ("HOPLINE_UPSTREAM_TIMEOUT_S", "0", "must be above 0"),
         ("HOPLINE_CACHE_BUDGET_MS", "-5", "must be above 0"),
         ("HOPLINE_CACHE_BUDGET_MS", "nan", "must be a number"),
+        ("HOPLINE_DRAIN_GRACE_S", "1e400", "must be a finite number"),  # float("1e400") is inf
+        ("HOPLINE_MODEL_REFRESH_S", "inf", "must be a finite number"),
         ("HOPLINE_GATEWAY_BATCH_MAX_ROWS", "0", "must be at least 1"),
         ("HOPLINE_MAX_TEXT_BYTES", "0", "must be at least 1"),
         ("HOPLINE_GATEWAY_STORE_LINGER_MS", "-1", "must be at least 0"),
@@ -51,6 +54,35 @@ def test_a_flag_is_held_to_the_same_range(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("HOPLINE_INFERENCE_NICE", "20")
     with pytest.raises(SystemExit, match="HOPLINE_INFERENCE_NICE='20': must be at most 19"):
         cfg.load(InferenceConfig, [])
+    monkeypatch.delenv("HOPLINE_INFERENCE_NICE")
+    # 100,000 intra-op threads wedged the start inside ONNX Runtime, past SIGTERM.
+    monkeypatch.setenv("HOPLINE_INFERENCE_THREADS", "100000")
+    with pytest.raises(SystemExit, match="THREADS='100000': must be at most 1024"):
+        cfg.load(InferenceConfig, [])
+
+
+@pytest.mark.parametrize(
+    ("env", "raw", "said"),
+    [
+        ("HOPLINE_LOG_LEVEL", "verbose", "'verbose' is not one of: debug, info, warning, error"),
+        ("HOPLINE_LOG_FORMAT", "xml", "'xml' is not one of: json, text"),
+    ],
+)
+def test_a_word_setting_outside_its_words_is_refused(
+    monkeypatch: pytest.MonkeyPatch, env: str, raw: str, said: str
+) -> None:
+    """HOPLINE_LOG_LEVEL=verbose was logging's own traceback at start; HOPLINE_LOG_FORMAT=xml
+    logged JSON while the config line said xml."""
+    monkeypatch.setenv(env, raw)
+    with pytest.raises(SystemExit) as refused:
+        cfg.load(GatewayConfig, [])
+    assert str(refused.value) == f"invalid {env}={raw!r}: {said}"
+    monkeypatch.setenv(env, "WARNING" if env.endswith("LEVEL") else " Text")
+    config = cfg.load(GatewayConfig, [])
+    assert (config.log_level, config.log_format) in {
+        (LogLevel.WARNING, LogFormat.JSON),
+        (LogLevel.INFO, LogFormat.TEXT),
+    }
 
 
 def test_the_edges_and_the_meaningful_zeros_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:

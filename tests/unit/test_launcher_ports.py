@@ -85,6 +85,23 @@ def test_a_port_gRPC_would_wrap_is_a_problem() -> None:
         assert port_problem(wrong) == f"{wrong!r}: the port must be a number from 0 to 65535"
 
 
+def test_a_listen_address_without_its_port_or_an_empty_one_is_a_problem() -> None:
+    """gRPC binds a host alone on 443 (a tokenizer started on HOPLINE_TOKENIZER_ADDR=127.0.0.1
+    served there), and resolves an empty target to nothing (a gateway waited for its upstream
+    for ever). A caller may name a host alone: 443 behind TLS is what it means."""
+    assert port_problem("127.0.0.1", listen=True) == (
+        "'127.0.0.1': a listen address needs its port (host:port)"
+    )
+    assert port_problem("127.0.0.1") is None
+    assert port_problem("inproc") is None
+    assert port_problem("unix:/tmp/x.sock", listen=True) is None
+    for empty in ("", "  "):
+        for listen in (True, False):
+            problem = port_problem(empty, listen=listen)
+            assert problem is not None
+            assert problem.startswith("an empty address")
+
+
 CLAIMER = """
 import sys
 from hopline.runtime.ports import claim

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -37,7 +38,8 @@ from opentelemetry.trace import (
 )
 
 from hopline.observability.otlp import SCOPE, OtlpSpanExporter, encode, encode_resource
-from hopline.observability.spans import RecordedSpan, SpanTracer
+from hopline.observability.spans import RecordedSpan, SpanTracer, SpanTracerProvider
+from hopline.runtime.ports import free_ports
 
 REMOTE = SpanContext(
     trace_id=0x0AF7651916CD43DD8448EB211C80319C,
@@ -248,6 +250,25 @@ def test_spans_reach_a_collector_through_the_sdks_batch_processor(collector: _Co
     assert hop.trace_id == root.trace_id
     assert hop.attributes[0].key == "k"
     assert hop.attributes[0].value.string_value == "v"
+
+
+def test_a_stop_waits_a_bounded_time_for_a_collector_that_does_not_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing listens where the spans go: the SDK's processor retried for up to 30 s at a
+    stop (a gateway took 30.6 s to exit after SIGTERM); the provider shuts the exporter once
+    `flush_s` has passed, which ends the retries."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{free_ports(1)[0]}")
+    exporter = OtlpSpanExporter(Resource.create({"service.name": "gateway"}))
+    processor = BatchSpanProcessor(exporter, schedule_delay_millis=60_000)
+    provider = SpanTracerProvider(ParentBased(ALWAYS_ON), processor, exporter, flush_s=0.5)
+    for _ in range(3):
+        with provider.tracer.start_as_current_span("root", kind=SpanKind.SERVER):
+            pass
+    started = time.monotonic()
+    provider.shutdown()
+    # The exporter's own retries of one batch alone last seconds (1 + 2 + 4 s of backoff).
+    assert time.monotonic() - started < 4.0
 
 
 _PROBE = """
