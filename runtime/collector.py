@@ -10,9 +10,11 @@ default, each pass also walking whatever requests are in flight.
 
 So once a service is ready, `settle` frees what start-up left behind, moves everything still
 alive out of the collector's reach for good (`gc.freeze`: those objects are never walked
-again, and a cycle among them that became garbage later would never be freed: nothing
-start-up builds is dropped while a service runs, as model versions stay loaded and channels
-and the Milvus client live until shutdown), and collects the youngest generation less often.
+again, and a cycle among them that became garbage later would never be freed: channels and
+the Milvus client live until shutdown, and a model version loaded at start-up, which can be
+removed while the service runs, holds no cycle, so reference counts free it
+(services/inference/batched_model.py; tests/mesh/test_model_memory.py), and collects the
+youngest generation less often.
 
 Measured on the Intel Xeon VM (2 cores), three co-located meshes side by side, `hopline bench
 --mix miss` in 5 alternated rounds of open loop at 290 rps and closed loop at c=32, the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
@@ -80,12 +81,16 @@ class BatchedModel:
             vocab_size(self.config.file("tokenizer")) if "tokenizer" in self.config.files else None
         )
         # Outputs with a dynamic second axis are per token: cut back to each request's length.
-        self._per_token = {
+        per_token = frozenset(
             o.name for o in self.config.outputs if len(o.shape) >= 2 and o.shape[1] == -1
-        }
+        )
         name = self.config.name
+        # The run holds the backend, not this model: a bound method made model -> batcher ->
+        # run -> model, a cycle only the collector frees, and a version loaded at start-up is
+        # frozen out of its reach (runtime/collector.py), so once removed it kept its sessions
+        # for the process's life.
         self.batcher: DynamicBatcher[ModelRequest, dict[str, Array]] = DynamicBatcher(
-            self._run,
+            functools.partial(_run, backend, per_token),
             dataclasses.replace(self.config.batching, max_in_flight=max_in_flight),
             executor,
             on_queue_depth=metrics.QUEUE_DEPTH.labels("inference", name).set,
@@ -131,27 +136,32 @@ class BatchedModel:
         )
         return outputs, info
 
-    def _run(self, requests: list[ModelRequest]) -> list[dict[str, Array]]:
-        wanted: list[str] = []
-        if all(r.outputs for r in requests):
-            wanted = sorted({name for r in requests for name in r.outputs})
-        if len(requests) == 1:
-            return [self.backend.run(requests[0].inputs, wanted or list(requests[0].outputs))]
-        length = max(r.length for r in requests)
-        merged = {
-            name: _stack([r.inputs[name] for r in requests], length) for name in requests[0].inputs
-        }
-        results = self.backend.run(merged, wanted)
-        split: list[dict[str, Array]] = []
-        row = 0
-        for r in requests:
-            own: dict[str, Array] = {}
-            for name in r.outputs or results:
-                part = results[name][row : row + r.rows]
-                own[name] = part[:, : r.length] if name in self._per_token else part
-            split.append(own)
-            row += r.rows
-        return split
-
     async def close(self) -> None:
         await self.batcher.close()
+
+
+def _run(
+    backend: Backend, per_token: frozenset[str], requests: list[ModelRequest]
+) -> list[dict[str, Array]]:
+    """One run of `requests`' rows, stacked and padded; each gets its own rows back (its
+    length of a per-token output)."""
+    wanted: list[str] = []
+    if all(r.outputs for r in requests):
+        wanted = sorted({name for r in requests for name in r.outputs})
+    if len(requests) == 1:
+        return [backend.run(requests[0].inputs, wanted or list(requests[0].outputs))]
+    length = max(r.length for r in requests)
+    merged = {
+        name: _stack([r.inputs[name] for r in requests], length) for name in requests[0].inputs
+    }
+    results = backend.run(merged, wanted)
+    split: list[dict[str, Array]] = []
+    row = 0
+    for r in requests:
+        own: dict[str, Array] = {}
+        for name in r.outputs or results:
+            part = results[name][row : row + r.rows]
+            own[name] = part[:, : r.length] if name in per_token else part
+        split.append(own)
+        row += r.rows
+    return split

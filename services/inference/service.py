@@ -38,6 +38,7 @@ from hopline.runtime.config import (
     metrics_port_field,
     model_refresh_field,
 )
+from hopline.runtime.memory import release_freed_memory
 from hopline.runtime.priority import nicer_executor, on_nicer_thread
 from hopline.runtime.tensors import (
     DTYPE_CODES,
@@ -54,6 +55,13 @@ from hopline.services.inference.backend import (
 from hopline.services.inference.batched_model import BatchedModel, EmbeddingHead, ModelRequest
 
 log = logging.getLogger("hopline.inference")
+
+
+async def _close_when_idle(model: BatchedModel) -> None:
+    await model.batcher.wait_idle()
+    await model.close()
+
+
 # A run that fails fails every request in its batch, and a model that fails once often fails
 # every run: its traceback once an episode, by model version (observability/logs.py).
 RUN_FAILURES = Episodes(log, "model run failed", level=logging.ERROR)
@@ -285,13 +293,17 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             self._loop.call_soon_threadsafe(self._close_when_idle, model)
 
     def _close_when_idle(self, model: BatchedModel) -> None:
-        async def close() -> None:
-            await model.batcher.wait_idle()
-            await model.close()
-
-        task = asyncio.ensure_future(close())
+        task = asyncio.ensure_future(_close_when_idle(model))
         self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        task.add_done_callback(self._closed)
+
+    def _closed(self, task: asyncio.Task[None]) -> None:
+        """A retired version is closed, and with its last reference its sessions are freed;
+        their memory goes back to the system from the allocator's arenas
+        (runtime/memory.py), off the loop."""
+        self._closing.discard(task)
+        if not task.cancelled() and self._loop is not None and not self._loop.is_closed():
+            self._loop.run_in_executor(None, release_freed_memory)
 
     @property
     def concurrency(self) -> int:
