@@ -10,11 +10,14 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hopline.bench.mixes import make_mix
 from hopline.bench.targets import InProcessTarget, inprocess_threads
 from hopline.runtime.cpu_quota import usable_cpus
+
+if TYPE_CHECKING:
+    from hopline.model.repository import ModelConfig
 
 
 def start_server(module: str, *args: str) -> tuple[subprocess.Popen[bytes], str, str]:
@@ -52,17 +55,24 @@ def model_spec(spec: str) -> tuple[str, str]:
     return name, version
 
 
+def inprocess_config(args: argparse.Namespace, spec: str = "") -> ModelConfig:
+    """The model an in-process baseline loads for `spec` (NAME[:VERSION]; empty: --model, else
+    the default model); ModelNotFoundError when --model-repo has no such model or version."""
+    from hopline.model.repository import ModelRepository
+
+    model, version = model_spec(spec) if spec else (args.model, "")
+    model = model or os.environ.get("HOPLINE_DEFAULT_MODEL", "support-intents")
+    return ModelRepository(Path(args.model_repo)).resolve(model, version)
+
+
 def inprocess_target(name: str, args: argparse.Namespace, spec: str = "") -> InProcessTarget:
     """`inprocess` or `inprocess_batched` for `spec` (NAME[:VERSION]; empty: --model), with
     the inference service's settings from this environment."""
-    from hopline.model.repository import ModelRepository
     from hopline.model.run_width import run_slots
     from hopline.runtime import config as cfg
     from hopline.services.inference.service import InferenceConfig
 
-    model, version = model_spec(spec) if spec else (args.model, "")
-    model = model or os.environ.get("HOPLINE_DEFAULT_MODEL", "support-intents")
-    config = ModelRepository(Path(args.model_repo)).resolve(model, version)
+    config = inprocess_config(args, spec)
     suffix = f"@{spec}" if spec else ""
     service = cfg.load(InferenceConfig, [])  # the inference service's settings, from env
     if name == "inprocess":

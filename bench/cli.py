@@ -17,10 +17,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hopline.bench import hop_split
 from hopline.bench.baselines import (
     compute,
+    inprocess_config,
     inprocess_target,
     model_spec,
     start_echo,
@@ -47,12 +49,25 @@ from hopline.bench.targets import (
     PredictTarget,
     Target,
 )
+from hopline.cli.main import no_gateway_hint
 from hopline.gateway.client import CACHE_MODES, gateway_address
+from hopline.model.repository import ModelNotFoundError
 from hopline.runtime import event_loop
 from hopline.runtime.api_keys import API_KEY_ENV, caller_metadata
 from hopline.runtime.cpu_quota import usable_cpus
 from hopline.runtime.event_loop import EventLoop
-from hopline.runtime.tls import operator_tls
+from hopline.runtime.tls import channel, operator_tls
+
+# A gateway that is up answers a health check in milliseconds; this only bounds a black hole.
+MESH_PROBE_S = 3.0
+
+
+class MeshUnreachable(Exception):
+    """Nothing answered at the mesh's address: every window of it would be UNAVAILABLE."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.address = address
 
 
 def round_robin(queue: Sequence[str], rounds: int) -> Iterator[str]:
@@ -106,6 +121,10 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
     queue += [f"peer_{p.split('=', 1)[0]}{m}" for p in args.peer for m in per_model]
     peers = dict(p.split("=", 1) for p in args.peer)
     windows = hop_split.Windows(_metrics_endpoints(args.metrics))
+    # Both before any target runs: a baseline's window is minutes wasted if the run then ends.
+    _check_models(args, baselines, specs)
+    if args.target != "none" and not mesh_answers(gateway_address(args.target)):
+        raise MeshUnreachable(gateway_address(args.target))
     for name in round_robin(queue, args.rounds):
         base, _, spec = name.partition("@")
         mix = make_mix(args.mix, args.clinc)
@@ -165,6 +184,29 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
     return runs, result
 
 
+def _check_models(args: argparse.Namespace, baselines: Sequence[str], specs: Sequence[str]) -> None:
+    """Resolve every model the baselines and --models compute load (ModelNotFoundError), so a
+    misspelt one is said before the echo's window, not after it."""
+    computes = len(specs) > 1 and args.compute_iterations > 0
+    if computes or any(b not in ECHOES for b in baselines):
+        for spec in specs or [""]:
+            inprocess_config(args, spec)
+
+
+def mesh_answers(address: str) -> bool:
+    """Whether anything answers a health check at `address` (over TLS as the mesh's target
+    dials it). Any answer counts, NOT_SERVING or a refusal too: only silence is refused."""
+    with channel(address, operator_tls("gateway")) as chan:
+        try:
+            health_pb2_grpc.HealthStub(chan).Check(
+                health_pb2.HealthCheckRequest(), timeout=MESH_PROBE_S
+            )
+        except grpc.RpcError as err:
+            silent = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            return err.code() not in silent
+    return True
+
+
 def _metrics_endpoints(given: Sequence[str]) -> dict[str, list[str]]:
     """`--metrics mesh=H:P,H:P --metrics ray=H:P` by the target's name in the results
     (`mesh`, `peer_ray`)."""
@@ -198,6 +240,15 @@ def run_bench(args: argparse.Namespace) -> int:
         if exc.code == grpc.StatusCode.UNAUTHENTICATED:
             sys.stderr.write(f"(give the mesh's API key with --api-key or {API_KEY_ENV})\n")
         return 1
+    except ModelNotFoundError as exc:  # a misspelt --model, --models or --model-repo
+        sys.stderr.write(f"hopline bench: error: {exc} in --model-repo {args.model_repo}\n")
+        return 2
+    except MeshUnreachable as exc:
+        sys.stderr.write(
+            f"hopline bench: error: {no_gateway_hint(exc.address, '--target')} "
+            "(--target none measures only the baselines)\n"
+        )
+        return 2
     load = f"rps {args.rps:g} (open loop)" if args.rps else f"concurrency {args.concurrency}"
     doc = {
         "hopline_bench": 1,

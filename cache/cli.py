@@ -260,12 +260,18 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def run_cache_command(args: argparse.Namespace) -> int:
+    from hopline.model.repository import ModelNotFoundError
     from hopline.observability.logs import LogFormat, setup_logging
 
     setup_logging(f"cache-{args.cache_command}", fmt=LogFormat.TEXT)
     handler: Any = args.cache_handler
     try:
         return int(handler(args))
+    except ModelNotFoundError as exc:  # a misspelt --model or --model-version: a usage error
+        sys.stderr.write(
+            f"hopline cache {args.cache_command}: error: {exc} in --model-repo {args.model_repo}\n"
+        )
+        return 2
     except (ValueError, OSError) as exc:
         # Data and file errors are the user's to fix: one line, no traceback.
         sys.stderr.write(f"error: {exc}\n")
@@ -302,9 +308,16 @@ def _holdout(examples: Examples, share: float, seed: int) -> tuple[Examples, Exa
 
 
 def _splits(path: Path, names: Sequence[str]) -> Examples:
-    data = json.loads(path.read_text(encoding="utf-8"))
+    expected = "one JSON object of splits of [text, label] (as CLINC150's data_full.json)"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError: neither names the file
+        raise ValueError(
+            f"--clinc {path}: expected {expected}: {exc}; JSON Lines of {{text,label}} go to "
+            "--train"
+        ) from exc
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object of splits")
+        raise ValueError(f"--clinc {path}: expected {expected}")
     out: Examples = []
     for name in names:
         if name not in data:

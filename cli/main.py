@@ -17,7 +17,8 @@ from hopline.runtime import grpc_io
 from hopline.runtime.api_keys import API_KEY_ENV, UnsendableKey
 from hopline.runtime.service_table import INPROC, SERVICES, Topology, spec
 
-SERVICE_NAMES = tuple(s.name for s in SERVICES)
+# Plain strings: argparse lists an enum member's repr (`<ServiceName.CACHE: 'cache'>`).
+SERVICE_NAMES = tuple(s.name.value for s in SERVICES)
 # `hopline model build`'s check limits, named as CheckLimits' fields.
 LIMIT_FLAGS = {
     "min_label_agreement": "share of held-out texts whose label must match FP32's",
@@ -104,10 +105,21 @@ def _colocated_store_file(config: object) -> str:
     return uri if is_local(uri) else ""
 
 
+def no_gateway_hint(address: str, flag: str) -> str:
+    """What to say when nothing answers at `address` (`hopline predict`'s and `hopline
+    bench`'s words): how the mesh starts, and `flag`, the command's way to name another."""
+    from hopline.runtime.tls import CA_ENV
+
+    over = "TLS (HOPLINE_TLS_CA is set)" if os.environ.get(CA_ENV) else "plaintext"
+    return (
+        f"no gateway answered at {address} over {over}: `make run` starts the mesh; "
+        f"{flag} or HOPLINE_GATEWAY_ADDR names another"
+    )
+
+
 def _predict(args: argparse.Namespace) -> int:
     from hopline.gateway.client import gateway_address, predict, to_json
     from hopline.gateway.errors import TRACE_ID_METADATA
-    from hopline.runtime.tls import CA_ENV
 
     try:
         response = predict(
@@ -134,11 +146,8 @@ def _predict(args: argparse.Namespace) -> int:
         if code == grpc.StatusCode.UNAUTHENTICATED:
             sys.stderr.write(f"(give your key with --api-key or {API_KEY_ENV})\n")
         elif code == grpc.StatusCode.UNAVAILABLE:
-            over = "TLS (HOPLINE_TLS_CA is set)" if os.environ.get(CA_ENV) else "plaintext"
-            sys.stderr.write(
-                f"(no gateway answered at {gateway_address(args.gateway)} over {over}: "
-                "`make run` starts the mesh; --gateway or HOPLINE_GATEWAY_ADDR names another)\n"
-            )
+            hint = no_gateway_hint(gateway_address(args.gateway), "--gateway")
+            sys.stderr.write(f"({hint})\n")
         return 1
     doc = to_json(response)
     if args.json:
@@ -166,15 +175,15 @@ def _model_build(args: argparse.Namespace) -> int:
     from hopline.model.quantize import Precision, PrecisionCheckError
     from hopline.observability.logs import LogFormat, setup_logging
 
-    setup_logging("model-build", fmt=LogFormat.TEXT)
     if args.default:
         train, name = DEFAULT_TRAIN_FILE, args.name or DEFAULT_MODEL_NAME
     elif args.train:
         train, name = Path(args.train), args.name
         if not name:
-            raise SystemExit("--name is required with --train")
+            return _usage_error("model build", "--name is required with --train")
     else:
-        raise SystemExit("give --train FILE --name NAME, or --default")
+        return _usage_error("model build", "give --train FILE --name NAME, or --default")
+    setup_logging("model-build", fmt=LogFormat.TEXT)
     check_sentences = Path(args.check_sentences) if args.check_sentences else None
     if check_sentences is not None and args.precision == "fp32":
         sys.stderr.write(
@@ -234,6 +243,13 @@ def _model_build(args: argparse.Namespace) -> int:
         )
     sys.stdout.write(line + "\n")
     return 0
+
+
+def _usage_error(command: str, said: str) -> int:
+    """A usage mistake argparse cannot see (flags that need each other): its line and exit
+    status 2, as argparse's own."""
+    sys.stderr.write(f"hopline {command}: error: {said}\n")
+    return 2
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -26,10 +26,16 @@ def _percentile(raw: str) -> float:
 
 
 def _duration_s(raw: str) -> float:
+    """`30s`, `5m`, `1h` or plain seconds; argparse's error, the flag named, for anything else."""
     units = {"s": 1, "m": 60, "h": 3600}
-    if raw and raw[-1] in units:
-        return float(raw[:-1]) * units[raw[-1]]
-    return float(raw)
+    number, unit = (raw[:-1], units[raw[-1]]) if raw and raw[-1] in units else (raw, 1)
+    try:
+        seconds = float(number) * unit
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:  # NaN too: Jaeger's lookback must be a real span of time
+        raise argparse.ArgumentTypeError(f"a duration like 30s, 5m, 1h, got {raw!r}")
+    return seconds
 
 
 def add_trace_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -49,7 +55,9 @@ def add_trace_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         default=PREDICT_OPERATION,
         help="only traces rooted at this RPC (default: the gateway's Predict; 'any' for all)",
     )
-    rep.add_argument("--since", default="10m", help="with --jaeger: look back this far (s/m/h)")
+    rep.add_argument(
+        "--since", type=_duration_s, default="10m", help="with --jaeger: look back this far (s/m/h)"
+    )
     rep.add_argument("--limit", type=int, default=2000, help="with --jaeger: most traces")
     rep.add_argument("--above", type=_percentile, default=99.0, help="e.g. p90, p99 (default)")
     rep.add_argument("--png", type=Path, help="stacked breakdown by latency band")
@@ -69,9 +77,7 @@ def _report(args: argparse.Namespace) -> int:
 
     operation = None if args.operation == "any" else args.operation
     if args.jaeger:
-        docs = fetch_jaeger(
-            args.jaeger, args.service, _duration_s(args.since), args.limit, operation
-        )
+        docs = fetch_jaeger(args.jaeger, args.service, args.since, args.limit, operation)
     else:
         docs = _read_file(args.file)
     try:
