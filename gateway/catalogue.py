@@ -7,6 +7,9 @@ repository is dropped at the next re-read (inference stops listing it), so a req
 no version moves back to the newest one left. Re-reads are single-flight:
 one ListModels at a time, and every request that missed while one was in flight shares the
 next, so a burst of typos costs one call per ListModels round trip, not one per request.
+A request waits for that re-read up to its own deadline (DEADLINE_EXCEEDED past it; the
+re-read goes on for the others), and is told NOT_FOUND only by a list read after it asked
+(UNAVAILABLE when the read failed).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from hopline.observability.tracing import child_span, outgoing_metadata
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("hopline.gateway.catalogue")
+# Inference loads the versions it has not loaded yet before it answers ListModels (so the
+# gateway only routes to one that loaded): a few seconds a version on a busy machine. At 5 s
+# two versions published under load timed out, and their first requests got NOT_FOUND.
+LIST_TIMEOUT_S = 60.0
 # Once a list was read: before, the gateway waits for inference (and says so as it waits).
 LIST_FAILURES = Episodes(log, "reading the model list failed; serving the list read before")
 
@@ -51,7 +58,9 @@ class ModelCatalogue:
             # Within a request (one naming a model the gateway does not know), its trace.
             with child_span(schema.SPAN_LIST_MODELS, kind=SpanKind.CLIENT):
                 response = await self.inference.stub().ListModels(
-                    inference_pb2.ListModelsRequest(), timeout=5.0, metadata=outgoing_metadata()
+                    inference_pb2.ListModelsRequest(),
+                    timeout=LIST_TIMEOUT_S,
+                    metadata=outgoing_metadata(),
                 )
         except grpc.aio.AioRpcError as err:
             if self.models:
@@ -82,26 +91,49 @@ class ModelCatalogue:
     def _lookup(self, name: str, version: str) -> inference_pb2.ModelInfo | None:
         return self.models.get((name, version or self.latest.get(name, "")))
 
-    async def _find(self, name: str, version: str) -> inference_pb2.ModelInfo | None:
+    async def _reread_after(self, ticket: int) -> grpc.aio.AioRpcError | None:
+        """A re-read numbered above `ticket` (one that started after the caller's miss, so it
+        has seen whatever the repository held when the request arrived; one in flight now
+        may not have); its failure returned, not raised: a caller that gave up waiting for
+        it is gone, and the next waiter may take it."""
+        async with self._lock:
+            if self._done <= ticket:
+                try:
+                    await self._list()
+                except grpc.aio.AioRpcError as err:
+                    return err
+        return None
+
+    async def resolve(self, name: str, version: str, timeout_s: float) -> inference_pb2.ModelInfo:
+        """The model `name` at `version` (the latest when empty), waiting at most `timeout_s`
+        for a re-read; RequestError NOT_FOUND when the list read says it is not served,
+        UNAVAILABLE when the list could not be read, DEADLINE_EXCEEDED when it is still
+        being read (a version published a moment ago is listed once loaded)."""
         info = self._lookup(name, version)
         if info is not None:
             return info
-        # A re-read numbered above `ticket` started after this miss, so it has seen whatever
-        # the repository held when the request arrived; one in flight now may not have.
-        ticket = self._started
-        async with self._lock:
-            if self._done <= ticket:
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    await self._list()
-        return self._lookup(name, version)
-
-    async def resolve(self, name: str, version: str) -> inference_pb2.ModelInfo:
-        """The model `name` at `version` (the latest when empty); RequestError NOT_FOUND."""
-        info = await self._find(name, version)
-        if info is None:
-            known = ", ".join(sorted(f"{n}/{v}" for n, v in self.models)) or "none"
-            wanted = f"{name}/{version}" if version else name
+        wanted = f"{name}/{version}" if version else name
+        # Shielded: the re-read is shared, and one caller's deadline must not cancel it.
+        reread = asyncio.ensure_future(self._reread_after(self._started))
+        try:
+            failed = await asyncio.wait_for(asyncio.shield(reread), timeout_s)
+        except TimeoutError:
             raise RequestError(
-                grpc.StatusCode.NOT_FOUND, f"unknown model {wanted!r} (serving: {known})"
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"model {wanted!r} is not in the model list, and inference had not answered "
+                "a new read of it within the deadline (it loads a new version before listing "
+                "it): retry",
+            ) from None
+        info = self._lookup(name, version)
+        if info is not None:
+            return info
+        if failed is not None:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"model {wanted!r} is not in the model list, and inference's list could not "
+                f"be read again ({failed.code().name}): retry",
             )
-        return info
+        known = ", ".join(sorted(f"{n}/{v}" for n, v in self.models)) or "none"
+        raise RequestError(
+            grpc.StatusCode.NOT_FOUND, f"unknown model {wanted!r} (serving: {known})"
+        )

@@ -229,9 +229,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     def models(self) -> dict[tuple[str, str], inference_pb2.ModelInfo]:
         return self.catalogue.models
 
-    async def resolve_model(self, name: str, version: str) -> inference_pb2.ModelInfo:
+    async def resolve_model(
+        self, name: str, version: str, timeout_s: float | None = None
+    ) -> inference_pb2.ModelInfo:
+        """`timeout_s`: the caller's deadline for a re-read of the model list (default
+        HOPLINE_UPSTREAM_TIMEOUT_S)."""
+        wait_s = self.config.upstream_timeout_s if timeout_s is None else timeout_s
         try:
-            return await self.catalogue.resolve(name, version)
+            return await self.catalogue.resolve(name, version, wait_s)
         except RequestError as err:
             if err.code != grpc.StatusCode.NOT_FOUND or max(len(name), len(version)) <= ECHO_CHARS:
                 raise
@@ -320,7 +325,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         self.check_text(request.text)
         check_cache_mode(request.cache_mode)
         info = await self.resolve_model(
-            request.model or self.config.default_model, request.model_version
+            request.model or self.config.default_model, request.model_version, timeout_s
         )
         top_k = request.top_k or 1
         if not 1 <= top_k <= len(info.labels):

@@ -1,4 +1,6 @@
-"""gateway/catalogue.py: a model list that cannot be read again is said once, not silently.
+"""gateway/catalogue.py: a model list that cannot be read again is said once, not silently,
+and a request naming a version the gateway has not heard of is told NOT_FOUND only when a
+list read after it says so.
 
 Stand-in: the inference pool's stub is an object of the test's that answers ListModels as the
 test says (the mesh tests run the real inference service; a ListModels that fails for a
@@ -14,6 +16,7 @@ import grpc
 import pytest
 
 from hopline.gateway.catalogue import ModelCatalogue
+from hopline.gateway.errors import RequestError
 from hopline.observability.logs import QUIET_S
 from hopline.protos.hopline.inference.v1 import inference_pb2
 
@@ -27,6 +30,10 @@ class Inference:
 
     def __init__(self) -> None:
         self.failing: grpc.StatusCode | None = None
+        self.listed = LISTED
+        self.calls = 0
+        self.slow = asyncio.Event()  # cleared: ListModels waits for it (a version loading)
+        self.slow.set()
 
     def target(self) -> str:
         return "inference"
@@ -35,11 +42,13 @@ class Inference:
         return self
 
     async def ListModels(self, request: Any, **_: Any) -> Any:
+        self.calls += 1
+        await self.slow.wait()
         if self.failing is not None:
             raise grpc.aio.AioRpcError(
                 self.failing, grpc.aio.Metadata(), grpc.aio.Metadata(), "it failed", None
             )
-        return LISTED
+        return self.listed
 
     async def close(self) -> None:
         return None
@@ -76,3 +85,49 @@ def test_a_model_list_that_fails_after_one_was_read_is_said_once_and_when_it_is_
     ]
     assert failed[0].status == "UNKNOWN"  # type: ignore[attr-defined]
     assert failed[1].failures == 20  # type: ignore[attr-defined]
+
+
+TWO = inference_pb2.ListModelsResponse(
+    models=[
+        inference_pb2.ModelInfo(name="intents", version="1", ready=True),
+        inference_pb2.ModelInfo(name="intents", version="2", ready=True),
+    ]
+)
+
+
+def test_a_new_version_waits_for_a_slow_list_and_only_a_read_list_says_not_found() -> None:
+    """Inference loads a new version before it lists it: under load longer than the 5 s the
+    gateway used to allow its ListModels, and the version's first request got NOT_FOUND. A
+    request waits for the read up to its own deadline (DEADLINE_EXCEEDED past it, the read
+    going on for the others); a read that fails is UNAVAILABLE, not NOT_FOUND."""
+    inference = Inference()
+    catalogue = ModelCatalogue(inference)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        await catalogue.refresh()
+        inference.slow.clear()  # version 2 loading
+        inference.listed = TWO
+        with pytest.raises(RequestError) as late:
+            await catalogue.resolve("intents", "2", 0.05)
+        assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "'intents/2'" in late.value.message
+        inference.slow.set()
+        await asyncio.sleep(0.05)
+        # The caller's deadline did not cancel the read it started: it ended, and was kept.
+        assert ("intents", "2") in catalogue.models
+        assert (await catalogue.resolve("intents", "2", 5.0)).version == "2"
+        assert inference.calls == 2
+
+        inference.failing = grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(RequestError) as unread:
+            await catalogue.resolve("intents", "3", 5.0)
+        assert unread.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "could not be read again (UNAVAILABLE)" in unread.value.message
+        inference.failing = None
+        with pytest.raises(RequestError) as absent:
+            await catalogue.resolve("intents", "3", 5.0)
+        assert absent.value.code == grpc.StatusCode.NOT_FOUND
+        assert "serving: intents/1, intents/2" in absent.value.message
+        assert (await catalogue.resolve("intents", "", 5.0)).version == "2"
+
+    asyncio.run(run())
