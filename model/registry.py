@@ -175,7 +175,8 @@ class ModelRegistry(Generic[T]):
                 self._left_out(
                     broken,
                     (name, folder),
-                    f"{name}/{folder} is not a version folder: versions are positive integers",
+                    f"{name}/{folder} is not a version folder: versions are positive integers "
+                    "without leading zeros",
                 )
             for version in versions:
                 key = (name, version)

@@ -271,8 +271,10 @@ def _file_digest(path: Path) -> bytes:
 
 
 def is_version(folder: str) -> bool:
-    """Version folders are named by a positive integer in ASCII digits (`1`, not `0`, `v1`)."""
-    return folder.isascii() and folder.isdigit() and int(folder) > 0
+    """Version folders are named by a positive integer in ASCII digits, as it is written
+    (`1`, not `0`, `v1` or `01`: `01` and `1` were served side by side as two versions, and
+    tied for the latest)."""
+    return folder.isascii() and folder.isdigit() and str(int(folder)) == folder != "0"
 
 
 def _present(folder: Path) -> bool:

@@ -326,16 +326,17 @@ def test_folders_not_named_as_versions_are_said_and_never_the_latest(
     repo: Path, default_repo: Path
 ) -> None:
     """`0` was loaded but could not be the latest ("unknown model" for a request naming no
-    version); `v7` was ignored without a word; `²` passed isdigit() and broke every scan."""
+    version); `v7` was ignored without a word; `²` passed isdigit() and broke every scan;
+    `02` was served beside `2` as another version."""
     registry = ModelRegistry(ModelRepository(repo), Loader())
     registry.load_all()
-    for folder in ("0", "v7", "²", ".staging-2-4242"):  # the last: `model build`'s own
+    for folder in ("0", "v7", "²", "02", ".staging-2-4242"):  # the last: `model build`'s own
         shutil.copytree(repo / DEFAULT_MODEL / "1", repo / DEFAULT_MODEL / folder)
     registry.load_new()
     assert [cfg.version for cfg, _ in registry.loaded()] == ["1"]
     broken = registry.broken()
     assert (DEFAULT_MODEL, ".staging-2-4242") not in broken
-    for folder in ("0", "v7", "²"):
+    for folder in ("0", "v7", "²", "02"):
         assert (
             "is not a version folder: versions are positive integers"
             in broken[(DEFAULT_MODEL, folder)]
