@@ -124,7 +124,11 @@ def run_mesh(
         ready_timeout_s = ready_bound_s()
     setup_logging("run", fmt=LogFormat(log_format))
     if not model_repo.is_dir():
-        log.error("no model repository; run `make model`", extra={"path": str(model_repo)})
+        log.error(
+            "no model repository: `make model` builds the bundled one in models/, `hopline "
+            "model build --default --repo PATH` anywhere else",
+            extra={"path": str(model_repo)},
+        )
         return 2
     stopping = False
 
@@ -146,7 +150,11 @@ def run_mesh(
     except StartInterrupted:
         return 0  # start() has stopped what it started
     except MeshError as exc:
-        log.error("the mesh did not start", extra={"error": str(exc).splitlines()[0]})
+        # Its first line: the services write their logs to this terminal, above it.
+        said = str(exc).splitlines()[0].rstrip(":")
+        log.error(
+            "the mesh did not start (the service's own lines are above)", extra={"error": said}
+        )
         return 1
     took = time.monotonic() - started
     log.info("mesh ready", extra={"start_up_s": round(took, 1)})

@@ -143,6 +143,13 @@ def load(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = Non
     return from_namespace(cls, parser.parse_args(argv))
 
 
+def setting_of(config: Any, name: str) -> str:
+    """The env var a config field is read from (`listen` -> HOPLINE_GATEWAY_ADDR), for a
+    message that names what to change."""
+    field = next(f for f in dataclasses.fields(config) if f.name == name)
+    return str(field.metadata["env"])
+
+
 def describe(cls: type[Any]) -> list[tuple[str, str, str, str]]:
     """(flag, env var, default, help) rows, for docs."""
     return [

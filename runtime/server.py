@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from hopline.observability.metrics import start_metrics_server
 from hopline.observability.tracing import ServerTracing, shutdown_tracing
 from hopline.runtime import collector, event_loop, grpc_io
-from hopline.runtime.config import ServerConfig, SettingError
+from hopline.runtime.config import ServerConfig, SettingError, setting_of
 from hopline.runtime.interceptors import (
     Behaviour,
     Context,
@@ -206,7 +206,14 @@ def _bind(server: grpc.aio.Server, config: ServerConfig, tls: TlsFiles) -> int |
     """Bind the port, over TLS when the config has a certificate; None when it cannot."""
     problem = port_problem(config.listen, listen=True)
     if problem is not None:
-        log.error("cannot bind", extra={"listen": config.listen, "error": problem})
+        log.error(
+            "cannot bind",
+            extra={
+                "listen": config.listen,
+                "setting": setting_of(config, "listen"),
+                "error": problem,
+            },
+        )
         return None
     try:
         credentials = server_credentials(tls, config.tls_peers)
@@ -218,7 +225,14 @@ def _bind(server: grpc.aio.Server, config: ServerConfig, tls: TlsFiles) -> int |
             return server.add_insecure_port(config.listen)
         return server.add_secure_port(config.listen, credentials)
     except RuntimeError as exc:
-        log.error("cannot bind", extra={"listen": config.listen, "error": str(exc)})
+        log.error(
+            "cannot bind",
+            extra={
+                "listen": config.listen,
+                "setting": setting_of(config, "listen"),
+                "error": str(exc),
+            },
+        )
         return None
 
 
