@@ -21,8 +21,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 GHZ_DEFAULT = ROOT / ".tools" / "bin" / "ghz"
 METHOD = "hopline.gateway.v1.GatewayService.Predict"
-# ghz 0.121's reflection client finds no symbols on grpcio's reflection service ("Symbol not
-# found" even for grpc.health.v1.Health.Check), so it reads the .proto files instead.
+# The .proto files rather than reflection: they work with HOPLINE_REFLECTION=false too (until
+# stop 94 reflection also found no method by its full name: runtime/reflection.py).
 PROTO = (
     "--proto",
     str(ROOT / "protos/hopline/gateway/v1/gateway.proto"),

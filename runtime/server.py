@@ -13,11 +13,10 @@ from typing import Any, NoReturn, Protocol, cast
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 from hopline.observability.metrics import start_metrics_server
 from hopline.observability.tracing import ServerTracing, shutdown_tracing
-from hopline.runtime import collector, event_loop, grpc_io
+from hopline.runtime import collector, event_loop, grpc_io, reflection
 from hopline.runtime.config import ServerConfig, SettingError, setting_of
 from hopline.runtime.interceptors import (
     Behaviour,

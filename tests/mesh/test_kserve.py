@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from triton_calls import rejection, strings, text_input
@@ -189,6 +190,33 @@ def test_health_and_reflection_list_the_kserve_service(omesh: Mesh) -> None:
         )
         names = {s.name for a in answers for s in a.list_services_response.service}
     assert {"inference.GRPCInferenceService", "hopline.gateway.v1.GatewayService"} <= names
+
+
+def test_reflection_finds_a_file_by_a_methods_full_name(omesh: Mesh) -> None:
+    """What grpcurl's `describe` and ghz's reflection mode ask: grpcio-reflection answered
+    NOT_FOUND for every method ("Symbol not found"), protobuf's pool finding no methods."""
+    symbols = {
+        "hopline.gateway.v1.GatewayService.Predict": "hopline/gateway/v1/gateway.proto",
+        "inference.GRPCInferenceService.ModelInfer": "",  # KServe's file: any name, found
+        "grpc.health.v1.Health.Check": "grpc_health/v1/health.proto",
+        "hopline.gateway.v1.PredictRequest": "hopline/gateway/v1/gateway.proto",
+    }
+    asked = [reflection_pb2.ServerReflectionRequest(file_containing_symbol=s) for s in symbols]
+    asked.append(
+        reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="hopline.gateway.v1.GatewayService.NoSuchMethod"
+        )
+    )
+    with grpc.insecure_channel(omesh.gateway) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = list(stub.ServerReflectionInfo(iter(asked), timeout=10))
+    for (symbol, file), answer in zip(symbols.items(), answers, strict=False):
+        assert answer.HasField("file_descriptor_response"), (symbol, answer.error_response)
+        first = descriptor_pb2.FileDescriptorProto.FromString(
+            answer.file_descriptor_response.file_descriptor_proto[0]
+        )
+        assert first.name == file or (not file and first.name), (symbol, first.name)
+    assert answers[-1].error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
 # -- inference ------------------------------------------------------------------------------
