@@ -21,6 +21,7 @@ class CacheCount(enum.Enum):
     SEMANTIC_HITS = "semantic_hits"
     MISSES = "misses"
     STORES = "stores"  # stores taken into the pending writes
+    STORES_FENCED = "stores_fenced"  # stores not taken: their entry was invalidated a moment ago
     STORE_ERRORS = "store_errors"  # taken stores Milvus never got
     EVICTIONS = "evictions"  # entries deleted to keep a scope (or a whole file) within its bound
     EVICTION_SCANS = "eviction_scans"  # evictions that scanned Milvus for the oldest entries

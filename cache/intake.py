@@ -22,6 +22,7 @@ from hopline.cache.keys import ScopeError, normalise_text, normalised_key, scope
 from hopline.cache.lookup import CacheLookup
 from hopline.cache.milvus_rows import row_problem
 from hopline.cache.store import Entry
+from hopline.cache.tombstones import Tombstones
 from hopline.cache.watch_feed import WatchFeed
 from hopline.cache.writer import PendingWrites
 from hopline.protos.hopline.cache.v1 import cache_pb2
@@ -40,6 +41,7 @@ class IntakeHost(Protocol):
     counts: CacheCounts
     embedder: Embedder | None
     placeholder: Vector  # an exact-only store's vector
+    tombstones: Tombstones
 
 
 async def take(host: IntakeHost, request: cache_pb2.StoreRequest) -> cache_pb2.StoreResult:
@@ -61,6 +63,15 @@ async def take(host: IntakeHost, request: cache_pb2.StoreRequest) -> cache_pb2.S
     if problem := row_problem(scope, text, response):
         # Refused here: Milvus would refuse the row, and with it its whole write.
         return refused(grpc.StatusCode.INVALID_ARGUMENT, problem)
+    key = normalised_key(scope, text)
+    if host.tombstones.fences(key, scope, time.monotonic()):
+        host.counts.add(CacheCount.STORES_FENCED)
+        return refused(
+            grpc.StatusCode.ABORTED,
+            f"not stored: the entry was invalidated within the last "
+            f"{host.tombstones.keep_s:g} s (HOPLINE_CACHE_TOMBSTONE_S), and an answer computed "
+            "before that would be served again; the next miss stores it",
+        )
     vector = host.lookups.recall(text)
     if request.mode == "exact":
         # Never searched: the gateway looks exact-mode scopes up by key only. A unit
@@ -76,7 +87,6 @@ async def take(host: IntakeHost, request: cache_pb2.StoreRequest) -> cache_pb2.S
             )
         host.counts.add(CacheCount.STORE_EMBEDDINGS)
     now = time.time()
-    key = normalised_key(scope, text)
     limit = min(request.max_entries or host.config.max_entries, host.config.max_entries)
     entry = Entry(
         key=key,

@@ -14,6 +14,12 @@ the server's staleness bound; a read's results are checked against it.
 Entries buried by scope are hidden whatever their age: a store made in the scope after the
 invalidation is hidden too until the scope's stone expires (a short miss, never a stale hit;
 comparing stamps would trust the replicas' clocks).
+
+For the same reason a store that arrives while an invalidation's stone stands is not taken
+(`fences`): the gateway holds its stores up to HOPLINE_GATEWAY_STORE_LINGER_MS before sending
+them, so an answer computed before an Invalidate reached the cache after it and was served
+again, for its whole TTL. A store answered after the invalidation is refused with it: a
+repeat misses once more within keep_s. An eviction's stone fences nothing: its entry was right.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from hopline.cache.store import Entry, ScopeFilter
+from hopline.cache.store import Entry, Scope, ScopeFilter
 
 
 class Tombstones:
@@ -30,6 +36,7 @@ class Tombstones:
     def __init__(self, keep_s: float) -> None:
         self.keep_s = keep_s
         self._ids: dict[str, float] = {}  # entry id -> until
+        self._invalidated: dict[str, float] = {}  # of them, those an invalidation removed
         # The ids of each bury, oldest first, so expiry costs what expires: taking the dict's
         # oldest item one at a time walked every slot deleted before it (a dict does not
         # compact on deletion), quadratic in the ids expiring, and an Invalidate of 60,000
@@ -37,13 +44,23 @@ class Tombstones:
         self._buried: deque[tuple[float, tuple[str, ...]]] = deque()
         self._scopes: deque[tuple[ScopeFilter, float]] = deque()  # oldest first
 
-    def bury(self, ids: Iterable[str], scope: ScopeFilter | None, now: float) -> None:
+    def bury(
+        self,
+        ids: Iterable[str],
+        scope: ScopeFilter | None,
+        now: float,
+        *,
+        invalidated: bool = True,
+    ) -> None:
+        """`invalidated`: removed by an invalidation (a store of them is fenced), not evicted."""
         until = now + self.keep_s
         self._prune(now)
         batch = tuple(ids)
         if batch:
             for key in batch:
                 self._ids[key] = until
+            if invalidated:
+                self._invalidated.update(dict.fromkeys(batch, until))
             self._buried.append((until, batch))
         if scope is not None:
             self._scopes.append((scope, until))
@@ -55,6 +72,14 @@ class Tombstones:
             return True
         return any(until > now and s.matches(entry.scope) for s, until in self._scopes)
 
+    def fences(self, key: str, scope: Scope, now: float) -> bool:
+        """Whether a store of `key` in `scope` arriving now may have been answered before an
+        invalidation that removed it (module docstring): not taken."""
+        until = self._invalidated.get(key)
+        if until is not None and until > now:
+            return True
+        return any(until > now and s.matches(scope) for s, until in self._scopes)
+
     def __len__(self) -> int:
         return len(self._ids) + len(self._scopes)
 
@@ -64,5 +89,7 @@ class Tombstones:
             for key in batch:
                 if self._ids.get(key) == until:  # not buried again since
                     del self._ids[key]
+                if self._invalidated.get(key) == until:
+                    del self._invalidated[key]
         while self._scopes and self._scopes[0][1] <= now:
             self._scopes.popleft()

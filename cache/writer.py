@@ -310,7 +310,7 @@ class PendingWrites:
                 host.bounds.forget(group)
         if host.index is not None:
             host.index.remove(doomed)
-        host.tombstones.bury(doomed, None, time.monotonic())
+        host.tombstones.bury(doomed, None, time.monotonic(), invalidated=False)
         evicted = cache_pb2.WatchInvalidationsResponse(entry_ids=doomed)
         host.feed.publish(evicted)
         await host.share(evicted)

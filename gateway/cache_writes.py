@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from hopline.gateway.call import PredictCall
-from hopline.gateway.store_queue import STORE_FAILURES, STORES, StoreQueue
+from hopline.gateway.store_queue import FENCED, STORE_FAILURES, STORES, StoreQueue
 from hopline.gateway.upstream import HopError, Pool, call_hop
 from hopline.observability import metrics, schema
 from hopline.observability.logs import Episodes
@@ -132,6 +132,9 @@ class CacheWrites:
                 {},
             )
         except HopError as err:
+            if err.code == FENCED:
+                metrics.CACHE_STORES.labels("skipped_invalidated").inc()
+                return
             metrics.CACHE_STORES.labels("error").inc()
             STORE_FAILURES.failed(STORES, err.code.name, status=err.code.name, stores=1)
             return

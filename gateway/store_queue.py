@@ -184,20 +184,30 @@ def _batch_span(rows: Sequence[_Row]) -> contextlib.AbstractContextManager[objec
     )
 
 
+# The cache's answer to a store whose entry was invalidated a moment ago (cache/intake.py):
+# not taken, by design, so neither an error nor a failure to log.
+FENCED = grpc.StatusCode.ABORTED
+
+
 def _settle(rows: Sequence[_Row], outcomes: Sequence[tuple[grpc.StatusCode, str]]) -> None:
     """Count each row's result; a failing status is logged with how many rows had it, once
     an episode (`STORE_FAILURES`)."""
     failed: collections.Counter[grpc.StatusCode] = collections.Counter()
     details: dict[grpc.StatusCode, str] = {}
+    fenced = 0
     for row, (code, message) in zip(rows, outcomes, strict=True):
-        if code != grpc.StatusCode.OK:
+        if code == FENCED:
+            fenced += 1
+        elif code != grpc.StatusCode.OK:
             failed[code] += 1
             details.setdefault(code, message)
         if row.span is not None:
-            if code != grpc.StatusCode.OK:
+            if code not in (grpc.StatusCode.OK, FENCED):
                 row.span.set_status(Status(StatusCode.ERROR, f"{code.name}: {message}"))
             row.span.end()
-    stored = len(rows) - sum(failed.values())
+    if fenced:
+        metrics.CACHE_STORES.labels("skipped_invalidated").inc(fenced)
+    stored = len(rows) - sum(failed.values()) - fenced
     if stored:
         metrics.CACHE_STORES.labels("stored").inc(stored)
         STORE_FAILURES.ended(STORES)

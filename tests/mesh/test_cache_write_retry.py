@@ -222,13 +222,18 @@ def test_a_store_given_up_after_writes_that_landed_is_not_left_in_milvus(tmp_pat
     run(body)
 
 
+FENCE_S = 0.3
+
+
 def test_a_key_stored_again_after_a_failed_re_delete_stays_in_milvus(tmp_path: Path) -> None:
     # An entry invalidated while its write was in flight is deleted again after the write; when
     # that delete fails it waits for the next write. A new store of the same key meanwhile
     # replaces the row: deleting it after that write would lose the new store from Milvus
     # while the index holds it.
     async def body() -> None:
-        async with cache(tmp_path / "cache.db") as (service, stub):
+        # Tombstones kept briefly: a store within their time is fenced (cache/tombstones.py),
+        # and the new store here is one made after it.
+        async with cache(tmp_path / "cache.db", tombstone_s=FENCE_S) as (service, stub):
             in_flight = InvalidatedInFlight(service)
             assert isinstance(service.store, MilvusStore)
             real_delete = service.store.delete
@@ -245,6 +250,7 @@ def test_a_key_stored_again_after_a_failed_re_delete_stays_in_milvus(tmp_path: P
             key = await store(stub, "invalidated then stored again", scope=again)
             await in_flight.invalidate(stub, key)
             await until(lambda: len(deletes) >= 2, "no re-delete was tried")
+            await asyncio.sleep(FENCE_S + 0.1)
             assert await store(stub, "invalidated then stored again", scope=again) == key
             await written(stub)
             assert service.index is not None

@@ -86,3 +86,24 @@ def test_a_large_invalidation_expires_whole_but_for_the_ids_buried_again() -> No
     assert len(stones) == 60_010
     assert stones.hides(entry(first[0]), now=KEEP_S + 0.5)
     assert not stones.hides(entry(first[10]), now=KEEP_S + 0.5)
+
+
+def test_a_store_is_fenced_by_an_invalidation_not_by_an_eviction() -> None:
+    """cache/intake.py refuses a store its `fences` names: an answer that may predate the
+    invalidation. An evicted entry was right; a store of it again is taken."""
+    stones = Tombstones(KEEP_S)
+    evicted, invalidated, other = entry("e"), entry("i"), entry("o")
+    stones.bury([evicted.key], None, 0.0, invalidated=False)
+    stones.bury([invalidated.key], None, 0.0)
+    assert stones.hides(evicted, 1.0)  # hidden from a lagging read all the same
+    assert not stones.fences(evicted.key, evicted.scope, 1.0)
+    assert stones.fences(invalidated.key, invalidated.scope, 1.0)
+    assert not stones.fences(other.key, other.scope, 1.0)
+    stones.bury([], ScopeFilter("acme", "", ""), 2.0)
+    assert stones.fences(other.key, other.scope, 3.0)
+    assert not stones.fences(other.key, entry("o", tenant="umbrella").scope, 3.0)
+    assert not stones.fences(invalidated.key, ("x", "m", "1", ""), KEEP_S + 0.5)  # expired
+    assert stones.fences(other.key, other.scope, KEEP_S + 1.9)  # the scope's, buried later
+    assert not stones.fences(other.key, other.scope, KEEP_S + 2.1)
+    stones.bury([], None, 3 * KEEP_S)  # prunes every stone
+    assert len(stones) == 0
