@@ -27,6 +27,7 @@ from hopline.cache.watch_feed import WatchFeed
 from hopline.cache.writer import PendingWrites
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.runtime.batching import QueueFullError
+from hopline.runtime.errors import clip
 
 MODES = ("", "exact", "semantic")  # cache.proto's mode strings; "" is the model's own
 
@@ -114,11 +115,15 @@ def _request_problem(request: cache_pb2.StoreRequest) -> str:
     if not request.prediction.label:
         return "refusing to cache a prediction with no label"
     scores = [request.prediction.score, *(s.score for s in request.prediction.top_k)]
-    if not all(math.isfinite(score) for score in scores):
-        # A model that answered NaN is broken: every repeat would be served its NaN.
-        return f"refusing to cache a prediction with a score that is not a number: {scores}"
+    if bad := [score for score in scores if not math.isfinite(score)]:
+        # A model that answered NaN is broken: every repeat would be served its NaN. Its count,
+        # not every score: a message over gRPC's 16 KiB of metadata is RESOURCE_EXHAUSTED.
+        return (
+            f"refusing to cache a prediction with {len(bad)} of {len(scores)} scores not a "
+            f"number (first: {bad[0]})"
+        )
     if request.mode not in MODES:
-        return f"mode must be 'exact' or 'semantic', got {request.mode!r}"
+        return f"mode must be 'exact' or 'semantic', got {clip(request.mode)!r}"
     return ""
 
 

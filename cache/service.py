@@ -60,7 +60,7 @@ from hopline.cache.writer import WRITE_ROWS, PendingWrites
 from hopline.observability import schema
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.runtime.batching import QueueFullError
-from hopline.runtime.errors import status_code
+from hopline.runtime.errors import clip, status_code
 
 log = logging.getLogger("hopline.cache")
 # The counts GetStatsResponse has a field for, by the field's name.
@@ -323,7 +323,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         if request.mode not in intake.MODES:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"mode must be 'exact' or 'semantic', got {request.mode!r}",
+                f"mode must be 'exact' or 'semantic', got {clip(request.mode)!r}",
             )
         if not request.text.strip():
             # As Store refuses it; a semantic lookup would have run the encoder on nothing.
@@ -419,7 +419,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         ids = list(request.entry_ids)
         bad = [i for i in ids if len(i) != 64 or i.strip("0123456789abcdef")]
         if bad:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not cache entry ids: {bad[:3]}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(bad)} not cache entry ids (64 hex digits), such as {clip(bad[0])!r}",
+            )
         try:
             removed = await invalidation.invalidate(self, ids, scope)
         except CacheStoreError as exc:  # NotShared too: its message says what was done

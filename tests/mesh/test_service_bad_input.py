@@ -162,7 +162,29 @@ def test_the_cache_refuses_endless_lifetimes_and_texts_no_entry_holds(mesh: Mesh
                 scope=scope, text="a model that answered NaN", prediction=broken, mode="exact"
             )
             details = invalid(functools.partial(stub.Store, store, timeout=10))
-            assert "a score that is not a number" in details
+            assert "scores not a number" in details
+        # What is echoed is clipped: a whole bad value in the message passed gRPC's 16 KiB of
+        # metadata, and the client got RESOURCE_EXHAUSTED instead of INVALID_ARGUMENT.
+        nans = common_pb2.Prediction(
+            label="order_status",
+            score=0.9,
+            top_k=[common_pb2.LabelScore(label="x", score=math.nan)] * 3000,
+        )
+        for store in (
+            cache_pb2.StoreRequest(scope=scope, text="many NaNs", prediction=nans, mode="exact"),
+            cache_pb2.StoreRequest(
+                scope=scope,
+                text="a long mode",
+                prediction=common_pb2.Prediction(label="order_status", score=0.9),
+                mode="m" * 20_000,
+            ),
+        ):
+            details = invalid(functools.partial(stub.Store, store, timeout=10))
+            assert len(details) < 400, details[:400]
+        for bad_ids in (["z" * 20_000], ["y" * 64] * 500):
+            invalidate = cache_pb2.InvalidateRequest(entry_ids=bad_ids)
+            details = invalid(functools.partial(stub.Invalidate, invalidate, timeout=10))
+            assert len(details) < 400, details[:400]
         lookup = cache_pb2.LookupRequest(
             scope=scope, text="x" * 70_000, mode="semantic", threshold=0.9
         )
