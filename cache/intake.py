@@ -13,6 +13,7 @@ import time
 from typing import Protocol
 
 import grpc
+import numpy as np
 from opentelemetry import trace
 
 from hopline.cache.config import CacheConfig
@@ -26,8 +27,10 @@ from hopline.cache.tombstones import Tombstones
 from hopline.cache.watch_feed import WatchFeed
 from hopline.cache.writer import PendingWrites
 from hopline.protos.hopline.cache.v1 import cache_pb2
+from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.runtime.batching import QueueFullError
 from hopline.runtime.errors import clip
+from hopline.runtime.tensors import TensorError, dtype_name, from_tensor
 
 MODES = ("", "exact", "semantic")  # cache.proto's mode strings; "" is the model's own
 
@@ -124,6 +127,27 @@ def _request_problem(request: cache_pb2.StoreRequest) -> str:
         )
     if request.mode not in MODES:
         return f"mode must be 'exact' or 'semantic', got {clip(request.mode)!r}"
+    if request.prediction.HasField("embedding"):
+        return _embedding_problem(request.prediction.embedding)
+    return ""
+
+
+def _embedding_problem(tensor: common_pb2.Tensor) -> str:
+    """What common.proto's "L2-normalised sentence embedding (FP32)" rules out: a stored
+    tensor is served to every repeat as it is ('' when it is one)."""
+    try:
+        vector = from_tensor(tensor)
+    except TensorError as exc:
+        return f"prediction.embedding: {exc}"
+    if vector.dtype != np.float32 or vector.ndim not in (1, 2) or vector.shape[-1] == 0:
+        return (
+            f"prediction.embedding must be FP32 of shape [dim] or [1, dim], got "
+            f"{dtype_name(tensor.dtype)} {list(vector.shape)}"
+        )
+    if vector.ndim == 2 and vector.shape[0] != 1:
+        return f"prediction.embedding holds {vector.shape[0]} rows; a prediction has one"
+    if not np.isfinite(vector).all():
+        return "prediction.embedding has values that are not numbers"
     return ""
 
 

@@ -181,6 +181,30 @@ def test_the_cache_refuses_endless_lifetimes_and_texts_no_entry_holds(mesh: Mesh
         ):
             details = invalid(functools.partial(stub.Store, store, timeout=10))
             assert len(details) < 400, details[:400]
+        # common.proto's embedding is one L2-normalised FP32 row: a stored tensor is served
+        # to every repeat as it is (10 values under a [1, 384] shape were, as were NaNs).
+        unit = np.full(384, 384**-0.5, np.float32)
+        for tensor, said in (
+            (to_tensor("e", unit[None, :]), "needs 1536 bytes"),  # raw cut below
+            (to_tensor("e", unit.astype(np.int32)), "must be FP32"),
+            (to_tensor("e", np.stack([unit, unit])), "holds 2 rows"),
+            (to_tensor("e", np.full(384, np.nan, np.float32)), "not numbers"),
+        ):  # fmt: skip
+            if said.startswith("needs"):
+                tensor.raw = b"abc"
+            prediction = common_pb2.Prediction(label="order_status", score=0.9, embedding=tensor)
+            store = cache_pb2.StoreRequest(
+                scope=scope, text="a broken embedding", prediction=prediction, mode="exact"
+            )
+            details = invalid(functools.partial(stub.Store, store, timeout=10))
+            assert said in details, details
+        fine = common_pb2.Prediction(
+            label="order_status", score=0.9, embedding=to_tensor("embedding", unit)
+        )
+        stub.Store(
+            cache_pb2.StoreRequest(scope=scope, text="a unit row", prediction=fine, mode="exact"),
+            timeout=10,
+        )
         for bad_ids in (["z" * 20_000], ["y" * 64] * 500):
             invalidate = cache_pb2.InvalidateRequest(entry_ids=bad_ids)
             details = invalid(functools.partial(stub.Invalidate, invalidate, timeout=10))
