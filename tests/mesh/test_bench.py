@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -200,18 +201,38 @@ def test_bench_measures_the_front_door_beside_the_mesh(mesh: Mesh, tmp_path: Pat
     )
 
 
-def test_a_target_that_answers_nothing_reads_as_nothing(tmp_path: Path) -> None:
-    """A gateway address nothing listens on: every call is refused within microseconds. The
-    bench reports 0 requests, 0 rps and the refusals as errors, and exits 1; before, the
-    refusals were timed as requests (about 18,000 rps at a p50 of 0.04 ms)."""
-    out = tmp_path / "bench.json"
+def test_a_target_nothing_listens_on_is_said_before_any_window() -> None:
+    """A gateway address nothing listens on: the bench says so and exits 2 before it runs
+    any baseline (it ran them all, then printed NaN ratios for the mesh)."""
     run = subprocess.run(
         [sys.executable, "-m", "hopline", "bench", "--target", f"127.0.0.1:{free_port()}",
-         "--baseline", "none", "--duration", "1", "--warmup", "0", "--json", str(out)],
+         "--duration", "1", "--warmup", "0"],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert "no gateway answered at 127.0.0.1:" in run.stderr
+    assert "measuring" not in run.stderr  # no window ran
+
+
+def test_a_target_that_answers_nothing_reads_as_nothing(tmp_path: Path) -> None:
+    """A server that answers (so the bench runs) but serves no gateway: every call fails
+    within microseconds. The bench reports 0 requests, 0 rps and the failures as errors,
+    and exits 1; before, refusals were timed as requests (about 18,000 rps at a p50 of 0.04
+    ms)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    out = tmp_path / "bench.json"
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "hopline", "bench", "--target", f"127.0.0.1:{port}",
+             "--baseline", "none", "--duration", "1", "--warmup", "0", "--json", str(out)],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    finally:
+        server.stop(None)
     assert run.returncode == 1, run.stderr
     mesh = json.loads(out.read_text())["targets"]["mesh"]
     assert (mesh["requests"], mesh["throughput_rps"]) == (0, 0.0), mesh
-    assert set(mesh["errors_by_status"]) == {"UNAVAILABLE"}, mesh["errors_by_status"]
+    assert set(mesh["errors_by_status"]) == {"UNIMPLEMENTED"}, mesh["errors_by_status"]
     assert mesh["errors"] > 0
