@@ -19,6 +19,7 @@ from opentelemetry import trace
 from hopline.cache.config import CacheConfig
 from hopline.cache.counts import CacheCount, CacheCounts
 from hopline.cache.embedder import Embedder, Vector
+from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import ScopeError, normalise_text, normalised_key, scope_tuple
 from hopline.cache.lookup import CacheLookup
 from hopline.cache.milvus_rows import row_problem
@@ -46,6 +47,7 @@ class IntakeHost(Protocol):
     embedder: Embedder | None
     placeholder: Vector  # an exact-only store's vector
     tombstones: Tombstones
+    index: ExactIndex | None
 
 
 async def take(host: IntakeHost, request: cache_pb2.StoreRequest) -> cache_pb2.StoreResult:
@@ -100,10 +102,25 @@ async def take(host: IntakeHost, request: cache_pb2.StoreRequest) -> cache_pb2.S
         created_at=now,
         expires_at=now + (request.ttl_s or host.config.default_ttl_s),
     )
+    replaced = _current(host, key, now)
     host.writes.add(key, (entry, vector, limit), trace.get_current_span().get_span_context())
+    if replaced is not None and replaced.response != response:
+        # Another answer for a key the cache holds (a REFRESH, or a store over an entry):
+        # gateways keep the old one in their local tiers until an event drops it (another
+        # gateway answered a REFRESHed text with the old answer until its TTL).
+        host.feed.publish(cache_pb2.WatchInvalidationsResponse(entry_ids=[key]))
     host.feed.held(key, scope)
     host.counts.add(CacheCount.STORES)
     return cache_pb2.StoreResult(entry_id=key)
+
+
+def _current(host: IntakeHost, key: str, now: float) -> Entry | None:
+    """The entry `key` names now: a pending store's, else the exact index's (None where the
+    index is off: a store over an entry in Milvus alone is then not seen here)."""
+    pending = host.writes.get(key)
+    if pending is not None or host.index is None:
+        return pending
+    return host.index.get(key, now)
 
 
 def _request_problem(request: cache_pb2.StoreRequest) -> str:

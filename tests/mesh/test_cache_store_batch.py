@@ -5,6 +5,7 @@ store and each drop."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import grpc
@@ -135,6 +136,33 @@ def test_a_cache_that_reads_milvus_for_exact_lookups_lists_no_keys(tmp_path: Pat
             assert message.HasField("scope")
             assert not message.held
             assert not message.keys_synced
+            stream.cancel()
+
+    run(body)
+
+
+def test_a_store_with_another_answer_for_a_held_key_drops_the_watchers_copies(
+    tmp_path: Path,
+) -> None:
+    """A REFRESH (or any store over an entry) gave the cache a new answer, and every other
+    gateway kept serving the old one from its local tier until its TTL: nothing told them.
+    The same answer again says nothing; another answer is an event for the key, pending or
+    written."""
+
+    async def body() -> None:
+        async with cache(tmp_path / "cache.db") as (_, stub):
+            key = await store(stub, "where is my parcel", label="order_status")
+            stream = stub.WatchInvalidations(cache_pb2.WatchInvalidationsRequest())
+            assert (await stream.read()).live
+            assert await store(stub, "where is my parcel", label="order_status") == key
+            assert await store(stub, "where is my parcel", label="delivery_delay") == key
+            replaced = await asyncio.wait_for(stream.read(), 10)  # the same answer: nothing
+            assert list(replaced.entry_ids) == [key]
+            await written(stub)
+            await store(stub, "where is my parcel", label="order_status")  # over the index's
+            assert list((await asyncio.wait_for(stream.read(), 10)).entry_ids) == [key]
+            hit = await lookup(stub, "where is my parcel")
+            assert hit.prediction.label == "order_status"
             stream.cancel()
 
     run(body)
