@@ -55,9 +55,25 @@ class Query:
     inference_ms: float = 0.0  # the gateway's inference hop, cache bypassed
 
 
+# The splits `evaluate` reads: stored texts, in-scope queries, out-of-scope queries.
+EVAL_SPLITS = ("train", "test", "oos_test")
+
+
 def load_clinc(path: Path, max_intents: int = 0) -> dict[str, Examples]:
-    raw = json.loads(path.read_text(encoding="utf-8"))
-    splits = {k: [(str(t), str(lab)) for t, lab in v] for k, v in raw.items()}
+    """CLINC150's data_full.json layout; ValueError naming the file and what is wrong (the
+    command's one line) for a file that is not it."""
+    expected = f"a JSON object of splits {', '.join(EVAL_SPLITS)}: lists of [text, label]"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"--clinc {path}: expected {expected}: {exc}") from exc
+    if not isinstance(raw, dict) or any(k not in raw for k in EVAL_SPLITS):
+        has = ", ".join(raw) if isinstance(raw, dict) else f"a {type(raw).__name__}"
+        raise ValueError(f"--clinc {path}: expected {expected}; it has {has or 'none'}")
+    try:
+        splits = {k: [(str(t), str(lab)) for t, lab in v] for k, v in raw.items()}
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--clinc {path}: expected {expected}: a row {exc}") from exc
     if max_intents:
         keep = sorted({lab for _, lab in splits["train"]})[:max_intents]
         splits = {

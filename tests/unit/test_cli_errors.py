@@ -186,3 +186,25 @@ def test_model_build_without_its_data_is_a_usage_error(
 ) -> None:
     assert main(["model", "build", *argv]) == 2
     assert capsys.readouterr().err == f"hopline model build: error: {said}\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        ('{"train": [["hi", "greet"]], "val": []}', "it has train, val"),
+        ("[1, 2]", "it has a list"),
+        ('{"train": [["hi"]], "test": [], "oos_test": []}', "a row not enough values"),
+        ("not json", "Expecting value"),
+    ],
+)
+def test_cache_eval_names_the_file_and_its_shape(tmp_path: Path, content: str, said: str) -> None:
+    """A file missing a split was a KeyError traceback; a short row or text that is not
+    JSON was a message naming neither the file nor the format."""
+    from hopline.cache.evaluate import load_clinc
+
+    path = tmp_path / "clinc.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=r"expected a JSON object of splits") as info:
+        load_clinc(path)
+    assert str(info.value).startswith(f"--clinc {path}: expected a JSON object of splits")
+    assert said in str(info.value)
