@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from hopline.cache.invalidate_cli import add_invalidate
+
 if TYPE_CHECKING:
     from hopline.cache.cross_validation import CrossValidation
     from hopline.cache.embedder import Embedder
@@ -25,7 +27,9 @@ _WORK_DIR_HELP = "where the embedding encoder is built and kept [env HOPLINE_CAC
 
 
 def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    cache = sub.add_parser("cache", help="semantic cache tools (pairs, calibration, evaluation)")
+    cache = sub.add_parser(
+        "cache", help="semantic cache tools (pairs, calibration, evaluation, invalidation)"
+    )
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
     work_dir = os.environ.get("HOPLINE_CACHE_DIR", ".hopline")
 
@@ -169,6 +173,7 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="a file holding an administrator's user:password (root's, at first)",
     )
     user.set_defaults(cache_handler=_milvus_user)
+    add_invalidate(cache_sub)
 
 
 def _milvus_user(args: argparse.Namespace) -> int:

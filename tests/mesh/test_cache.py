@@ -6,6 +6,8 @@ config.json (policy lives in the model's config, as an operator would change it)
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -146,6 +148,29 @@ def test_eviction_keeps_the_newest_entries(cmesh: Mesh) -> None:
     assert outcomes[:2] == [MISS, MISS], outcomes
     assert outcomes[2:] == [EXACT, EXACT, EXACT], outcomes
     assert cmesh.cache_stats().evictions >= 2
+
+
+def test_hopline_cache_invalidate_drops_a_tenants_answers_everywhere(cmesh: Mesh) -> None:
+    """The operator's command (cache/invalidate_cli.py): before it an operator had to write a
+    gRPC client. The gateway's local copy goes too: the next ask is a MISS."""
+    text = "do you ship to canada"
+    ask(cmesh, text, tenant="cli-inv")
+    cmesh.settle()
+    assert ask(cmesh, text, tenant="cli-inv").cache.outcome == EXACT
+    run = subprocess.run(
+        [sys.executable, "-m", "hopline", "cache", "invalidate", "--tenant", "cli-inv",
+         "--cache", cmesh.addrs["cache"]],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("invalidated: 1 entries"), run.stdout
+    assert ask(cmesh, text, tenant="cli-inv").cache.outcome == MISS
+    usage = subprocess.run(
+        [sys.executable, "-m", "hopline", "cache", "invalidate", "--model-version", "1"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert usage.returncode == 2
+    assert usage.stderr == "hopline cache invalidate: error: --model-version needs --model\n"
 
 
 def test_invalidate_by_scope_and_by_id(cmesh: Mesh) -> None:
