@@ -104,7 +104,7 @@ async def take(host: IntakeHost, request: cache_pb2.StoreRequest) -> cache_pb2.S
     )
     replaced = _current(host, key, now)
     host.writes.add(key, (entry, vector, limit), trace.get_current_span().get_span_context())
-    if replaced is not None and replaced.response != response:
+    if replaced is not None and not _same_answer(replaced.response, request.prediction):
         # Another answer for a key the cache holds (a REFRESH, or a store over an entry):
         # gateways keep the old one in their local tiers until an event drops it (another
         # gateway answered a REFRESHed text with the old answer until its TTL).
@@ -112,6 +112,25 @@ async def take(host: IntakeHost, request: cache_pb2.StoreRequest) -> cache_pb2.S
     host.feed.held(key, scope)
     host.counts.add(CacheCount.STORES)
     return cache_pb2.StoreResult(entry_id=key)
+
+
+# Scores this close are the same answer: a text run in another batch (other padding) can
+# differ in the last bits, and an event for that would make every gateway drop a right copy.
+SAME_SCORE = 1e-4
+
+
+def _same_answer(stored: bytes, new: common_pb2.Prediction) -> bool:
+    old = common_pb2.Prediction.FromString(stored)
+    if (old.label, old.out_of_scope) != (new.label, new.out_of_scope):
+        return False
+    if [s.label for s in old.top_k] != [s.label for s in new.top_k]:
+        return False
+    scores = zip(
+        (old.score, *(s.score for s in old.top_k)),
+        (new.score, *(s.score for s in new.top_k)),
+        strict=True,
+    )
+    return all(abs(a - b) <= SAME_SCORE for a, b in scores)
 
 
 def _current(host: IntakeHost, key: str, now: float) -> Entry | None:
