@@ -29,7 +29,7 @@ class NotShared(CacheStoreError):
 
 
 class Drops(Protocol):
-    def drop(self, ids: list[str], scope: ScopeFilter | None) -> None: ...
+    def drop(self, ids: list[str], scope: ScopeFilter | None) -> list[str]: ...
 
 
 class Deletes(Protocol):
@@ -69,9 +69,9 @@ async def invalidate(host: InvalidationHost, ids: list[str], scope: ScopeFilter 
     """Removes the entries `ids` and, with a scope, every entry of it; returns the rows Milvus
     deleted. Raises CacheStoreError when Milvus fails, NotShared when only the replicas'
     notice does."""
-    forget(host, ids, scope)
+    unwritten = forget(host, ids, scope)
     store = host.require_store()
-    removed: int = await host.io_call(store.delete, ids)
+    removed: int = unwritten + await host.io_call(store.delete, ids)
     if scope is not None:
         removed += await host.io_call(store.delete_scope, scope)
     unindex(host, ids, scope)
@@ -101,11 +101,16 @@ async def share(host: InvalidationHost, event: Event) -> None:
         await host.io_call(host.peers.append, event)
 
 
-def forget(host: InvalidationHost, ids: list[str], scope: ScopeFilter | None) -> None:
-    """Out of every tier this process answers from, before Milvus is touched."""
-    host.writes.drop(ids, scope)
+def forget(host: InvalidationHost, ids: list[str], scope: ScopeFilter | None) -> int:
+    """Out of every tier this process answers from, before Milvus is touched; the entries
+    removed that Milvus did not hold yet (pending stores of keys the index does not hold:
+    an Invalidate right after a store said it had removed nothing)."""
+    dropped = host.writes.drop(ids, scope)
+    index = host.index
+    unwritten = sum(1 for key in dropped if index is None or key not in index)
     unindex(host, ids, scope)
     host.tombstones.bury(ids, scope, time.monotonic())
+    return unwritten
 
 
 def unindex(host: InvalidationHost, ids: list[str], scope: ScopeFilter | None) -> None:

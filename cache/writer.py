@@ -120,12 +120,18 @@ class PendingWrites:
         self._spans[key] = span
         self._wake.set()
 
-    def drop(self, ids: list[str], scope: ScopeFilter | None) -> None:
+    def drop(self, ids: list[str], scope: ScopeFilter | None) -> list[str]:
         """Pending stores invalidated (by id or scope) before the delete reaches Milvus, so
-        the writer cannot resurrect them after it."""
-        for key, (entry, _, _) in list(self._pending.items()):
-            if key in ids or (scope is not None and scope.matches(entry.scope)):
-                self._unpend(key)
+        the writer cannot resurrect them after it; their keys."""
+        named = set(ids)
+        dropped = [
+            key
+            for key, (entry, _, _) in self._pending.items()
+            if key in named or (scope is not None and scope.matches(entry.scope))
+        ]
+        for key in dropped:
+            self._unpend(key)
+        return dropped
 
     async def drain(self, timeout_s: float) -> None:
         """Let the writer land what was accepted: nothing acknowledged is lost on a drain."""

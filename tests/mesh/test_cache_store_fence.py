@@ -93,3 +93,20 @@ def test_an_answer_computed_before_an_invalidate_is_not_served_after_it(fmesh: M
     time.sleep(1.5)  # the gateway's linger (500 ms) and its store call are long over
     again = predict(text, gateway=fmesh.gateway, tenant=tenant, model=DEFAULT_MODEL, timeout_s=60)
     assert again.cache.outcome == MISS, again.cache
+
+
+def test_an_invalidate_counts_the_entries_not_yet_written(tmp_path: Path) -> None:
+    """Stores still pending (not in Milvus yet) were removed but not counted: an Invalidate
+    right after three stores said it had removed 0."""
+
+    async def scenario() -> None:
+        async with cache(tmp_path / "c.db", flush_interval_ms=60_000.0) as (_, stub):
+            for text in ("one", "two", "three"):
+                await store(stub, text, scope=scope("pending"))
+            reply = await stub.Invalidate(
+                cache_pb2.InvalidateRequest(scope=common_pb2.Scope(tenant="pending")), timeout=10
+            )
+            assert reply.removed == 3
+            assert (await lookup(stub, "one", scope=scope("pending"))).outcome == MISS
+
+    run(scenario)

@@ -49,8 +49,9 @@ class Writes:
     def __init__(self, journal: Journal) -> None:
         self.journal = journal
 
-    def drop(self, ids: list[str], scope: ScopeFilter | None) -> None:
+    def drop(self, ids: list[str], scope: ScopeFilter | None) -> list[str]:
         self.journal.steps.append(f"writes.drop {len(ids)} {scope is not None}")
+        return []
 
 
 class Store:
