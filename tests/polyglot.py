@@ -54,14 +54,27 @@ def node_command() -> list[str]:
 
 
 def run_example(
-    lang: str, addr: str, text: str, timeout_ms: int, api_key: str = ""
+    lang: str, addr: str, text: str, timeout_ms: int | str, api_key: str = ""
 ) -> subprocess.CompletedProcess[str]:
-    """One run of `lang`'s example, with `api_key` (if any) in HOPLINE_API_KEY."""
+    """One run of `lang`'s example, with `api_key` (if any) in HOPLINE_API_KEY. A str
+    `timeout_ms` is passed as it is (Go's `-timeout` too): for the examples' usage errors."""
+    timeout = timeout_ms if isinstance(timeout_ms, str) else f"{timeout_ms}ms"
     if lang == "go":
-        cmd = [*go_command(), "-addr", addr, "-text", text, "-timeout", f"{timeout_ms}ms"]
+        cmd = [*go_command(), "-addr", addr, "-text", text, "-timeout", timeout]
     else:
         cmd = [*(java_command() if lang == "java" else node_command()), addr, text, str(timeout_ms)]
     env = {k: v for k, v in os.environ.items() if k != "HOPLINE_API_KEY"}
     if api_key:
         env["HOPLINE_API_KEY"] = api_key
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env=env)
+
+
+def assert_usage_error(out: subprocess.CompletedProcess[str], says: str) -> None:
+    """A usage mistake: exit 2, nothing on stdout, and one line on stderr that `says` what (no
+    stack trace: Java's `at ...` frames, Node's source excerpt, Go's flag defaults)."""
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("predict: error: "), out.stderr
+    assert says in lines[0], out.stderr

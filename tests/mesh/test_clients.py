@@ -14,8 +14,9 @@ import uuid
 import pytest
 
 from conftest import ROOT
-from harness import Mesh
-from polyglot import LANGUAGES, OUTPUT, run_example
+from harness import Mesh, free_port
+from hopline.runtime.api_keys import API_KEY_ENV, KEY_RULE
+from polyglot import LANGUAGES, OUTPUT, assert_usage_error, run_example
 
 
 @pytest.mark.parametrize("lang", LANGUAGES)
@@ -37,9 +38,40 @@ def test_example_reports_a_refusal_with_its_status(mesh: Mesh, lang: str) -> Non
     """An empty text is refused by the gateway; the example names the status and exits 1."""
     out = run_example(lang, mesh.gateway, "   ", 10_000)
     assert out.returncode == 1, out.stdout
-    # Each language spells the code its own way: InvalidArgument (Go), INVALID_ARGUMENT.
-    assert "INVALIDARGUMENT" in out.stderr.upper().replace("_", "")
-    assert "text is empty" in out.stderr
+    # The canonical code name in every language, as `hopline predict` prints it (not Go's
+    # own Code.String(), InvalidArgument).
+    assert out.stderr.startswith("predict failed: INVALID_ARGUMENT: text is empty"), out.stderr
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_example_names_the_address_nothing_answers_at(lang: str) -> None:
+    """No gateway at the address is a failed call (exit 1, UNAVAILABLE), said with the
+    address and why (Java's own status says only "io exception")."""
+    addr = f"127.0.0.1:{free_port()}"
+    out = run_example(lang, addr, "where is my order", 10_000)
+    assert out.returncode == 1, out.stdout
+    assert out.stderr.startswith("predict failed: UNAVAILABLE: "), out.stderr
+    assert addr in out.stderr, out.stderr
+    assert "refused" in out.stderr.lower(), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("timeout", ["soon", "0"])
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_example_refuses_a_bad_timeout_in_one_line(mesh: Mesh, lang: str, timeout: str) -> None:
+    """A usage mistake is exit 2 and one line, before anything is sent: not a stack trace
+    (Java's NumberFormatException, grpc-js's RangeError), nor a call with a spent deadline."""
+    out = run_example(lang, mesh.gateway, "where is my order", timeout)
+    assert_usage_error(out, timeout)
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_example_refuses_an_unsendable_api_key_before_calling(mesh: Mesh, lang: str) -> None:
+    """A key no header can carry is refused as `hopline predict` refuses it: not gRPC's
+    INTERNAL (Go), a mangled key sent (Java) or a stack trace (Node). This mesh has no keys:
+    a key sent at all would be answered."""
+    out = run_example(lang, mesh.gateway, "where is my order", 10_000, api_key="clé-secrète")
+    assert_usage_error(out, f"{API_KEY_ENV}: an API key must be {KEY_RULE}")
 
 
 def test_generated_code_is_not_committed() -> None:

@@ -287,7 +287,7 @@ def test_the_generated_clients_send_a_key_from_the_environment(kmesh: Mesh, lang
     text = f"please refund my last order ({lang})"
     refused = run_example(lang, kmesh.gateway, text, 10_000)
     assert refused.returncode == 1, refused.stdout
-    assert "UNAUTHENTICATED" in refused.stderr.upper().replace("_", ""), refused.stderr
+    assert refused.stderr.startswith("predict failed: UNAUTHENTICATED: "), refused.stderr
     answered = run_example(lang, kmesh.gateway, text, 10_000, api_key=ACME_KEY)
     assert answered.returncode == 0, answered.stderr
     match = OUTPUT.match(answered.stdout.strip())
