@@ -106,11 +106,12 @@ class ServerCertificates:
 
     def configuration(self) -> grpc.ServerCertificateConfiguration:
         files = self.files
+        # Read first: a missing or unreadable file is named with its setting, not raised
+        # from the pair check below as a bare OSError.
+        key, cert = files._read(files.key, KEY_ENV), files._read(files.cert, CERT_ENV)
+        root = files._read(files.ca, CA_ENV) if files.ca else None
         _check_pair(files)
-        return grpc.ssl_server_certificate_configuration(
-            [(files._read(files.key, KEY_ENV), files._read(files.cert, CERT_ENV))],
-            root_certificates=files._read(files.ca, CA_ENV) if files.ca else None,
-        )
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=root)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """gRPC's question before each handshake: a new configuration, or None to keep the
@@ -166,6 +167,11 @@ def _check_pair(files: TlsFiles) -> None:
             f"{CERT_ENV}={files.cert!r} and {KEY_ENV}={files.key!r} are not a certificate and "
             f"its private key in PEM ({exc.reason or exc}): check that the key is this "
             "certificate's"
+        ) from None
+    except OSError as exc:  # after SSLError, its subclass: read a moment ago, gone since
+        raise TlsConfigError(
+            f"cannot read {CERT_ENV}={files.cert!r} or {KEY_ENV}={files.key!r}: "
+            f"{exc.strerror or exc}"
         ) from None
 
 

@@ -52,6 +52,20 @@ def test_a_server_with_settings_that_cannot_work_is_refused(
         server_credentials(files, peers)
 
 
+def test_a_certificate_file_that_cannot_be_read_is_named_with_its_setting(
+    tmp_path: Path,
+) -> None:
+    """A Secret mounted under other key names, or a folder where the file should be: the
+    service says which setting names what, where it raised a bare OSError (a traceback)."""
+    make_certs(tmp_path, ["cache"])
+    missing = TlsFiles(str(tmp_path / "tls.crt"), str(tmp_path / "cache.key"))
+    with pytest.raises(TlsConfigError, match=r"cannot read HOPLINE_TLS_CERT=.*tls\.crt"):
+        server_credentials(missing, "")
+    a_folder = TlsFiles(str(tmp_path / "cache.crt"), str(tmp_path))
+    with pytest.raises(TlsConfigError, match="cannot read HOPLINE_TLS_KEY="):
+        server_credentials(a_folder, "")
+
+
 def test_a_client_needs_the_ca_and_both_halves_of_its_certificate() -> None:
     with pytest.raises(TlsConfigError, match="HOPLINE_TLS_CA"):
         client_tls(TlsFiles("a.crt", "a.key"), "cache")
