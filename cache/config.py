@@ -147,8 +147,9 @@ class CacheConfig(ServerConfig):
     exact_index_max_entries: int = env_field(
         "HOPLINE_CACHE_EXACT_INDEX_MAX_ENTRIES",
         2_000_000,
-        "bound on the exact index as a whole (about 1 KiB an entry); past it the entries put "
-        "longest ago leave the index, not Milvus",
+        "bound on the exact index as a whole (about 0.8 KiB an entry of a short text); past it "
+        "the entries put longest ago leave the index, not Milvus",
+        valid=AT_LEAST_ONE,
     )
     semantic_index: bool = env_field(
         "HOPLINE_CACHE_SEMANTIC_INDEX",

@@ -51,6 +51,12 @@ def test_a_flag_is_held_to_the_same_range(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("HOPLINE_CACHE_TTL_S", "0")
     with pytest.raises(SystemExit, match="HOPLINE_CACHE_TTL_S='0': must be above 0"):
         cfg.load(CacheConfig, [])
+    monkeypatch.delenv("HOPLINE_CACHE_TTL_S")
+    # 0 passed the range and raised ValueError in the cache's constructor: a traceback.
+    monkeypatch.setenv("HOPLINE_CACHE_EXACT_INDEX_MAX_ENTRIES", "0")
+    with pytest.raises(SystemExit, match="EXACT_INDEX_MAX_ENTRIES='0': must be at least 1"):
+        cfg.load(CacheConfig, [])
+    monkeypatch.delenv("HOPLINE_CACHE_EXACT_INDEX_MAX_ENTRIES")
     monkeypatch.setenv("HOPLINE_INFERENCE_NICE", "20")
     with pytest.raises(SystemExit, match="HOPLINE_INFERENCE_NICE='20': must be at most 19"):
         cfg.load(InferenceConfig, [])
