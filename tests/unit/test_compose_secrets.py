@@ -57,3 +57,13 @@ def test_every_container_given_secrets_can_read_them() -> None:
     assert {"gateway", "cache", "jaeger", "milvus"} <= set(given)
     cannot = sorted(name for name, spec in given.items() if not reads_secrets(spec))
     assert cannot == [], f"cannot read their group-{SECRETS_GROUP} 0440 secrets: {cannot}"
+
+
+def test_docker_leaves_out_what_podman_leaves_out() -> None:
+    """Docker reads only .dockerignore (not .containerignore): without it, the README's
+    `docker build` copied the CA's key, the compose secrets and api-keys.json into the
+    build stage."""
+    root = COMPOSE.parents[1]
+    docker = (root / ".dockerignore").read_text().splitlines()
+    assert docker == (root / ".containerignore").read_text().splitlines()
+    assert {".hopline", "deploy/compose/secrets", "api-keys.json"} <= set(docker)
