@@ -338,7 +338,7 @@ image-tools:
 	@missing=$$(for t in $(IMAGE_TOOLS); do command -v $$t >/dev/null || echo $$t; done); \
 	if [ -n "$$missing" ]; then \
 		echo "installing from Debian: $$missing"; \
-		apt-get install -y -qq --no-install-recommends $$missing uidmap >/dev/null; \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing uidmap >/dev/null; \
 	fi
 
 $(BASE_TAR):
