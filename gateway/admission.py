@@ -152,11 +152,12 @@ class Admission:
                 "(HOPLINE_GATEWAY_MAX_IN_FLIGHT): retry after a backoff",
             )
         fastest = self.path_estimate_s(0.1)
-        if fastest is not None and call.timeout_s < fastest and self._refuse_deadline():
+        left_s = call.left_s()
+        if fastest is not None and left_s < fastest and self._refuse_deadline():
             raise self._refuse(
                 Refusal.DEADLINE,
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"the deadline leaves {call.timeout_s * 1e3:.0f} ms; a model answer takes at "
+                f"the deadline leaves {left_s * 1e3:.0f} ms; a model answer takes at "
                 f"least {fastest * 1e3:.0f} ms now: give the request a longer deadline",
             )
         self.in_flight += 1
@@ -186,7 +187,7 @@ class Admission:
         typical = self.path_estimate_s(0.5) if self.adaptive_cache else None
         if typical is None:
             return self.cache_budget_s
-        return max(0.0, min(self.cache_budget_s, call.timeout_s - typical))
+        return max(0.0, min(self.cache_budget_s, call.left_s() - typical))
 
     def _overrun_share(self) -> float | None:
         """The share of recent lookups that overran their budget; None before enough."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -126,8 +127,8 @@ class PredictCall:
     info: inference_pb2.ModelInfo
     top_k: int
     mode: common_pb2.CacheMode.ValueType  # the request's; UNSPECIFIED is read as USE
-    timeout_s: float
-    started: float  # perf_counter when the RPC began, for the `total` timing
+    timeout_s: float  # the request's budget when it came in: its deadline, or the gateway's cap
+    started: float  # perf_counter when the RPC began, for the `total` timing and the deadline
     # Every parameter that changes the answer is part of the scope, hence of every key.
     scope: common_pb2.Scope  # shared between requests (_Scopes): never written
     scope_key: ScopeTuple  # scope_tuple(scope)
@@ -145,6 +146,21 @@ class PredictCall:
     # Stages whose answer came from other files than the scope's digest names (a version's
     # files changing under the services, each reloading on its own): not cached.
     files_differ: dict[str, str] = dataclasses.field(default_factory=dict)
+    deadline: float = dataclasses.field(init=False)  # perf_counter
+
+    def __post_init__(self) -> None:
+        self.deadline = self.started + self.timeout_s
+
+    def left_s(self) -> float:
+        """What the budget leaves now: each hop gets this, not the whole budget. Without a
+        client deadline nothing else ends the request (three hops given the whole
+        HOPLINE_UPSTREAM_TIMEOUT_S each took up to three times it)."""
+        return self.deadline - time.perf_counter()
+
+    def renew(self, budget_s: float) -> None:
+        """A new budget from now, for work after the reply (a served hit's verification),
+        which the caller's deadline no longer bounds."""
+        self.deadline = time.perf_counter() + budget_s
 
     @classmethod
     def new(

@@ -101,7 +101,7 @@ class ModelPath:
                 texts=[call.text],
                 model_digest=call.info.digest if expect is None else expect,
             ),
-            call.timeout_s,
+            call.left_s(),
             call.timings,
         )
 
@@ -136,7 +136,7 @@ class ModelPath:
             except HopError as err:
                 # A joined run has its leader's deadline, not this request's: when that ends
                 # it, this request runs again (leading a run, or joining a newer one).
-                left_s = call.timeout_s - (time.perf_counter() - call.started)
+                left_s = call.left_s()
                 if not (joined and err.code == grpc.StatusCode.DEADLINE_EXCEEDED and left_s > 0):
                     raise
                 metrics.COALESCED_RERUN.inc()
@@ -220,7 +220,7 @@ class ModelPath:
                 outputs=["logits"],
                 model_digest=expect.get(INFERENCE, info.digest),
             ),
-            call.timeout_s,
+            call.left_s(),
             call.timings,
         )
         answered[INFERENCE] = inferred.model_digest
@@ -234,7 +234,7 @@ class ModelPath:
                 top_k=call.top_k,
                 model_digest=expect.get(POSTPROCESS, info.digest),
             ),
-            call.timeout_s,
+            call.left_s(),
             call.timings,
         )
         answered[POSTPROCESS] = post.model_digest

@@ -476,7 +476,9 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
             asked_s = timeout_s(request.parameters)
             if asked_s is not None:
                 deadline_s = min(deadline_s, asked_s)
-            info = await gateway.resolve_model(request.model_name, request.model_version)
+            info = await gateway.resolve_model(
+                request.model_name, request.model_version, deadline_s
+            )
             refuse_sequence(request.parameters, info.name)
             limit = BatchLimit.of(info, gateway.admission.max_in_flight)
             texts = decode_texts(request, info.name, limit)

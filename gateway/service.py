@@ -385,6 +385,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> None:
         """The model's answer for a served semantic hit, reported to the cache (after the
         reply: the cached answer is never delayed by it). A speculative run is reused."""
+        call.renew(self.config.upstream_timeout_s)  # the caller's deadline is for its reply
         try:
             if speculative is not None:
                 prediction, _ = await speculative

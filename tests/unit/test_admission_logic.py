@@ -34,6 +34,9 @@ class Call:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     cache: gateway_pb2.CacheInfo = dataclasses.field(default_factory=gateway_pb2.CacheInfo)
 
+    def left_s(self) -> float:
+        return self.timeout_s  # a call that has just come in: its whole budget is left
+
 
 def call(timeout_s: float = 10.0) -> PredictCall:
     return cast("PredictCall", Call(timeout_s))
