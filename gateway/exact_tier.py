@@ -120,6 +120,14 @@ class LocalExactTier:
                 reason = "stream ended"
             except grpc.aio.AioRpcError as err:
                 reason = err.code().name
+            except asyncio.CancelledError:
+                # A channel closed under the stream (renewed TLS files: the old channels close
+                # after a grace) cancels the call, and with it this task's await; only a
+                # cancel of this task ends the watch, or the tier would stay live, deaf.
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise
+                reason = "channel closed"
             if self.live:
                 log.info("local exact tier off until the cache answers", extra={"reason": reason})
             self.reset(live=False)

@@ -1,0 +1,106 @@
+"""The gateway's local exact tier follows the cache's WatchInvalidations stream for good
+(gateway/exact_tier.py:LocalExactTier.follow). Renewed TLS files make the gateway dial again
+and close the old channels after a grace, which cancels the open stream: the follow task
+ended then, silently, leaving the tier live and deaf, serving answers the cache had
+invalidated (found by probing a TLS mesh: a certificate rewritten in place, then an
+Invalidate, then the old answer EXACT minutes later). A real gRPC server and channels."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from hopline.gateway.exact_tier import LocalExactTier
+from hopline.gateway.key_mirror import KeyMirror
+from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+
+
+class Watches:
+    """The cache's WatchInvalidations alone: says the stream is live, then holds it open, as
+    the cache does between events."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+
+    async def watch(
+        self, request: cache_pb2.WatchInvalidationsRequest, context: Any
+    ) -> AsyncIterator[cache_pb2.WatchInvalidationsResponse]:
+        self.opened += 1
+        yield cache_pb2.WatchInvalidationsResponse(live=True)
+        await asyncio.Event().wait()
+
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        method = grpc.unary_stream_rpc_method_handler(
+            self.watch,
+            request_deserializer=cache_pb2.WatchInvalidationsRequest.FromString,
+            response_serializer=cache_pb2.WatchInvalidationsResponse.SerializeToString,
+        )
+        return grpc.method_handlers_generic_handler(
+            "hopline.cache.v1.CacheService", {"WatchInvalidations": method}
+        )
+
+
+async def until(condition: Any, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+async def follow_then_close_the_channel() -> tuple[Watches, LocalExactTier, asyncio.Task[None]]:
+    server = grpc.aio.server()
+    watches = Watches()
+    server.add_generic_rpc_handlers((watches.handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channels: list[grpc.aio.Channel] = []
+
+    def watch() -> Any:
+        channels.append(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+        stub = cache_pb2_grpc.CacheServiceStub(channels[-1])
+        return stub.WatchInvalidations(cache_pb2.WatchInvalidationsRequest())
+
+    tier = LocalExactTier(capacity=10)
+    task = asyncio.create_task(tier.follow(watch, KeyMirror(capacity=0), max_retry_s=0.1))
+    try:
+        await until(lambda: tier.live, "the first stream live")
+        await channels[0].close(grace=0.05)  # as Upstream._redial closes the old channels
+        await until(lambda: watches.opened == 2 or task.done(), "a second stream opened")
+        await until(lambda: tier.live or task.done(), "live again")
+        return watches, tier, task
+    finally:
+        if not task.done():
+            task.cancel()
+        for channel in channels:
+            await channel.close(grace=None)
+        await server.stop(grace=None)
+
+
+def test_a_watch_cut_by_its_channel_closing_is_opened_again() -> None:
+    watches, tier, _ = asyncio.run(follow_then_close_the_channel())
+    assert watches.opened == 2
+    assert tier.live
+
+
+def test_cancelling_the_follow_still_ends_it() -> None:
+    async def main() -> bool:
+        tier = LocalExactTier(capacity=10)
+
+        async def never() -> AsyncIterator[cache_pb2.WatchInvalidationsResponse]:
+            await asyncio.Event().wait()
+            yield cache_pb2.WatchInvalidationsResponse()
+
+        task = asyncio.create_task(tier.follow(never, KeyMirror(capacity=0)))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        try:
+            await asyncio.wait_for(task, 5)
+        except asyncio.CancelledError:
+            return True
+        return False
+
+    assert asyncio.run(main())
