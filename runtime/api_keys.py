@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 API_KEYS_ENV = "HOPLINE_API_KEYS"
 # One caller's key (the client tools'), not the gateway's file of them.
@@ -61,10 +62,30 @@ def sendable_key(key: str) -> bool:
     return key.isascii() and key.isprintable() and key == key.strip()
 
 
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose names are each said once: json's own rule, the last wins, would
+    hand a key listed for two tenants to whichever comes last, without a word."""
+    seen: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in seen:
+            raise _RepeatedKey(
+                f"a key is listed twice (for {seen[name]!r} and {value!r}): a key names "
+                "one tenant; remove one of them"
+            )
+        seen[name] = value
+    return seen
+
+
 def load_api_keys(keys_file: str) -> dict[str, str]:
     """The file's key -> tenant map; ValueError, saying what is wrong, for anything else."""
     try:
-        raw = json.loads(Path(keys_file).read_text(encoding="utf-8"))
+        raw = json.loads(Path(keys_file).read_text(encoding="utf-8"), object_pairs_hook=_once)
+    except _RepeatedKey as exc:
+        raise ValueError(f"{keys_file}: {exc}") from None
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read API keys from {keys_file}: {exc}") from exc
     if not isinstance(raw, dict):

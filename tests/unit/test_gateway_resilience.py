@@ -548,6 +548,18 @@ def test_the_operators_calls_carry_a_key_from_the_file(keys_file: Path, tmp_path
         operator_metadata({API_KEYS_ENV: str(empty)})
 
 
+def test_a_key_listed_twice_is_refused_not_given_to_the_last_tenant(tmp_path: Path) -> None:
+    """json's own rule (the last wins) served `key-dup` as globex, without a word."""
+    repeated = tmp_path / "repeated.json"
+    repeated.write_text(
+        '{"key-dup": "acme", "key-globex": "globex", "key-dup": "globex"}', encoding="utf-8"
+    )
+    with pytest.raises(ValueError, match="listed twice") as refused:
+        TenantResolver(str(repeated))
+    assert "'acme' and 'globex'" in str(refused.value)
+    assert "key-dup" not in str(refused.value)  # a key is a secret: never echoed
+
+
 def test_a_client_tool_sends_its_callers_key(keys_file: Path) -> None:
     """`hopline predict` and `bench`: `--api-key` first, then HOPLINE_API_KEY, else none;
     what they send resolves to the key's tenant at a gateway with that file."""
