@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -28,6 +29,8 @@ from hopline.runtime.interceptors import (
 from hopline.runtime.ports import port_problem
 from hopline.runtime.service_table import SERVICES
 from hopline.runtime.tls import (
+    CERT_ENV,
+    KEY_ENV,
     PeerCheck,
     TlsConfigError,
     TlsFiles,
@@ -201,6 +204,20 @@ def role_of(service: object) -> str:
     return next((str(s.name) for s in SERVICES if s.module == module), "service")
 
 
+def _check_peers_have_tls(config: ServerConfig, tls: TlsFiles) -> None:
+    """Peers named (other than the default) on a port without a certificate: the operator
+    asked for client certificates and the port would serve plaintext to anyone."""
+    field = next(f for f in dataclasses.fields(config) if f.name == "tls_peers")
+    if tls.cert or config.tls_peers == field.default:
+        return
+    setting = setting_of(config, "tls_peers")
+    raise TlsConfigError(
+        f"{setting}={config.tls_peers!r} asks callers for a client certificate, but "
+        f"{CERT_ENV} is not set, so the port would serve plaintext to anyone: set {CERT_ENV} "
+        f"and {KEY_ENV}, or unset {setting}"
+    )
+
+
 def _bind(server: grpc.aio.Server, config: ServerConfig, tls: TlsFiles) -> int | None:
     """Bind the port, over TLS when the config has a certificate; None when it cannot."""
     problem = port_problem(config.listen, listen=True)
@@ -215,6 +232,7 @@ def _bind(server: grpc.aio.Server, config: ServerConfig, tls: TlsFiles) -> int |
         )
         return None
     try:
+        _check_peers_have_tls(config, tls)
         credentials = server_credentials(tls, config.tls_peers)
     except TlsConfigError as exc:  # a certificate or key missing, unreadable or mismatched
         log.error("cannot serve TLS", extra={"listen": config.listen, "error": str(exc)})

@@ -256,3 +256,22 @@ def test_a_key_that_is_not_the_certificates_is_named(tmesh: TlsMesh) -> None:
     assert "cannot serve TLS" in said, said  # not "cannot bind": the port was never the matter
     assert "are not a certificate and its private key" in said, said
     assert "gateway.key" in said
+
+
+def test_peers_asked_for_on_a_port_without_a_certificate_are_refused(tmesh: TlsMesh) -> None:
+    """HOPLINE_GATEWAY_TLS_PEERS=operator with no certificate served plaintext Predict to
+    anyone, without a word: the operator asked for client certificates."""
+    plain = {k: v for k, v in tmesh.env.items() if not k.startswith("HOPLINE_TLS_")}
+    env = {
+        **plain,
+        "HOPLINE_GATEWAY_TLS_PEERS": "operator",
+        "HOPLINE_GATEWAY_ADDR": f"127.0.0.1:{free_ports(1)[0]}",
+        "HOPLINE_METRICS_PORT": "0",
+    }
+    said = serve_refused("gateway", env)
+    assert "cannot serve TLS" in said, said
+    assert "HOPLINE_GATEWAY_TLS_PEERS='operator' asks callers for a client certificate" in said
+    # An internal service's peers other than its default, likewise.
+    env = {**plain, "HOPLINE_TLS_PEERS": "gateway", "HOPLINE_METRICS_PORT": "0"}
+    env["HOPLINE_POSTPROCESS_ADDR"] = f"127.0.0.1:{free_ports(1)[0]}"
+    assert "HOPLINE_TLS_PEERS='gateway'" in serve_refused("postprocess", env)
