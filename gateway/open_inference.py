@@ -49,6 +49,7 @@ from hopline.gateway.errors import RequestError, abort
 from hopline.gateway.identity import IdentityError
 from hopline.gateway.model_config import Tensor, triton_config
 from hopline.gateway.service import GatewayService
+from hopline.gateway.streaming import MAX_ID_BYTES
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import child_span, current_trace_id
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -306,6 +307,17 @@ def integer_parameter(parameters: Mapping[str, pb.InferParameter], key: str, whe
     return value
 
 
+def check_id(rid: str) -> None:
+    """The reply echoes the id: one near the message size limit made the reply too large to
+    send (RESOURCE_EXHAUSTED from gRPC's core, and an error logged per request)."""
+    if len(rid) > MAX_ID_BYTES // 4 and (size := len(rid.encode())) > MAX_ID_BYTES:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"ModelInferRequest.id is {size} bytes; the limit is {MAX_ID_BYTES}: send a "
+            "shorter id",
+        )
+
+
 def timeout_s(parameters: Mapping[str, pb.InferParameter]) -> float | None:
     """Triton's `timeout` parameter in seconds; None when absent or 0 (no timeout)."""
     microseconds = integer_parameter(parameters, TIMEOUT, " (microseconds)")
@@ -471,6 +483,7 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 gateway.tenants.require_key(metadata)  # a caller without a key learns no more
                 raise
             tenant = gateway.tenants.resolve(claimed, metadata)
+            check_id(request.id)
             mode = cache_mode(request.parameters)
             deadline_s = gateway.timeout_for(context)
             asked_s = timeout_s(request.parameters)

@@ -378,6 +378,8 @@ def test_bad_tensors_are_invalid_argument(client: triton.InferenceServerClient) 
             "cache_mode",
         ),
         ({"inputs": [text_input(["hi"])], "parameters": {"tenant": 7}}, "must be a string"),
+        # Echoed in the reply: one near the message limit made the reply unsendable.
+        ({"inputs": [text_input(["hi"])], "request_id": "r" * 5000}, "id is 5000 bytes"),
     ]
     for kwargs, needle in cases:
         status, message = rejection(client.infer, DEFAULT_MODEL, client_timeout=30, **kwargs)
