@@ -111,6 +111,7 @@ class ServerCertificates:
         key, cert = files._read(files.key, KEY_ENV), files._read(files.cert, CERT_ENV)
         root = files._read(files.ca, CA_ENV) if files.ca else None
         _check_pair(files)
+        _check_ca(files.ca, root)
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=root)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
@@ -175,6 +176,21 @@ def _check_pair(files: TlsFiles) -> None:
         ) from None
 
 
+def _check_ca(path: str, pem: bytes | None) -> None:
+    """A CA file that holds no certificate fails gRPC's bind with "Failed to bind to
+    address", or a client's handshake with gRPC core's lines: say which file instead."""
+    if pem is None:
+        return
+    try:
+        if not pem.strip():
+            raise ValueError("the file is empty")
+        ssl.create_default_context(cadata=pem.decode("ascii", "replace"))
+    except (ssl.SSLError, ValueError) as exc:
+        raise TlsConfigError(
+            f"{CA_ENV}={path!r} holds no PEM certificate ({getattr(exc, 'reason', None) or exc})"
+        ) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ClientTls:
     """How to dial one service over TLS: credentials and the name its certificate carries."""
@@ -196,8 +212,12 @@ def client_tls(files: TlsFiles, server: str) -> ClientTls | None:
         raise TlsConfigError(f"{CA_ENV} is needed to verify the {server} service's certificate")
     if bool(files.cert) != bool(files.key):
         raise TlsConfigError(f"{CERT_ENV} and {KEY_ENV} go together: set both, or neither")
+    root = files._read(files.ca, CA_ENV)
+    _check_ca(files.ca, root)
+    if files.cert:
+        _check_pair(files)
     credentials = grpc.ssl_channel_credentials(
-        root_certificates=files._read(files.ca, CA_ENV),
+        root_certificates=root,
         private_key=files._read(files.key, KEY_ENV) if files.key else None,
         certificate_chain=files._read(files.cert, CERT_ENV) if files.cert else None,
     )

@@ -66,6 +66,32 @@ def test_a_certificate_file_that_cannot_be_read_is_named_with_its_setting(
         server_credentials(a_folder, "")
 
 
+@pytest.mark.parametrize("ca", ["garbage\n", ""])
+def test_a_ca_file_without_a_certificate_is_named(tmp_path: Path, ca: str) -> None:
+    """A server's bind failed with "Failed to bind to address" (blamed on the address
+    setting), a client's handshake with gRPC core's lines."""
+    make_certs(tmp_path, ["cache", "operator"])
+    (tmp_path / "ca.crt").write_text(ca)
+    server = TlsFiles(
+        str(tmp_path / "cache.crt"), str(tmp_path / "cache.key"), str(tmp_path / "ca.crt")
+    )
+    with pytest.raises(TlsConfigError, match=r"HOPLINE_TLS_CA=.* holds no PEM certificate"):
+        server_credentials(server, "gateway")
+    with pytest.raises(TlsConfigError, match=r"HOPLINE_TLS_CA=.* holds no PEM certificate"):
+        client_tls(TlsFiles(ca=str(tmp_path / "ca.crt")), "cache")
+
+
+def test_a_clients_key_that_is_not_its_certificates_is_named(tmp_path: Path) -> None:
+    """`hopline predict` with another role's key printed gRPC core's "Invalid private key"
+    lines, then UNAVAILABLE "Failed to create security handshaker"."""
+    make_certs(tmp_path, ["operator", "gateway"])
+    files = TlsFiles(
+        str(tmp_path / "operator.crt"), str(tmp_path / "gateway.key"), str(tmp_path / "ca.crt")
+    )
+    with pytest.raises(TlsConfigError, match="are not a certificate and its private key"):
+        client_tls(files, "cache")
+
+
 def test_a_client_needs_the_ca_and_both_halves_of_its_certificate() -> None:
     with pytest.raises(TlsConfigError, match="HOPLINE_TLS_CA"):
         client_tls(TlsFiles("a.crt", "a.key"), "cache")
