@@ -75,6 +75,14 @@ def die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+# What the launcher's own calls to the gateway cannot outwait, and what sets it.
+REFUSED = {
+    grpc.StatusCode.PERMISSION_DENIED: "the launcher calls as `operator`: with "
+    "HOPLINE_GATEWAY_TLS_PEERS set, name operator in it",
+    grpc.StatusCode.UNAUTHENTICATED: "the launcher sends the first key of HOPLINE_API_KEYS",
+}
+
+
 class MeshError(RuntimeError):
     """A service exited or did not become ready in time; the message carries logs' tails."""
 
@@ -238,7 +246,14 @@ class Mesh:
                     timeout=1.0,
                     metadata=operator_metadata(self.env),  # GetStats needs a key when set
                 )
-        except grpc.RpcError:
+        except grpc.RpcError as err:
+            code = err.code()
+            if code in REFUSED:  # asking again will not change it: say why now
+                raise MeshError(
+                    "the gateway refused the launcher's GetStats, which says whether its local "
+                    f"exact tier is live: {code.name}: {err.details()} "
+                    f"({REFUSED[code]})"
+                ) from None
             return False
         return stats.counters.get("local_exact_live") == 1
 

@@ -338,7 +338,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     # Each method's handler is wrapped once here, not per call (see hopline.runtime.interceptors).
     # The peer check comes first: a caller the service does not serve learns nothing more.
-    peers = peer_check(tls, config.tls_peers)
+    peers = peer_check(tls, config.tls_peers, setting_of(config, "tls_peers"))
     wrappers: list[RpcWrapper] = [gate, ServerTracing(config.test_delay_ms)]
     if config.test_fault:
         wrappers.append(FaultInjection(config.test_fault))

@@ -295,8 +295,13 @@ class PeerCheck(RpcWrapper):
     the CA's certificates may call: a certificate for another role is refused.
     """
 
-    def __init__(self, allowed: frozenset[str]) -> None:
+    def __init__(self, allowed: frozenset[str], setting: str = PEERS_ENV) -> None:
         self.allowed = allowed
+        # An internal service's caller should go through the gateway; the gateway's own
+        # refusal can only point at who it serves.
+        self.advice = (
+            "call through the gateway" if setting == PEERS_ENV else f"{setting} names who may call"
+        )
 
     def permits(self, context: Context) -> bool:
         found = peer_identities(context)
@@ -307,7 +312,7 @@ class PeerCheck(RpcWrapper):
         await context.abort(
             grpc.StatusCode.PERMISSION_DENIED,
             f"this service serves only {', '.join(sorted(self.allowed))}; the caller's "
-            f"certificate names {clip(found)}: call through the gateway",
+            f"certificate names {clip(found)}: {self.advice}",
         )
 
     def wrap(self, method: str, inner: Behaviour) -> Behaviour:
@@ -328,7 +333,7 @@ class PeerCheck(RpcWrapper):
         return checked
 
 
-def peer_check(files: TlsFiles, peers: str) -> PeerCheck | None:
+def peer_check(files: TlsFiles, peers: str, setting: str = PEERS_ENV) -> PeerCheck | None:
     """The check for a service with a certificate and a peers list; None otherwise."""
     allowed = parse_peers(peers)
-    return PeerCheck(allowed) if files.cert and allowed else None
+    return PeerCheck(allowed, setting) if files.cert and allowed else None

@@ -29,6 +29,7 @@ from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
+from hopline.runtime.launcher import MeshError
 from hopline.runtime.ports import free_ports
 from hopline.runtime.tls import ClientTls, TlsFiles, channel, client_tls
 
@@ -275,3 +276,32 @@ def test_peers_asked_for_on_a_port_without_a_certificate_are_refused(tmesh: TlsM
     env = {**plain, "HOPLINE_TLS_PEERS": "gateway", "HOPLINE_METRICS_PORT": "0"}
     env["HOPLINE_POSTPROCESS_ADDR"] = f"127.0.0.1:{free_ports(1)[0]}"
     assert "HOPLINE_TLS_PEERS='gateway'" in serve_refused("postprocess", env)
+
+
+def test_a_gateway_that_refuses_the_operator_fails_the_start_at_once(tmesh: TlsMesh) -> None:
+    """With HOPLINE_GATEWAY_TLS_PEERS leaving out `operator`, the launcher's GetStats (is the
+    local tier live?) is refused: `hopline run` waited out its whole start limit, then said
+    "not ready in time: the gateway's local exact tier"."""
+    port, metrics_port = free_ports(2)
+    env = {
+        **tmesh.env,
+        "HOPLINE_GATEWAY_TLS_PEERS": "gateway",
+        "HOPLINE_GATEWAY_ADDR": f"127.0.0.1:{port}",
+        "HOPLINE_METRICS_PORT": str(metrics_port),
+        **{f"HOPLINE_{n.upper()}_ADDR": a for n, a in tmesh.addrs.items() if n != "gateway"},
+    }
+    log = (tmesh.workdir / "gateway-no-operator.log").open("ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hopline", "serve", "gateway"], env=env, stdout=log, stderr=log
+    )
+    probe = Mesh(tmesh.repo, tmesh.workdir, addrs={"gateway": f"127.0.0.1:{port}"}, **tmesh.env)
+    try:
+        started = time.monotonic()
+        with pytest.raises(MeshError, match="PERMISSION_DENIED") as failed:
+            probe.wait_until("the local tier", probe.local_tier_live, started + 90)
+        assert "name operator in it" in str(failed.value)
+        assert time.monotonic() - started < 60, "it waited for the deadline"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
