@@ -119,14 +119,75 @@ def create_backend(config: ModelConfig, threads: int, *, spin: Spin = Spin.OFF) 
     return OnnxRuntimeBackend(config, threads, spin=spin)
 
 
+# ONNX Runtime's element types, by the names config.json uses (runtime/tensors.py).
+ORT_TYPES = {
+    "tensor(bool)": "BOOL",
+    "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64",
+    "tensor(float16)": "FP16",
+    "tensor(float)": "FP32",
+}
+
+
+def graph_problem(backend: Backend) -> str | None:
+    """How the version's config.json disagrees with its graph, or None. A config that names
+    an input the graph does not have, or declares another width for an output, loaded, was
+    listed as the latest version and failed every request with INVALID_ARGUMENT (blaming
+    the caller); refused at load, the version before keeps answering."""
+    config = backend.config
+    onnx = backend.sessions[0] if isinstance(backend, SideBySideBackend) else backend
+    if not isinstance(onnx, OnnxRuntimeBackend):
+        return None  # another backend's graph is its own to check
+    session = onnx.session
+    for kind, declared, graph in (
+        ("input", config.inputs, {t.name: t for t in session.get_inputs()}),
+        ("output", config.outputs, {t.name: t for t in session.get_outputs()}),
+    ):
+        for spec in declared:
+            node = graph.get(spec.name)
+            if node is None:
+                return (
+                    f"config.json names {kind} {spec.name!r}; the graph's {kind}s are "
+                    f"{sorted(graph)}"
+                )
+            shape = list(node.shape)
+            fixed = zip(spec.shape, shape, strict=False)
+            if len(shape) != len(spec.shape) or any(
+                d != -1 and isinstance(g, int) and g != d for d, g in fixed
+            ):
+                return (
+                    f"config.json gives {kind} {spec.name!r} shape {list(spec.shape)}; the "
+                    f"graph's is {shape}"
+                )
+            if ORT_TYPES.get(node.type, spec.dtype) != spec.dtype:
+                return (
+                    f"config.json gives {kind} {spec.name!r} {spec.dtype}; the graph's is "
+                    f"{node.type}"
+                )
+        if kind == "input" and (unnamed := sorted(set(graph) - {s.name for s in declared})):
+            return f"the graph takes inputs config.json does not name: {unnamed}"
+    return None
+
+
 def warm_up(backend: Backend) -> None:
     """Run the shapes first requests will have, so they do not pay for lazy initialisation
-    (in every session a backend keeps)."""
+    (in every session a backend keeps). ValueError when an output's width is not the one the
+    config declares (a graph whose dimension is symbolic says so only when it runs)."""
+    config = backend.config
     for each in getattr(backend, "sessions", (backend,)):
         for batch, seq in ((1, 8), (1, 16), (4, 32)):
             ids = np.full((batch, seq), 1000, dtype=np.int64)
             ids[:, 0], ids[:, -1] = 101, 102
-            each.run({"input_ids": ids, "attention_mask": np.ones_like(ids)}, [])
+            ran = each.run({"input_ids": ids, "attention_mask": np.ones_like(ids)}, [])
+            for spec in config.outputs:
+                got = list(ran[spec.name].shape)
+                if len(got) != len(spec.shape) or any(
+                    d != -1 and g != d for d, g in zip(spec.shape, got, strict=True)
+                ):
+                    raise ValueError(
+                        f"config.json gives output {spec.name!r} shape {list(spec.shape)}; a run "
+                        f"of the graph gave {got}"
+                    )
 
 
 def expected_providers(config: ModelConfig) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from opentelemetry import trace
 
 from hopline.model.registry import LINGER_REFRESHES, ModelRegistry
 from hopline.model.repository import (
+    InvalidModelError,
     ModelConfig,
     ModelNotFoundError,
     ModelRepository,
@@ -50,6 +51,7 @@ from hopline.runtime.tensors import (
 from hopline.services.inference.backend import (
     Array,
     create_backend,
+    graph_problem,
     warm_up,
 )
 from hopline.services.inference.batched_model import BatchedModel, EmbeddingHead, ModelRequest
@@ -283,6 +285,8 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             lambda: create_backend(cfg, self.config.threads, spin=self.config.spin),
             self.config.slice_us,
         )
+        if problem := graph_problem(backend):
+            raise InvalidModelError(f"{cfg.key}: {problem}")
         warm_up(backend)
         return BatchedModel(backend, self.executor, self.concurrency, version_digest(cfg.path))
 
