@@ -67,6 +67,7 @@ from hopline.model.repository import (
     CachePolicy,
     ModelRepository,
     cache_problem,
+    is_version,
     load_config,
     validate_name,
 )
@@ -223,8 +224,8 @@ def build_model(
 
     repo = ModelRepository(repo_root)
     version = version or repo.next_version(name)
-    if not version.isdigit() or int(version) < 1:
-        raise ValueError(f"version {version!r} must be a positive integer")
+    if not is_version(version):  # the services' rule: `01` would be built, never served
+        raise ValueError(f"version {version!r} must be a positive integer, without leading zeros")
     target = repo_root / name / version
     if target.exists():
         raise FileExistsError(f"{target} exists: model versions are immutable, pick another")

@@ -43,6 +43,8 @@ def test_unusable_input_is_one_line_and_publishes_nothing(repo: Path, tmp_path: 
         "need at least two labels": ("--train", str(one_label), "--name", "m"),
         "model versions are immutable": ("--default", "--version", "1"),
         "must be a positive integer": ("--default", "--version", "v2"),
+        # Built and published, then left out by every service: "not a version folder".
+        "without leading zeros": ("--default", "--version", "01"),
         "an fp32 build has nothing to check": ("--default", "--check-sentences", str(one_label)),
         "--check-sentences": (
             "--default", "--precision", "int8", "--check-sentences", str(tmp_path / "nope"),
