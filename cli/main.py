@@ -145,7 +145,8 @@ def _predict(args: argparse.Namespace) -> int:
         )
         if code == grpc.StatusCode.UNAUTHENTICATED:
             sys.stderr.write(f"(give your key with --api-key or {API_KEY_ENV})\n")
-        elif code == grpc.StatusCode.UNAVAILABLE:
+        elif code == grpc.StatusCode.UNAVAILABLE and not trailing:
+            # A gateway's own UNAVAILABLE (an upstream down) carries its trailers.
             hint = no_gateway_hint(gateway_address(args.gateway), "--gateway")
             sys.stderr.write(f"({hint})\n")
         return 1
