@@ -22,6 +22,7 @@ from hopline.runtime.ports import port_problem
 from hopline.runtime.service_table import spec
 
 MAX_ATTEMPTS_CAP = 5  # gRPC's own limit on a retry policy's maxAttempts (it clamps higher)
+MAX_RETRY_TOKENS = 1000  # gRPC's own limit on retryThrottling's maxTokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +130,7 @@ class GatewayConfig(ServerConfig):
         "retry budget per upstream: a failed attempt spends a token, retries stop while "
         "fewer than half are left (0: twice HOPLINE_GATEWAY_MAX_IN_FLIGHT, at most 1000, so "
         "every call in flight on a replica that dies can still be retried)",
+        valid=Range(high=MAX_RETRY_TOKENS),  # past it gRPC's limit took 1000, unsaid
     )
     batch_max_rows: int = env_field(
         "HOPLINE_GATEWAY_BATCH_MAX_ROWS",

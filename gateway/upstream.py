@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from hopline.gateway.config import MAX_ATTEMPTS_CAP
+from hopline.gateway.config import MAX_ATTEMPTS_CAP, MAX_RETRY_TOKENS
 from hopline.gateway.resilience import with_ejection
 from hopline.observability import metrics, schema
 from hopline.observability.logs import Episodes
@@ -117,7 +117,6 @@ RETRY_METHODS: dict[str, tuple[str, ...]] = {
 # RESOURCE_EXHAUSTED: that is an upstream shedding load (a full batch queue) or a message too
 # large, and a retry would add load to an overload or fail again the same way.
 RETRYABLE_CODES = ("UNAVAILABLE", "CANCELLED")
-MAX_RETRY_TOKENS = 1000  # gRPC's own limit on retryThrottling's maxTokens
 
 
 def _seconds(ms: float) -> str:

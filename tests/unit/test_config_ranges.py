@@ -33,6 +33,7 @@ from hopline.services.inference.service import InferenceConfig
         ("HOPLINE_GATEWAY_SPECULATE_MAX_HIT_RATE", "1.5", "must be at most 1"),
         ("HOPLINE_METRICS_PORT", "70000", "must be at most 65535"),
         ("HOPLINE_UPSTREAM_RETRY_ATTEMPTS", "6", "must be at most 5"),  # gRPC would clamp it
+        ("HOPLINE_UPSTREAM_RETRY_TOKENS", "5000", "must be at most 1000"),  # and this one
     ],
 )
 def test_the_gateway_refuses_a_setting_outside_its_range(
