@@ -223,6 +223,9 @@ MAX_RECONNECT_BACKOFF_MS = 2_000
 RECONNECT_JITTER = 0.2
 
 
+KEEPALIVE_TIMEOUT_MS = 5_000
+
+
 def channel_options(
     index: int, max_message_bytes: int, service_config: dict[str, Any] | None = None
 ) -> list[tuple[str, Any]]:
@@ -240,7 +243,11 @@ def channel_options(
         ("grpc.use_local_subchannel_pool", 1),
         ("hopline.channel_index", index),
         ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # The ping's own timeout, which gRPC core (1.85) applies to keepalive pings in place
+        # of the one above: 60 s by default, so a hung replica (a stopped process, a frozen
+        # node) held its connection, and the calls sent on it, for about 80 s.
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.max_receive_message_length", max_message_bytes),
