@@ -313,8 +313,7 @@ def check_id(rid: str) -> None:
     if len(rid) > MAX_ID_BYTES // 4 and (size := len(rid.encode())) > MAX_ID_BYTES:
         raise RequestError(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"ModelInferRequest.id is {size} bytes; the limit is {MAX_ID_BYTES}: send a "
-            "shorter id",
+            f"ModelInferRequest.id is {size} bytes; the limit is {MAX_ID_BYTES}: send a shorter id",
         )
 
 

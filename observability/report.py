@@ -50,6 +50,17 @@ class Span:
     attributes: dict[str, Any]
     children: list[Span] = dataclasses.field(default_factory=list)
     links: tuple[str, ...] = ()  # the span ids this span links to
+    error: bool = False  # its status is ERROR
+
+    @property
+    def failed(self) -> bool:
+        """An error status, or a gRPC code other than OK: a caller's mistake answered at once
+        (INVALID_ARGUMENT, a refusal) is no success's latency either, though not an error.
+        DEADLINE_EXCEEDED is not: a request that ran out of time is the tail itself."""
+        code = self.attributes.get("rpc.grpc.status_code", 0)
+        if code == DEADLINE_EXCEEDED:
+            return False
+        return self.error or code not in (0, None)
 
     @property
     def ms(self) -> float:
@@ -66,6 +77,13 @@ _KINDS = {
     "SPAN_KIND_CONSUMER": 5,
 }
 _KIND_NAMES = {SERVER: "server", CLIENT: "client", 4: "producer", 5: "consumer"}
+STATUS_ERROR = 2  # OTLP's STATUS_CODE_ERROR
+DEADLINE_EXCEEDED = 4  # gRPC's code, as rpc.grpc.status_code carries it
+
+
+def _is_error(status: Any) -> bool:
+    code = status.get("code", 0) if isinstance(status, dict) else 0
+    return code in (STATUS_ERROR, "STATUS_CODE_ERROR")
 
 
 def _value(v: dict[str, Any]) -> Any:
@@ -96,11 +114,19 @@ class NotOtlp(ValueError):
     """A document that is not OTLP/JSON TracesData (nor api_v3's wrapper of it)."""
 
 
+# What --file takes, said whenever a file is not it.
+OTLP_EXPECTED = (
+    "expected OTLP/JSON TracesData, objects with `resourceSpans` (one, an array or JSON "
+    "lines), as Jaeger's /api/v3/traces or a collector's file exporter writes"
+)
+
+
 def parse_otlp(documents: Iterable[Any]) -> dict[str, list[Span]]:
     """Spans by trace id from OTLP/JSON TracesData documents (or api_v3 `result` wrappers);
     NotOtlp names the first document that is not one and what it lacks."""
     traces: dict[str, list[Span]] = defaultdict(list)
     for number, doc in enumerate(documents, 1):
+        _check_document(number, doc)
         try:
             spans = list(_document_spans(doc))
         except KeyError as exc:
@@ -110,6 +136,22 @@ def parse_otlp(documents: Iterable[Any]) -> dict[str, list[Span]]:
         for span in spans:
             traces[span.trace_id].append(span)
     return dict(traces)
+
+
+def _check_document(number: int, doc: Any) -> None:
+    """NotOtlp for a JSON object that is no TracesData: such a document gave no spans, and
+    the report said "no traces to report on", as if the file held none. An api_v3 `result`
+    may lack `resourceSpans` (protobuf's JSON leaves an empty list out); a bare document
+    may not, so `{}` is refused too."""
+    if not isinstance(doc, dict) or "resourceSpans" in doc or isinstance(doc.get("result"), dict):
+        return  # not an object: _document_spans says what is wrong with it
+    if isinstance(doc.get("data"), list):
+        raise NotOtlp(
+            f"document {number} is Jaeger's own JSON (/api/traces, `data`), not OTLP/JSON; "
+            f"{OTLP_EXPECTED}"
+        )
+    keys = ", ".join(sorted(map(str, doc))[:5]) or "none"
+    raise NotOtlp(f"document {number} has no `resourceSpans` (keys: {keys}); {OTLP_EXPECTED}")
 
 
 def _document_spans(doc: dict[str, Any]) -> Iterator[Span]:
@@ -130,6 +172,7 @@ def _document_spans(doc: dict[str, Any]) -> Iterator[Span]:
                     end=int(s["endTimeUnixNano"]),
                     attributes=_attrs(s.get("attributes", [])),
                     links=tuple(_hex_id(link["spanId"]) for link in s.get("links", []) or []),
+                    error=_is_error(s.get("status")),
                 )
 
 
@@ -170,17 +213,53 @@ def fetch_jaeger(
     url = f"{base.rstrip('/')}/api/v3/traces?{query}"
     try:
         with urllib.request.urlopen(url, timeout=30) as reply:
-            body = reply.read().decode()
+            body = reply.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as err:
-        if err.code == 404:  # api_v3 answers 404 when no trace matches
+        said = _jaeger_error(err.read().decode("utf-8", "replace"))
+        if said is None:
+            raise ValueError(
+                f"{base} is not Jaeger's query API: {url.partition('?')[0]} answered HTTP "
+                f"{err.code} without Jaeger's JSON error; {JAEGER_EXPECTED}"
+            ) from err
+        if err.code == 404 and "found" in said.lower():  # api_v3's "No traces found"
             return []
-        raise
+        raise ValueError(f"Jaeger's query API at {base} answered HTTP {err.code}: {said}") from err
     except urllib.error.URLError as err:  # nothing answered there at all
         raise OSError(
             f"cannot reach Jaeger's query API at {base}: {err.reason} (`make jaeger` starts "
             "one on this machine; --jaeger takes its query address, port 16686 by default)"
         ) from err
-    return read_json_documents(body)
+    try:
+        docs: list[Any] = read_json_documents(body)
+    except ValueError:
+        docs = [None]
+    # api_v3 streams its traces as `{"result": TracesData}` objects; anything else (a web
+    # page, another API's JSON) is some other server's answer to that path.
+    if not all(isinstance(d, dict) and isinstance(d.get("result"), dict) for d in docs):
+        raise ValueError(
+            f"{base} did not answer with Jaeger's query API JSON: {url.partition('?')[0]} "
+            f"gave {body[:40]!r}; {JAEGER_EXPECTED}"
+        )
+    return docs
+
+
+# Said wherever --jaeger's URL turns out to be something else.
+JAEGER_EXPECTED = (
+    "--jaeger takes the base URL of Jaeger's query service, scheme, host and port with no "
+    "path, e.g. http://127.0.0.1:16686 (hopline reads <URL>/api/v3/traces)"
+)
+
+
+def _jaeger_error(body: str) -> str | None:
+    """The message of Jaeger's JSON error (`{"error": {"httpCode": 404, "message": ...}}`,
+    from api_v3's HTTP gateway), or None for a body that is not one: another server's page."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(error, dict) or "message" not in error:
+        return None
+    return str(error["message"])
 
 
 def build_tree(spans: Sequence[Span]) -> Span | None:
@@ -357,6 +436,8 @@ class Report:
     bands: dict[str, dict[str, float]]
     # Every hop span over all `traces`, critical or not (see `hop_table`).
     hops: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # Failed requests left out of `traces` (analyse's include_failed keeps them in).
+    failed: int = 0
 
     def top(self) -> str:
         """The category that owns most of the slow requests' time (gaps and gateway included)."""
@@ -396,15 +477,30 @@ def _own_times(root: Span) -> dict[str, list[float]]:
 BANDS = (("p0-p50", 0, 50), ("p50-p90", 50, 90), ("p90-p99", 90, 99), ("p99-max", 99, 100))
 
 
-def analyse(traces: dict[str, list[Span]], above: float, operation: str | None = None) -> Report:
-    """Attribute the slow requests' time; `operation` keeps only traces rooted at that RPC."""
+def analyse(
+    traces: dict[str, list[Span]],
+    above: float,
+    operation: str | None = None,
+    include_failed: bool = False,
+) -> Report:
+    """Attribute the slow requests' time; `operation` keeps only traces rooted at that RPC.
+
+    Requests that failed (`Span.failed` at the root) are left out unless `include_failed`:
+    with a hop down, each failed call's connection attempts read as that hop's gap, as if
+    the network were slow for the requests that were answered."""
     roots = [r for r in (build_tree(spans) for spans in traces.values()) if r is not None]
     join_batches(roots)
     if operation:
         roots = [r for r in roots if r.name == operation]
+    failed = 0
+    if not include_failed:
+        answered = [r for r in roots if not r.failed]
+        failed, roots = len(roots) - len(answered), answered
     if not roots:
         raise ValueError(
-            "no traces to report on" + (f" with root operation {operation!r}" if operation else "")
+            "no traces to report on"
+            + (f" with root operation {operation!r}" if operation else "")
+            + (f": all {failed} failed (--errors include reports on them)" if failed else "")
         )
     e2e = np.array([r.ms for r in roots])
     threshold = float(np.percentile(e2e, above))
@@ -440,13 +536,19 @@ def analyse(traces: dict[str, list[Span]], above: float, operation: str | None =
                 if not k.startswith("  "):
                     sums[k] += v / len(members)
         bands[label] = dict(sums)
-    return Report(len(roots), len(slow), threshold, above, rows, bands, hop_table(roots))
+    return Report(len(roots), len(slow), threshold, above, rows, bands, hop_table(roots), failed)
 
 
 def table(report: Report) -> str:
     lines = [
         f"{report.selected} of {report.traces} traces at or above p{report.percentile:g} "
         f"({report.threshold_ms:.2f} ms end to end)",
+    ]
+    if report.failed:
+        lines.append(
+            f"{report.failed} failed requests left out (--errors include reports on them too)"
+        )
+    lines += [
         "",
         f"{'hop':<28}{'count':>7}{'p50 ms':>10}{'p99 ms':>10}{'critical ms':>13}{'share':>8}",
     ]

@@ -38,6 +38,17 @@ def _duration_s(raw: str) -> float:
     return seconds
 
 
+def _trace_count(raw: str) -> int:
+    """At least one trace: Jaeger answers a search depth of 0 or less with HTTP 500."""
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a number of traces, 1 or more, got {raw!r}")
+    return value
+
+
 def add_trace_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     tr = sub.add_parser("trace", help="tail-latency attribution from traces")
     tr_sub = tr.add_subparsers(dest="trace_command", required=True)
@@ -58,7 +69,16 @@ def add_trace_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     rep.add_argument(
         "--since", type=_duration_s, default="10m", help="with --jaeger: look back this far (s/m/h)"
     )
-    rep.add_argument("--limit", type=int, default=2000, help="with --jaeger: most traces")
+    rep.add_argument(
+        "--limit", type=_trace_count, default=2000, help="with --jaeger: most traces (1 or more)"
+    )
+    rep.add_argument(
+        "--errors",
+        choices=("exclude", "include"),
+        default="exclude",
+        help="failed requests (an error or non-OK gRPC code at the root): left out of the "
+        "report and counted (default), or reported on with the rest",
+    )
     rep.add_argument("--above", type=_percentile, default=99.0, help="e.g. p90, p99 (default)")
     rep.add_argument("--png", type=Path, help="stacked breakdown by latency band")
     rep.add_argument("--json", type=Path, help="write the report as JSON")
@@ -84,7 +104,7 @@ def _report(args: argparse.Namespace) -> int:
         traces = parse_otlp(docs)
     except NotOtlp as exc:
         raise NotOtlp(f"{args.file or args.jaeger}: {exc}") from exc
-    report = analyse(traces, args.above, operation)
+    report = analyse(traces, args.above, operation, include_failed=args.errors == "include")
     sys.stdout.write(table(report))
     if args.png:
         plot(report, args.png)
@@ -97,7 +117,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _read_file(path: Path) -> list[Any]:
     """The JSON documents in `path`; an error that names the file."""
-    from hopline.observability.report import read_json_documents
+    from hopline.observability.report import OTLP_EXPECTED, read_json_documents
 
     try:
         text = path.read_text(encoding="utf-8")
@@ -106,9 +126,12 @@ def _read_file(path: Path) -> list[Any]:
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path} is not OTLP/JSON: not UTF-8 text ({exc.reason})") from exc
     try:
-        return read_json_documents(text)
+        docs = read_json_documents(text)
     except ValueError as exc:
         raise ValueError(f"{path} is not OTLP/JSON: {exc}") from exc
+    if not docs:  # else "no traces to report on", as if it held OTLP without a span
+        raise ValueError(f"{path} is not OTLP/JSON: it holds no document; {OTLP_EXPECTED}")
+    return docs
 
 
 def run_trace_command(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
@@ -21,8 +22,16 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import attach, detach
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, Sampler, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    DEFAULT_OFF,
+    DEFAULT_ON,
+    ParentBased,
+    ParentBasedTraceIdRatio,
+    Sampler,
+    TraceIdRatioBased,
+)
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
 from hopline.observability import metrics, schema
@@ -42,27 +51,64 @@ log = logging.getLogger("hopline.tracing")
 EXPORT_SAMPLE_RATIO = 0.1
 
 
-def default_sampler(
-    exporting: bool, environ: Mapping[str, str], service: str = ""
-) -> Sampler | None:
-    """hopline's sampler unless OTEL_TRACES_SAMPLER names one (None: the SDK reads it).
+# The SDK's named samplers (OpenTelemetry's OTEL_TRACES_SAMPLER values): the SDK itself
+# takes any other name, or a ratio that is not one, with a warning and keeps every trace,
+# so a typo in a production setting would have exported all of them.
+_FIXED_SAMPLERS: dict[str, Sampler] = {
+    "always_on": ALWAYS_ON,
+    "always_off": ALWAYS_OFF,
+    "parentbased_always_on": DEFAULT_ON,
+    "parentbased_always_off": DEFAULT_OFF,
+}
+_RATIO_SAMPLERS = {
+    "traceidratio": TraceIdRatioBased,
+    "parentbased_traceidratio": ParentBasedTraceIdRatio,
+}
+SAMPLERS = (*_FIXED_SAMPLERS, *_RATIO_SAMPLERS, *SAMPLER_NAMES)
+
+
+def default_sampler(exporting: bool, environ: Mapping[str, str], service: str = "") -> Sampler:
+    """The sampler OTEL_TRACES_SAMPLER names, else hopline's.
 
     Exporting: the root keeps EXPORT_SAMPLE_RATIO of traces and every other process follows
     its decision. Not exporting: nothing is recorded, since nothing would read it; spans
     still get ids, so replies and logs carry a trace id. Recording spans that nobody exports
     cost about 1 ms of a one-process miss's p50 (README.md "Traces and metrics").
     `jaeger_remote` and `parentbased_jaeger_remote` are ours (remote_sampling.py), not the
-    SDK's; ValueError says what is wrong with their OTEL_TRACES_SAMPLER_ARG."""
+    SDK's. ValueError names the variable for a sampler that is none of SAMPLERS or an
+    OTEL_TRACES_SAMPLER_ARG its sampler cannot take, where the SDK would keep every trace."""
     named = environ.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    argument = environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
     if named in SAMPLER_NAMES:
-        settings = RemoteSettings.parse(
-            environ.get("OTEL_TRACES_SAMPLER_ARG", ""), EXPORT_SAMPLE_RATIO
-        )
+        settings = RemoteSettings.parse(argument, EXPORT_SAMPLE_RATIO)
         remote = JaegerRemoteSampler(service, settings)
         return ParentBased(remote) if named.startswith("parentbased") else remote
+    if named in _FIXED_SAMPLERS:
+        return _FIXED_SAMPLERS[named]
+    if named in _RATIO_SAMPLERS:
+        return _RATIO_SAMPLERS[named](_sampler_ratio(named, argument))
     if named:
-        return None
+        raise ValueError(
+            f"OTEL_TRACES_SAMPLER={environ['OTEL_TRACES_SAMPLER']!r} is not a sampler: "
+            f"one of {', '.join(SAMPLERS)}"
+        )
     return ParentBased(TraceIdRatioBased(EXPORT_SAMPLE_RATIO)) if exporting else ALWAYS_OFF
+
+
+def _sampler_ratio(named: str, argument: str) -> float:
+    """The share of traces a ratio sampler keeps: 1 when unset, as the specification says."""
+    if not argument:
+        return 1.0
+    try:
+        ratio = float(argument)
+    except ValueError:
+        ratio = math.nan
+    if not 0.0 <= ratio <= 1.0:  # NaN too
+        raise ValueError(
+            f"OTEL_TRACES_SAMPLER_ARG={argument!r} is not a share of traces from 0 to 1, "
+            f"which OTEL_TRACES_SAMPLER={named} takes"
+        )
+    return ratio
 
 
 def remote_sampler(sampler: Sampler) -> JaegerRemoteSampler | None:
@@ -159,10 +205,7 @@ def setup_tracing(service: str) -> None:
     exporting = bool(endpoint) and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none"
     # Before anything starts: a TLS setting that cannot work fails the start (ValueError).
     tls = check_export_tls(os.environ, endpoint or "") if exporting else None
-    # The SDK's provider only to read the sampler: OTEL_TRACES_SAMPLER where set, else ours.
-    sampler = TracerProvider(
-        sampler=default_sampler(exporting, os.environ, name), shutdown_on_exit=False
-    ).sampler
+    sampler = default_sampler(exporting, os.environ, name)
     global _REMOTE
     _REMOTE = remote_sampler(sampler)
     if _REMOTE is not None:
@@ -202,6 +245,7 @@ def setup_tracing(service: str) -> None:
                 "endpoint": endpoint,
                 "service_name": name,
                 "tls": tls.mode if tls else "off",
+                "sampler": sampler.get_description(),
             },
         )
     trace.set_tracer_provider(SpanTracerProvider(sampler, processor, exporter))

@@ -66,6 +66,25 @@ class EmbeddingHead:
         return logits
 
 
+class _QueueDepth:
+    """One version's batcher's part of its model's `hopline_queue_depth` series.
+
+    Every version has a batcher of its own, and each used to set the model's one series to
+    its own depth: the series read whichever version's batcher had moved last, so an idle
+    version's 0 hid another's backlog. Each adds its change instead, so the series is the
+    model's requests waiting over all its versions, and a version closed gives its part back.
+    Its own object, not a method of the model: the batcher holds it, and a bound method
+    would make the model -> batcher -> model cycle that `BatchedModel.__init__` avoids."""
+
+    def __init__(self, model: str) -> None:
+        self._series = metrics.QUEUE_DEPTH.labels("inference", model)
+        self._depth = 0
+
+    def set(self, depth: int) -> None:
+        self._series.inc(depth - self._depth)
+        self._depth = depth
+
+
 class BatchedModel:
     """One model version: its backend, the batcher that feeds it, and its head if it has one."""
 
@@ -85,6 +104,7 @@ class BatchedModel:
             o.name for o in self.config.outputs if len(o.shape) >= 2 and o.shape[1] == -1
         )
         name = self.config.name
+        self._queue_depth = _QueueDepth(name)
         # The run holds the backend, not this model: a bound method made model -> batcher ->
         # run -> model, a cycle only the collector frees, and a version loaded at start-up is
         # frozen out of its reach (runtime/collector.py), so once removed it kept its sessions
@@ -93,7 +113,7 @@ class BatchedModel:
             functools.partial(_run, backend, per_token),
             dataclasses.replace(self.config.batching, max_in_flight=max_in_flight),
             executor,
-            on_queue_depth=metrics.QUEUE_DEPTH.labels("inference", name).set,
+            on_queue_depth=self._queue_depth.set,
             on_batch=metrics.BATCH_SIZE.labels("inference", name).observe,
         )
 
@@ -138,6 +158,7 @@ class BatchedModel:
 
     async def close(self) -> None:
         await self.batcher.close()
+        self._queue_depth.set(0)  # the batcher dropped what waited without saying so
 
 
 def _run(

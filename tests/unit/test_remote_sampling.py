@@ -137,7 +137,7 @@ def test_the_default_sampler_builds_the_remote_one_only_when_named() -> None:
     alone = default_sampler(True, {**env, "OTEL_TRACES_SAMPLER": "jaeger_remote"}, "gateway")
     assert isinstance(alone, JaegerRemoteSampler)
     assert remote_sampler(alone) is alone
-    assert remote_sampler(default_sampler(True, {}, "gateway")) is None  # type: ignore[arg-type]
+    assert remote_sampler(default_sampler(True, {}, "gateway")) is None
     with pytest.raises(ValueError, match="0 to 1"):
         default_sampler(True, {**env, "OTEL_TRACES_SAMPLER_ARG": "initialSamplingRate=2"})
 

@@ -101,7 +101,16 @@ def test_hop_table_lists_every_hop_even_those_off_the_critical_path() -> None:
     assert line.split()[1:] == ["100", "5.00", "5.00", "0.00", "0.0%"]
     assert next(x for x in text.splitlines() if x.startswith("  tokenizer ")).endswith("0.0%")
     doc = json.loads(json.dumps(dataclasses.asdict(report)))
-    assert set(doc) == {"traces", "selected", "threshold_ms", "percentile", "rows", "bands", "hops"}
+    assert set(doc) == {
+        "traces",
+        "selected",
+        "threshold_ms",
+        "percentile",
+        "rows",
+        "bands",
+        "hops",
+        "failed",
+    }
     assert doc["hops"][1]["path"] == ["cache_lookup", "cache"]
 
 

@@ -13,7 +13,15 @@ from opentelemetry.context import Context, attach, detach
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, Decision, ParentBased, Sampler
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    DEFAULT_ON,
+    Decision,
+    ParentBased,
+    Sampler,
+    TraceIdRatioBased,
+)
 from opentelemetry.trace import (
     NonRecordingSpan,
     SpanContext,
@@ -60,8 +68,73 @@ def test_nothing_is_recorded_without_export_and_the_standard_variable_wins() -> 
     quiet = default_sampler(False, {})
     assert quiet is not None
     assert quiet.should_sample(None, 7, "root").decision == Decision.DROP
-    assert default_sampler(True, {"OTEL_TRACES_SAMPLER": "parentbased_always_on"}) is None
-    assert default_sampler(False, {"OTEL_TRACES_SAMPLER": "always_on"}) is None
+    assert default_sampler(True, {"OTEL_TRACES_SAMPLER": "parentbased_always_on"}) is DEFAULT_ON
+    assert default_sampler(False, {"OTEL_TRACES_SAMPLER": "always_on"}) is ALWAYS_ON
+
+
+@pytest.mark.parametrize(
+    ("environ", "ratio"),
+    [
+        (
+            {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"},
+            0.25,
+        ),
+        ({"OTEL_TRACES_SAMPLER": "TraceIdRatio ", "OTEL_TRACES_SAMPLER_ARG": " 0 "}, 0.0),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio"}, 1.0),  # the specification's default
+    ],
+)
+def test_a_ratio_sampler_keeps_the_share_its_argument_names(
+    environ: dict[str, str], ratio: float
+) -> None:
+    sampler = default_sampler(True, environ)
+    root = getattr(sampler, "_root", sampler)  # ParentBased's sampler for roots
+    assert isinstance(root, TraceIdRatioBased)
+    assert root.rate == ratio
+
+
+@pytest.mark.parametrize(
+    ("environ", "said"),
+    [
+        (
+            {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.5"},
+            "OTEL_TRACES_SAMPLER_ARG='1.5' is not a share of traces from 0 to 1",
+        ),
+        (
+            {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1O"},
+            "OTEL_TRACES_SAMPLER_ARG='0.1O' is not a share of traces from 0 to 1",
+        ),
+        (
+            {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "nan"},
+            "OTEL_TRACES_SAMPLER_ARG='nan'",
+        ),
+        (
+            {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "-0.1"},
+            "OTEL_TRACES_SAMPLER_ARG='-0.1'",
+        ),
+        ({"OTEL_TRACES_SAMPLER": "bogus"}, "OTEL_TRACES_SAMPLER='bogus' is not a sampler"),
+        ({"OTEL_TRACES_SAMPLER": "parentbased_traceidration"}, "parentbased_jaeger_remote"),
+    ],
+)
+def test_a_sampler_setting_the_sdk_would_ignore_is_refused(
+    environ: dict[str, str], said: str
+) -> None:
+    """The SDK logged one warning for these and kept every trace: a typo exported them all."""
+    with pytest.raises(ValueError, match="OTEL_TRACES_SAMPLER") as refused:
+        default_sampler(True, environ)
+    assert said in str(refused.value)
+
+
+def test_setup_tracing_refuses_a_sampler_typo_rather_than_keep_every_trace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What `hopline serve` calls (cli/main.py turns the ValueError into exit 2)."""
+    monkeypatch.delenv("OTEL_SDK_DISABLED", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "1.5")
+    with pytest.raises(ValueError, match="OTEL_TRACES_SAMPLER_ARG"):
+        tracing.setup_tracing("gateway")
 
 
 def _recorder(monkeypatch: pytest.MonkeyPatch, sampler: Sampler) -> InMemorySpanExporter:
