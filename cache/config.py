@@ -42,7 +42,8 @@ class CacheConfig(ServerConfig):
     uri: str = env_field(
         "HOPLINE_CACHE_URI",
         ".hopline/cache.db",
-        "Milvus: a file path runs embedded milvus-lite, http(s)://host:port a Milvus server",
+        "Milvus: a file path ending in .db runs embedded milvus-lite, http(s)://host:port "
+        "(or tcp://host:port, unix:///PATH) a Milvus server; any other is refused at start",
     )
     # A Milvus server that authenticates or encrypts (cache/milvus_access.py).
     milvus_token_file: str = env_field(
@@ -72,7 +73,10 @@ class CacheConfig(ServerConfig):
         "privileges to it",
     )
     work_dir: str = env_field(
-        "HOPLINE_CACHE_DIR", ".hopline", "where the built embedding encoder is kept"
+        "HOPLINE_CACHE_DIR",
+        ".hopline",
+        "folder where the built embedding encoder is kept (made if missing; one that cannot "
+        "be is refused at start)",
     )
     index_type: str = env_field(
         "HOPLINE_CACHE_INDEX",

@@ -16,8 +16,10 @@ taken up without a restart.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from hopline.cache.config import (
     MILVUS_CA_ENV,
@@ -32,6 +34,64 @@ from hopline.cache.store import CacheStoreError
 
 # Milvus's rule for database names (it refuses others only when asked to create one).
 DATABASE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# The schemes pymilvus dials a Milvus server by; it takes any other URI for a milvus-lite file
+# only where it ends in .db.
+SERVER_SCHEMES = ("http", "https", "tcp", "unix")
+URI_FORMS = (
+    "a milvus-lite database file (a path ending in .db) or a Milvus server's URI "
+    "(http://host:port, https://host:port, tcp://host:port or unix:///PATH)"
+)
+
+
+def uri_problem(uri: str) -> str | None:
+    """What makes HOPLINE_CACHE_URI unusable, found before anything is made or dialled; None
+    when nothing is. Left to pymilvus, `milvus:19530` (no scheme) failed with a long message
+    of its own after milvus-lite's log folder `milvus:19530.logs` had been made in the
+    working directory, an empty URI as ". is not a milvus-lite database file", and one with a
+    space after it as "no Milvus answered within 5s", none of them naming the setting."""
+    said = f"HOPLINE_CACHE_URI {uri!r}"
+    if not uri.strip():
+        return f"HOPLINE_CACHE_URI is empty: set {URI_FORMS}"
+    if uri != uri.strip():
+        return f"{said} has whitespace around it: remove it"
+    if is_local(uri):
+        if uri.endswith(".db"):
+            return None
+        return f"{said} is not a milvus-lite database file nor a URI: set {URI_FORMS}"
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    if scheme not in SERVER_SCHEMES:
+        return f"{said}: a Milvus server's URI starts http://, https://, tcp:// or unix://"
+    if scheme == "unix":
+        return None if parts.path else f"{said}: unix:///PATH names the server's socket"
+    try:
+        _ = parts.port  # a port that is no number, or past 65535, raises here
+    except ValueError:
+        return f"{said}: the port must be a number from 0 to 65535"
+    if not parts.hostname:
+        return f"{said}: a Milvus server's URI names its host ({scheme}://host:port)"
+    return None
+
+
+def work_dir_problem(work_dir: str) -> str | None:
+    """What makes HOPLINE_CACHE_DIR unusable for the embedding encoder, or None. The encoder
+    is built there while Milvus loads, so a folder that cannot be made was said, as a bare
+    FileNotFoundError or NotADirectoryError, only once the load had finished: minutes on a
+    large collection. Only checked: a folder made read-only with the encoder already built
+    in it is fine."""
+    path = Path(work_dir)
+    if path.is_dir():
+        return None
+    if os.path.lexists(path):
+        return f"HOPLINE_CACHE_DIR {work_dir!r} is not a folder"
+    above = path.absolute().parent
+    while not os.path.lexists(above):
+        above = above.parent
+    if not above.is_dir():
+        return f"HOPLINE_CACHE_DIR {work_dir!r} cannot be made: {above} is not a folder"
+    if not os.access(above, os.W_OK | os.X_OK):
+        return f"HOPLINE_CACHE_DIR {work_dir!r} cannot be made: {above} is not writable"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +107,10 @@ class MilvusAccess:
     def of(cls, config: CacheConfig) -> MilvusAccess:
         """The settings checked against each other and the URI, the token read; raises
         CacheStoreError with what to change."""
+        # The cache's start checks its settings here first: so its encoder's folder, though
+        # no Milvus setting, is refused before the store spends a load on a start that fails.
+        if problem := uri_problem(config.uri) or work_dir_problem(config.work_dir):
+            raise CacheStoreError(problem)
         named = {
             MILVUS_TOKEN_ENV: config.milvus_token_file,
             MILVUS_CA_ENV: config.milvus_ca,

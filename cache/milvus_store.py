@@ -36,7 +36,7 @@ from hopline.cache.generations import (
     generation_of,
 )
 from hopline.cache.keys import scope_digest
-from hopline.cache.milvus_access import NO_ACCESS, MilvusAccess
+from hopline.cache.milvus_access import NO_ACCESS, MilvusAccess, uri_problem
 from hopline.cache.milvus_connection import MilvusConnection
 from hopline.cache.milvus_index import IndexNotBuilt, build_index, create_indexed
 from hopline.cache.milvus_lite import is_local
@@ -129,6 +129,10 @@ class MilvusStore:
         load_timeout_s: float = LOAD_TIMEOUT_S,
         access: MilvusAccess = NO_ACCESS,
     ) -> None:
+        # Before anything is made or dialled: the cache checks it at its start already
+        # (MilvusAccess.of), the commands that open a store only here.
+        if problem := uri_problem(uri):
+            raise CacheStoreError(problem)
         self.uri = uri
         self.load_timeout_s = load_timeout_s
         self.access = access  # a Milvus server's token and TLS

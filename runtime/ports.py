@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import os
 import random
+import re
 import socket
 import tempfile
 from pathlib import Path
@@ -122,17 +123,36 @@ def address_in_use(address: str) -> bool:
     return False
 
 
+# gRPC's own name schemes (its resolvers), matched without regard to case as gRPC matches
+# them. Any other `scheme://` is taken for a host name: gRPC resolves an unknown scheme's
+# target as dns:///TARGET, so http://host:port looks up a host named "http" and never
+# connects (a cache address so failed open on every request; an inference one was waited
+# for for ever).
+GRPC_SCHEMES = ("dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock")
+_URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+_GRPC_FORMS = (
+    "gRPC addresses are host:port, dns:///host:port, ipv4:ADDR:PORT, ipv6:[ADDR]:PORT, "
+    "unix:PATH, unix-abstract:NAME or vsock:CID:PORT"
+)
+
+
 def port_problem(address: str, *, listen: bool = False) -> str | None:
     """What is wrong with the port of a host:port address, or None. gRPC takes a port past
     65535 modulo 65536 (127.0.0.1:99999 binds 34463), so a typo would start a service on a
     port nobody dials; and it takes a host alone as port 443, which a caller may mean (a
     name behind TLS) but a service binding (`listen`) never does. An empty address is no
-    address (gRPC's resolver refuses it, and a gateway waited for it for ever). Other forms
-    (unix:PATH, dns:///NAME, inproc) are left to their users."""
+    address (gRPC's resolver refuses it, and a gateway waited for it for ever), nor is one
+    with spaces around it (gRPC resolves them as part of the host name) or a URL of a
+    scheme gRPC has no resolver for (GRPC_SCHEMES). Other forms (unix:PATH, dns:///NAME,
+    inproc) are left to their users."""
     if not address.strip():
         return "an empty address: set host:port, unix:PATH or, for an upstream, inproc"
-    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+    if address != address.strip():
+        return f"{address!r}: whitespace around the address (gRPC looks it up as part of the host)"
+    if address.lower().startswith(tuple(f"{scheme}:" for scheme in GRPC_SCHEMES)):
         return None
+    if url := _URL_SCHEME.match(address):
+        return f"{address!r}: {_GRPC_FORMS}; {url[1]}:// is no scheme gRPC resolves"
     if ":" not in address:
         return f"{address!r}: a listen address needs its port (host:port)" if listen else None
     port = address.rpartition(":")[2]
