@@ -6,7 +6,7 @@ gateway's channels held a hung replica's connection for about 80 s (found by sto
 of two inference replicas under load).
 
 A real server process, stopped with SIGSTOP, and a channel with the gateway's options but
-for the time between pings (20 s there, 1 s here, so the test takes seconds)."""
+for the time between pings (10 s there, 1 s here, so the test takes seconds)."""
 
 from __future__ import annotations
 
