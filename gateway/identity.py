@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import grpc
 
@@ -32,6 +33,7 @@ from hopline.runtime.api_keys import (
 from hopline.runtime.config import SettingError
 from hopline.runtime.errors import StatusError, clip
 from hopline.runtime.file_watch import FileWatch
+from hopline.runtime.interceptors import Behaviour, Context, RpcWrapper
 
 TENANT_METADATA = "x-hopline-tenant"
 DEFAULT_TENANT = "default"
@@ -134,3 +136,39 @@ class TenantResolver:
         if not valid_tenant(tenant):
             raise IdentityError(grpc.StatusCode.INVALID_ARGUMENT, f"tenant must be {TENANT_RULE}")
         return tenant
+
+
+# The unary methods that serve only a caller with a valid key (PredictStream checks its
+# caller before it reads a message; the probes and ServerMetadata stay open).
+KEYED_METHODS = frozenset(
+    {
+        "/hopline.gateway.v1.GatewayService/Predict",
+        "/hopline.gateway.v1.GatewayService/GetStats",
+        "/inference.GRPCInferenceService/ModelInfer",
+        "/inference.GRPCInferenceService/ModelMetadata",
+        "/inference.GRPCInferenceService/ModelConfig",
+    }
+)
+
+
+class KeyFirst(RpcWrapper):
+    """With API keys, a keyed method refuses a caller without a valid key before its request
+    is parsed: a caller without one learns nothing about its request, not even that its bytes
+    do not parse (that was INVALID_ARGUMENT before UNAUTHENTICATED). The method checks the
+    key again, with the tenant it claims."""
+
+    def __init__(self, tenants: TenantResolver) -> None:
+        self.tenants = tenants
+
+    def wrap(self, method: str, inner: Behaviour) -> Behaviour | None:
+        if method not in KEYED_METHODS:
+            return None
+
+        async def keyed(request: Any, context: Context) -> Any:
+            try:
+                self.tenants.require_key(context.invocation_metadata() or ())
+            except IdentityError as err:
+                await context.abort(err.code, err.message)
+            return await inner(request, context)
+
+        return keyed

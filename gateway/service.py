@@ -46,7 +46,7 @@ from hopline.gateway.catalogue import ModelCatalogue
 from hopline.gateway.config import GatewayConfig
 from hopline.gateway.errors import RequestError, abort
 from hopline.gateway.exact_tier import LocalExactTier
-from hopline.gateway.identity import IdentityError, TenantResolver
+from hopline.gateway.identity import IdentityError, KeyFirst, TenantResolver
 from hopline.gateway.key_mirror import KeyMirror
 from hopline.gateway.model_path import ModelPath
 from hopline.gateway.resilience import CircuitBreaker, Coalescer
@@ -62,6 +62,7 @@ from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.runtime.errors import ECHO_CHARS, StatusError, clip
+from hopline.runtime.interceptors import RpcWrapper
 
 log = logging.getLogger("hopline.gateway")
 # A served semantic hit's model run that failed: once an episode, as the model's hops are.
@@ -157,6 +158,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         self.model_path = ModelPath(
             self.upstreams, self.stages, self.coalescer, self.speculation, self.cache_path
         )
+
+    def rpc_wrappers(self) -> list[RpcWrapper]:
+        """Wrappers of the gateway's own, inside the runtime's (runtime/server.py)."""
+        return [KeyFirst(self.tenants)]
 
     def register(self, server: grpc.aio.Server) -> None:
         # Imported here: the KServe servicer builds on this module's GatewayService.

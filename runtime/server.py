@@ -62,7 +62,8 @@ class Service(Protocol):
 
     # Optional, looked up with getattr: `begin_drain()` when SIGTERM arrives (a readiness probe
     # of the service's own API turns false with health), `async drain()` once the drain delay
-    # is over (end streams held open indefinitely).
+    # is over (end streams held open indefinitely), `rpc_wrappers()` its own RpcWrappers,
+    # inside the runtime's (the gateway's key check before a request is parsed).
 
 
 NOT_READY = "starting up: not ready yet, retry"
@@ -342,6 +343,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
     wrappers: list[RpcWrapper] = [gate, ServerTracing(config.test_delay_ms)]
     if config.test_fault:
         wrappers.append(FaultInjection(config.test_fault))
+    wrappers.extend(getattr(service, "rpc_wrappers", list)())
     registrar = WrappingRegistrar(server, [peers, *wrappers] if peers else wrappers)
     service.register(cast(grpc.aio.Server, registrar))
     if config.reflection:

@@ -100,6 +100,27 @@ def test_who_is_asking_is_checked_before_what_is_asked(kmesh: Mesh) -> None:
     assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_request_that_does_not_parse_is_unauthenticated_without_a_key(kmesh: Mesh) -> None:
+    """Its bytes were parsed first: INVALID_ARGUMENT told a caller without a key about its
+    request. With a key, the same bytes are INVALID_ARGUMENT."""
+    methods = (
+        "/hopline.gateway.v1.GatewayService/Predict",
+        "/hopline.gateway.v1.GatewayService/GetStats",
+        "/inference.GRPCInferenceService/ModelInfer",
+        "/inference.GRPCInferenceService/ModelConfig",
+    )
+    with grpc.insecure_channel(kmesh.gateway) as channel:
+        for method in methods:
+            call = channel.unary_unary(method)  # bytes as they are: no serializer
+            for metadata, code in (
+                ((), grpc.StatusCode.UNAUTHENTICATED),
+                (auth(ACME_KEY), grpc.StatusCode.INVALID_ARGUMENT),
+            ):
+                with pytest.raises(grpc.RpcError) as info:
+                    call(b"\xff\xff\xff", timeout=30, metadata=metadata)
+                assert info.value.code() == code, (method, metadata, info.value)
+
+
 def test_a_stream_without_a_key_is_refused_whole(kmesh: Mesh) -> None:
     """Not each message: a caller without a valid key held a stream open as long as it
     liked, each message answered UNAUTHENTICATED. With a key, the stream serves."""
