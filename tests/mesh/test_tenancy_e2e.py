@@ -111,7 +111,7 @@ def test_a_request_that_does_not_parse_is_unauthenticated_without_a_key(kmesh: M
     )
     with grpc.insecure_channel(kmesh.gateway) as channel:
         for method in methods:
-            call = channel.unary_unary(method)  # bytes as they are: no serializer
+            call = channel.unary_unary(method, None, None)  # bytes as they are
             for metadata, code in (
                 ((), grpc.StatusCode.UNAUTHENTICATED),
                 (auth(ACME_KEY), grpc.StatusCode.INVALID_ARGUMENT),

@@ -294,7 +294,8 @@ def test_a_gateway_that_refuses_the_operator_fails_the_start_at_once(tmesh: TlsM
     proc = subprocess.Popen(
         [sys.executable, "-m", "hopline", "serve", "gateway"], env=env, stdout=log, stderr=log
     )
-    probe = Mesh(tmesh.repo, tmesh.workdir, addrs={"gateway": f"127.0.0.1:{port}"}, **tmesh.env)
+    probe = Mesh(tmesh.repo, tmesh.workdir, addrs={"gateway": f"127.0.0.1:{port}"})
+    probe.env = dict(tmesh.env)  # the mesh's certificates and keys: the launcher's calls
     try:
         started = time.monotonic()
         with pytest.raises(MeshError, match="PERMISSION_DENIED") as failed:
