@@ -170,7 +170,8 @@ def run_mesh(
         f"\nhopline is up in {took:.1f} s: gateway SERVING on {mesh.gateway}, "
         f"{upstreams} SERVING ({topology} topology)\n"
         f'  try: .venv/bin/hopline predict{flag} "I forgot my password"\n'
-        f"  stop: Ctrl-C\n\n"
+        + (f"  metrics: {metrics}\n" if (metrics := _metrics_line(mesh)) else "")
+        + "  stop: Ctrl-C\n\n"
     )
     sys.stdout.flush()
     try:
@@ -178,3 +179,16 @@ def run_mesh(
     finally:
         log.info("stopping the mesh")
         mesh.stop(STOP_TIMEOUT_S)
+
+
+def _metrics_line(mesh: Mesh) -> str:
+    """Where each process serves /metrics, when HOPLINE_METRICS_PORT moved them (a co-located
+    service's are in the gateway's)."""
+    if not mesh.metrics_ports:
+        return ""
+    host = mesh.env.get("HOPLINE_METRICS_HOST", "127.0.0.1")
+    return ", ".join(
+        f"{name} {host}:{port}"
+        for name, port in mesh.metrics_ports.items()
+        if not mesh.colocated(name)
+    )

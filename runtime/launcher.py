@@ -75,6 +75,18 @@ def die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def spread_metrics_ports(env: Mapping[str, str]) -> dict[str, int]:
+    """HOPLINE_METRICS_PORT=P for the whole mesh: P for the gateway, the next ports for the
+    rest in the table's order. One variable reached every process, so the first to bind
+    took P and the others logged that they could not (a scrape of P got whichever won)."""
+    raw = env.get("HOPLINE_METRICS_PORT", "").strip()
+    if not raw.isdigit() or int(raw) == 0:  # 0 (off) holds for all; a bad value is refused
+        return {}  # by each service, naming it
+    base = int(raw)
+    order = [ServiceName.GATEWAY, *(n for n in ALL if n != ServiceName.GATEWAY)]
+    return {str(name): base + i for i, name in enumerate(order)}
+
+
 # What the launcher's own calls to the gateway cannot outwait, and what sets it.
 REFUSED = {
     grpc.StatusCode.PERMISSION_DENIED: "the launcher calls as `operator`: with "
@@ -115,7 +127,7 @@ class Mesh:
         self.service_env = {name: dict(values) for name, values in (service_env or {}).items()}
         self.env = {**os.environ, **(env or {}), "HOPLINE_MODEL_REPO": str(model_repo.resolve())}
         self.addrs = {s.name: s.address(self.env) for s in SERVICES} | dict(addrs or {})
-        self.metrics_ports = dict(metrics_ports or {})
+        self.metrics_ports = dict(metrics_ports or {}) or spread_metrics_ports(self.env)
         for name, addr in self.addrs.items():
             self.env[spec(name).addr_env] = addr
         self.procs: dict[str, subprocess.Popen[bytes]] = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hopline.runtime import ports
-from hopline.runtime.launcher import Mesh, MeshError
+from hopline.runtime.launcher import ALL, Mesh, MeshError
 from hopline.runtime.ports import (
     EPHEMERAL_RANGE_FILE,
     QUIET_SPAN,
@@ -135,3 +135,19 @@ def test_a_port_another_process_chose_is_not_handed_out_until_it_exits(
     finally:
         other.communicate("")
     assert claim(window[0]), "the claim outlived the process that held it"
+
+
+def test_one_metrics_port_for_the_whole_mesh_is_spread_over_its_processes(
+    tmp_path: Path,
+) -> None:
+    """`HOPLINE_METRICS_PORT=21463 hopline run` gave every process 21463: the first to bind
+    served it, the others logged that they could not, and a scrape got whichever won."""
+    mesh = Mesh(tmp_path, env={"HOPLINE_METRICS_PORT": "21463"})
+    assert mesh.metrics_ports["gateway"] == 21463
+    assert sorted(mesh.metrics_ports.values()) == list(range(21463, 21463 + len(ALL)))
+    assert Mesh(tmp_path, env={"HOPLINE_METRICS_PORT": "0"}).metrics_ports == {}  # all off
+    chosen = {"gateway": 1, "cache": 2}
+    assert (
+        Mesh(tmp_path, metrics_ports=chosen, env={"HOPLINE_METRICS_PORT": "9"}).metrics_ports
+        == chosen
+    )
