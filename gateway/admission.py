@@ -10,6 +10,8 @@
   arrive in time. "Recent" is also at most `MAX_SAMPLE_AGE_S` old, and one refusal in
   `MIN_PROBE_EVERY` is let through as a probe: a refused request adds no sample, so without
   both, the paths of a burst that is over would refuse every short deadline from then on.
+  A probe that comes back faster is believed at once (the estimate is never above the
+  newest path).
 - **The cache lookup**: its budget is HOPLINE_CACHE_BUDGET_MS cut to what the deadline
   leaves after a typical (median) inference path, so a lookup never eats the time a miss
   needs; a lookup left with less than `MIN_LOOKUP_MS` is skipped (reason `deadline`). When
@@ -92,6 +94,10 @@ class Recent:
             self.total = 0.0
         return len(samples)
 
+    def newest(self) -> float:
+        """The latest sample's value (call `count` first: it must be there)."""
+        return self._samples[-1][1]
+
     def ordered(self) -> list[float]:
         """The values, least first (the list itself: read, do not change it)."""
         return self._ordered
@@ -124,11 +130,15 @@ class Admission:
     # -- requests ---------------------------------------------------------------------------
 
     def path_estimate_s(self, q: float) -> float | None:
-        """The q-quantile of recent inference paths, or None before there are enough."""
+        """The q-quantile of recent inference paths, or the newest path where it is faster;
+        None before there are enough. The newest: after a burst the window is the burst's
+        queued paths, and a probe that came back fast says the path is fast now (waiting
+        for the quantile to move took 7 probes, 63 short deadlines refused, after each
+        burst). Only ever more permissive: a request let in that cannot make it times out."""
         if self._paths_s.count() < MIN_SAMPLES:
             return None
         ordered = self._paths_s.ordered()
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        return min(ordered[min(len(ordered) - 1, int(q * len(ordered)))], self._paths_s.newest())
 
     def _refuse(self, reason: Refusal, code: grpc.StatusCode, message: str) -> RequestError:
         metrics.GATEWAY_REFUSED.labels(reason.value).inc()
