@@ -119,7 +119,7 @@ def no_gateway_hint(address: str, flag: str) -> str:
 
 def _predict(args: argparse.Namespace) -> int:
     from hopline.gateway.client import gateway_address, predict, to_json
-    from hopline.gateway.errors import TRACE_ID_METADATA
+    from hopline.runtime.errors import TRACE_ID_METADATA
 
     try:
         response = predict(

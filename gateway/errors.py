@@ -11,16 +11,11 @@ from typing import Any, NoReturn
 import grpc
 
 from hopline.observability.tracing import current_trace_id
-from hopline.runtime.errors import StatusError
+from hopline.runtime.errors import TRACE_ID_METADATA, StatusError
 
 
 class RequestError(StatusError):
     """A request the gateway refuses before any hop: bad text, unknown model, bad top_k."""
-
-
-# A failed prediction's trace id, in its trailing metadata: the failed requests are the ones a
-# user most wants to find in Jaeger, and a failure has no reply to carry `trace_id` in.
-TRACE_ID_METADATA = "x-hopline-trace-id"
 
 
 async def abort(context: grpc.aio.ServicerContext[Any, Any], err: StatusError) -> NoReturn:

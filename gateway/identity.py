@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from hopline.gateway.errors import abort
 from hopline.runtime.api_keys import (
     API_KEYS_ENV,
     AUTHORIZATION,
@@ -168,7 +169,7 @@ class KeyFirst(RpcWrapper):
             try:
                 self.tenants.require_key(context.invocation_metadata() or ())
             except IdentityError as err:
-                await context.abort(err.code, err.message)
+                await abort(context, err)
             return await inner(request, context)
 
         return keyed

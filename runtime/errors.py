@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import grpc
 
+# A failed call's trace id, in its trailing metadata: the failed requests are the ones a user
+# most wants to find in Jaeger, and a failure has no reply to carry `trace_id` in.
+TRACE_ID_METADATA = "x-hopline-trace-id"
+
 
 class StatusError(Exception):
     """An error that carries the gRPC status a request ends with."""

@@ -38,6 +38,7 @@ import grpc
 
 from hopline.observability import metrics
 from hopline.observability.logs import Episodes
+from hopline.runtime.errors import TRACE_ID_METADATA
 
 log = logging.getLogger("hopline.runtime.requests")
 
@@ -160,6 +161,14 @@ def _expected(deserializer: Deserializer, method: str) -> str:
     return name if isinstance(name, str) else f"request for {method}"
 
 
+def _traced() -> tuple[tuple[str, str], ...]:
+    """The trace id trailer every failed call carries (the refusal is traced: decoding runs
+    under the tracing wrapper)."""
+    from hopline.observability.tracing import current_trace_id  # it imports this module
+
+    return ((TRACE_ID_METADATA, current_trace_id()),)
+
+
 class Undecodable(Exception):
     """A streamed request that does not parse, raised where the handler reads it: a handler
     may answer what it read before it (gateway/streaming.py); the stream then ends
@@ -176,7 +185,7 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
     refusals = _Refusals(method, _expected(deserializer, method))
 
     async def refuse(context: Context, exc: Exception) -> NoReturn:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusals.count(exc))
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusals.count(exc), _traced())
         raise AssertionError("abort returned")  # pragma: no cover: abort always raises
 
     async def each(raw: AsyncIterator[bytes], context: Context) -> AsyncIterator[Any]:
@@ -214,7 +223,7 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
             try:
                 return await behaviour(each(raw, context), context)
             except Undecodable as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message, _traced())
 
         return stream_unary
 
@@ -223,7 +232,7 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
             async for reply in behaviour(each(raw, context), context):
                 yield reply
         except Undecodable as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message, _traced())
 
     return stream_stream
 

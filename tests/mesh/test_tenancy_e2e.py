@@ -23,6 +23,7 @@ from conftest import CLINC, DEFAULT_MODEL
 from harness import TOPOLOGIES, Mesh, eventually
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.errors import TRACE_ID_METADATA
 from polyglot import LANGUAGES, OUTPUT, run_example
 
 # Every test here passes with the stateless stages in their own processes and in the gateway.
@@ -102,7 +103,8 @@ def test_who_is_asking_is_checked_before_what_is_asked(kmesh: Mesh) -> None:
 
 def test_a_request_that_does_not_parse_is_unauthenticated_without_a_key(kmesh: Mesh) -> None:
     """Its bytes were parsed first: INVALID_ARGUMENT told a caller without a key about its
-    request. With a key, the same bytes are INVALID_ARGUMENT."""
+    request. With a key, the same bytes are INVALID_ARGUMENT. Either refusal carries the
+    call's trace id, as every failed Predict and ModelInfer does."""
     methods = (
         "/hopline.gateway.v1.GatewayService/Predict",
         "/hopline.gateway.v1.GatewayService/GetStats",
@@ -119,6 +121,9 @@ def test_a_request_that_does_not_parse_is_unauthenticated_without_a_key(kmesh: M
                 with pytest.raises(grpc.RpcError) as info:
                     call(b"\xff\xff\xff", timeout=30, metadata=metadata)
                 assert info.value.code() == code, (method, metadata, info.value)
+                # As every failed call: its trace id to find it by (it carried none).
+                trailing = {m.key: str(m.value) for m in info.value.trailing_metadata() or ()}
+                assert len(trailing.get(TRACE_ID_METADATA, "")) == 32, (method, trailing)
 
 
 def test_a_stream_without_a_key_is_refused_whole(kmesh: Mesh) -> None:
