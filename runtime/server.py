@@ -68,6 +68,11 @@ class Service(Protocol):
 
 NOT_READY = "starting up: not ready yet, retry"
 DRAINING = "shutting down: retry on another replica"
+CUT = (
+    "shutting down: this call outlived the drain's grace (HOPLINE_DRAIN_GRACE_S) and was "
+    "ended; retry on another replica"
+)
+CUT_WAIT_S = 1.0  # for the calls ended at the grace's end to send their status
 REPLY_FLUSH_S = 0.05
 
 
@@ -86,6 +91,8 @@ class ReadinessGate(RpcWrapper):
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._tasks: set[asyncio.Task[Any]] = set()  # the admitted calls' handler tasks
+        self._cutting = False
 
     def refusal(self) -> str | None:
         """Why a call is refused now (starting, draining), None when it is admitted."""
@@ -97,11 +104,32 @@ class ReadinessGate(RpcWrapper):
         """An admitted call starts (a drain waits for it); `leave` when it ends."""
         self._in_flight += 1
         self._idle.clear()
+        if (task := asyncio.current_task()) is not None:
+            self._tasks.add(task)
 
     def leave(self) -> None:
         self._in_flight -= 1
         if self._in_flight == 0:
             self._idle.set()
+        if (task := asyncio.current_task()) is not None:
+            self._tasks.discard(task)
+
+    async def cut(self) -> None:
+        """End the calls still in flight when the drain's grace is over, each with CUT
+        (UNAVAILABLE), where grpc's server stop ended them with its "Cancelling all calls"."""
+        self._cutting = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CUT_WAIT_S)
+            await asyncio.sleep(REPLY_FLUSH_S)
+
+    async def ended(self, context: Context) -> None:
+        """A call's task was cancelled: by `cut`, it ends with CUT; else (its caller gone)
+        the cancel goes on."""
+        if self._cutting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, CUT)
 
     async def settle(self, timeout_s: float) -> bool:
         """Wait until no admitted RPC is in flight; False when `timeout_s` ran out first."""
@@ -121,6 +149,9 @@ class ReadinessGate(RpcWrapper):
             self.enter()
             try:
                 return await inner(request, context)
+            except asyncio.CancelledError:
+                await self.ended(context)
+                raise
             finally:
                 self.leave()
 
@@ -135,6 +166,9 @@ class ReadinessGate(RpcWrapper):
             try:
                 async for reply in inner(request, context):
                     yield reply
+            except asyncio.CancelledError:
+                await self.ended(context)
+                raise
             finally:
                 self.leave()
 
@@ -438,6 +472,7 @@ async def _drain(
         await asyncio.sleep(REPLY_FLUSH_S)
     else:
         log.warning("grace period over: cancelling the RPCs still in flight")
+        await gate.cut()
         await server.stop(0)
 
 

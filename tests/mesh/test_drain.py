@@ -16,7 +16,7 @@ from harness import NOT_SERVING, SERVING, Mesh, health
 from hopline.gateway.client import predict
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
-from hopline.runtime.server import DRAINING
+from hopline.runtime.server import CUT, DRAINING
 from hopline.runtime.tensors import to_tensor
 
 
@@ -176,3 +176,41 @@ def test_a_miss_answered_just_before_the_mesh_stops_is_cached(
         assert reply.cache.outcome == common_pb2.CACHE_OUTCOME_EXACT
     finally:
         again.stop()
+
+
+def test_a_call_that_outlives_the_grace_is_ended_unavailable_saying_so(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """A call still running when the drain's grace runs out (an upstream hung, a model far
+    slower than the grace) is ended UNAVAILABLE, retryable, with a message that says why:
+    grpc's server stop ended it with its own "Cancelling all calls"."""
+    repo = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    mesh = Mesh(
+        repo,
+        tmp_path,
+        service_env={"inference": {"HOPLINE_TEST_DELAY_MS": "30000"}},  # past any grace
+        HOPLINE_DRAIN_DELAY_S="0.1",
+        HOPLINE_DRAIN_GRACE_S="1",
+    )
+    mesh.start(("inference",))
+    outcome: list[Outcome] = []
+
+    def slow_call() -> None:
+        with grpc.insecure_channel(mesh.addrs["inference"]) as channel:
+            try:
+                inference_pb2_grpc.InferenceServiceStub(channel).Infer(_request(1, 12), timeout=60)
+                outcome.append((grpc.StatusCode.OK, ""))
+            except grpc.RpcError as err:
+                outcome.append((err.code(), err.details() or ""))
+
+    caller = threading.Thread(target=slow_call)
+    try:
+        caller.start()
+        time.sleep(1.0)  # the call is in flight, held by the delay
+        code = mesh.terminate("inference", timeout_s=30)
+        caller.join(timeout=30)
+    finally:
+        mesh.stop()
+    assert code == 0, mesh.log("inference")
+    assert outcome == [(grpc.StatusCode.UNAVAILABLE, CUT)], outcome
