@@ -14,6 +14,11 @@ Coherence with the cache, which stays the source of truth:
   or store that produced it was in flight, so a hit read just before an invalidation landed
   cannot be copied after the event that should have dropped it.
 - An entry expires at the cache entry's own expiry (created + the model's ttl_s).
+- For FENCE_S after an event, nothing it names is copied in at all. With several cache
+  replicas the event comes from one of them, and another may not have read the shared
+  invalidation log yet (cache/shared_invalidations.py: a poll's time): a lookup sent to it
+  after the event, so past the generation check, answered the invalidated entry, and the
+  copy was served for its whole TTL.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterable, Callable
 
@@ -46,13 +52,24 @@ class LocalEntry:
     expires_at: float
 
 
+# How long an invalidation's keys and scope are kept out of the copy: past any replica's
+# poll of the shared log (HOPLINE_CACHE_PEER_POLL_MS, 100 ms by default), as the cache keeps
+# its own tombstones (HOPLINE_CACHE_TOMBSTONE_S, 10 s).
+FENCE_S = 10.0
+MAX_FENCED_KEYS = 100_000  # evictions arrive as events too: the oldest fences go first
+
+
 class LocalExactTier:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = capacity
         self.live = False
         self.generation = 0
         self._entries: OrderedDict[str, LocalEntry] = OrderedDict()
         self.hits = 0
+        self._clock = clock
+        # Keys and scopes events named in the last FENCE_S, with when (oldest first).
+        self._fenced_keys: OrderedDict[str, float] = OrderedDict()
+        self._fenced_scopes: list[tuple[tuple[str, str, str], float]] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -74,18 +91,37 @@ class LocalExactTier:
         """Copy an entry read or written when the generation was `generation`."""
         if not self.live or generation != self.generation or self.capacity <= 0:
             return
+        if self._fenced(key, entry.scope):
+            return
         self._entries[key] = entry
         self._entries.move_to_end(key)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
         metrics.LOCAL_EXACT_ENTRIES.set(len(self._entries))
 
+    def _fenced(self, key: str, scope: Scope) -> bool:
+        """Whether an event in the last FENCE_S named `key` or a scope covering `scope`."""
+        oldest = self._clock() - FENCE_S
+        keys = self._fenced_keys
+        while keys and next(iter(keys.values())) < oldest:
+            keys.popitem(last=False)
+        scopes = self._fenced_scopes
+        if scopes and scopes[0][1] < oldest:
+            self._fenced_scopes = scopes = [(w, at) for w, at in scopes if at >= oldest]
+        return key in keys or any(scope_matches(w, scope) for w, _ in scopes)
+
     def apply(self, event: cache_pb2.WatchInvalidationsResponse) -> None:
         self.generation += 1
+        now = self._clock()
         for key in event.entry_ids:
             self._entries.pop(key, None)
+            self._fenced_keys.pop(key, None)
+            self._fenced_keys[key] = now
+        while len(self._fenced_keys) > MAX_FENCED_KEYS:
+            self._fenced_keys.popitem(last=False)
         if event.HasField("scope"):
             want = (event.scope.tenant, event.scope.model, event.scope.model_version)
+            self._fenced_scopes.append((want, now))
             # Matched once per distinct scope, not per entry: 14 ms for the default 10,000
             # entries on the event loop, about a fifth of that this way.
             scopes = {entry.scope for entry in self._entries.values()}
