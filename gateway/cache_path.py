@@ -220,8 +220,9 @@ class CachePath:
         # leaves a key held wrongly, which only costs a lookup.
         self.key_mirror.hold(call.scope, (call.key,))
         # Kept from now too: a store lingers before it is sent (HOPLINE_GATEWAY_STORE_LINGER_MS),
-        # and a repeat meanwhile is this gateway's to answer. One the cache then refuses is
-        # still the model's answer for this scope, so it may be served until it expires.
+        # and a repeat meanwhile is this gateway's to answer. Not within FENCE_S of an
+        # invalidation of its key or scope (the tier refuses the copy), which the cache fences
+        # too: a repeat then misses once more, as docs/cache.md says.
         self._keep_locally(call, prediction, time.time(), self.exact_tier.generation)
         # The write itself once the reply is on its way: the handler returns the reply to
         # gRPC, which starts its send before the loop turns to this. The key is held and kept
