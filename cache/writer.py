@@ -213,7 +213,8 @@ class PendingWrites:
             # its keys are deleted again below, the rest are written again (an upsert).
             host.counts.add(CacheCount.WRITE_RETRIES)
             self._redelete.update(k for k in batch if k not in self._pending)
-            self._failed_again(batch)
+            if await self._answers(batch):
+                self._failed_again(batch)
             await self._delete_again()
             return str(exc)
         for key, item in batch.items():
@@ -235,6 +236,19 @@ class PendingWrites:
             host.bounds.wrote(group, 1)
         await self._evict(groups)
         return None
+
+    async def _answers(self, batch: dict[str, Pending]) -> bool:
+        """Whether Milvus answers a read (a key of `batch` looked up) after a write failed: a
+        write failed while Milvus answers reads counts against its stores (a row it keeps
+        refusing must not hold every store behind it); one failed while it answers nothing
+        does not, so stores the cache acknowledged wait out an outage of any length (they
+        were dropped after five writes, about 20 s into one)."""
+        host = self.host
+        try:
+            await host.io_call(host.require_store().get, next(iter(batch)), time.time())
+        except CacheStoreError:
+            return False
+        return True
 
     def _failed_again(self, batch: dict[str, Pending]) -> None:
         """Counts a failed write for each of the batch's stores still pending, and drops
