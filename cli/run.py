@@ -27,8 +27,8 @@ from hopline.runtime.service_table import Topology, spec
 
 log = logging.getLogger("hopline.run")
 
-# Ctrl-C stops every service within this (README: "within 10 s").
-STOP_TIMEOUT_S = 8.0
+# Ctrl-C stops every service within this (README: "within 10 s"), before "up" as after.
+STOP_TIMEOUT_S = 10.0
 
 
 # README.md "Placement" has the measurements behind this default.
@@ -145,6 +145,7 @@ def run_mesh(
         env={"HOPLINE_LOG_FORMAT": log_format},
         die_with_parent=True,
     )
+    mesh.stop_timeout_s = STOP_TIMEOUT_S
     try:
         mesh.start(ALL, ready_timeout_s, stopping=lambda: stopping)
     except StartInterrupted:

@@ -161,9 +161,9 @@ def _expected(deserializer: Deserializer, method: str) -> str:
     return name if isinstance(name, str) else f"request for {method}"
 
 
-def _traced() -> tuple[tuple[str, str], ...]:
-    """The trace id trailer every failed call carries (the refusal is traced: decoding runs
-    under the tracing wrapper)."""
+def trace_trailer() -> tuple[tuple[str, str], ...]:
+    """The trace id trailer every failed call carries; it also tells a client that a server
+    answered (decoding runs under the tracing wrapper, so its refusals are traced)."""
     from hopline.observability.tracing import current_trace_id  # it imports this module
 
     return ((TRACE_ID_METADATA, current_trace_id()),)
@@ -185,7 +185,7 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
     refusals = _Refusals(method, _expected(deserializer, method))
 
     async def refuse(context: Context, exc: Exception) -> NoReturn:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusals.count(exc), _traced())
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusals.count(exc), trace_trailer())
         raise AssertionError("abort returned")  # pragma: no cover: abort always raises
 
     async def each(raw: AsyncIterator[bytes], context: Context) -> AsyncIterator[Any]:
@@ -223,7 +223,7 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
             try:
                 return await behaviour(each(raw, context), context)
             except Undecodable as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message, _traced())
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message, trace_trailer())
 
         return stream_unary
 
@@ -232,7 +232,7 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
             async for reply in behaviour(each(raw, context), context):
                 yield reply
         except Undecodable as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message, _traced())
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message, trace_trailer())
 
     return stream_stream
 

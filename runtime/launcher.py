@@ -36,6 +36,7 @@ log = logging.getLogger("hopline.launcher")
 ALL: tuple[ServiceName, ...] = tuple(s.name for s in SERVICES)
 SERVING = int(health_pb2.HealthCheckResponse.SERVING)
 STOP_TIMEOUT_S = 15.0
+CALLEES_STOP_S = 2.0  # of a stop's budget, kept for the services the gateway calls
 
 
 def health_status(target: str, timeout_s: float = 1.0, tls: ClientTls | None = None) -> int | None:
@@ -83,7 +84,9 @@ def spread_metrics_ports(env: Mapping[str, str]) -> dict[str, int]:
     if not raw.isdigit() or int(raw) == 0:  # 0 (off) holds for all; a bad value is refused
         return {}  # by each service, naming it
     base = int(raw)
-    order = [ServiceName.GATEWAY, *(n for n in ALL if n != ServiceName.GATEWAY)]
+    # In the order of their own default ports (gateway 8002, then 8021-8024), as the README's
+    # settings table says, not in the order they start.
+    order = sorted(ALL, key=lambda name: spec(name).metrics_port)
     return {str(name): base + i for i, name in enumerate(order)}
 
 
@@ -131,6 +134,7 @@ class Mesh:
         for name, addr in self.addrs.items():
             self.env[spec(name).addr_env] = addr
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.stop_timeout_s = STOP_TIMEOUT_S  # `stop`'s, also when a start is given up
 
     @classmethod
     def on_free_ports(
@@ -323,7 +327,7 @@ class Mesh:
                         "the gateway's local exact tier", self.local_tier_live, deadline, stopping
                     )
         except BaseException:
-            self.stop()
+            self.stop(self.stop_timeout_s)
             raise
         return self
 
@@ -341,10 +345,12 @@ class Mesh:
         SIGTERM (it drains) and SIGKILL if still running at the deadline. The gateway's drain
         sends the stores it still holds (HOPLINE_GATEWAY_STORE_LINGER_MS) to a cache that
         still serves them; stopped together, the cache went NOT_SERVING first and a miss
-        answered just before the stop was never cached."""
+        answered just before the stop was never cached. The gateway's deadline leaves the
+        others CALLEES_STOP_S of the budget: a gateway that used it all left the cache none,
+        and its held stores were lost with a cache killed undrained."""
         deadline = time.monotonic() + timeout_s
         callers = [n for n in self.procs if n == ServiceName.GATEWAY]
-        self._stop(callers, deadline)
+        self._stop(callers, deadline - min(CALLEES_STOP_S, timeout_s / 2))
         self._stop([n for n in self.procs if n not in callers], deadline)
 
     def _stop(self, names: list[str], deadline: float) -> None:

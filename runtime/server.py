@@ -25,6 +25,7 @@ from hopline.runtime.interceptors import (
     RpcWrapper,
     StreamBehaviour,
     WrappingRegistrar,
+    trace_trailer,
 )
 from hopline.runtime.ports import port_problem
 from hopline.runtime.service_table import SERVICES
@@ -129,7 +130,7 @@ class ReadinessGate(RpcWrapper):
         """A call's task was cancelled: by `cut`, it ends with CUT; else (its caller gone)
         the cancel goes on."""
         if self._cutting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, CUT)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, CUT, trace_trailer())
 
     async def settle(self, timeout_s: float) -> bool:
         """Wait until no admitted RPC is in flight; False when `timeout_s` ran out first."""
@@ -145,7 +146,7 @@ class ReadinessGate(RpcWrapper):
         async def gated(request: Any, context: Context) -> Any:
             refusal = self.refusal()
             if refusal is not None:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, refusal, trace_trailer())
             self.enter()
             try:
                 return await inner(request, context)
@@ -161,7 +162,7 @@ class ReadinessGate(RpcWrapper):
         async def gated(request: Any, context: Context) -> AsyncIterator[Any]:
             refusal = self.refusal()
             if refusal is not None:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, refusal, trace_trailer())
             self.enter()
             try:
                 async for reply in inner(request, context):

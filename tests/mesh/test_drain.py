@@ -16,6 +16,7 @@ from harness import NOT_SERVING, SERVING, Mesh, health
 from hopline.gateway.client import predict
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.runtime.errors import TRACE_ID_METADATA
 from hopline.runtime.server import CUT, DRAINING
 from hopline.runtime.tensors import to_tensor
 
@@ -203,6 +204,9 @@ def test_a_call_that_outlives_the_grace_is_ended_unavailable_saying_so(
                 outcome.append((grpc.StatusCode.OK, ""))
             except grpc.RpcError as err:
                 outcome.append((err.code(), err.details() or ""))
+                # A server's answer (`hopline predict` tells it from "no server answered").
+                trailing = {m.key for m in err.trailing_metadata() or ()}
+                outcome.append((err.code(), "traced" if TRACE_ID_METADATA in trailing else ""))
 
     caller = threading.Thread(target=slow_call)
     try:
@@ -213,4 +217,5 @@ def test_a_call_that_outlives_the_grace_is_ended_unavailable_saying_so(
     finally:
         mesh.stop()
     assert code == 0, mesh.log("inference")
-    assert outcome == [(grpc.StatusCode.UNAVAILABLE, CUT)], outcome
+    unavailable = grpc.StatusCode.UNAVAILABLE
+    assert outcome == [(unavailable, CUT), (unavailable, "traced")], outcome

@@ -10,12 +10,13 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from hopline.runtime import ports
-from hopline.runtime.launcher import ALL, Mesh, MeshError
+from hopline.runtime.launcher import CALLEES_STOP_S, Mesh, MeshError
 from hopline.runtime.ports import (
     EPHEMERAL_RANGE_FILE,
     QUIET_SPAN,
@@ -143,11 +144,59 @@ def test_one_metrics_port_for_the_whole_mesh_is_spread_over_its_processes(
     """`HOPLINE_METRICS_PORT=21463 hopline run` gave every process 21463: the first to bind
     served it, the others logged that they could not, and a scrape got whichever won."""
     mesh = Mesh(tmp_path, env={"HOPLINE_METRICS_PORT": "21463"})
-    assert mesh.metrics_ports["gateway"] == 21463
-    assert sorted(mesh.metrics_ports.values()) == list(range(21463, 21463 + len(ALL)))
+    # In the order of the default ports (8002, 8021-8024), as the README's table says.
+    assert mesh.metrics_ports == {
+        "gateway": 21463,
+        "tokenizer": 21464,
+        "cache": 21465,
+        "inference": 21466,
+        "postprocess": 21467,
+    }
     assert Mesh(tmp_path, env={"HOPLINE_METRICS_PORT": "0"}).metrics_ports == {}  # all off
     chosen = {"gateway": 1, "cache": 2}
     assert (
         Mesh(tmp_path, metrics_ports=chosen, env={"HOPLINE_METRICS_PORT": "9"}).metrics_ports
         == chosen
     )
+
+
+class StuckProcess:
+    """A stand-in child (no process is started here): `wait` records its timeout and, for a
+    child that does not drain, times out."""
+
+    def __init__(self, drains: bool) -> None:
+        self.drains = drains
+        self.signals: list[int] = []
+        self.waited: list[float] = []
+        self.killed = False
+
+    def poll(self) -> int | None:
+        return 0 if self.killed or (self.drains and self.signals) else None
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.waited.append(timeout or 0.0)
+        if not (self.drains or self.killed):
+            time.sleep(timeout or 0.0)  # as a child that does not drain
+            raise subprocess.TimeoutExpired("stand-in", timeout or 0.0)
+        return 0
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def test_a_gateway_that_uses_its_whole_stop_leaves_the_cache_its_share(tmp_path: Path) -> None:
+    """The gateway that did not drain in time was killed at the stop's deadline, leaving the
+    cache none of it: killed undrained, with the stores the gateway had just sent it."""
+    mesh = Mesh(tmp_path)
+    gateway, cache = StuckProcess(drains=False), StuckProcess(drains=True)
+    mesh.procs = {"gateway": gateway, "cache": cache}  # type: ignore[dict-item]
+    mesh.stop(timeout_s=1.0)
+    assert gateway.killed
+    assert cache.signals
+    assert not cache.killed
+    # Of a 1 s stop, the gateway's deadline leaves the cache half (CALLEES_STOP_S is 2 s).
+    assert CALLEES_STOP_S > 0.5
+    assert cache.waited[0] >= 0.4, cache.waited
