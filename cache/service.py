@@ -492,13 +492,17 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         request: cache_pb2.GetStatsRequest,
         context: grpc.aio.ServicerContext[cache_pb2.GetStatsRequest, cache_pb2.GetStatsResponse],
     ) -> cache_pb2.GetStatsResponse:
+        unreachable = False
         try:
             entries = await self.io_call(self.require_store().count)
-        except CacheStoreError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except CacheStoreError:
+            # The outage is when pending_writes, write_retries and store_errors matter most:
+            # answered, not UNAVAILABLE.
+            entries, unreachable = (len(self.index) if self.index is not None else 0), True
         times = np.array(self.lookup_ms or [0.0])
         return cache_pb2.GetStatsResponse(
             entries=entries,
+            milvus_unreachable=unreachable,
             **{count.value: self.counts[count] for count in STATS_COUNTS},
             lookup_mean_ms=float(times.mean()),
             lookup_p50_ms=float(np.percentile(times, 50)),

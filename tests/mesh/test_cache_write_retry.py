@@ -201,15 +201,22 @@ class MilvusDown:
                 raise CacheStoreError("Milvus at test: connection refused (test)")
             return real_get(key, now)
 
+        def count(tenant: str = "", model: str = "") -> int:
+            if self.down:
+                raise CacheStoreError("Milvus at test: connection refused (test)")
+            return real_count(tenant, model)
+
+        real_count = service.store.count
         service.store.upsert = upsert  # type: ignore[method-assign]
         service.store.get = get  # type: ignore[method-assign]
+        service.store.count = count  # type: ignore[method-assign]
 
 
 @pytest.mark.usefixtures("quick_retries")
 def test_a_store_waits_out_a_milvus_that_answers_nothing(tmp_path: Path) -> None:
     """An acknowledged store was dropped after five failed writes, about 20 s into an outage
     (found stopping a Milvus server under traffic); docs/cache.md promised it stays pending
-    until it lands."""
+    until it lands. And GetStats answers meanwhile, saying Milvus does not."""
 
     async def body() -> None:
         async with cache(tmp_path / "cache.db") as (service, stub):
@@ -220,8 +227,14 @@ def test_a_store_waits_out_a_milvus_that_answers_nothing(tmp_path: Path) -> None
                 lambda: service.counts[CacheCount.WRITE_RETRIES] > 2 * MAX_WRITE_ATTEMPTS,
                 "the writes never failed",
             )
+            # The outage's figures are answered (GetStats was UNAVAILABLE throughout).
+            during = await stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+            assert during.milvus_unreachable
+            assert during.pending_writes == 1
+            assert during.write_retries > 2 * MAX_WRITE_ATTEMPTS
             milvus.down = False
             await written(stub)
+            assert not (await stub.GetStats(cache_pb2.GetStatsRequest())).milvus_unreachable
             stats = await stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
             assert stats.store_errors == 0
             assert (await lookup(stub, "held through the outage", scope=outage)).outcome == EXACT
