@@ -12,8 +12,10 @@ import contextlib
 import heapq
 import json
 import logging
+import socket
 import threading
 import time
+import urllib.parse
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -224,9 +226,10 @@ class MilvusStore:
             try:
                 return MilvusConnection(dial, self.access, describe=milvus_reason)
             except Exception as exc:  # pymilvus raises many kinds here
-                # pymilvus says the same whether nothing answered or the server refused us.
+                # pymilvus says the same whether nothing answered or the server refused us:
+                # whether anything listens there tells the two apart.
                 hint = (
-                    f"no Milvus answered within {self.timeout_s:g}s (HOPLINE_CACHE_URI), "
+                    f"{_who_answered(self.uri, self.timeout_s)} (HOPLINE_CACHE_URI), "
                     + self.access.refusal_hint(self.uri)
                 )
                 raise CacheStoreError(
@@ -645,3 +648,26 @@ class MilvusStore:
                 # A stalled server surfaces as a bare gRPC DEADLINE_EXCEEDED, not a
                 # MilvusException.
                 raise CacheStoreError(f"Milvus at {self.uri}: {milvus_reason(exc)}") from exc
+
+
+DEFAULT_MILVUS_PORT = 19530  # pymilvus's, for a URI that names none
+
+
+def _who_answered(uri: str, timeout_s: float) -> str:
+    """What a TCP connection to a server URI's host and port finds, for a failed dial."""
+    parts = urllib.parse.urlsplit(uri)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else DEFAULT_MILVUS_PORT)
+    except ValueError:
+        return "a port that is no number"
+    if parts.scheme == "unix" or not parts.hostname:
+        return f"no Milvus answered within {timeout_s:g}s"
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=min(timeout_s, 2.0)):
+            pass
+    except OSError as exc:
+        return f"nothing answers at {parts.hostname}:{port} ({exc.strerror or exc})"
+    return (
+        f"something listens at {parts.hostname}:{port} but did not answer as Milvus within "
+        f"{timeout_s:g}s (another service, a TLS setting that does not match, or refused us)"
+    )

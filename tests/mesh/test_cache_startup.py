@@ -4,6 +4,7 @@ when its Milvus cannot be used. Each case runs the real `hopline serve cache` pr
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -52,10 +53,19 @@ def test_corrupted_database_file_is_refused(tmp_path: Path) -> None:
 
 
 def test_milvus_server_that_does_not_answer_fails_fast(tmp_path: Path) -> None:
-    code, log, took = serve_cache(f"http://127.0.0.1:{free_port()}")
+    """Nothing listening says so: it said "no Milvus answered within 3s" for a refused port
+    that failed at once, as for a server that never answered."""
+    port = free_port()
+    code, log, took = serve_cache(f"http://127.0.0.1:{port}")
     assert code != 0
-    assert "no Milvus answered within 3s" in log, log
+    assert f"nothing answers at 127.0.0.1:{port} (Connection refused)" in log, log
     assert took < 45, f"start-up took {took:.0f}s: it must fail, not hang"
+    with socket.socket() as silent:  # listens, never speaks gRPC
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        code, log, _ = serve_cache(f"http://127.0.0.1:{silent.getsockname()[1]}")
+    assert code != 0
+    assert "but did not answer as Milvus within 3s" in log, log
 
 
 def test_second_process_on_the_same_file_is_refused(tmp_path: Path) -> None:
