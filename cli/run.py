@@ -15,6 +15,7 @@ exits MAX_RESTARTS times within RESTART_WINDOW_S stops the mesh, as any exit did
 from __future__ import annotations
 
 import logging
+import shlex
 import signal
 import sys
 import time
@@ -170,7 +171,7 @@ def run_mesh(
     sys.stdout.write(
         f"\nhopline is up in {took:.1f} s: gateway SERVING on {mesh.gateway}, "
         f"{upstreams} SERVING ({topology} topology)\n"
-        f'  try: .venv/bin/hopline predict{flag} "I forgot my password"\n'
+        f'  try: {_command()} predict{flag} "I forgot my password"\n'
         + (f"  metrics: {metrics}\n" if (metrics := _metrics_line(mesh)) else "")
         + "  stop: Ctrl-C\n\n"
     )
@@ -193,3 +194,13 @@ def _metrics_line(mesh: Mesh) -> str:
         for name, port in mesh.metrics_ports.items()
         if not mesh.colocated(name)
     )
+
+
+def _command() -> str:
+    """How this `hopline` was run, for the "try:" line: `.venv/bin/hopline` under `make
+    run`, whatever path it was given otherwise (the line named `.venv/bin/hopline` even where
+    no .venv was beside the shell)."""
+    invoked = Path(sys.argv[0])
+    if invoked.name == "hopline":
+        return shlex.quote(str(invoked))
+    return f"{shlex.quote(sys.executable)} -m hopline"

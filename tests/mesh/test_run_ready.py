@@ -134,13 +134,15 @@ def test_make_run_on_a_fresh_clone_answers_the_first_repeat_exact(runner: Runner
     # The line it prints to try reaches this mesh, on its own ports, from any shell.
     tip = runner.lines.get(timeout=10)
     assert tip is not None
-    assert tip.strip().startswith("try: .venv/bin/hopline predict"), tip
-    argv = shlex.split(tip.strip().removeprefix("try: .venv/bin/hopline"))
+    assert tip.strip().startswith("try: "), tip
+    # As it was run (here `python -m hopline`; `.venv/bin/hopline` under `make run`): the
+    # line named .venv/bin/hopline whatever the directory.
+    command = shlex.split(tip.strip().removeprefix("try: "))
+    assert command[:3] == [sys.executable, "-m", "hopline"], command
+    argv = command[3:]
     assert argv[:3] == ["predict", "--gateway", gateway], argv
     env = {k: v for k, v in os.environ.items() if k != spec("gateway").addr_env}
-    tried = subprocess.run(
-        [sys.executable, "-m", "hopline", *argv], env=env, capture_output=True, text=True
-    )
+    tried = subprocess.run(command, env=env, capture_output=True, text=True)
     assert tried.returncode == 0, tried.stderr
     assert tried.stdout.startswith("label"), tried.stdout
 
