@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import random
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,10 +21,61 @@ from hopline.cache.invalidate_cli import add_invalidate
 if TYPE_CHECKING:
     from hopline.cache.cross_validation import CrossValidation
     from hopline.cache.embedder import Embedder
+    from hopline.cache.pairs import Pair
+    from hopline.model.repository import ModelConfig
 
 Examples = list[tuple[str, str]]
 
 _WORK_DIR_HELP = "where the embedding encoder is built and kept [env HOPLINE_CACHE_DIR]"
+
+# How far a pairs file's similarity may stray outside -1..1: float32 unit vectors' dot
+# products overshoot 1 by rounding (about 1e-7), which is still a cosine; anything further
+# came from something else, and its calibrated threshold would be one `model build` refuses.
+_COSINE_SLACK = 1e-5
+
+
+class UsageError(ValueError):
+    """A flag's value that only turns out wrong once the command looks at its data: said as
+    argparse says a bad flag (exit 2, one line naming the flag)."""
+
+
+def _whole(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least `low`, else argparse's own error line."""
+
+    def parse(raw: str) -> int:
+        value = int(raw)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {low} or more, got {raw}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in "invalid int value"
+    return parse
+
+
+def _score(raw: str) -> float:
+    """An argparse type: a model score, 0 to 1 (what `model build --cache-min-score` takes);
+    outside it every answer, or none, would be stored."""
+    value = float(raw)
+    if not 0.0 <= value <= 1.0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1 (a score), got {raw}")
+    return value
+
+
+_score.__name__ = "float"
+
+
+def _split_names(raw: str) -> list[str]:
+    """An argparse type: comma-separated split names, each once (a split named twice had its
+    queries counted twice, which weighs the calibration towards them)."""
+    names = [name for name in raw.split(",") if name]
+    if not names:
+        raise argparse.ArgumentTypeError(f"needs at least one split name, got {raw!r}")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(
+            f"names {', '.join(twice)} more than once: each split's queries count once"
+        )
+    return names
 
 
 def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -43,7 +95,13 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     pairs.add_argument("--store-split", default="train", help="with --clinc: the cached texts")
     pairs.add_argument(
-        "--query-splits", default="val,oos_val", help="with --clinc: comma-separated query splits"
+        "--query-splits",
+        type=_split_names,
+        default="val,oos_val",
+        help="with --clinc: comma-separated query splits, each named once",
+    )
+    pairs.add_argument(
+        "--split", help="with --train: the split to read from a JSON object of splits"
     )
     pairs.add_argument(
         "--holdout", type=float, default=0.5, help="with --train: share of each label queried"
@@ -60,9 +118,10 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     _model_args(pairs, "with --model; ")
     pairs.add_argument(
         "--min-score",
-        type=float,
+        type=_score,
         default=None,
-        help="with --model: store only answers scoring at least this (default: the policy's)",
+        help="with --model: store only answers scoring at least this, 0 to 1 (default: the "
+        "policy's)",
     )
     pairs.add_argument("--out", type=Path, required=True)
     pairs.add_argument("--work-dir", type=Path, default=Path(work_dir), help=_WORK_DIR_HELP)
@@ -82,17 +141,19 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     cal.add_argument(
         "--min-hits",
-        type=int,
+        # 0 was read as "unset" (the default); a threshold resting on no hits means nothing.
+        type=_whole(1),
         default=None,
-        help="the evidence rule: the threshold needs this many hits, and higher thresholds "
-        "with fewer are too noisy to veto a lower one (default: 2 / target, two false hits' "
-        "worth of evidence; less is allowed with a warning)",
+        help="the evidence rule: the threshold needs this many hits (1 or more), and higher "
+        "thresholds with fewer are too noisy to veto a lower one (default: 2 / target, two "
+        "false hits' worth of evidence; less is allowed with a warning)",
     )
     cal.add_argument(
         "--folds",
-        type=int,
+        type=_whole(2),
         default=5,
-        help="cross-validation folds: the rule is run on all folds but one and its threshold "
+        help="cross-validation folds (2 or more; at most one per pair: more are cut to the "
+        "pairs' count, with a warning): the rule is run on all folds but one and its threshold "
         "measured on the one it did not see; the threshold is accepted only if that held-out "
         "false-hit rate meets the target",
     )
@@ -131,28 +192,31 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     ev.add_argument("--gateway", help="gateway address [env HOPLINE_GATEWAY_ADDR]")
     ev.add_argument("--cache", help="cache service address, for its stats [env HOPLINE_CACHE_ADDR]")
     ev.add_argument(
-        "--max-intents", type=int, default=0, help="only the first N intents (0: all), for CI"
+        "--max-intents",
+        type=_whole(0),
+        default=0,
+        help="only the first N intents (0: all), for CI",
     )
     ev.add_argument(
         "--concurrency",
-        type=int,
+        type=_whole(1),
         default=2,
-        help="warm-up requests in flight (more than the cores makes lookups overrun their "
-        "budget and fail open, which leaves the cache half warm)",
+        help="warm-up requests in flight, 1 or more (more than the cores makes lookups overrun "
+        "their budget and fail open, which leaves the cache half warm)",
     )
     ev.add_argument(
         "--exact-repeats",
-        type=int,
+        type=_whole(0),
         default=500,
-        help="afterwards, resend this many stored misses to time exact hits (not counted in "
-        "the hit rate)",
+        help="afterwards, resend this many stored misses (0 or more) to time exact hits (not "
+        "counted in the hit rate)",
     )
     ev.add_argument(
         "--verified-model",
         default="",
         help="also run the verified mode in the same run: this model (the same weights as "
-        "--model, its cache policy with a verify_target) gets the same warm-up and queries "
-        "under its own tenant",
+        "--model: the same labels, out-of-scope threshold and files, else refused; its cache "
+        "policy with a verify_target) gets the same warm-up and queries under its own tenant",
     )
     ev.add_argument(
         "--seed", type=int, default=0, help="the shuffle of the warm-up and the queries"
@@ -228,7 +292,17 @@ def _eval(args: argparse.Namespace) -> int:
         )
     verified = None
     if args.verified_model:
-        verified = ModelRepository(args.model_repo).resolve(args.verified_model, "").cache
+        verified_config = ModelRepository(args.model_repo).resolve(args.verified_model, "")
+        # The verified pass reuses the static pass's answers as the model's own: figures
+        # from other weights would be measured against answers that model never gives.
+        differs = weights_difference(resolved, verified_config)
+        if differs is not None:
+            raise UsageError(
+                f"--verified-model {verified_config.key} is not the weights of --model "
+                f"{resolved.key}: {differs}; copy that version under the verified name "
+                "(docs/cache.md, Measuring it)"
+            )
+        verified = verified_config.cache
         if verified.verify_target <= 0:
             raise ValueError(
                 f"{args.verified_model}'s cache policy has no verify_target: set one in its "
@@ -264,6 +338,24 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def weights_difference(model: ModelConfig, other: ModelConfig) -> str | None:
+    """What would make `other` answer a text otherwise than `model`, or None: its labels,
+    its out-of-scope threshold, or the contents of any file its config names (the cache
+    policy, in config.json, may differ: that is what a verified copy changes)."""
+    if other.labels != model.labels:
+        return "its labels differ"
+    if other.oos_threshold != model.oos_threshold:
+        return f"its oos_threshold is {other.oos_threshold:g}, not {model.oos_threshold:g}"
+    for role in sorted(set(model.files) | set(other.files)):
+        if role == "labels":
+            continue  # compared above, as labels: the same list in other JSON is the same
+        if role not in model.files or role not in other.files:
+            return f"only one of them has a {role} file"
+        if not filecmp.cmp(model.file(role), other.file(role), shallow=False):
+            return f"its {role} file ({other.files[role]}) differs"
+    return None
+
+
 def run_cache_command(args: argparse.Namespace) -> int:
     from hopline.model.repository import ModelNotFoundError
     from hopline.observability.logs import LogFormat, setup_logging
@@ -276,6 +368,9 @@ def run_cache_command(args: argparse.Namespace) -> int:
         sys.stderr.write(
             f"hopline cache {args.cache_command}: error: {exc} in --model-repo {args.model_repo}\n"
         )
+        return 2
+    except UsageError as exc:  # before ValueError: a flag's mistake, said as argparse says one
+        sys.stderr.write(f"hopline cache {args.cache_command}: error: {exc}\n")
         return 2
     except (ValueError, OSError) as exc:
         # Data and file errors are the user's to fix: one line, no traceback.
@@ -342,9 +437,9 @@ def _pairs(args: argparse.Namespace) -> int:
 
     if args.clinc:
         store = _splits(args.clinc, [args.store_split])
-        queries = _splits(args.clinc, [s for s in args.query_splits.split(",") if s])
+        queries = _splits(args.clinc, args.query_splits)
     else:
-        store, queries = _holdout(load_examples(args.train), args.holdout, args.seed)
+        store, queries = _holdout(load_examples(args.train, args.split), args.holdout, args.seed)
     started = time.perf_counter()
     oos_label = args.oos_label
     if args.model:
@@ -401,21 +496,23 @@ def _calibrate(args: argparse.Namespace) -> int:
         to_json,
     )
     from hopline.cache.checked_calibration import calibrate_checked
-    from hopline.cache.pairs import pair_similarities, read_pairs
 
     target = args.target_false_hit_rate
     if not 0.0 < target < 1.0:
         raise ValueError(f"the target false-hit rate must be in (0, 1), got {target}")
-    if args.folds < 2:
-        raise ValueError(f"--folds must be at least 2, got {args.folds}")
-    pairs = read_pairs(args.pairs)
-    if args.reembed or any(p.similarity is None for p in pairs):
-        sims = pair_similarities(_embedder(args.work_dir).embed_many, pairs)
-    else:
-        sims = np.array([p.similarity for p in pairs], dtype=np.float64)
-    min_hits = args.min_hits or default_min_hits(target)
+    pairs = _read_pairs(args.pairs)
+    folds = args.folds
+    if folds > max(2, len(pairs)):
+        # A fold per pair at most: more folds would be empty, and print as refusals.
+        folds = max(2, len(pairs))
+        sys.stderr.write(
+            f"warning: --folds {args.folds} is more than the {len(pairs)} pairs: "
+            f"{folds} folds, of one pair each\n"
+        )
+    sims = _similarities(args, pairs)
+    min_hits = default_min_hits(target) if args.min_hits is None else args.min_hits
     report = calibrate_checked(
-        sims, [p.same for p in pairs], target, min_hits, args.confidence, args.folds, args.seed
+        sims, [p.same for p in pairs], target, min_hits, args.confidence, folds, args.seed
     )
     check = _check(args, report.candidate.threshold) if report.candidate is not None else None
     # The files first: a refusal still leaves the curve and the reason on disk.
@@ -499,15 +596,10 @@ def _check(args: argparse.Namespace, threshold: float) -> dict[str, Any] | None:
     """The threshold measured on --check-pairs, embedded as the calibration pairs were."""
     import numpy as np
 
-    from hopline.cache.pairs import pair_similarities, read_pairs
-
     if args.check_pairs is None:
         return None
-    pairs = read_pairs(args.check_pairs)
-    if args.reembed or any(p.similarity is None for p in pairs):
-        sims = pair_similarities(_embedder(args.work_dir).embed_many, pairs)
-    else:
-        sims = np.array([p.similarity for p in pairs], dtype=np.float64)
+    pairs = _read_pairs(args.check_pairs)
+    sims = _similarities(args, pairs)
     hit = sims >= threshold
     wrong = hit & ~np.array([p.same for p in pairs], dtype=bool)
     hits = int(hit.sum())
@@ -520,6 +612,51 @@ def _check(args: argparse.Namespace, threshold: float) -> dict[str, Any] | None:
         "false_hit_rate": round(int(wrong.sum()) / hits, 4) if hits else 0.0,
         "hit_rate": round(hits / len(pairs), 4),
     }
+
+
+def _read_pairs(path: Path) -> list[Pair]:
+    """A pairs file's distinct pairs; PairsFileError naming the line of a similarity that is
+    not a cosine."""
+    from hopline.cache.pairs import PairsFileError, read_pairs
+
+    pairs = read_pairs(path)
+    for index, pair in enumerate(pairs):
+        sim = pair.similarity
+        if sim is not None and not -1.0 - _COSINE_SLACK <= sim <= 1.0 + _COSINE_SLACK:
+            raise PairsFileError(
+                f"{path}:{_line_of(path, index)}: similarity {sim:g} is not a cosine "
+                "(-1 to 1); drop the similarities to recompute them, or use --reembed"
+            )
+    # The same pair twice (a query split named twice, files concatenated) is one piece of
+    # evidence counted twice: it skews the curve, and the folds would hold it on both sides.
+    distinct = list(dict.fromkeys(pairs))
+    if len(distinct) < len(pairs):
+        sys.stderr.write(
+            f"note: {path}: {len(pairs) - len(distinct)} repeated pairs (the same query, "
+            "candidate, labels and similarity) counted once\n"
+        )
+    return distinct
+
+
+def _line_of(path: Path, index: int) -> int:
+    """The line of the `index`th pair: read_pairs reads one per non-blank line."""
+    with path.open(encoding="utf-8") as f:
+        rows = (n for n, line in enumerate(f, 1) if line.strip())
+        return next(n for i, n in enumerate(rows) if i == index)
+
+
+def _similarities(args: argparse.Namespace, pairs: Sequence[Pair]) -> Any:
+    """The pairs' cosines: the file's, or recomputed (--reembed, or any missing)."""
+    import numpy as np
+
+    from hopline.cache.pairs import pair_similarities
+
+    if args.reembed or any(p.similarity is None for p in pairs):
+        sims = pair_similarities(_embedder(args.work_dir).embed_many, pairs)
+    else:
+        sims = np.array([p.similarity for p in pairs], dtype=np.float64)
+    # Rounding's overshoot past 1 cut back: a threshold above 1 is one no version can hold.
+    return np.clip(sims, -1.0, 1.0)
 
 
 def _check_row(check: dict[str, Any]) -> str:

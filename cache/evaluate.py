@@ -74,6 +74,10 @@ def load_clinc(path: Path, max_intents: int = 0) -> dict[str, Examples]:
         splits = {k: [(str(t), str(lab)) for t, lab in v] for k, v in raw.items()}
     except (TypeError, ValueError) as exc:
         raise ValueError(f"--clinc {path}: expected {expected}: a row {exc}") from exc
+    # A negative count sliced sorted(labels)[:-1]: all intents but one, and still the
+    # out-of-scope share cut, a subset nobody asked for.
+    if max_intents < 0:
+        raise ValueError(f"--max-intents must be 0 (all) or more, got {max_intents}")
     if max_intents:
         keep = sorted({lab for _, lab in splits["train"]})[:max_intents]
         splits = {
@@ -118,6 +122,10 @@ class Evaluation:
         return reply, (time.perf_counter() - started) * 1e3
 
     async def warm(self, texts: Sequence[str], concurrency: int) -> dict[str, int]:
+        """Send every text with the cache; the outcomes' counts sum to the texts sent."""
+        # No workers would send nothing, and the report would still claim a warm cache.
+        if concurrency < 1:
+            raise ValueError(f"--concurrency must be at least 1, got {concurrency}")
         outcomes: dict[str, int] = {}
         async with aio_channel(self.gateway, operator_tls("gateway")) as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
@@ -281,6 +289,11 @@ def run(
 ) -> dict[str, Any]:
     """The static pass (`model`), then, with `verified_model` (the same model with a
     verify_target), the verified pass on the same texts in the same order."""
+    # Said before the warm-up's minutes, not after: stored_misses[:-5] resent all but five.
+    if exact_repeats < 0:
+        raise ValueError(f"--exact-repeats must be 0 or more, got {exact_repeats}")
+    if concurrency < 1:
+        raise ValueError(f"--concurrency must be at least 1, got {concurrency}")
     splits = load_clinc(clinc, max_intents)
     # Shuffled (seeded): the splits are grouped by intent, which would flatter a rule that
     # learns online (each intent's evidence would arrive in one burst).
@@ -310,7 +323,8 @@ def run(
         "threshold": policy.threshold,
         "min_score": policy.min_score,
         "seed": seed,
-        "warmed": len(store),
+        # What the warm-up sent (each text's outcome counted), not what it was given.
+        "warmed": sum(warm.values()),
         "max_intents": max_intents,
     }
     report = summarise(
@@ -373,6 +387,7 @@ def _verified_pass(
             "mode": "verified",
             "model": model,
             "tenant": tenant,
+            "warmed": sum(warm.values()),  # this pass's own warm-up, not the static one's
             "warm_outcomes": warm,
             "warm_seconds": round(warm_s, 1),
             "query_seconds": round(query_s, 1),
