@@ -162,7 +162,8 @@ class KeyFirst(RpcWrapper):
         self.tenants = tenants
 
     def wrap(self, method: str, inner: Behaviour) -> Behaviour | None:
-        if method not in KEYED_METHODS:
+        # Without a keys file there never are keys: no layer on every call.
+        if method not in KEYED_METHODS or not self.tenants.keys_file:
             return None
 
         async def keyed(request: Any, context: Context) -> Any:
