@@ -132,6 +132,21 @@ class GatewayConfig(ServerConfig):
         "every call in flight on a replica that dies can still be retried)",
         valid=Range(high=MAX_RETRY_TOKENS),  # past it gRPC's limit took 1000, unsaid
     )
+    upstream_hedge_attempts: int = env_field(
+        "HOPLINE_UPSTREAM_HEDGE_ATTEMPTS",
+        3,
+        "attempts per stage call when its replica holds it unanswered past the hedging delay, "
+        "the first included (0 or 1: no hedging; at most 5); each on the next replica, the "
+        "first reply taken (gateway/hedging.py)",
+        valid=Range(high=MAX_ATTEMPTS_CAP),
+    )
+    upstream_hedge_min_ms: float = env_field(
+        "HOPLINE_UPSTREAM_HEDGE_MIN_MS",
+        100.0,
+        "the least a stage call is given before a hedge; the delay is 4 times the stage's "
+        "recent p99 where that is longer",
+        valid=POSITIVE,
+    )
     batch_max_rows: int = env_field(
         "HOPLINE_GATEWAY_BATCH_MAX_ROWS",
         32,

@@ -34,6 +34,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 
+from hopline.gateway.hedging import Hedging
 from hopline.gateway.stage_codecs import Codec, InferCodec, PostprocessCodec, TokenizeCodec
 from hopline.gateway.upstream import CoLocated, GatewayUpstreams, Pool
 from hopline.observability import metrics, schema
@@ -82,6 +83,7 @@ class BatchedStage(Generic[Req, Rep]):
         max_rows: Callable[[Req], int],
         company: Callable[[], bool] | None = None,
         linger_s: float = 0.0,
+        hedging: Hedging[Rep] | None = None,
     ) -> None:
         self.hop = hop
         # With `company`, a request that finds a free slot while company() says other requests
@@ -90,7 +92,9 @@ class BatchedStage(Generic[Req, Rep]):
         self._company = company
         self._linger_s = linger_s
         self._gathering: dict[Hashable, asyncio.Handle] = {}
-        self._send = send  # the next stub method (a pool picks the channel per call)
+        # The next stub method (a pool picks the channel per call), or the hedging over it.
+        self._hedging = hedging
+        self._send = send if hedging is None else lambda: hedging
         self._codec = codec
         self._in_flight = max(1, in_flight)
         self._max_rows = max_rows
@@ -249,6 +253,8 @@ class BatchedStage(Generic[Req, Rep]):
             raise _rpc_error(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}") from None
 
     async def close(self) -> None:
+        if self._hedging is not None:
+            self._hedging.close()
         for handle in self._gathering.values():
             handle.cancel()
         self._gathering.clear()
@@ -317,6 +323,8 @@ class GatewayStages:
         model_rows: Callable[[str, str], int],
         company: Callable[[], bool] | None = None,
         linger_s: float = 0.0,
+        hedge_attempts: int = 1,
+        hedge_min_s: float = 0.1,
     ) -> GatewayStages:
         """`model_rows(model, version)`: the most rows the model takes in one run (0: unknown).
 
@@ -347,7 +355,12 @@ class GatewayStages:
         ) -> BatchedStage[Req, Rep] | None:
             if isinstance(pool, CoLocated):
                 return None
-            return BatchedStage(hop, send, codec, in_flight, max_rows_of, company, linger_s)
+            hedging = (
+                Hedging[Rep](hop, send, hedge_attempts, hedge_min_s) if hedge_attempts > 1 else None
+            )
+            return BatchedStage(
+                hop, send, codec, in_flight, max_rows_of, company, linger_s, hedging
+            )
 
         def infer_rows(request: inference_pb2.InferRequest) -> int:
             return min(max_rows, model_rows(request.model, request.model_version) or max_rows)

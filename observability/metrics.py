@@ -91,6 +91,20 @@ def hop_duration(hop: str, code: str) -> Any:
     return HOP_DURATION.labels(hop, code)
 
 
+HEDGES = LoopCounter(
+    "hopline_gateway_hedges_total",
+    "Stage calls sent again on the next replica because the first attempt was unanswered past "
+    "the hedging delay (sent), and those whose hedge answered first (answered)",
+    ("hop", "result"),
+)
+
+
+@functools.cache
+def hedges(hop: str, result: str) -> Any:
+    """HEDGES' child for one hop and result."""
+    return HEDGES.labels(hop, result)
+
+
 CACHE_OUTCOMES = LoopCounter(
     "hopline_cache_outcomes_total",
     "Gateway requests by cache outcome (exact, semantic, miss, fail_open, skipped)",

@@ -38,6 +38,7 @@ DELAY_MS = "hopline.test_delay_ms"
 STREAM_MESSAGES_SENT = "hopline.stream.messages_sent"
 STREAM_MESSAGE_ID = "hopline.stream.message_id"
 TEXT_INDEX = "hopline.text_index"
+HEDGE_ATTEMPTS = "hopline.hedge.attempts"
 
 ATTRIBUTES: dict[str, str] = {
     MODEL: "model name the request resolved to",
@@ -72,6 +73,8 @@ ATTRIBUTES: dict[str, str] = {
     STREAM_MESSAGES_SENT: "responses a streaming RPC sent before it ended (on its server span)",
     STREAM_MESSAGE_ID: "the client's id of one message on a stream (PredictStreamRequest.id)",
     TEXT_INDEX: "which element of a ModelInfer's text input a `gateway.infer_text` span is",
+    HEDGE_ATTEMPTS: "attempts of a stage call whose replica held it past the hedging delay, "
+    "the first included (gateway/hedging.py)",
 }
 
 # -- spans (server spans are named after their RPC, e.g. hopline.gateway.v1.GatewayService/Predict)

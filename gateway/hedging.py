@@ -1,0 +1,227 @@
+"""Hedged stage calls: an RPC that its replica holds far longer than the stage's calls take
+is sent again, on the next replica, and the first answer is taken.
+
+Why: a hung replica (a stopped process, a long pause, a machine swapping) neither answers
+nor fails, so gRPC's retries (they need a status) and ejection (it counts failures) leave
+its calls where they are; gRPC notices only when a keepalive ping goes unanswered, up to
+15 s later (gateway/upstream.py:KEEPALIVE_TIMEOUT_MS). With one RPC per stage and model on
+its way (HOPLINE_GATEWAY_BATCH_IN_FLIGHT) every miss behind that call waited as long. gRPC
+core implements retries but not gRFC A6's hedging policy, so the gateway hedges itself.
+Every stage (tokenize, inference, postprocess) answers a request the same way twice, so a
+second copy is safe.
+
+When: an attempt unanswered after `delay_s()` (HEDGE_P99_FACTOR times the stage's p99 over
+its last RECENT calls, at least HOPLINE_UPSTREAM_HEDGE_MIN_MS) gets another on the pool's
+next stub, which round_robin sends to the next replica; up to HOPLINE_UPSTREAM_HEDGE_ATTEMPTS
+attempts in all, within the call's deadline. The first reply is the call's; the attempts
+left are cancelled. Hedges are budgeted as gRPC's retry throttling budgets retries: a hedge
+spends a token, an answered call gives back TOKEN_RATIO, and a hedge that answered first
+gives its token back (it replaced a call that was doing nothing): so hedging around a hung
+replica goes on for as long as it pays, and hedges that do not pay (an upstream slow
+everywhere) stay near a tenth of the calls.
+
+What a call costs: a set entry, a span lookup, and a timer per stage while calls are on
+their way (not one per call); the p99 is sorted once every RECENT // 8 replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import grpc
+from opentelemetry import trace
+
+from hopline.observability import metrics, schema
+
+log = logging.getLogger("hopline.gateway.hedging")
+
+Rep = TypeVar("Rep")
+
+RECENT = 256  # replies whose durations make the stage's p99
+MIN_SAMPLES = 20  # no hedging before this many replies: no p99 to judge by yet
+HEDGE_P99_FACTOR = 4.0  # an attempt this many p99s old is taken as stuck
+TOKENS = 10.0  # the hedge budget's size (and start)
+TOKEN_RATIO = 0.1  # given back by each answered call
+LOG_EVERY_S = 10.0  # hedges are counted in the metrics; logged at most this often per hop
+
+
+class HedgeResult(enum.StrEnum):
+    SENT = "sent"
+    ANSWERED = "answered"  # the hedge's reply was the call's
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    request: Any
+    metadata: tuple[tuple[str, str | bytes], ...]
+    deadline: float  # monotonic
+    first: Any  # the grpc.aio call the caller awaits
+    span: trace.Span
+    next_at: float  # when the next attempt is due, monotonic
+    attempts: int = 1
+    hedges: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
+    reply: Any = None
+    answered_by_hedge: bool = False
+
+
+class Hedging(Generic[Rep]):
+    """Calls a stub method as `send()(request, timeout=, metadata=)`, hedged as above."""
+
+    def __init__(
+        self,
+        hop: str,
+        send: Callable[[], Callable[..., Any]],
+        attempts: int,
+        min_delay_s: float,
+    ) -> None:
+        self.hop = hop
+        self._send = send
+        self._attempts = attempts
+        self._min_delay_s = min_delay_s
+        self._recent: deque[float] = deque(maxlen=RECENT)
+        self._since_sorted = 0
+        self._delay_s: float | None = None  # None: too few replies yet
+        self._tokens = TOKENS
+        self._open: set[_Call] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._logged = 0.0
+        self._unlogged = [0, 0]  # hedges sent, hedges that answered first, since the last log
+
+    def delay_s(self) -> float | None:
+        """How long an attempt is given before the next is sent; None before MIN_SAMPLES."""
+        return self._delay_s
+
+    async def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float,  # noqa: ASYNC109 (a stub's signature: the call's deadline)
+        metadata: Sequence[tuple[str, str | bytes]] = (),
+    ) -> Rep:
+        metadata = tuple(metadata)
+        started = time.monotonic()
+        first = self._send()(request, timeout=timeout, metadata=metadata)
+        delay = self._delay_s
+        if delay is None:
+            reply: Rep = await first
+            self._answered(time.monotonic() - started)
+            return reply
+        call = _Call(
+            request, metadata, started + timeout, first, trace.get_current_span(), started + delay
+        )
+        self._open.add(call)
+        self._arm(delay)
+        try:
+            reply = await first
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if call.answered_by_hedge and task is not None and not task.cancelling():
+                return self._hedge_answered(call)
+            raise
+        except grpc.aio.AioRpcError as err:
+            if all(hedge.done() for hedge in call.hedges):
+                raise
+            return await self._hedges_answer(call, err)  # the stuck attempt failed first
+        finally:
+            self._open.discard(call)
+            for hedge in call.hedges:
+                hedge.cancel()
+        self._answered(time.monotonic() - started)
+        return reply
+
+    def _answered(self, seconds: float) -> None:
+        """A first attempt answered: its time joins the stage's recent ones."""
+        self._tokens = min(TOKENS, self._tokens + TOKEN_RATIO)
+        self._recent.append(seconds)
+        self._since_sorted += 1
+        if self._since_sorted >= RECENT // 8 or self._delay_s is None:
+            self._sort()
+
+    def _sort(self) -> None:
+        self._since_sorted = 0
+        if len(self._recent) < MIN_SAMPLES:
+            return
+        ordered = sorted(self._recent)
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        self._delay_s = max(self._min_delay_s, HEDGE_P99_FACTOR * p99)
+
+    def _arm(self, delay: float) -> None:
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(delay, self._tick)
+
+    def _tick(self) -> None:
+        """Send the next attempt of every call whose time is up, then wait for the next one."""
+        self._timer = None
+        now = time.monotonic()
+        delay = self._delay_s or self._min_delay_s
+        for call in list(self._open):
+            if call.next_at > now or call.first.done():
+                continue
+            call.next_at = now + delay
+            if call.attempts >= self._attempts or call.deadline - now <= 0:
+                continue
+            if self._tokens < 1.0:
+                continue
+            self._tokens -= 1.0
+            call.attempts += 1
+            call.span.set_attribute(schema.HEDGE_ATTEMPTS, call.attempts)
+            metrics.hedges(self.hop, HedgeResult.SENT).inc()
+            self._unlogged[0] += 1
+            hedge = asyncio.ensure_future(self._hedge(call))
+            call.hedges.append(hedge)
+        if self._open:
+            wait = min(c.next_at for c in self._open) - now
+            self._timer = asyncio.get_running_loop().call_later(max(wait, 0.001), self._tick)
+        self._log(now, delay)
+
+    async def _hedge(self, call: _Call) -> None:
+        left = call.deadline - time.monotonic()
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            reply = await self._send()(call.request, timeout=left, metadata=call.metadata)
+            if call.answered_by_hedge:
+                return  # another hedge answered first
+            call.reply, call.answered_by_hedge = reply, True
+            call.first.cancel()  # the caller's await ends (a no-op once it has ended)
+
+    def _hedge_answered(self, call: _Call) -> Rep:
+        """The call's reply is a hedge's: it replaced an attempt that was doing nothing, so
+        its token comes back."""
+        self._tokens = min(TOKENS, self._tokens + 1.0)
+        metrics.hedges(self.hop, HedgeResult.ANSWERED).inc()
+        self._unlogged[1] += 1
+        return call.reply  # type: ignore[no-any-return]
+
+    async def _hedges_answer(self, call: _Call, failure: grpc.aio.AioRpcError) -> Rep:
+        """The first attempt failed while hedges are on their way: the first of them to
+        answer, or the first attempt's failure if none does."""
+        await asyncio.wait(call.hedges)
+        if call.answered_by_hedge:
+            return self._hedge_answered(call)
+        raise failure
+
+    def _log(self, now: float, delay: float) -> None:
+        sent, answered = self._unlogged
+        if not sent or now - self._logged < LOG_EVERY_S:
+            return
+        self._logged, self._unlogged = now, [0, 0]
+        log.warning(
+            f"{self.hop} calls unanswered after {delay * 1e3:.0f} ms were sent again on the "
+            "next replica: is one hung?",
+            extra={"hop": self.hop, "hedges": sent, "answered_by_hedge": answered},
+        )
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for call in self._open:
+            for hedge in call.hedges:
+                hedge.cancel()

@@ -1,0 +1,189 @@
+"""Hedged stage calls (gateway/hedging.py): a call that its replica holds unanswered far past
+the stage's usual time is sent again on the next replica. Two real gRPC servers behind one
+round_robin channel, as the gateway's channel to a `dns:///` name of two replicas is; one of
+them is made to hold every call without answering, as a stopped process does (its
+connection stays up, so neither retries nor ejection move the call)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from hopline.gateway import hedging
+from hopline.gateway.hedging import Hedging
+
+METHOD = "/hopline.test.Echo/Call"
+TIMEOUT_S = 3.0  # each call's deadline: far longer than a hedge takes, far shorter than a hang
+MIN_DELAY_S = 0.05
+
+
+class Replica:
+    """Echoes its request with its own name; holds every call while `hung` is set."""
+
+    def __init__(self, name: bytes) -> None:
+        self.name = name
+        self.hung = False
+        self.calls = 0
+        self.fault: grpc.StatusCode | None = None
+        self._release = asyncio.Event()
+
+    async def call(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        self.calls += 1
+        if self.hung:
+            await self._release.wait()
+        if self.fault is not None:
+            await context.abort(self.fault, "broken replica")
+        return self.name + b":" + request
+
+    def release(self) -> None:
+        self._release.set()
+
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        method = grpc.unary_unary_rpc_method_handler(self.call)
+        return grpc.method_handlers_generic_handler("hopline.test.Echo", {"Call": method})
+
+
+@contextlib.asynccontextmanager
+async def two_replicas() -> AsyncIterator[tuple[Replica, Replica, grpc.aio.Channel]]:
+    replicas = (Replica(b"a"), Replica(b"b"))
+    servers, ports = [], []
+    for replica in replicas:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((replica.handler(),))
+        ports.append(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        servers.append(server)
+    config = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+    channel = grpc.aio.insecure_channel(
+        f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
+        options=[("grpc.service_config", config)],
+    )
+    await channel.channel_ready()
+    yield replicas[0], replicas[1], channel
+    for replica in replicas:
+        replica.release()
+    await channel.close(None)
+    for server in servers:
+        await server.stop(None)
+
+
+def hedged(channel: grpc.aio.Channel, attempts: int = 3) -> Hedging[bytes]:
+    method = channel.unary_unary(METHOD, None, None)
+    return Hedging[bytes]("tokenize", lambda: method, attempts, MIN_DELAY_S)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
+        while not condition():  # noqa: ASYNC110 (the replicas count calls; no event to wait on)
+            await asyncio.sleep(0.01)
+
+
+async def warm(call: Callable[..., Any], n: int = 2 * hedging.MIN_SAMPLES) -> None:
+    """Enough answered calls for the stage's p99, hence the hedging delay."""
+    for i in range(n):
+        await call(b"warm %d" % i, timeout=TIMEOUT_S)
+
+
+def test_calls_held_by_a_hung_replica_are_answered_by_the_other() -> None:
+    asyncio.run(_calls_held_by_a_hung_replica_are_answered_by_the_other())
+
+
+async def _calls_held_by_a_hung_replica_are_answered_by_the_other() -> None:
+    """One call at a time, as a stage with one RPC on its way sends them: round_robin gives
+    every other call to the hung replica, and each of those is answered by its hedge."""
+    async with two_replicas() as (_, b, channel):
+        call = hedged(channel)
+        await warm(call)
+        delay = call.delay_s()
+        assert delay is not None
+        assert MIN_DELAY_S <= delay < TIMEOUT_S / 4
+        b.hung = True
+        before_b = b.calls
+        replies = [await call(b"q%d" % i, timeout=TIMEOUT_S) for i in range(20)]
+        assert replies == [b"a:q%d" % i for i in range(20)]  # every one answered, by `a`
+        assert b.calls - before_b >= 5, "few calls reached the hung replica: nothing proven"
+
+
+def test_a_lone_hung_upstream_spends_the_budget_then_stops_hedging() -> None:
+    """Hedges that answer nothing (both replicas hung) are limited by the budget: they do
+    not multiply a stall into more load. Each call still ends at its own deadline."""
+    asyncio.run(_a_lone_hung_upstream_spends_the_budget_then_stops_hedging())
+
+
+async def _a_lone_hung_upstream_spends_the_budget_then_stops_hedging() -> None:
+    async with two_replicas() as (a, b, channel):
+        call = hedged(channel, attempts=5)
+        await warm(call)
+        a.hung = b.hung = True
+        before = a.calls + b.calls
+        calls = 40
+        results = await asyncio.gather(
+            *(call(b"q%d" % i, timeout=1.0) for i in range(calls)), return_exceptions=True
+        )
+        assert all(
+            isinstance(r, grpc.aio.AioRpcError) and r.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            for r in results
+        ), results
+        hedges = a.calls + b.calls - before - calls
+        assert 1 <= hedges <= hedging.TOKENS + 1, f"{hedges} hedges for {calls} calls"
+
+
+def test_a_first_attempt_failing_after_a_hedge_was_sent_takes_the_hedge() -> None:
+    """The hung replica's call fails (its connection dropped, say) while the hedge is on its
+    way: the caller gets the hedge's reply, not the failure."""
+    asyncio.run(_a_first_attempt_failing_after_a_hedge_was_sent_takes_the_hedge())
+
+
+async def _a_first_attempt_failing_after_a_hedge_was_sent_takes_the_hedge() -> None:
+    async with two_replicas() as (a, b, channel):
+        call = hedged(channel)
+        await warm(call)
+        a.hung = b.hung = True
+        pending = asyncio.ensure_future(call(b"q", timeout=TIMEOUT_S))
+        await until(lambda: a.calls + b.calls >= 2 * hedging.MIN_SAMPLES + 2)  # first + hedge
+        first, second = (a, b) if a.calls > b.calls else (b, a)
+        # The replica that has the first attempt fails it; the other answers the hedge.
+        first.fault = grpc.StatusCode.UNAVAILABLE
+        second.hung = False
+        first.release()
+        second.release()
+        assert (await pending).endswith(b":q")
+
+
+def test_a_caller_that_gives_up_cancels_its_hedges() -> None:
+    asyncio.run(_a_caller_that_gives_up_cancels_its_hedges())
+
+
+async def _a_caller_that_gives_up_cancels_its_hedges() -> None:
+    async with two_replicas() as (a, b, channel):
+        call = hedged(channel)
+        await warm(call)
+        a.hung = b.hung = True
+        pending = asyncio.ensure_future(call(b"q", timeout=TIMEOUT_S))
+        await until(lambda: a.calls + b.calls >= 2 * hedging.MIN_SAMPLES + 2)
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        await asyncio.sleep(0)
+        assert not call._open, "the call is still tracked after its caller gave up"
+
+
+def test_no_hedging_before_the_stage_has_a_p99() -> None:
+    asyncio.run(_no_hedging_before_the_stage_has_a_p99())
+
+
+async def _no_hedging_before_the_stage_has_a_p99() -> None:
+    async with two_replicas() as (_, b, channel):
+        call = hedged(channel)
+        assert call.delay_s() is None
+        await warm(call, hedging.MIN_SAMPLES - 1)
+        assert call.delay_s() is None
+        await call(b"last", timeout=TIMEOUT_S)
+        assert call.delay_s() is not None
+        assert b.calls > 0
