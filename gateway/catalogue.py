@@ -25,7 +25,7 @@ from hopline.gateway.errors import RequestError
 from hopline.gateway.upstream import Pool
 from hopline.observability import schema
 from hopline.observability.logs import Episodes
-from hopline.observability.tracing import child_span, outgoing_metadata
+from hopline.observability.tracing import child_span, outgoing_metadata, untraced
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("hopline.gateway.catalogue")
@@ -83,9 +83,10 @@ class ModelCatalogue:
         self.models, self.latest = models, latest
 
     async def follow(self, every_s: float) -> None:
+        """Re-read the list every `every_s`, for good; untraced: no request's work."""
         while True:
             await asyncio.sleep(every_s)
-            with contextlib.suppress(grpc.aio.AioRpcError):
+            with contextlib.suppress(grpc.aio.AioRpcError), untraced():
                 await self.refresh()
 
     def _lookup(self, name: str, version: str) -> inference_pb2.ModelInfo | None:

@@ -57,6 +57,7 @@ from hopline.gateway.upstream import GatewayUpstreams, HopError
 from hopline.observability import metrics, schema
 from hopline.observability.logs import Episodes
 from hopline.observability.loop_metrics import LoopCounter
+from hopline.observability.tracing import untraced
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -129,6 +130,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 self._model_rows,
                 (lambda: self.admission.in_flight > 1) if config.batch_gather else None,
                 config.batch_linger_ms / 1e3,
+                config.upstream_hedge_attempts,
+                config.upstream_hedge_min_ms / 1e3,
             )
             if config.batch_max_rows > 1
             else None
@@ -181,7 +184,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         said_at = -math.inf
         while True:  # an address naming another service is said by Upstream.check_serves
             try:
-                await self.catalogue.refresh()
+                with untraced():  # no request's work: no root trace of its own
+                    await self.catalogue.refresh()
                 break
             except grpc.aio.AioRpcError as err:
                 if time.monotonic() - said_at >= WAIT_SAID_EVERY_S:

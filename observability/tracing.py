@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+import random
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from contextvars import Token
@@ -282,6 +283,28 @@ def in_context(context: otel_context.Context) -> Iterator[trace.Span]:
     token = attach(context)
     try:
         yield trace.get_current_span()
+    finally:
+        detach(token)
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """Run with a current span of a trace that is not recorded: for a process's own
+    periodic work (a model list re-read every few seconds), which is no request's and would
+    otherwise start a root trace every time, on this side and, through the `traceparent` it
+    sends, on the callee's (a parent-based sampler keeps a root trace at its ratio, every
+    one with `parentbased_always_on`). Spans opened with `child_span` are then none at all."""
+    span = trace.NonRecordingSpan(
+        SpanContext(
+            trace_id=random.getrandbits(128) or 1,
+            span_id=random.getrandbits(64) or 1,
+            is_remote=False,
+            trace_flags=trace.TraceFlags(trace.TraceFlags.DEFAULT),
+        )
+    )
+    token = attach(trace.set_span_in_context(span))
+    try:
+        yield
     finally:
         detach(token)
 
