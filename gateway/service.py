@@ -64,6 +64,7 @@ from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.runtime.errors import ECHO_CHARS, StatusError, clip
 from hopline.runtime.interceptors import RpcWrapper
+from hopline.runtime.service_table import ServiceName
 
 log = logging.getLogger("hopline.gateway")
 # A served semantic hit's model run that failed: once an episode, as the model's hops are.
@@ -172,6 +173,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
 
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(self, server)
         OpenInferenceService(self).register(server)
+
+    def co_located(self) -> set[ServiceName]:
+        """The upstream services running in this process (their metrics are this one's)."""
+        return self.upstreams.co_located()
 
     # -- life cycle -----------------------------------------------------------------------
 

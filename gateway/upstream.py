@@ -451,6 +451,14 @@ class GatewayUpstreams:
     def pools(self) -> tuple[Pool[Any], ...]:
         return (self.tokenizer, self.cache, self.inference, self.postprocess)
 
+    def co_located(self) -> set[ServiceName]:
+        """The services running in this process."""
+        return {
+            ServiceName(field.name)
+            for field in dataclasses.fields(self)
+            if isinstance(getattr(self, field.name), CoLocated)
+        }
+
     async def start(self) -> None:
         """Start the co-located services (the gateway serves only once they do), and check
         in the background that each remote address serves its service."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from collections.abc import Collection, Iterable, Iterator
+from typing import Any, cast
 
 from opentelemetry import trace
 from prometheus_client import (
@@ -21,8 +22,10 @@ from prometheus_client import (
     Histogram,
     start_http_server,
 )
+from prometheus_client.metrics_core import Metric
 
 from hopline.observability.loop_metrics import LoopCounter, LoopGauge, LoopHistogram
+from hopline.runtime.service_table import ServiceName
 
 log = logging.getLogger("hopline.metrics")
 
@@ -278,14 +281,56 @@ def count(metric: Counter | LoopCounter | LoopHistogram, **labels: str) -> int:
     return int(total)
 
 
+# Families without labels are exposed (at 0) by every process that imports this module; these
+# belong to one service, and a process that runs none of them leaves them out of its
+# endpoint (a tokenizer's /metrics said hopline_gateway_in_flight 0 for ever). Families with
+# labels show no sample until one is written, so only the label-less ones are listed.
+OWNED_BY: dict[str, ServiceName] = {
+    **dict.fromkeys(
+        (
+            "hopline_gateway_in_flight",
+            "hopline_coalesced",
+            "hopline_coalesced_reruns",
+            "hopline_stages_asked_again",
+            "hopline_gateway_requests",
+            "hopline_gateway_inferences",
+            "hopline_local_exact_hits",
+            "hopline_local_exact_entries",
+            "hopline_key_mirror_keys",
+            "hopline_known_misses",
+        ),
+        ServiceName.GATEWAY,
+    ),
+    "hopline_cache_search_rows": ServiceName.CACHE,
+}
+
+
+class ProcessView:
+    """The registry as one process's endpoint shows it: every family but those owned by a
+    service the process does not run (`runs`: its own, and any co-located in it)."""
+
+    def __init__(self, runs: Collection[ServiceName], registry: CollectorRegistry = REGISTRY):
+        self._registry = registry
+        self._leave_out = {name for name, owner in OWNED_BY.items() if owner not in runs}
+
+    def collect(self) -> Iterator[Metric]:
+        return (f for f in self._registry.collect() if f.name not in self._leave_out)
+
+    def restricted_registry(self, names: Iterable[str]) -> Any:
+        """What prometheus_client's handler asks of a registry for `?name[]=` scrapes."""
+        return self._registry.restricted_registry(
+            n for n in names if not any(n == f or n.startswith(f + "_") for f in self._leave_out)
+        )
+
+
 def start_metrics_server(
-    host: str, port: int, registry: CollectorRegistry = REGISTRY
+    host: str, port: int, registry: CollectorRegistry | ProcessView = REGISTRY
 ) -> int | None:
     """Serve /metrics on host:port from a daemon thread; 0 disables it. Returns the port."""
     if port <= 0:
         return None
     try:
-        server, _ = start_http_server(port, addr=host, registry=registry)
+        server, _ = start_http_server(port, addr=host, registry=cast(CollectorRegistry, registry))
     except OSError as exc:
         # A taken metrics port must not take the service down with it: say so and go on.
         log.error("cannot serve metrics", extra={"host": host, "port": port, "error": str(exc)})

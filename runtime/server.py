@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from hopline.observability.metrics import start_metrics_server
+from hopline.observability.metrics import ProcessView, start_metrics_server
 from hopline.observability.tracing import ServerTracing, shutdown_tracing
 from hopline.runtime import collector, event_loop, grpc_io, reflection
 from hopline.runtime.config import ServerConfig, SettingError, setting_of
@@ -28,7 +28,7 @@ from hopline.runtime.interceptors import (
     trace_trailer,
 )
 from hopline.runtime.ports import port_problem
-from hopline.runtime.service_table import SERVICES
+from hopline.runtime.service_table import SERVICES, ServiceName
 from hopline.runtime.tls import (
     CERT_ENV,
     KEY_ENV,
@@ -240,6 +240,14 @@ def role_of(service: object) -> str:
     return next((str(s.name) for s in SERVICES if s.module == module), "service")
 
 
+def _runs(service: object) -> set[ServiceName]:
+    """The services this process runs: its own and those co-located in it (the gateway's)."""
+    role = role_of(service)
+    own = {ServiceName(role)} if role in set(ServiceName) else set()
+    co_located: set[ServiceName] = getattr(service, "co_located", set)()
+    return own | co_located
+
+
 def _check_peers_have_tls(config: ServerConfig, tls: TlsFiles) -> None:
     """Peers named (other than the default) on a port without a certificate: the operator
     asked for client certificates and the port would serve plaintext to anyone."""
@@ -404,7 +412,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
         await server.stop(0)
         return 2
     if index is None:
-        start_metrics_server(config.metrics_host, config.metrics_port)
+        start_metrics_server(config.metrics_host, config.metrics_port, ProcessView(_runs(service)))
     else:  # the supervisor serves the service's port, every worker's metrics merged
         serve_own_metrics(index)
 

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 
 from harness import Mesh
 from hopline.gateway.client import predict
+from hopline.observability.metrics import OWNED_BY
 from hopline.protos.hopline.common.v1 import common_pb2
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -109,3 +110,18 @@ def test_without_an_exporter_no_exemplar_points_at_a_trace_nobody_keeps(mesh: Me
     assert durations  # the histogram is there, in the format that can carry exemplars
     assert not [s for s in durations if s.exemplar is not None]
     assert "trace_id" not in scrape(mesh, "gateway")
+
+
+def test_each_endpoint_leaves_out_the_families_of_services_its_process_does_not_run(
+    mesh: Mesh,
+) -> None:
+    """A family without labels is exposed at 0 by every process that imports the metrics
+    module: a tokenizer's /metrics said `hopline_gateway_in_flight 0` for ever, and every
+    process had the cache's `hopline_cache_search_rows`. Each endpoint now shows the families
+    of the services its process runs (observability/metrics.py:OWNED_BY)."""
+    for name in mesh.addrs:
+        families = {f.name for f in parse_text(scrape(mesh, name))}
+        owned = {family for family, owner in OWNED_BY.items() if owner == name}
+        others = set(OWNED_BY) - owned
+        assert owned <= families, f"{name} lacks {sorted(owned - families)}"
+        assert not others & families, f"{name} shows {sorted(others & families)}"
