@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from hopline.gateway.admission import Admission
 from hopline.gateway.cache_writes import CacheWrites
@@ -226,8 +227,13 @@ class CachePath:
         self._keep_locally(call, prediction, time.time(), self.exact_tier.generation)
         # The write itself once the reply is on its way: the handler returns the reply to
         # gRPC, which starts its send before the loop turns to this. The key is held and kept
-        # above, so a repeat meanwhile is still this gateway's to answer.
-        asyncio.get_running_loop().call_soon(self.writes.store, call, prediction)
+        # above, so a repeat meanwhile is still this gateway's to answer. A recorded
+        # request's store starts now, under its span: by then the span has ended, and the
+        # store's own span (gateway/store_queue.py) is opened only under a live one.
+        if trace.get_current_span().is_recording():
+            self.writes.store(call, prediction)
+        else:
+            asyncio.get_running_loop().call_soon(self.writes.store, call, prediction)
 
     def _keep_locally(
         self,
