@@ -21,6 +21,7 @@ from conftest import DEFAULT_MODEL
 from harness import Mesh
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.errors import TRACE_ID_METADATA
 
 BUDGET_S = 0.5
 HOP_DELAY_MS = 300  # two such hops pass the budget; one fits in it
@@ -83,3 +84,33 @@ def test_tritons_timeout_bounds_the_hops_together(slow_hops: Mesh) -> None:
         client.close()
     assert status == "StatusCode.DEADLINE_EXCEEDED", message
     assert took_s < 2 * HOP_DELAY_MS / 1e3, took_s
+
+
+def test_a_client_deadline_ends_in_the_gateways_answer_naming_the_hop(slow_hops: Mesh) -> None:
+    """A client deadline shorter than the gateway's budget: the gateway ends its work a
+    margin before it (gateway/service.py:timeout_for), so the client gets the gateway's
+    DEADLINE_EXCEEDED, naming the hop that ran out and carrying the trace id, rather than
+    its own timer's bare "Deadline Exceeded" (which won the race in most of ~400 probes: the
+    hops were given the client's whole remaining time)."""
+    request = gateway_pb2.PredictRequest(
+        text="where is my parcel", cache_mode=common_pb2.CACHE_MODE_BYPASS
+    )
+    answers = []
+    with grpc.insecure_channel(slow_hops.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        for _ in range(8):
+            with pytest.raises(grpc.RpcError) as failed:
+                stub.Predict(request, timeout=0.9 * BUDGET_S)
+            err = failed.value
+            trailer = dict(err.trailing_metadata() or ())  # type: ignore[attr-defined]
+            named = (err.code(), err.details(), bool(trailer.get(TRACE_ID_METADATA)))  # type: ignore[attr-defined]
+            answers.append(named)
+    expected = (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "deadline exceeded waiting for the postprocess service",
+        True,
+    )
+    # A loop late by more than the margin (a loaded machine) still loses the race: most, not
+    # all (the exact budget is tests/unit/test_reply_margin.py's).
+    assert all(code == grpc.StatusCode.DEADLINE_EXCEEDED for code, _, _ in answers), answers
+    assert answers.count(expected) >= len(answers) // 2 + 1, answers
