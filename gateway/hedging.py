@@ -51,6 +51,12 @@ HEDGE_P99_FACTOR = 4.0  # an attempt this many p99s old is taken as stuck
 TOKENS = 10.0  # the hedge budget's size (and start)
 TOKEN_RATIO = 0.1  # given back by each answered call
 LOG_EVERY_S = 10.0  # hedges are counted in the metrics; logged at most this often per hop
+# After a hedge answered first, calls for this long send their second attempt at once: the
+# hung replica is still in round_robin's turn, and a call's two attempts are consecutive
+# picks, so one of them reaches a live replica. Waiting the delay again instead held every
+# call whose first pick was the hung one (with one caller and two replicas, each of them:
+# the hedge took the live replica's turn, the next call's first pick the hung one's).
+SUSPECT_S = 1.0
 
 
 class HedgeResult(enum.StrEnum):
@@ -91,6 +97,7 @@ class Hedging(Generic[Rep]):
         self._delay_s: float | None = None  # None: too few replies yet
         self._tokens = TOKENS
         self._open: set[_Call] = set()
+        self._suspect_until = 0.0  # monotonic: a hedge answered first this recently
         self._timer: asyncio.TimerHandle | None = None
         self._logged = 0.0
         self._unlogged = [0, 0]  # hedges sent, hedges that answered first, since the last log
@@ -118,6 +125,8 @@ class Hedging(Generic[Rep]):
             request, metadata, started + timeout, first, trace.get_current_span(), started + delay
         )
         self._open.add(call)
+        if started < self._suspect_until:
+            self._launch(call, started)
         self._arm(delay)
         try:
             reply = await first
@@ -166,21 +175,22 @@ class Hedging(Generic[Rep]):
             if call.next_at > now or call.first.done():
                 continue
             call.next_at = now + delay
-            if call.attempts >= self._attempts or call.deadline - now <= 0:
-                continue
-            if self._tokens < 1.0:
-                continue
-            self._tokens -= 1.0
-            call.attempts += 1
-            call.span.set_attribute(schema.HEDGE_ATTEMPTS, call.attempts)
-            metrics.hedges(self.hop, HedgeResult.SENT).inc()
-            self._unlogged[0] += 1
-            hedge = asyncio.ensure_future(self._hedge(call))
-            call.hedges.append(hedge)
+            self._launch(call, now)
         if self._open:
             wait = min(c.next_at for c in self._open) - now
             self._timer = asyncio.get_running_loop().call_later(max(wait, 0.001), self._tick)
         self._log(now, delay)
+
+    def _launch(self, call: _Call, now: float) -> None:
+        """Send `call`'s next attempt, if it has one left, time left, and the budget a token."""
+        if call.attempts >= self._attempts or call.deadline - now <= 0 or self._tokens < 1.0:
+            return
+        self._tokens -= 1.0
+        call.attempts += 1
+        call.span.set_attribute(schema.HEDGE_ATTEMPTS, call.attempts)
+        metrics.hedges(self.hop, HedgeResult.SENT).inc()
+        self._unlogged[0] += 1
+        call.hedges.append(asyncio.ensure_future(self._hedge(call)))
 
     async def _hedge(self, call: _Call) -> None:
         left = call.deadline - time.monotonic()
@@ -195,6 +205,7 @@ class Hedging(Generic[Rep]):
         """The call's reply is a hedge's: it replaced an attempt that was doing nothing, so
         its token comes back."""
         self._tokens = min(TOKENS, self._tokens + 1.0)
+        self._suspect_until = time.monotonic() + SUSPECT_S
         metrics.hedges(self.hop, HedgeResult.ANSWERED).inc()
         self._unlogged[1] += 1
         return call.reply  # type: ignore[no-any-return]

@@ -187,3 +187,28 @@ async def _no_hedging_before_the_stage_has_a_p99() -> None:
         await call(b"last", timeout=TIMEOUT_S)
         assert call.delay_s() is not None
         assert b.calls > 0
+
+
+def test_after_a_hedge_answers_first_calls_send_two_attempts_at_once() -> None:
+    asyncio.run(_after_a_hedge_answers_first_calls_send_two_attempts_at_once())
+
+
+async def _after_a_hedge_answers_first_calls_send_two_attempts_at_once() -> None:
+    """Once a hedge has answered first, the hung replica is still in round_robin's turn:
+    calls then send their second attempt at once, so a call whose first pick is the hung one
+    does not wait out the delay. Here the calls' deadlines are shorter than the delay: each
+    one whose first pick was the hung replica failed DEADLINE_EXCEEDED before."""
+    async with two_replicas() as (_, b, channel):
+        method = channel.unary_unary(METHOD, None, None)
+        call = Hedging[bytes]("tokenize", lambda: method, 3, 1.0)
+        await warm(call)
+        delay = call.delay_s()
+        assert delay is not None
+        assert delay >= 1.0
+        b.hung = True
+        for i in range(2):  # one of two consecutive calls meets the hung replica first
+            assert await call(b"slow %d" % i, timeout=TIMEOUT_S) == b"a:slow %d" % i
+        before_b = b.calls
+        replies = [await call(b"q%d" % i, timeout=delay / 2) for i in range(10)]
+        assert replies == [b"a:q%d" % i for i in range(10)]
+        assert b.calls - before_b >= 5, "the hung replica had few calls: nothing proven"
