@@ -316,6 +316,9 @@ def _served_under(client: Span) -> bool:
     )
 
 
+CUT_SLACK_NS = 2_000_000  # see _walk_critical: at least 2 ms, or 1% of the parent
+
+
 def _walk_critical(root: Span) -> tuple[dict[str, float], dict[int, int]]:
     """The critical path's milliseconds by category (see `critical_path`), and per span
     (keyed by `id(span)`) the nanoseconds the path spent inside it or the spans under it."""
@@ -338,11 +341,14 @@ def _walk_critical(root: Span) -> tuple[dict[str, float], dict[int, int]]:
     def walk(span: Span, until: int) -> None:
         t = min(span.end, until)
         inside[id(span)] = inside.get(id(span), 0) + max(0, t - span.start)
+        # A child ending this little after its parent was cut with it (the client's deadline
+        # ended the request and, a moment later, the hop it was waiting for): it held the
+        # parent to its end. Past it, the child outlived its parent (fire-and-forget work
+        # such as the cache store) and delayed nothing.
+        cut_with_parent = span.end + max(CUT_SLACK_NS, (span.end - span.start) // 100)
         for child in sorted(span.children, key=lambda c: c.end, reverse=True):
-            if child.start >= t or child.end > span.end:
-                # Began after the moment being explained, or outlived its parent
-                # (fire-and-forget work such as the cache store): it delayed nothing.
-                continue
+            if child.start >= t or child.end > cut_with_parent:
+                continue  # began after the moment being explained, or fire-and-forget
             reached = min(child.end, t)
             charge(span, t - reached)
             walk(child, reached)

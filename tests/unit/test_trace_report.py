@@ -299,3 +299,30 @@ def test_a_store_batchs_own_call_is_a_row_under_the_store_not_the_store_again() 
     rows = {r["name"]: r for r in report.rows}
     assert rows["cache"]["count"] == 1  # the Lookup alone: the store came after the reply
     assert rows["cache"]["p50_ms"] == pytest.approx(2.0)
+
+
+def test_a_hop_cut_by_the_clients_deadline_is_charged_not_dropped() -> None:
+    """The client's deadline ends the request, and its waiting hop a fraction of a
+    millisecond later: the hop outlives the root by that much. It was read as
+    fire-and-forget work (a cache store) and the whole 500 ms charged to the gateway
+    (a helper's traces: `gateway 500.29 ms 100%` for a stalled tokenizer)."""
+    trace = "c" * 32
+    span, resource = otlp_span, otlp_resource
+    request = {
+        "resourceSpans": [
+            resource(
+                "gateway",
+                [
+                    span(trace, 1, 0, PREDICT, 2, 0, 500.0),
+                    span(trace, 2, 1, "tokenize", 3, 0.1, 500.3),  # cut 0.3 ms after the root
+                    span(trace, 3, 1, "cache_store", 3, 499.0, 530.0),  # after the reply
+                ],
+            ),
+        ]
+    }
+    root = build_tree(parse_otlp([request])[trace])
+    assert root is not None
+    path = critical_path(root)
+    assert path["gap:tokenize"] == pytest.approx(499.9)
+    assert path["gateway"] == pytest.approx(0.1)
+    assert "gap:cache_store" not in path
