@@ -31,7 +31,7 @@ import grpc
 from opentelemetry.trace import Status, StatusCode
 
 from hopline.observability import metrics, schema
-from hopline.observability.tracing import child_span, server_failed
+from hopline.observability.tracing import child_span, current_trace_id, server_failed
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
 from hopline.runtime.errors import StatusError
 from hopline.runtime.interceptors import Undecodable
@@ -79,7 +79,9 @@ async def predict_stream(
                 attributes={schema.STREAM_MESSAGE_ID: message.id},
                 quiet=True,
             ) as span:
-                reply = gateway_pb2.PredictStreamResponse(id=message.id)
+                reply = gateway_pb2.PredictStreamResponse(
+                    id=message.id, trace_id=current_trace_id()
+                )
                 try:
                     reply.response.CopyFrom(
                         await gateway.answer(
@@ -164,4 +166,5 @@ def _id_too_long(rid: str) -> gateway_pb2.PredictStreamResponse:
         code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
         message=f"PredictStreamRequest.id is {size} bytes; the limit is {MAX_ID_BYTES}: "
         "send a shorter id (this reply carries its first bytes)",
+        trace_id=current_trace_id(),
     )

@@ -70,8 +70,12 @@ def test_every_request_is_answered_once_by_id_and_failures_stay_per_request(
     for rid in texts:
         assert by_id[rid].code == OK, by_id[rid].message
         assert by_id[rid].response.prediction.label == unary[rid].prediction.label, rid
-    # One stream, one trace: every request on it is a subtree of the stream's span.
+    # One stream, one trace: every request on it is a subtree of the stream's span. Every
+    # message carries it, a failed one's too (they had none: response is unset on failure).
     assert len({by_id[rid].response.trace_id for rid in texts}) == 1
+    stream_trace = by_id["r0"].response.trace_id
+    assert len(stream_trace) == 32
+    assert {r.trace_id for r in replies} == {stream_trace}
 
 
 def test_an_empty_stream_ends_cleanly(mesh: Mesh) -> None:
