@@ -274,7 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     from hopline.cli.run import DEFAULT_TOPOLOGY
 
     run = sub.add_parser("run", help="start the mesh locally (--topology), stop it on Ctrl-C")
-    run.add_argument("--model-repo", default="models")
+    run.add_argument(
+        "--model-repo",
+        default=os.environ.get("HOPLINE_MODEL_REPO", "models"),
+        help="the model repository, for every service [env HOPLINE_MODEL_REPO; default models]",
+    )
     run.add_argument("--log-format", default="text", choices=("text", "json"))
     run.add_argument(
         "--topology",
