@@ -164,11 +164,12 @@ class Admission:
         fastest = self.path_estimate_s(0.1)
         left_s = call.left_s()
         if fastest is not None and left_s < fastest and self._refuse_deadline():
+            left = f"leaves {left_s * 1e3:.0f} ms" if left_s > 0 else "had passed on arrival"
             raise self._refuse(
                 Refusal.DEADLINE,
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"the deadline leaves {left_s * 1e3:.0f} ms; a model answer takes at "
-                f"least {fastest * 1e3:.0f} ms now: give the request a longer deadline",
+                f"the deadline {left}; a model answer takes at least {fastest * 1e3:.0f} ms "
+                "now: give the request a longer deadline",
             )
         self.in_flight += 1
         metrics.GATEWAY_IN_FLIGHT.set(self.in_flight)

@@ -91,8 +91,8 @@ def unreadable(where: str) -> RequestError:
     """The refusal of a text with nothing the model reads, `where` naming it."""
     return RequestError(
         grpc.StatusCode.INVALID_ARGUMENT,
-        f"{where} has no character the model reads (only control, zero-width or combining "
-        "characters): send the text to classify",
+        f"{where} has no character the model reads (only control, zero-width, combining, "
+        "private-use or replacement characters): send the text to classify",
     )
 
 

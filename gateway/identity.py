@@ -119,9 +119,11 @@ class TenantResolver:
         if self.keys:
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not token:
+                sent = "sent without 'Bearer '" if auth.strip() else "needed"
                 raise IdentityError(
                     grpc.StatusCode.UNAUTHENTICATED,
-                    "this gateway needs an API key: send metadata 'authorization: Bearer <key>'",
+                    f"this gateway's API key is {sent}: send metadata "
+                    "'authorization: Bearer <key>'",
                 )
             tenant = self.keys.get(_digest(token.strip()))
             if tenant is None:

@@ -228,8 +228,8 @@ def decode_texts(request: pb.ModelInferRequest, model: str, limit: BatchLimit) -
     shape = list(tensor.shape)
     if len(shape) != 1 or shape[0] < 1:
         raise _invalid(
-            f"unexpected shape for input '{TEXT_INPUT}' for model '{model}'. Expected [-1], got "
-            f"{clip(str(shape))}: one dimension, the number of texts (at least 1)"
+            f"unexpected shape for input '{TEXT_INPUT}' for model '{model}'. Expected [N], one "
+            f"dimension, the number of texts (at least 1), got {clip(str(shape))}"
         )
     count = shape[0]
     limit.check(count, model)

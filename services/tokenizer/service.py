@@ -98,7 +98,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
             if len(text.encode("utf-8")) > self.config.max_text_bytes:
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"texts[{i}] is over {self.config.max_text_bytes} bytes",
+                    f"text {i} of the request is over {self.config.max_text_bytes} bytes, the "
+                    "tokenizer's HOPLINE_MAX_TEXT_BYTES (set it as high as the gateway's)",
                 )
         try:
             _, (tokenizer, digest) = await self.models.find(

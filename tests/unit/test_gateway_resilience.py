@@ -626,3 +626,13 @@ def test_the_tenant_limit_fits_the_cache_scope_column() -> None:
     """A tenant the gateway accepts must be one the cache can store (SCOPE_NAME_MAX bytes)."""
     assert TENANT_MAX_BYTES <= SCOPE_NAME_MAX
     assert TENANT_MAX_CHARS * 4 > TENANT_MAX_BYTES  # so the byte limit is the one that binds
+
+
+def test_a_key_sent_without_bearer_is_named_as_such(keyed: TenantResolver) -> None:
+    """A caller who sent its key without 'Bearer ' was told the gateway needs an API key,
+    as one who sent none (a helper's probe of the example clients)."""
+    without = refused(keyed, "", [("authorization", ACME_KEY)])
+    assert without.code == grpc.StatusCode.UNAUTHENTICATED
+    assert "sent without 'Bearer '" in without.message
+    none = refused(keyed, "", [])
+    assert "needed" in none.message
