@@ -361,7 +361,12 @@ def requested_outputs(request: pb.ModelInferRequest, model: str) -> list[Request
                 f"classification applies to output '{CLASSIFIED}' (a score per class), not "
                 f"'{output.name}'"
             )
-        wanted.setdefault(output.name, Requested(output.name, classes))  # asked twice: once
+        asked = Requested(output.name, classes)
+        if wanted.setdefault(output.name, asked) != asked:  # the same twice: answered once
+            raise _invalid(
+                f"output '{output.name}' is requested twice with different parameters: "
+                "request it once"
+            )
     return list(wanted.values())
 
 
