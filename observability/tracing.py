@@ -452,9 +452,17 @@ def _carries_context(metadata: Iterable[tuple[str, Any]]) -> bool:
     return any(key in fields for key, _ in metadata)
 
 
+# A client's timer ends its call when its deadline passes; this side's deadline, counted from
+# the call's arrival, passes a little later: a cancel this close to it is the deadline's.
+DEADLINE_SLACK_S = 0.005
+
+
 def _cancelled_code(context: Context) -> grpc.StatusCode:
+    """DEADLINE_EXCEEDED for a call cancelled by its deadline (the client's own timer
+    included: counted as CANCELLED, 3 of 30 Predicts ended by a client deadline were),
+    CANCELLED for one its caller gave up."""
     remaining = cast("float | None", context.time_remaining())
-    expired = remaining is not None and remaining <= 0
+    expired = remaining is not None and remaining <= DEADLINE_SLACK_S
     return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
 
 
