@@ -366,6 +366,16 @@ def test_bad_tensors_are_invalid_argument(client: triton.InferenceServerClient) 
             "classification applies to output 'scores'",
         ),
         ({"inputs": [text_input(["hi"])], "sequence_id": 7}, "not a sequence model"),
+        (  # it was answered as whichever came first: BYTES [1,3] or FP32 [1,26]
+            {
+                "inputs": [text_input(["hi"])],
+                "outputs": [
+                    triton.InferRequestedOutput("scores", class_count=3),
+                    triton.InferRequestedOutput("scores"),
+                ],
+            },
+            "output 'scores' is requested twice with different parameters",
+        ),
         (
             {
                 "inputs": [text_input(["hi"])],

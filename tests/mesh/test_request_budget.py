@@ -111,6 +111,6 @@ def test_a_client_deadline_ends_in_the_gateways_answer_naming_the_hop(slow_hops:
         True,
     )
     # A loop late by more than the margin (a loaded machine) still loses the race: most, not
-    # all (the exact budget is tests/unit/test_reply_margin.py's).
+    # all (the exact budget is tests/unit/test_request_deadline.py's).
     assert all(code == grpc.StatusCode.DEADLINE_EXCEEDED for code, _, _ in answers), answers
     assert answers.count(expected) >= len(answers) // 2 + 1, answers
