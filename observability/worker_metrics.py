@@ -20,8 +20,9 @@ import logging
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -38,11 +39,12 @@ SCRAPE_TIMEOUT_S = 2.0
 LOOPBACK = "127.0.0.1"
 
 
-def serve_worker_metrics(directory: Path, index: int) -> int | None:
-    """Serve this worker's registry on a loopback port the kernel picks and announce it in
-    `directory/<index>`; the port, or None when it could not bind (said in the log)."""
+def serve_worker_metrics(directory: Path, index: int, registry: Any = None) -> int | None:
+    """Serve this worker's registry (or `registry`, a view of it) on a loopback port the
+    kernel picks and announce it in `directory/<index>`; the port, or None when it could not
+    bind (said in the log)."""
     try:
-        server, _ = start_http_server(0, addr=LOOPBACK)
+        server, _ = start_http_server(0, addr=LOOPBACK, registry=registry or REGISTRY)
     except OSError as exc:
         log.error("cannot serve worker metrics", extra={"worker": index, "error": str(exc)})
         return None

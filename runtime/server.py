@@ -414,7 +414,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
     if index is None:
         start_metrics_server(config.metrics_host, config.metrics_port, ProcessView(_runs(service)))
     else:  # the supervisor serves the service's port, every worker's metrics merged
-        serve_own_metrics(index)
+        serve_own_metrics(index, ProcessView(_runs(service)))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from hopline.runtime import listeners
 from hopline.runtime.ports import address_in_use, port_problem
@@ -109,13 +110,14 @@ def worker_env(index: int, metrics_dir: Path | None) -> dict[str, str]:
     return env
 
 
-def serve_own_metrics(index: int) -> None:
-    """A worker's /metrics, on the port it announces to its supervisor (if it asked for them)."""
+def serve_own_metrics(index: int, registry: Any = None) -> None:
+    """A worker's /metrics, on the port it announces to its supervisor (if it asked for them);
+    `registry`: what it shows (observability/metrics.py:ProcessView; default all)."""
     directory = os.environ.get(METRICS_DIR_ENV)
     if directory:
         from hopline.observability.worker_metrics import serve_worker_metrics
 
-        serve_worker_metrics(Path(directory), index)
+        serve_worker_metrics(Path(directory), index, registry)
 
 
 def supervise(

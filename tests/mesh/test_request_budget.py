@@ -102,9 +102,8 @@ def test_a_client_deadline_ends_in_the_gateways_answer_naming_the_hop(slow_hops:
             with pytest.raises(grpc.RpcError) as failed:
                 stub.Predict(request, timeout=0.9 * BUDGET_S)
             err = failed.value
-            trailer = dict(err.trailing_metadata() or ())  # type: ignore[attr-defined]
-            named = (err.code(), err.details(), bool(trailer.get(TRACE_ID_METADATA)))  # type: ignore[attr-defined]
-            answers.append(named)
+            trailer = {m.key: str(m.value) for m in err.trailing_metadata() or ()}
+            answers.append((err.code(), err.details(), bool(trailer.get(TRACE_ID_METADATA))))
     expected = (
         grpc.StatusCode.DEADLINE_EXCEEDED,
         "deadline exceeded waiting for the postprocess service",
