@@ -93,12 +93,11 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     source.add_argument(
         "--train", type=Path, help="JSON/JSONL of {text,label} or [text,label], split by --holdout"
     )
-    pairs.add_argument("--store-split", default="train", help="with --clinc: the cached texts")
+    pairs.add_argument("--store-split", help="with --clinc: the cached texts (default: train)")
     pairs.add_argument(
         "--query-splits",
         type=_split_names,
-        default="val,oos_val",
-        help="with --clinc: comma-separated query splits, each named once",
+        help="with --clinc: comma-separated query splits, each named once (default: val,oos_val)",
     )
     pairs.add_argument(
         "--split", help="with --train: the split to read from a JSON object of splits"
@@ -431,13 +430,31 @@ def _splits(path: Path, names: Sequence[str]) -> Examples:
     return out
 
 
+def _one_source_flags(args: argparse.Namespace) -> None:
+    """Flags of the other source are refused: each was silently ignored (a --split with
+    --clinc read the store and query splits all the same)."""
+    if args.clinc:
+        given = [f for f, v in (("--split", args.split),) if v is not None]
+        other = "--train"
+    else:
+        given = [
+            f
+            for f, v in (("--store-split", args.store_split), ("--query-splits", args.query_splits))
+            if v is not None
+        ]
+        other = "--clinc"
+    if given:
+        raise UsageError(f"{' and '.join(given)} go with {other}, not this source")
+
+
 def _pairs(args: argparse.Namespace) -> int:
     from hopline.cache.pairs import derive_pairs, write_pairs
     from hopline.model.build import load_examples
 
+    _one_source_flags(args)
     if args.clinc:
-        store = _splits(args.clinc, [args.store_split])
-        queries = _splits(args.clinc, args.query_splits)
+        store = _splits(args.clinc, [args.store_split or "train"])
+        queries = _splits(args.clinc, args.query_splits or ["val", "oos_val"])
     else:
         store, queries = _holdout(load_examples(args.train, args.split), args.holdout, args.seed)
     started = time.perf_counter()

@@ -175,3 +175,29 @@ def test_calibrate_counts_a_repeated_pair_once(
     doc = json.loads(out.read_text())
     assert doc["pairs"] == 31
     assert doc["cross_validation"]["held_out_pairs"] == 31
+
+
+@pytest.mark.parametrize(
+    ("source", "flag", "value", "other"),
+    [
+        ("--clinc", "--split", "val", "--train"),
+        ("--train", "--store-split", "train", "--clinc"),
+        ("--train", "--query-splits", "val", "--clinc"),
+    ],
+)
+def test_pairs_refuses_the_other_sources_flags(
+    source: str,
+    flag: str,
+    value: str,
+    other: str,
+    tmp_path: Path,
+    no_encoder: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each was silently ignored: `--split val` with --clinc read the default splits."""
+    data = _clinc(tmp_path)
+    out = tmp_path / "pairs.jsonl"
+    argv = ["cache", "pairs", source, str(data), flag, value, "--out", str(out)]
+    assert main(argv) == 2
+    assert f"{flag} go with {other}, not this source" in capsys.readouterr().err
+    assert not out.exists()
