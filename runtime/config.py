@@ -11,8 +11,9 @@ import dataclasses
 import enum
 import math
 import os
+import sys
 from collections.abc import Sequence
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, NoReturn, TypeVar, get_type_hints
 
 from hopline.observability.logs import LogFormat, LogLevel
 from hopline.runtime.event_loop import EventLoop
@@ -124,7 +125,7 @@ def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
             try:
                 values[f.name] = _converter(hints[f.name])(raw)
             except ValueError as exc:
-                raise SystemExit(f"invalid {f.metadata['env']}={raw!r}: {exc}") from exc
+                _refuse(f"invalid {f.metadata['env']}={raw!r}: {exc}")
             _check_range(f, hints[f.name], values[f.name], f"{f.metadata['env']}={raw!r}")
     return cls(**values)
 
@@ -134,7 +135,24 @@ def _check_range(f: dataclasses.Field[Any], kind: Any, value: Any, given: str) -
         return
     problem = f.metadata["valid"].problem(value)
     if problem is not None:
-        raise SystemExit(f"invalid {given}: {problem}")
+        _refuse(f"invalid {given}: {problem}")
+
+
+class SettingRefused(SystemExit):
+    """A setting no service can run on: exit status 2, as every other refusal at start
+    (a SystemExit carrying its message exited 1); str() is the message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _refuse(message: str) -> NoReturn:
+    sys.stderr.write(message + "\n")
+    raise SettingRefused(message)
 
 
 def load(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = None) -> T:

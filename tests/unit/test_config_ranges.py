@@ -43,6 +43,7 @@ def test_the_gateway_refuses_a_setting_outside_its_range(
     with pytest.raises(SystemExit) as refused:
         cfg.load(GatewayConfig, [])
     assert str(refused.value) == f"invalid {env}={raw!r}: {said}"
+    assert refused.value.code == 2  # as every other refusal at start (it was 1)
 
 
 def test_a_flag_is_held_to_the_same_range(monkeypatch: pytest.MonkeyPatch) -> None:
