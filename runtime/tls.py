@@ -39,6 +39,7 @@ from typing import Any, cast
 
 import grpc
 
+from hopline.runtime.cert_dates import check_dates
 from hopline.runtime.errors import clip
 from hopline.runtime.file_watch import FileWatch
 from hopline.runtime.interceptors import (
@@ -112,6 +113,9 @@ class ServerCertificates:
         root = files._read(files.ca, CA_ENV) if files.ca else None
         _check_pair(files)
         _check_ca(files.ca, root)
+        check_dates(CERT_ENV, files.cert, cert)
+        if root is not None:
+            check_dates(CA_ENV, files.ca, root)
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=root)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
@@ -214,8 +218,10 @@ def client_tls(files: TlsFiles, server: str) -> ClientTls | None:
         raise TlsConfigError(f"{CERT_ENV} and {KEY_ENV} go together: set both, or neither")
     root = files._read(files.ca, CA_ENV)
     _check_ca(files.ca, root)
+    check_dates(CA_ENV, files.ca, root)
     if files.cert:
         _check_pair(files)
+        check_dates(CERT_ENV, files.cert, files._read(files.cert, CERT_ENV))
     credentials = grpc.ssl_channel_credentials(
         root_certificates=root,
         private_key=files._read(files.key, KEY_ENV) if files.key else None,
