@@ -167,6 +167,8 @@ class PendingWrites:
             finally:
                 self._writing = 0
             if failure is None:
+                if backoff_s:  # after failed writes: said once, as the failure was
+                    log.info("cache writes succeed again", extra={"entries": len(batch)})
                 backoff_s = 0.0
             else:
                 backoff_s = min(max(2 * backoff_s, WRITE_RETRY_MIN_S), WRITE_RETRY_MAX_S)

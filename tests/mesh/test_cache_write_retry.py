@@ -9,6 +9,7 @@ one chosen call while it keeps serving the others)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -106,7 +107,9 @@ async def milvus_count(service: CacheService, tenant: str) -> int:
     return await asyncio.to_thread(service.store.count, tenant, "m")
 
 
-def test_a_write_milvus_failed_is_written_again_and_indexed(tmp_path: Path) -> None:
+def test_a_write_milvus_failed_is_written_again_and_indexed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     async def body() -> None:
         async with cache(tmp_path / "cache.db") as (service, stub):
             calls = first_write_lands_then_fails(service)
@@ -125,7 +128,12 @@ def test_a_write_milvus_failed_is_written_again_and_indexed(tmp_path: Path) -> N
                 assert hit.outcome == EXACT
             assert await milvus_count(service, "retry") == 3
 
-    run(body)
+    with caplog.at_level(logging.INFO, logger="hopline.cache"):
+        run(body)
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("hopline.cache")]
+    # The failure is said, and so is the end of it (nothing said that writes landed again).
+    assert said.count("cache write failed; retrying") == 1
+    assert said.count("cache writes succeed again") == 1
 
 
 def test_an_entry_invalidated_during_a_failed_write_is_deleted_again(tmp_path: Path) -> None:
