@@ -61,6 +61,11 @@ class EvidenceStore(Protocol):
         every replica's window."""
         ...
 
+    def forget(self, scopes: Sequence[str]) -> None:
+        """Drop what is kept of scopes this process forgot (cache/verify.py:Rules), where no
+        other process reads it."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -216,7 +221,19 @@ class EvidenceLog:
         return []  # one process writes the file
 
     def trim(self, cutoffs: dict[tuple[str, str], float]) -> None:
-        """Kept whole: the replay reads the windows, and the file is the record of them."""
+        """The observations that have left their window: the replay reads only the windows,
+        and a file kept whole grew with every comparison for good."""
+        with self._lock:
+            self._db.executemany(
+                "DELETE FROM observations WHERE scope = ? AND stratum = ? AND at < ?",
+                [(scope, stratum, cutoff) for (scope, stratum), cutoff in cutoffs.items()],
+            )
+
+    def forget(self, scopes: Sequence[str]) -> None:
+        with self._lock:
+            self._db.executemany(
+                "DELETE FROM observations WHERE scope = ?", [(scope,) for scope in scopes]
+            )
 
     def close(self) -> None:
         with self._lock:

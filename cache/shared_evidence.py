@@ -192,6 +192,9 @@ class SharedEvidence:
             )
             self._trimmed[pool] = cutoff
 
+    def forget(self, scopes: Sequence[str]) -> None:
+        """Kept: another replica may still use the scope (its rows go with their windows)."""
+
     def close(self) -> None:
         self.milvus.close()
 

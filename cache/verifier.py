@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
+import sqlite3
 import time
 from collections import deque
 from collections.abc import Callable
@@ -87,6 +89,7 @@ class Verifier:
         self.ids = VerifyIds([])
         self.counts = dict.fromkeys(("candidates", "verified", "disagreements", "after_reply"), 0)
         self._policies: dict[str, tuple[tuple[str, str, str, str], VerifyPolicy]] = {}
+        self._forget: list[str] = []  # scopes the rules forgot, their rows still in the store
         self._unsent: deque[Noted] = deque()  # not written yet: the store was unreachable
         self._store_failing = False
         self._keys_read = 0.0  # monotonic time the keys were last read again
@@ -130,6 +133,21 @@ class Verifier:
             self.rules.evidence(scope).add(region, obs)
             if nonce and now - obs.at <= PENDING_TTL_S:
                 self.ids.taken(nonce, obs.at, now)
+        self._drop_forgotten()
+
+    def _drop_forgotten(self) -> None:
+        """What is kept of the scopes the rules forgot: their policy, their threshold's
+        series (one per tenant name a caller chose, for good, before), and (sent with the next
+        write) their rows in a store no other process reads."""
+        if not self.rules.forgotten:
+            return
+        for key in self.rules.forgotten:
+            known = self._policies.pop(key, None)
+            if known is not None:
+                with contextlib.suppress(KeyError):  # another scope of its labels took it
+                    metrics.CACHE_VERIFY_THRESHOLD.remove(*known[0][:3])
+        self._forget.extend(self.rules.forgotten)
+        self.rules.forgotten.clear()
 
     async def follow(self, poll_s: float) -> None:
         """The peers' observations into the rules every `poll_s`, for good (with what this
@@ -154,16 +172,14 @@ class Verifier:
     async def keep_keys(self) -> None:
         """The store's signing keys read again every KEYS_READ_S, for good: the read makes a
         new key when one is due and deletes the retired ones (cache/verify_ids.py). While the
-        store cannot be read the keys in memory go on signing."""
+        store cannot be read the keys in memory go on signing. Every milvus_log.TRIM_EVERY_S
+        the store is tidied (`_tidy`): a SQLite file is followed by no peers' loop."""
 
         async def read() -> None:
             if (store := self.store) is not None:
                 self.ids.learn(await self._run(store.keys))
 
-        async def nothing_to_trim() -> None:
-            return None
-
-        await milvus_log.follow("the verify-id keys", read, nothing_to_trim, KEYS_READ_S)
+        await milvus_log.follow("the verify-id keys", read, self._tidy, KEYS_READ_S)
 
     async def stop(self) -> None:
         if self.store is not None:
@@ -207,8 +223,9 @@ class Verifier:
     ) -> tuple[Decision, str, float]:
         """The rule's decision for a candidate, its verify_id ('' if none) and threshold."""
         key = scope_key(scope)
-        self._policies[key] = (scope, policy)
         decision, weight = self.rules.decide(key, cached.label, similarity, policy, stratum)
+        self._policies[key] = (scope, policy)
+        self._drop_forgotten()
         threshold = self.rules.threshold_for(key, cached.label, policy, stratum)
         self.counts["candidates"] += 1
         self.counts["after_reply"] += decision is Decision.SERVE_AND_VERIFY
@@ -242,6 +259,7 @@ class Verifier:
             pending.similarity, agreed, pending.weight, stratum=pending.stratum, at=time.time()
         )
         judged = self.rules.observe(key, pending.region, observed, pending.policy)
+        self._drop_forgotten()
         self.counts["verified"] += 1
         self.counts["disagreements"] += not agreed
         metrics.CACHE_VERIFIED.labels(pending.scope[1], "agreed" if agreed else "disagreed").inc()
@@ -275,6 +293,19 @@ class Verifier:
         if self._store_failing:
             log.info("keeping verified-hit evidence again", extra={"sent": len(batch)})
         self._store_failing = False
+
+    async def _tidy(self) -> None:
+        """The store's rows of forgotten scopes and those past their windows, dropped."""
+        if (store := self.store) is None:
+            return
+        forget, self._forget = self._forget, []
+        try:
+            if forget:
+                await self._run(store.forget, forget)
+            await self._run(store.trim, self.rules.cutoffs())
+        except sqlite3.Error as exc:  # the next tidy tries again; the keys loop goes on
+            self._forget.extend(forget)
+            log.warning("tidying verified-hit evidence failed", extra={"error": str(exc)})
 
     def rules_for_stats(self) -> list[cache_pb2.VerifyRule]:
         out = []

@@ -45,6 +45,7 @@ share) and replayed at start-up; the rules are recomputed from them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import json
@@ -56,6 +57,7 @@ from statistics import NormalDist
 
 REGION_WINDOW = 512  # observations kept per region: the rule follows recent traffic
 SCOPE_WINDOW = 6_000  # pooled observations per scope: recent enough to follow the traffic
+MAX_SCOPES = 4096  # scopes whose evidence is kept, the least recently used forgotten (Rules)
 RECOMPUTE_EVERY = 32  # agreeing observations between recomputations of a scope's threshold
 NEVER = 1.0 + 1e-6  # a threshold no similarity reaches
 ABOVE = 1e-6  # a held-back region serves only above its highest contradicted similarity
@@ -249,14 +251,30 @@ def stratum(agreeing: int, disagreeing: int) -> str:
 
 
 class Rules:
-    """Every scope's evidence; decides candidates and takes their comparisons."""
+    """Every scope's evidence; decides candidates and takes their comparisons.
 
-    def __init__(self, seed: int | None = None) -> None:
-        self.scopes: dict[str, ScopeEvidence] = {}
+    At most `max_scopes` scopes are kept, the least recently used forgotten past it (listed
+    in `forgotten` for the caller to drop elsewhere too): without API keys a caller names
+    its tenant, and each tenant's scope was kept for good (a soak probe: one
+    `hopline_cache_verify_threshold` series and scope per tenant name sent). A scope used
+    again starts over from its prior, which verifies more, never less."""
+
+    def __init__(self, seed: int | None = None, max_scopes: int = MAX_SCOPES) -> None:
+        self.scopes: collections.OrderedDict[str, ScopeEvidence] = collections.OrderedDict()
+        self.max_scopes = max_scopes
+        self.forgotten: list[str] = []
         self._rng = random.Random(seed)
 
     def evidence(self, scope: str) -> ScopeEvidence:
-        return self.scopes.setdefault(scope, ScopeEvidence())
+        found = self.scopes.get(scope)
+        if found is not None:
+            self.scopes.move_to_end(scope)
+            return found
+        made = self.scopes[scope] = ScopeEvidence()
+        while len(self.scopes) > self.max_scopes:
+            oldest, _ = self.scopes.popitem(last=False)
+            self.forgotten.append(oldest)
+        return made
 
     def cutoffs(self) -> dict[tuple[str, str], float]:
         """Per full (scope, stratum) pool, its oldest observation's time: what was made
