@@ -11,10 +11,11 @@ import asyncio
 import time
 from pathlib import Path
 
+from prometheus_client import REGISTRY
+
 from hopline.cache.evidence import EvidenceLog, Noted
 from hopline.cache.verifier import Verifier
 from hopline.cache.verify import Decision, Observation, Rules, VerifyPolicy, scope_key
-from hopline.observability import metrics
 from hopline.protos.hopline.common.v1 import common_pb2
 
 POLICY = VerifyPolicy(target=0.01, confidence=0.9, prior_threshold=0.85, floor=0.55)
@@ -25,7 +26,7 @@ def scope(tenant: str) -> tuple[str, str, str, str]:
 
 
 def series(tenant: str) -> float | None:
-    return metrics.REGISTRY.get_sample_value(
+    return REGISTRY.get_sample_value(
         "hopline_cache_verify_threshold",
         {"tenant": tenant, "model": "bounded-model", "model_version": "1"},
     )
