@@ -15,7 +15,7 @@ its last RECENT calls, at least HOPLINE_UPSTREAM_HEDGE_MIN_MS) gets another on t
 next stub, which round_robin sends to the next replica; up to HOPLINE_UPSTREAM_HEDGE_ATTEMPTS
 attempts in all, within the call's deadline. The first reply is the call's; the attempts
 left are cancelled. Hedges are budgeted as gRPC's retry throttling budgets retries: a hedge
-spends a token, an answered call gives back TOKEN_RATIO, and a hedge that answered first
+spends a token, an answered call gives back a tenth of one, and a hedge that answered first
 gives its token back (it replaced a call that was doing nothing): so hedging around a hung
 replica goes on for as long as it pays, and hedges that do not pay (an upstream slow
 everywhere) stay near a tenth of the calls.
@@ -48,8 +48,16 @@ Rep = TypeVar("Rep")
 RECENT = 256  # replies whose durations make the stage's p99
 MIN_SAMPLES = 20  # no hedging before this many replies: no p99 to judge by yet
 HEDGE_P99_FACTOR = 4.0  # an attempt this many p99s old is taken as stuck
-TOKENS = 10.0  # the hedge budget's size (and start)
-TOKEN_RATIO = 0.1  # given back by each answered call
+# The budget, in tenths of a hedge (whole numbers: a float sum of tenths fell just short of
+# a whole hedge and refused it): its size (and start), and what each answered call gives back.
+TOKENS = 100
+TOKEN_RATIO = 1
+HEDGE = 10  # what one hedge spends
+# Suspect mode's hedges (sent at once, not for a call seen stuck) leave this much of the
+# budget to hedge calls that are stuck: with three replicas two in three of its hedges are
+# wasted, and once they had spent the budget a call stuck on the hung replica got no hedge
+# and held its stage until the connection dropped (5-6 s; a helper's probe).
+SUSPECT_RESERVE = 5 * HEDGE
 LOG_EVERY_S = 10.0  # hedges are counted in the metrics; logged at most this often per hop
 # After a hedge answered first, calls for this long send their second attempt at once: the
 # hung replica is still in round_robin's turn, and a call's two attempts are consecutive
@@ -95,7 +103,7 @@ class Hedging(Generic[Rep]):
         self._recent: deque[float] = deque(maxlen=RECENT)
         self._since_sorted = 0
         self._delay_s: float | None = None  # None: too few replies yet
-        self._tokens = TOKENS
+        self._tokens = TOKENS  # tenths of a hedge
         self._open: set[_Call] = set()
         self._suspect_until = 0.0  # monotonic: a hedge answered first this recently
         self._timer: asyncio.TimerHandle | None = None
@@ -126,7 +134,7 @@ class Hedging(Generic[Rep]):
         )
         self._open.add(call)
         if started < self._suspect_until:
-            self._launch(call, started)
+            self._launch(call, started, reserve=SUSPECT_RESERVE)
         self._arm(delay)
         try:
             reply = await first
@@ -136,6 +144,8 @@ class Hedging(Generic[Rep]):
                 return self._hedge_answered(call)
             raise
         except grpc.aio.AioRpcError as err:
+            if call.answered_by_hedge:  # in the same turn of the loop as this failure
+                return self._hedge_answered(call)
             if all(hedge.done() for hedge in call.hedges):
                 raise
             return await self._hedges_answer(call, err)  # the stuck attempt failed first
@@ -181,11 +191,14 @@ class Hedging(Generic[Rep]):
             self._timer = asyncio.get_running_loop().call_later(max(wait, 0.001), self._tick)
         self._log(now, delay)
 
-    def _launch(self, call: _Call, now: float) -> None:
-        """Send `call`'s next attempt, if it has one left, time left, and the budget a token."""
-        if call.attempts >= self._attempts or call.deadline - now <= 0 or self._tokens < 1.0:
+    def _launch(self, call: _Call, now: float, reserve: int = 0) -> None:
+        """Send `call`'s next attempt, if it has one left, time left, and the budget a hedge
+        beyond `reserve`."""
+        if call.attempts >= self._attempts or call.deadline - now <= 0:
             return
-        self._tokens -= 1.0
+        if self._tokens < HEDGE + reserve:
+            return
+        self._tokens -= HEDGE
         call.attempts += 1
         call.span.set_attribute(schema.HEDGE_ATTEMPTS, call.attempts)
         metrics.hedges(self.hop, HedgeResult.SENT).inc()
@@ -204,7 +217,7 @@ class Hedging(Generic[Rep]):
     def _hedge_answered(self, call: _Call) -> Rep:
         """The call's reply is a hedge's: it replaced an attempt that was doing nothing, so
         its token comes back."""
-        self._tokens = min(TOKENS, self._tokens + 1.0)
+        self._tokens = min(TOKENS, self._tokens + HEDGE)
         self._suspect_until = time.monotonic() + SUSPECT_S
         metrics.hedges(self.hop, HedgeResult.ANSWERED).inc()
         self._unlogged[1] += 1
