@@ -54,18 +54,22 @@ def node_command() -> list[str]:
 
 
 def run_example(
-    lang: str, addr: str, text: str, timeout_ms: int | str, api_key: str = ""
+    lang: str, addr: str, text: str, timeout_ms: int | str, api_key: str = "", tls_ca: str = ""
 ) -> subprocess.CompletedProcess[str]:
-    """One run of `lang`'s example, with `api_key` (if any) in HOPLINE_API_KEY. A str
-    `timeout_ms` is passed as it is (Go's `-timeout` too): for the examples' usage errors."""
+    """One run of `lang`'s example, with `api_key` (if any) in HOPLINE_API_KEY and `tls_ca`
+    (if any) in HOPLINE_TLS_CA (else plaintext, whatever this process's environment says). A
+    str `timeout_ms` is passed as it is (Go's `-timeout` too): for the examples' usage
+    errors."""
     timeout = timeout_ms if isinstance(timeout_ms, str) else f"{timeout_ms}ms"
     if lang == "go":
         cmd = [*go_command(), "-addr", addr, "-text", text, "-timeout", timeout]
     else:
         cmd = [*(java_command() if lang == "java" else node_command()), addr, text, str(timeout_ms)]
-    env = {k: v for k, v in os.environ.items() if k != "HOPLINE_API_KEY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("HOPLINE_API_KEY", "HOPLINE_TLS_CA")}
     if api_key:
         env["HOPLINE_API_KEY"] = api_key
+    if tls_ca:
+        env["HOPLINE_TLS_CA"] = tls_ca
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env=env)
 
 

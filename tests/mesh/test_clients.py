@@ -8,15 +8,63 @@ part of what hopline ships, so a machine that cannot build them has not tested t
 from __future__ import annotations
 
 import re
+import shutil
+import socket
 import subprocess
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import tritonclient.grpc as triton
+from triton_calls import strings, text_input
 
-from conftest import ROOT
+from conftest import DEFAULT_MODEL, ROOT
 from harness import Mesh, free_port
+from hopline.cli.certs import env_for, make_certs
 from hopline.runtime.api_keys import API_KEY_ENV, KEY_RULE
+from hopline.runtime.tls import CA_ENV
 from polyglot import LANGUAGES, OUTPUT, assert_usage_error, run_example
+
+# Addresses no example may dial: each was a call that failed (Go's UNKNOWN "failed to exit idle
+# mode" or UNAVAILABLE "invalid port", Node's UNAVAILABLE) or, for "127.0.0.1:", Java's call
+# to port 80; none of them a usage error said before anything is sent.
+UNPARSEABLE = [
+    "",
+    "::::",
+    "127.0.0.1:",
+    "http://127.0.0.1:8001",
+    "[::1",
+    "[::1]",
+    "127.0.0.1:99999",
+    "127.0.0.1:0",
+    "127.0.0.1:-5",
+    ":8001",
+    "::1:8001",
+    "gateway",
+]
+
+
+@pytest.fixture(scope="module")
+def tls_mesh(default_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The mesh over TLS (`make certs`'s code): the gateway serves TLS only, its certificate
+    signed by the mesh's CA and naming 127.0.0.1."""
+    work = tmp_path_factory.mktemp("clients-tls")
+    repo = work / "models"
+    repo.mkdir()
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    tls = env_for(make_certs(work / "tls"))
+    m = Mesh(
+        repo,
+        work,
+        HOPLINE_TLS_CA=tls["HOPLINE_TLS_CA"],
+        HOPLINE_TLS_CERT=tls["HOPLINE_TLS_CERT"],  # `{name}`: each process its own
+        HOPLINE_TLS_KEY=tls["HOPLINE_TLS_KEY"],
+    )
+    try:
+        yield m.start()
+    finally:
+        m.stop()
 
 
 @pytest.mark.parametrize("lang", LANGUAGES)
@@ -54,6 +102,111 @@ def test_example_names_the_address_nothing_answers_at(lang: str) -> None:
     assert addr in out.stderr, out.stderr
     assert "refused" in out.stderr.lower(), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_example_names_an_address_that_does_not_resolve(lang: str) -> None:
+    """A name no resolver knows (`.invalid` never resolves) is UNAVAILABLE naming the address,
+    in one line: not Go's bare "produced zero addresses" nor grpc-java's logged stack trace."""
+    addr = "gateway.hopline.invalid:8001"
+    out = run_example(lang, addr, "where is my order", 10_000)
+    assert out.returncode == 1, out.stdout
+    assert out.stderr.startswith("predict failed: UNAVAILABLE: "), out.stderr
+    assert addr in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_example_names_the_address_that_never_answers(lang: str) -> None:
+    """A port that accepts connections and never speaks HTTP/2 runs out the deadline: said
+    with the address (no library's message names it)."""
+    with socket.create_server(("127.0.0.1", free_port())) as silent:  # never accepts
+        addr = f"127.0.0.1:{silent.getsockname()[1]}"
+        out = run_example(lang, addr, "where is my order", 1_500)
+    assert out.returncode == 1, out.stdout
+    assert out.stderr.startswith("predict failed: DEADLINE_EXCEEDED: "), out.stderr
+    assert addr in out.stderr, out.stderr
+    assert "Resolution note" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("addr", UNPARSEABLE)
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_example_refuses_an_address_that_does_not_parse(lang: str, addr: str) -> None:
+    """Not host:port (a name or IPv4 address, or an IPv6 one in brackets, and a port from 1 to
+    65535): a usage error naming the address, before anything is sent (no gateway here)."""
+    out = run_example(lang, addr, "where is my order", 10_000)
+    assert_usage_error(out, f'address "{addr}": ')
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_example_dials_a_name_and_a_bracketed_ipv6_address(lang: str) -> None:
+    """The forms the rule accepts are dialled (nothing listens there: UNAVAILABLE, exit 1)."""
+    port = free_port()
+    for addr in (f"localhost:{port}", f"[::1]:{port}"):
+        out = run_example(lang, addr, "where is my order", 10_000)
+        assert out.returncode == 1, (addr, out.stderr)
+        assert out.stderr.startswith("predict failed: UNAVAILABLE: "), out.stderr
+        assert addr in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("content", [None, "not a certificate\n"])
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_example_refuses_a_ca_file_it_cannot_use(
+    lang: str, content: str | None, tmp_path: Path
+) -> None:
+    """HOPLINE_TLS_CA naming a missing file, or one with no PEM certificate, is a usage error
+    naming the setting and the file, before anything is sent."""
+    ca = tmp_path / "ca.crt"
+    if content is not None:
+        ca.write_text(content)
+    addr = f"127.0.0.1:{free_port()}"
+    out = run_example(lang, addr, "where is my order", 10_000, tls_ca=str(ca))
+    assert_usage_error(out, f'{CA_ENV}="{ca}"')
+    assert ("cannot read" if content is None else "holds no PEM certificate") in out.stderr
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_example_calls_a_tls_gateway_with_its_ca(tls_mesh: Mesh, lang: str) -> None:
+    """With HOPLINE_TLS_CA the example dials TLS and verifies the gateway against that CA; and
+    says nothing else (Node's DEP0123 warning about an IP address as the TLS server name)."""
+    text = f"I want a refund for my purchase {uuid.uuid4().hex[:8]}"
+    out = run_example(lang, tls_mesh.gateway, text, 10_000, tls_ca=tls_mesh.env[CA_ENV])
+    assert out.returncode == 0, out.stderr
+    match = OUTPUT.match(out.stdout.strip())
+    assert match, out.stdout
+    assert match["label"] == "refund_request"
+    assert out.stderr == ""
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_plaintext_example_at_a_tls_gateway_hints_at_tls(tls_mesh: Mesh, lang: str) -> None:
+    """Without HOPLINE_TLS_CA the TLS gateway closes the connection: UNAVAILABLE, in one line
+    naming the address and the setting that would have worked."""
+    out = run_example(lang, tls_mesh.gateway, "where is my order", 10_000)
+    assert out.returncode == 1, out.stdout
+    assert out.stderr.startswith("predict failed: UNAVAILABLE: "), out.stderr
+    assert tls_mesh.gateway in out.stderr, out.stderr
+    assert f"set {CA_ENV}" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_tritonclient_calls_a_tls_gateway_with_its_ca(tls_mesh: Mesh) -> None:
+    """docs/clients.md's way for tritonclient: ssl=True and the CA file as root_certificates."""
+    client = triton.InferenceServerClient(
+        url=tls_mesh.gateway, ssl=True, root_certificates=tls_mesh.env[CA_ENV]
+    )
+    try:
+        assert client.is_server_ready()
+        result = client.infer(
+            DEFAULT_MODEL,
+            [text_input(["I want a refund for my purchase"])],
+            outputs=[triton.InferRequestedOutput("label")],
+            client_timeout=10,
+        )
+        assert strings(result.as_numpy("label")) == ["refund_request"]
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize("timeout", ["soon", "0"])

@@ -1,6 +1,8 @@
 // Command predict calls hopline's gateway once, with a deadline, and prints the answer and
 // the trace id to look the request up in Jaeger. With HOPLINE_API_KEY set it sends that key
-// (a gateway with HOPLINE_API_KEYS needs one; the key names the tenant).
+// (a gateway with HOPLINE_API_KEYS needs one; the key names the tenant). With HOPLINE_TLS_CA
+// set (a PEM CA file) it dials over TLS and verifies the gateway's certificate against that
+// CA; unset, plaintext.
 //
 //	go run ./cmd/predict -addr 127.0.0.1:8001 -text "where is my order"
 //
@@ -10,16 +12,23 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
+	"regexp"
+	"strconv"
 	"strings"
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/code"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
@@ -30,6 +39,91 @@ import (
 
 const keyRule = "an API key must be printable ASCII with no spaces around it " +
 	"(it is sent as 'authorization: Bearer <key>')"
+
+// caEnv names the CA file that turns TLS on, as for `hopline predict`.
+const caEnv = "HOPLINE_TLS_CA"
+
+var (
+	hostName = regexp.MustCompile(`^[A-Za-z0-9._-]+$`)
+	ipv6     = regexp.MustCompile(`^[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9._-]+)?$`)
+)
+
+// addressProblem says what is wrong with addr, or "" for a host:port the example dials: a
+// name or an IPv4 address, or an IPv6 address in brackets, then a port from 1 to 65535.
+// The same rule as the Java and Node examples; grpc-go would take some of these as a target
+// to resolve and fail each call instead (UNKNOWN "failed to exit idle mode", UNAVAILABLE
+// "invalid port").
+func addressProblem(addr string) string {
+	const give = "give host:port, as 127.0.0.1:8001"
+	if addr == "" {
+		return "empty: " + give
+	}
+	if strings.Contains(addr, "://") {
+		return "a URL, not an address: " + give
+	}
+	var host, port string
+	if strings.HasPrefix(addr, "[") {
+		end := strings.Index(addr, "]")
+		if end < 0 {
+			return "no ']' closes the IPv6 address: give [address]:port, as [::1]:8001"
+		}
+		host, port = addr[1:end], addr[end+1:]
+		if !strings.HasPrefix(port, ":") {
+			return "no :port after the ']': give [address]:port, as [::1]:8001"
+		}
+		port = port[1:]
+		if !ipv6.MatchString(host) {
+			return fmt.Sprintf("[%s] is not an IPv6 address", host)
+		}
+	} else {
+		colon := strings.LastIndex(addr, ":")
+		if colon < 0 {
+			return "no port: " + give
+		}
+		host, port = addr[:colon], addr[colon+1:]
+		if strings.Contains(host, ":") {
+			return "an IPv6 address goes in brackets, as [::1]:8001"
+		}
+		if host == "" {
+			return "no host before the ':': " + give
+		}
+		if !hostName.MatchString(host) {
+			return fmt.Sprintf("host %q is not a name or an IP address", host)
+		}
+	}
+	if port == "" {
+		return "no port after the ':': " + give
+	}
+	if n, err := strconv.Atoi(port); err != nil || strings.Trim(port, "0123456789") != "" ||
+		n < 1 || n > 65535 {
+		return fmt.Sprintf("port %q is not a number from 1 to 65535", port)
+	}
+	return ""
+}
+
+// transport: plaintext, or TLS verifying the gateway against the CA in HOPLINE_TLS_CA; and
+// how it is said in a failure.
+func transport() (credentials.TransportCredentials, string) {
+	ca := os.Getenv(caEnv)
+	if ca == "" {
+		return insecure.NewCredentials(), "plaintext"
+	}
+	pem, err := os.ReadFile(ca)
+	var pathErr *fs.PathError
+	if errors.As(err, &pathErr) {
+		usageError("%s=%q: cannot read it: %v", caEnv, ca, pathErr.Err)
+	} else if err != nil {
+		usageError("%s=%q: cannot read it: %v", caEnv, ca, err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pem) {
+		usageError("%s=%q holds no PEM certificate", caEnv, ca)
+	}
+	// The gateway's certificate must name the host dialled (make certs's name 127.0.0.1
+	// and localhost beside gateway).
+	return credentials.NewTLS(&tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}),
+		fmt.Sprintf("TLS with %s=%s", caEnv, ca)
+}
 
 // usageError says what is wrong with how the command was called, in one line, and exits 2.
 func usageError(format string, a ...any) {
@@ -74,11 +168,17 @@ func main() {
 		usageError("HOPLINE_API_KEY: %s", keyRule)
 	}
 
-	// NewClient connects lazily: it fails only for an address it cannot parse; a gateway
-	// that does not answer fails the call below with UNAVAILABLE.
-	conn, err := grpc.NewClient(*addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	// Checked here: grpc.NewClient accepts most of what does not parse as host:port, and
+	// every call on it then fails (UNKNOWN "failed to exit idle mode", UNAVAILABLE).
+	if problem := addressProblem(*addr); problem != "" {
+		usageError("address %q: %s", *addr, problem)
+	}
+	creds, over := transport()
+
+	// NewClient connects lazily; a gateway that does not answer fails the call below.
+	conn, err := grpc.NewClient(*addr, grpc.WithTransportCredentials(creds))
 	if err != nil {
-		usageError("-addr %q: %v", *addr, err)
+		usageError("address %q: %v", *addr, err)
 	}
 	defer conn.Close()
 
@@ -87,15 +187,29 @@ func main() {
 	if key != "" {
 		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+key)
 	}
+	var trailer metadata.MD
 	reply, err := gatewayv1.NewGatewayServiceClient(conn).Predict(ctx, &gatewayv1.PredictRequest{
 		Text:   *text,
 		Tenant: *tenant,
-	})
+	}, grpc.Trailer(&trailer))
 	if err != nil {
 		st := status.Convert(err)
 		// The canonical name (INVALID_ARGUMENT), as the other clients print it; Go's own
 		// Code.String() is InvalidArgument.
-		fmt.Fprintf(os.Stderr, "predict failed: %s: %s\n", code.Code(st.Code()), st.Message())
+		line := fmt.Sprintf("predict failed: %s: %s", code.Code(st.Code()), st.Message())
+		// No trailers: no gateway answered (its own errors carry x-hopline-trace-id), and
+		// grpc-go's message ("produced zero addresses", "context deadline exceeded while
+		// waiting for connections to become ready") does not say where it looked.
+		if len(trailer) == 0 && (st.Code() == codes.Unavailable || st.Code() == codes.DeadlineExceeded) {
+			line += fmt.Sprintf(" (gateway address %s over %s", *addr, over)
+			// A TLS server closes a plaintext connection before HTTP/2 starts.
+			if over == "plaintext" && strings.Contains(st.Message(), "server preface") {
+				line += "; closed before HTTP/2 began, as a TLS gateway does: set " + caEnv +
+					" to its CA file"
+			}
+			line += ")"
+		}
+		fmt.Fprintln(os.Stderr, strings.ReplaceAll(line, "\n", " "))
 		conn.Close()
 		os.Exit(1)
 	}

@@ -3,20 +3,33 @@ package dev.hopline.example;
 import hopline.gateway.v1.Gateway.PredictRequest;
 import hopline.gateway.v1.Gateway.PredictResponse;
 import hopline.gateway.v1.GatewayServiceGrpc;
+import io.grpc.ChannelCredentials;
+import io.grpc.Grpc;
+import io.grpc.InsecureChannelCredentials;
 import io.grpc.ManagedChannel;
-import io.grpc.ManagedChannelBuilder;
 import io.grpc.Metadata;
 import io.grpc.Status;
 import io.grpc.StatusRuntimeException;
+import io.grpc.TlsChannelCredentials;
 import io.grpc.stub.MetadataUtils;
+import java.io.ByteArrayInputStream;
+import java.io.IOException;
+import java.nio.file.Files;
+import java.nio.file.InvalidPathException;
+import java.nio.file.NoSuchFileException;
+import java.nio.file.Path;
+import java.security.GeneralSecurityException;
+import java.security.cert.CertificateFactory;
 import java.util.concurrent.TimeUnit;
-import java.util.regex.Matcher;
+import java.util.logging.Level;
+import java.util.logging.Logger;
 import java.util.regex.Pattern;
 
 /**
  * Calls hopline's gateway once, with a deadline, and prints the answer and the trace id to look
  * the request up in Jaeger. With HOPLINE_API_KEY set it sends that key (a gateway with
- * HOPLINE_API_KEYS needs one; the key names the tenant).
+ * HOPLINE_API_KEYS needs one; the key names the tenant). With HOPLINE_TLS_CA set (a PEM CA file)
+ * it dials over TLS and verifies the gateway's certificate against that CA; unset, plaintext.
  *
  * <p>Usage: {@code java -cp ... dev.hopline.example.Predict [addr] [text] [timeout-ms]}
  *
@@ -28,7 +41,15 @@ public final class Predict {
   private static final String KEY_RULE =
       "an API key must be printable ASCII with no spaces around it"
           + " (it is sent as 'authorization: Bearer <key>')";
-  private static final Pattern PORT = Pattern.compile(":([0-9]+)$");
+  private static final String CA_ENV = "HOPLINE_TLS_CA";
+  private static final Pattern HOST_NAME = Pattern.compile("[A-Za-z0-9._-]+");
+  private static final Pattern IPV6 =
+      Pattern.compile("[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9._-]+)?");
+  private static final Pattern PORT = Pattern.compile("[0-9]{1,5}");
+  // grpc-java logs a failed name resolution as a WARNING with a stack trace on stderr, before
+  // the call fails with the same cause (said in one line below). Held here: java.util.logging
+  // keeps loggers weakly, and a collected one would forget its level.
+  private static final Logger GRPC_LOG = Logger.getLogger("io.grpc");
 
   private Predict() {}
 
@@ -46,34 +67,141 @@ public final class Predict {
     return 0;
   }
 
-  private static ManagedChannel channel(String addr) {
-    // grpc-java checks a port's range only as it resolves, on a thread of its own (a stack
-    // trace, then the deadline): said here instead.
-    Matcher port = PORT.matcher(addr);
-    if (port.find() && (port.group(1).length() > 5 || Integer.parseInt(port.group(1)) > 65535)) {
-      usageError("address \"" + addr + "\": port out of range");
+  /**
+   * What is wrong with {@code addr}, or null for a host:port the example dials: a name or an IPv4
+   * address, or an IPv6 address in brackets, then a port from 1 to 65535. The same rule as the
+   * Go and Node examples; grpc-java would dial "127.0.0.1:" on port 80, and check a port's range
+   * only as it resolves, on a thread of its own (a stack trace, then the deadline).
+   */
+  static String addressProblem(String addr) {
+    String give = "give host:port, as 127.0.0.1:8001";
+    if (addr.isEmpty()) {
+      return "empty: " + give;
+    }
+    if (addr.contains("://")) {
+      return "a URL, not an address: " + give;
+    }
+    String host;
+    String port;
+    if (addr.startsWith("[")) {
+      int end = addr.indexOf(']');
+      if (end < 0) {
+        return "no ']' closes the IPv6 address: give [address]:port, as [::1]:8001";
+      }
+      host = addr.substring(1, end);
+      port = addr.substring(end + 1);
+      if (!port.startsWith(":")) {
+        return "no :port after the ']': give [address]:port, as [::1]:8001";
+      }
+      port = port.substring(1);
+      if (!IPV6.matcher(host).matches()) {
+        return "[" + host + "] is not an IPv6 address";
+      }
+    } else {
+      int colon = addr.lastIndexOf(':');
+      if (colon < 0) {
+        return "no port: " + give;
+      }
+      host = addr.substring(0, colon);
+      port = addr.substring(colon + 1);
+      if (host.contains(":")) {
+        return "an IPv6 address goes in brackets, as [::1]:8001";
+      }
+      if (host.isEmpty()) {
+        return "no host before the ':': " + give;
+      }
+      if (!HOST_NAME.matcher(host).matches()) {
+        return "host \"" + host + "\" is not a name or an IP address";
+      }
+    }
+    if (port.isEmpty()) {
+      return "no port after the ':': " + give;
+    }
+    if (!PORT.matcher(port).matches()
+        || Integer.parseInt(port) < 1
+        || Integer.parseInt(port) > 65535) {
+      return "port \"" + port + "\" is not a number from 1 to 65535";
+    }
+    return null;
+  }
+
+  /** Plaintext, or TLS verifying the gateway against the CA file in HOPLINE_TLS_CA. */
+  private static ChannelCredentials credentials(String ca) {
+    if (ca.isEmpty()) {
+      return InsecureChannelCredentials.create();
+    }
+    String named = CA_ENV + "=\"" + ca + "\"";
+    byte[] pem = null;
+    try {
+      pem = Files.readAllBytes(Path.of(ca));
+    } catch (NoSuchFileException e) {
+      usageError(named + ": cannot read it: no such file");
+    } catch (IOException | InvalidPathException | SecurityException e) {
+      usageError(named + ": cannot read it: " + e);
     }
     try {
-      return ManagedChannelBuilder.forTarget(addr).usePlaintext().build();
+      if (CertificateFactory.getInstance("X.509")
+          .generateCertificates(new ByteArrayInputStream(pem))
+          .isEmpty()) {
+        usageError(named + " holds no PEM certificate");
+      }
+      // The gateway's certificate must name the host dialled (make certs's name 127.0.0.1 and
+      // localhost beside gateway).
+      return TlsChannelCredentials.newBuilder()
+          .trustManager(new ByteArrayInputStream(pem))
+          .build();
+    } catch (GeneralSecurityException | IOException e) {
+      usageError(named + " holds no PEM certificate");
+      return null;
+    }
+  }
+
+  private static ManagedChannel channel(String addr, ChannelCredentials credentials) {
+    try {
+      return Grpc.newChannelBuilder(addr, credentials).build();
     } catch (IllegalArgumentException e) { // a target it cannot parse
       usageError("address \"" + addr + "\": " + e.getMessage());
       return null;
     }
   }
 
-  private static String describe(Status status, String addr) {
+  private static String describe(StatusRuntimeException e, String addr, String over) {
+    Status status = e.getStatus();
     StringBuilder line = new StringBuilder("predict failed: ").append(status.getCode());
     if (status.getDescription() != null) {
       line.append(": ").append(status.getDescription());
     }
-    // A failure to connect is "io exception": what failed is in the cause.
-    if (status.getCause() != null && status.getCause().getMessage() != null) {
-      line.append(": ").append(status.getCause().getMessage());
+    // A failure to connect is "io exception": what failed is in the cause, and a failed TLS
+    // handshake's reason ("unable to find valid certification path") in the cause's root.
+    Throwable cause = status.getCause();
+    if (cause != null && cause.getMessage() != null) {
+      line.append(": ").append(cause.getMessage());
+      Throwable root = cause;
+      while (root.getCause() != null && root.getCause() != root) {
+        root = root.getCause();
+      }
+      if (root != cause && root.getMessage() != null
+          && !cause.getMessage().contains(root.getMessage())) {
+        line.append(": ").append(root.getMessage());
+      }
     }
-    if (status.getCode() == Status.Code.UNAVAILABLE) {
-      line.append(" (gateway address ").append(addr).append(')');
+    // No trailers: no gateway answered (its own errors carry x-hopline-trace-id).
+    Metadata trailers = e.getTrailers();
+    boolean answered = trailers != null && !trailers.keys().isEmpty();
+    if (!answered
+        && (status.getCode() == Status.Code.UNAVAILABLE
+            || status.getCode() == Status.Code.DEADLINE_EXCEEDED)) {
+      line.append(" (gateway address ").append(addr).append(" over ").append(over);
+      // A TLS server closes a plaintext connection before HTTP/2 starts.
+      String said = String.valueOf(status.getDescription());
+      if (over.equals("plaintext") && said.contains("Network closed for unknown reason")) {
+        line.append("; closed before HTTP/2 began, as a TLS gateway does: set ")
+            .append(CA_ENV)
+            .append(" to its CA file");
+      }
+      line.append(')');
     }
-    return line.toString();
+    return line.toString().replace('\n', ' ');
   }
 
   public static void main(String[] args) throws InterruptedException {
@@ -89,7 +217,14 @@ public final class Predict {
       usageError("HOPLINE_API_KEY: " + KEY_RULE);
     }
 
-    ManagedChannel channel = channel(addr);
+    GRPC_LOG.setLevel(Level.OFF);
+    String problem = addressProblem(addr);
+    if (problem != null) {
+      usageError("address \"" + addr + "\": " + problem);
+    }
+    String ca = System.getenv().getOrDefault(CA_ENV, "");
+    ManagedChannel channel = channel(addr, credentials(ca));
+    String over = ca.isEmpty() ? "plaintext" : "TLS with " + CA_ENV + "=" + ca;
     Metadata headers = new Metadata();
     if (!key.isEmpty()) {
       headers.put(
@@ -111,7 +246,7 @@ public final class Predict {
           reply.getCache().getOutcome().name(),
           reply.getTraceId());
     } catch (StatusRuntimeException e) {
-      System.err.println(describe(e.getStatus(), addr));
+      System.err.println(describe(e, addr, over));
       exit = 1;
     } finally {
       channel.shutdownNow().awaitTermination(5, TimeUnit.SECONDS);
