@@ -100,6 +100,17 @@ async def warm(call: Callable[..., Any], n: int = 2 * hedging.MIN_SAMPLES) -> No
         await call(b"warm %d" % i, timeout=TIMEOUT_S)
 
 
+async def held_with_its_hedge(
+    call: Hedging[bytes], a: Replica, b: Replica
+) -> asyncio.Future[bytes]:
+    """A call `b"q"` both replicas hold, once its first attempt and its hedge have arrived."""
+    await warm(call)
+    a.hung = b.hung = True
+    pending = asyncio.ensure_future(call(b"q", timeout=TIMEOUT_S))
+    await until(lambda: a.calls + b.calls >= 2 * hedging.MIN_SAMPLES + 2)
+    return pending
+
+
 def test_calls_held_by_a_hung_replica_are_answered_by_the_other() -> None:
     asyncio.run(_calls_held_by_a_hung_replica_are_answered_by_the_other())
 
@@ -153,10 +164,7 @@ def test_a_first_attempt_failing_after_a_hedge_was_sent_takes_the_hedge() -> Non
 async def _a_first_attempt_failing_after_a_hedge_was_sent_takes_the_hedge() -> None:
     async with two_replicas() as (a, b, channel):
         call = hedged(channel)
-        await warm(call)
-        a.hung = b.hung = True
-        pending = asyncio.ensure_future(call(b"q", timeout=TIMEOUT_S))
-        await until(lambda: a.calls + b.calls >= 2 * hedging.MIN_SAMPLES + 2)  # first + hedge
+        pending = await held_with_its_hedge(call, a, b)
         first_at = next(name for name, request in a.arrivals if request == b"q")
         first, second = (a, b) if first_at == a.name else (b, a)
         # The replica that has the first attempt fails it; the other answers the hedge.
@@ -174,10 +182,7 @@ def test_a_caller_that_gives_up_cancels_its_hedges() -> None:
 async def _a_caller_that_gives_up_cancels_its_hedges() -> None:
     async with two_replicas() as (a, b, channel):
         call = hedged(channel)
-        await warm(call)
-        a.hung = b.hung = True
-        pending = asyncio.ensure_future(call(b"q", timeout=TIMEOUT_S))
-        await until(lambda: a.calls + b.calls >= 2 * hedging.MIN_SAMPLES + 2)
+        pending = await held_with_its_hedge(call, a, b)
         pending.cancel()
         with pytest.raises(asyncio.CancelledError):
             await pending
