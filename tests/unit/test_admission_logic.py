@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, cast
 
 import grpc
 import pytest
+from fake_clock import FakeClock
 
 from hopline.gateway.admission import (
     MAX_SAMPLE_AGE_S,
@@ -107,16 +108,8 @@ def test_nothing_adapts_when_adaptation_is_off() -> None:
     assert admission.lookup_budget_s(call(0.1)) == pytest.approx(0.04)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_burst_that_is_over_no_longer_refuses_short_deadlines_or_cuts_lookups() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     admission = Admission(max_in_flight=0, cache_budget_ms=40, clock=clock)
     run_misses(admission, ms=100, count=WINDOW)  # a burst: every path 100 ms
     with pytest.raises(RequestError), admission.admit(call(0.05)):
@@ -132,7 +125,7 @@ def test_a_burst_that_is_over_no_longer_refuses_short_deadlines_or_cuts_lookups(
 def test_short_deadlines_that_keep_coming_probe_the_path_and_stop_being_refused() -> None:
     """A refused request adds no sample: without probes a stream of short deadlines would be
     refused for as long as the burst's paths were the last ones seen."""
-    admission = Admission(max_in_flight=0, cache_budget_ms=40, clock=Clock())
+    admission = Admission(max_in_flight=0, cache_budget_ms=40, clock=FakeClock(1000.0))
     run_misses(admission, ms=100, count=WINDOW)
     outcomes: list[bool] = []
     codes: set[grpc.StatusCode] = set()
@@ -154,7 +147,7 @@ def test_short_deadlines_that_keep_coming_probe_the_path_and_stop_being_refused(
 
 
 def test_an_overloaded_cache_is_forgotten_once_its_overruns_are_old() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     admission = Admission(max_in_flight=0, cache_budget_ms=40, clock=clock)
     for _ in range(MIN_SAMPLES):
         admission.lookup_finished(overran=True)

@@ -3,6 +3,8 @@ entries its scope covers (an empty field covers every value), whatever their par
 
 from __future__ import annotations
 
+from fake_clock import FakeClock
+
 from hopline.gateway.exact_tier import FENCE_S, LocalEntry, LocalExactTier
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -44,20 +46,12 @@ def test_a_scope_invalidation_drops_the_entries_it_covers_and_only_those() -> No
         assert len(tier) == 3 * len(kept)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_what_an_invalidation_names_is_not_copied_in_for_a_while() -> None:
     """With two cache replicas, one the event came from and one that had not read the shared
     log yet, a lookup sent after the event (past the generation check) answered the
     invalidated entry from the other, and the copy was served for its whole TTL (found by
     probing a gateway in front of two replicas on one Milvus server)."""
-    clock = Clock()
+    clock = FakeClock()
     tier = LocalExactTier(capacity=100, clock=clock)
     tier.live = True
     scope = ("t1", "m", "1", "{}")

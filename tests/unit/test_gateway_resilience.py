@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
+from fake_clock import FakeClock
 
 from conftest import until
 from hopline.cache.milvus_rows import SCOPE_NAME_MAX
@@ -40,21 +41,8 @@ from hopline.runtime.api_keys import (
 # CircuitBreaker
 
 
-class FakeClock:
-    """A monotonic clock the test moves by hand (a stand-in for time.monotonic)."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def open_breaker(failures: int = 3, cooldown_s: float = 5.0) -> tuple[CircuitBreaker, FakeClock]:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     breaker = CircuitBreaker(failures, cooldown_s, clock=clock)
     for _ in range(failures):
         assert breaker.allow()
@@ -64,7 +52,7 @@ def open_breaker(failures: int = 3, cooldown_s: float = 5.0) -> tuple[CircuitBre
 
 
 def test_breaker_stays_closed_below_the_threshold_and_success_resets_the_count() -> None:
-    breaker = CircuitBreaker(3, 5.0, clock=FakeClock())
+    breaker = CircuitBreaker(3, 5.0, clock=FakeClock(1000.0))
     assert breaker.state == CLOSED
     for _ in range(2):
         breaker.failure()
@@ -139,7 +127,7 @@ def test_breaker_counts_openings_not_failures() -> None:
 
 
 def test_breaker_threshold_is_at_least_one() -> None:
-    breaker = CircuitBreaker(0, 1.0, clock=FakeClock())
+    breaker = CircuitBreaker(0, 1.0, clock=FakeClock(1000.0))
     assert breaker.allow()
     breaker.failure()
     assert breaker.state == OPEN

@@ -7,18 +7,11 @@ import logging
 from typing import Any
 
 import pytest
+from fake_clock import FakeClock
 
 from hopline.observability.logs import Episodes
 
 LOGGER = "hopline.test.episodes"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, dict[str, Any]]]:
@@ -36,18 +29,18 @@ def lines(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, dict[str, An
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> FakeClock:
+    return FakeClock()
 
 
 @pytest.fixture
-def episodes(clock: Clock, caplog: pytest.LogCaptureFixture) -> Episodes:
+def episodes(clock: FakeClock, caplog: pytest.LogCaptureFixture) -> Episodes:
     caplog.set_level(logging.INFO, logger=LOGGER)
     return Episodes(logging.getLogger(LOGGER), "hop failed", summary_s=10, quiet_s=1, clock=clock)
 
 
 def test_a_failure_on_every_request_is_said_once_summed_then_over(
-    episodes: Episodes, clock: Clock, caplog: pytest.LogCaptureFixture
+    episodes: Episodes, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     key = ("postprocess", "10.0.0.7:8014")
     for i in range(100):  # 100 requests over 9.9 s
@@ -86,7 +79,7 @@ def test_a_failure_on_every_request_is_said_once_summed_then_over(
 
 
 def test_another_status_is_said_at_once_and_keys_are_apart(
-    episodes: Episodes, clock: Clock, caplog: pytest.LogCaptureFixture
+    episodes: Episodes, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     episodes.failed("a", "UNAVAILABLE", status="UNAVAILABLE")
     episodes.failed("a", "UNAVAILABLE", status="UNAVAILABLE")

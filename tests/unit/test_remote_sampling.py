@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 import pytest
+from fake_clock import FakeClock
 from opentelemetry.sdk.trace.sampling import Decision, ParentBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 from prometheus_client import REGISTRY
@@ -61,14 +62,6 @@ class FakeJaeger:
         if isinstance(self.answer, Exception):
             raise self.answer
         return self.answer
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def kept(sampler: Any, trace_id: int, name: str = PREDICT) -> bool:
@@ -164,7 +157,7 @@ def test_a_served_strategy_replaces_the_initial_one_and_is_exported() -> None:
 
 
 def test_rate_limiting_keeps_at_most_its_rate_and_refills_with_time() -> None:
-    clock = Clock()
+    clock = FakeClock()
     limited = {"strategyType": 1, "rateLimitingSampling": {"maxTracesPerSecond": 2}}
     sampler = JaegerRemoteSampler(
         "gateway", RemoteSettings(initial_rate=0.0), fetch=FakeJaeger(limited), clock=clock
@@ -180,7 +173,7 @@ def test_rate_limiting_keeps_at_most_its_rate_and_refills_with_time() -> None:
 
 
 def test_a_lower_bound_adds_traces_only_where_the_share_keeps_too_few() -> None:
-    clock = Clock()
+    clock = FakeClock()
     floor = per_operation(0.0, {PREDICT: 0.0}, floor=1)
     sampler = JaegerRemoteSampler(
         "gateway", RemoteSettings(initial_rate=0.0), fetch=FakeJaeger(floor), clock=clock
@@ -201,7 +194,7 @@ def test_a_lower_bound_adds_traces_only_where_the_share_keeps_too_few() -> None:
 
 
 def test_rate_limiter_holds_at_least_one_credit() -> None:
-    clock = Clock()
+    clock = FakeClock()
     slow = RateLimiter(0.5, clock)
     assert [slow.take(), slow.take()] == [True, False]
     clock.now += 10  # the bucket holds max(1, rate): one credit, however long it waited
