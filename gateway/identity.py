@@ -118,11 +118,14 @@ class TenantResolver:
             self._reread_if_changed()
         if self.keys:
             scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not token:
-                sent = "sent without 'Bearer '" if auth.strip() else "needed"
+            if scheme.lower() != "bearer" or not token.strip():
+                if scheme.lower() == "bearer":
+                    wrong = "empty"  # 'Bearer ' and nothing after it
+                else:
+                    wrong = "sent without 'Bearer '" if auth.strip() else "needed"
                 raise IdentityError(
                     grpc.StatusCode.UNAUTHENTICATED,
-                    f"this gateway's API key is {sent}: send metadata "
+                    f"this gateway's API key is {wrong}: send metadata "
                     "'authorization: Bearer <key>'",
                 )
             tenant = self.keys.get(_digest(token.strip()))

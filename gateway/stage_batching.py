@@ -36,7 +36,7 @@ from opentelemetry.trace import Link, SpanKind
 
 from hopline.gateway.hedging import Hedging
 from hopline.gateway.stage_codecs import Codec, InferCodec, PostprocessCodec, TokenizeCodec
-from hopline.gateway.upstream import CoLocated, GatewayUpstreams, Pool
+from hopline.gateway.upstream import CoLocated, GatewayUpstreams, Pool, one_endpoint
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import in_context, outgoing_metadata, tracer, unsampled
 from hopline.protos.hopline.inference.v1 import inference_pb2
@@ -355,9 +355,8 @@ class GatewayStages:
         ) -> BatchedStage[Req, Rep] | None:
             if isinstance(pool, CoLocated):
                 return None
-            hedging = (
-                Hedging[Rep](hop, send, hedge_attempts, hedge_min_s) if hedge_attempts > 1 else None
-            )
+            hedged = hedge_attempts > 1 and not one_endpoint(pool.target)
+            hedging = Hedging[Rep](hop, send, hedge_attempts, hedge_min_s) if hedged else None
             return BatchedStage(
                 hop, send, codec, in_flight, max_rows_of, company, linger_s, hedging
             )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import itertools
 import json
 import logging
@@ -470,6 +471,25 @@ class GatewayUpstreams:
     async def close(self) -> None:
         for upstream in self.pools:
             await upstream.close()
+
+
+def one_endpoint(target: str) -> bool:
+    """Whether `target` names exactly one server: an IP literal with its port, an `ipv4:` or
+    `ipv6:` list of one, a Unix socket or a vsock address. A host name may resolve to several
+    (a headless Service's pods), so it is not one. Hedging such a target only sends the call
+    again to the server holding the first (a single tokenizer slowed by load drew hedges and
+    "is one hung?" warnings: a helper's probe)."""
+    scheme, _, rest = target.partition(":")
+    if scheme.lower() in ("unix", "unix-abstract", "vsock"):
+        return True
+    if scheme.lower() in ("ipv4", "ipv6"):
+        return "," not in rest
+    host = target.rpartition(":")[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 # Addresses grpc core writes into its details ("ipv4:127.0.0.1:8011: Connection refused").

@@ -624,3 +624,12 @@ def test_a_key_sent_without_bearer_is_named_as_such(keyed: TenantResolver) -> No
     assert "sent without 'Bearer '" in without.message
     none = refused(keyed, "", [])
     assert "needed" in none.message
+
+
+@pytest.mark.parametrize("header", ["Bearer ", "Bearer", "bearer    "])
+def test_an_empty_key_after_bearer_is_named_as_such(keyed: TenantResolver, header: str) -> None:
+    """'Bearer ' with no key after it was told its key was sent without 'Bearer ' (a
+    helper's probe of tenants' keys)."""
+    empty = refused(keyed, "", [("authorization", header)])
+    assert empty.code == grpc.StatusCode.UNAUTHENTICATED
+    assert "API key is empty" in empty.message

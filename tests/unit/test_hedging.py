@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -17,6 +18,8 @@ import pytest
 
 from hopline.gateway import hedging
 from hopline.gateway.hedging import Hedging
+from hopline.gateway.stage_batching import GatewayStages
+from hopline.gateway.upstream import GatewayUpstreams, one_endpoint
 
 METHOD = "/hopline.test.Echo/Call"
 TIMEOUT_S = 3.0  # each call's deadline: far longer than a hedge takes, far shorter than a hang
@@ -250,3 +253,49 @@ async def _with_three_replicas_a_stuck_call_is_still_hedged() -> None:
         replies = [await call(b"q%d" % i, timeout=1.0) for i in range(60)]
         assert [r.split(b":", 1)[1] for r in replies] == [b"q%d" % i for i in range(60)]
         assert started[2].calls > 20, "the hung replica had few calls: nothing proven"
+
+
+@pytest.mark.parametrize(
+    ("target", "one"),
+    [
+        ("127.0.0.1:8011", True),
+        ("[::1]:8011", True),
+        ("ipv4:127.0.0.1:8011", True),
+        ("ipv4:127.0.0.1:8011,127.0.0.1:8012", False),
+        ("ipv6:[::1]:8011,[::1]:8012", False),
+        ("unix:/run/hopline/tokenizer.sock", True),
+        ("tokenizer:8011", False),  # a name: a headless Service resolves to every pod
+        ("dns:///tokenizer.hopline.svc:8011", False),
+        ("localhost:8011", False),
+    ],
+)
+def test_one_endpoint_tells_a_single_server_from_a_name_or_a_list(target: str, one: bool) -> None:
+    assert one_endpoint(target) is one
+
+
+def test_a_stage_with_one_server_is_not_hedged() -> None:
+    """A hedge to a single server goes to the server holding the first attempt: with one
+    tokenizer slowed by another tenant's load, the gateway sent hedges and logged "is one
+    hung?" for nothing (a helper's probe). A list of replicas or a name is hedged."""
+
+    @dataclasses.dataclass
+    class Remote:  # an Upstream's place: only its target is read
+        target: str
+
+    single, listed = Remote("127.0.0.1:8011"), Remote("ipv4:127.0.0.1:8011,127.0.0.1:8012")
+    far: Any = GatewayUpstreams(
+        tokenizer=single, cache=single, inference=listed, postprocess=Remote("tokenizer:8011")
+    )
+    stages = GatewayStages.over(far, 1, 32, lambda m, v: 0, hedge_attempts=3)
+    hedged = {
+        hop: stage is not None and stage._hedging is not None
+        for hop, stage in (
+            ("tokenize", stages.tokenize),
+            ("infer", stages.infer),
+            ("postprocess", stages.postprocess),
+        )
+    }
+    assert hedged == {"tokenize": False, "infer": True, "postprocess": True}
+    for stage in (stages.infer, stages.postprocess):
+        if stage is not None and stage._hedging is not None:
+            stage._hedging.close()
