@@ -60,6 +60,45 @@ class CachePolicy:
     verify_target: float = 0.0
     verify_confidence: float = 0.9
 
+    @classmethod
+    def from_json(cls, raw: Any) -> CachePolicy:
+        """The `cache` block of a model's config.json (every key optional), each value of its
+        field's JSON type: ValueError naming the key otherwise. A string threshold or a
+        fractional max_entries passed the range checks (or raised a bare TypeError in them),
+        loaded, and then failed every model-list read of every service, for every model, or
+        stopped the mesh's start (a helper's probe)."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"cache must be a JSON object, got {_json_type(raw)}")
+        # Each field's type from its annotation (a string under `from __future__`).
+        types = {f.name: _JSON_TYPES[str(f.type)] for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(types))
+        if unknown:
+            raise ValueError(f"unknown cache keys {unknown} (known: {sorted(types)})")
+        for key, value in raw.items():
+            if not _is_json_type(value, types[key]):
+                raise ValueError(
+                    f"cache.{key} must be {_TYPE_NAMES[types[key]]}, got {json.dumps(value)[:60]}"
+                )
+        return cls(**{k: float(v) if types[k] is float else v for k, v in raw.items()})
+
+
+def _json_type(value: Any) -> str:
+    return type(value).__name__ if value is not None else "null"
+
+
+# A field's annotation -> the JSON values it takes: a number is an int or a float (never a
+# bool: JSON's true is Python's 1), a whole number an int.
+_JSON_TYPES: dict[str, type] = {"str": str, "float": float, "int": int, "bool": bool}
+_TYPE_NAMES = {str: "a string", float: "a number", int: "a whole number", bool: "true or false"}
+
+
+def _is_json_type(value: Any, want: type) -> bool:
+    if want is bool or want is str:
+        return isinstance(value, want)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) if want is int else isinstance(value, int | float)
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -145,6 +184,9 @@ def labels_problem(cfg: ModelConfig) -> str | None:
     return None
 
 
+MAX_ENTRIES_LIMIT = 2**63 - 1  # int64 in inference.proto's CachePolicy
+
+
 def cache_problem(cache: CachePolicy) -> str | None:
     """What makes a cache policy unusable, or None: the services refuse such a version, and
     `hopline model build` refuses to build one."""
@@ -154,8 +196,14 @@ def cache_problem(cache: CachePolicy) -> str | None:
     # of such an entry (cache/intake.py), so the version is refused here, where it is said.
     if not 0.0 < cache.threshold <= 1.0 or not 0 < cache.ttl_s < math.inf or cache.max_entries < 1:
         return "cache needs 0 < threshold <= 1, ttl_s > 0 and finite, and max_entries >= 1"
+    if cache.max_entries > MAX_ENTRIES_LIMIT:
+        return f"cache.max_entries must be at most {MAX_ENTRIES_LIMIT} (what the services send)"
     if not 0.0 <= cache.verify_target < 1.0 or not 0.0 < cache.verify_confidence < 1.0:
         return "cache needs 0 <= verify_target < 1 and 0 < verify_confidence < 1"
+    # An answer's score is its label's probability: past 1 nothing would ever be stored, and
+    # nothing said so.
+    if not 0.0 <= cache.min_score <= 1.0:
+        return "cache needs 0 <= min_score <= 1 (an answer's score is its label's probability)"
     return None
 
 
@@ -178,7 +226,7 @@ def load_config(path: Path) -> ModelConfig:
             max_sequence_length=int(raw["max_sequence_length"]),
             labels=labels,
             oos_threshold=float(raw["oos_threshold"]),
-            cache=CachePolicy(**raw.get("cache", {})),
+            cache=CachePolicy.from_json(raw.get("cache", {})),
             batching=BatchingPolicy.from_json(
                 raw.get("dynamic_batching", {}), int(raw["max_batch_size"])
             ),

@@ -275,6 +275,12 @@ def _edit_config(folder: Path, **changes: object) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def _edit_cache(folder: Path, key: str, value: object) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["cache"][key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 @pytest.mark.parametrize(
     ("damage", "said"),
     [
@@ -306,6 +312,30 @@ def _edit_config(folder: Path, **changes: object) -> None:
             ),
             "ttl_s > 0 and finite",
         ),
+        # Cache values of another JSON type passed the range checks (or raised a bare
+        # TypeError in them) and then failed every model-list read, for every model, or
+        # stopped the mesh's start (a helper's probe); min_score past 1 stored nothing, unsaid.
+        *(
+            (lambda f, k=key, v=value: _edit_cache(f, k, v), said)
+            for key, value, said in [
+                ("max_entries", 2.5, "cache.max_entries must be a whole number, got 2.5"),
+                ("max_entries", True, "cache.max_entries must be a whole number, got true"),
+                ("max_entries", 1e20, "cache.max_entries must be a whole number"),
+                ("max_entries", 2**64, "cache.max_entries must be at most"),
+                ("max_entries", "100", 'cache.max_entries must be a whole number, got "100"'),
+                ("threshold", "0.9", 'cache.threshold must be a number, got "0.9"'),
+                ("ttl_s", "3600", "cache.ttl_s must be a number"),
+                ("verify_target", "0.01", "cache.verify_target must be a number"),
+                ("min_score", "abc", "cache.min_score must be a number"),
+                ("min_score", 5, "0 <= min_score <= 1"),
+                ("min_score", -1, "0 <= min_score <= 1"),
+                ("min_score", None, "cache.min_score must be a number, got null"),
+                ("store_out_of_scope", "false", "cache.store_out_of_scope must be true or false"),
+                ("mode", 1, "cache.mode must be a string"),
+                ("thresold", 0.9, "unknown cache keys ['thresold']"),
+            ]
+        ),
+        (lambda f: _edit_config(f, cache=[]), "cache must be a JSON object, got list"),
     ],
 )
 def test_a_version_whose_config_cannot_serve_is_left_out_naming_what_is_wrong(
