@@ -283,6 +283,8 @@ def _eval(args: argparse.Namespace) -> int:
     from hopline.model.repository import ModelRepository
     from hopline.runtime.service_table import spec
 
+    if args.out is not None:
+        _check_out(args.out, "--out", directory=True)
     resolved = ModelRepository(args.model_repo).resolve(args.model, args.model_version)
     policy = resolved.cache
     if policy.mode != "semantic":
@@ -430,6 +432,27 @@ def _splits(path: Path, names: Sequence[str]) -> Examples:
     return out
 
 
+def _check_out(path: Path, flag: str, *, directory: bool) -> None:
+    """Refuse an output path that cannot be written before any work: `eval --out` and
+    `pairs --out` were checked only after the whole run (27 minutes on the full data set),
+    which then ended in 'File exists' with nothing written or printed (a helper's probe)."""
+    if directory:
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"{flag} {path}: is a file; it names a directory to write into")
+        folder = path
+    else:
+        if path.is_dir():
+            raise UsageError(f"{flag} {path}: is a directory; it names the file to write")
+        folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot create {folder}: {exc.strerror or exc}") from exc
+    target = path if path.exists() else folder
+    if not os.access(target, os.W_OK):
+        raise UsageError(f"{flag} {path}: {target} is not writable")
+
+
 def _one_source_flags(args: argparse.Namespace) -> None:
     """Flags of the other source are refused: each was silently ignored (a --split with
     --clinc read the store and query splits all the same)."""
@@ -452,6 +475,9 @@ def _pairs(args: argparse.Namespace) -> int:
     from hopline.model.build import load_examples
 
     _one_source_flags(args)
+    if args.min_score is not None and not args.model:
+        raise UsageError("--min-score goes with --model (the answers whose scores it reads)")
+    _check_out(args.out, "--out", directory=False)
     if args.clinc:
         store = _splits(args.clinc, [args.store_split or "train"])
         queries = _splits(args.clinc, args.query_splits or ["val", "oos_val"])

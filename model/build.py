@@ -146,7 +146,8 @@ def load_examples(path: Path, split: str | None = None) -> list[tuple[str, str]]
         raise TrainingDataError(f"{path} is not {kind}: {exc}") from None
     if isinstance(rows, dict):
         if split is None or split not in rows:
-            raise TrainingDataError(f"{path} holds splits {sorted(rows)}: choose one with --split")
+            which = "choose one" if split is None else f"not {split!r}: choose one of them"
+            raise TrainingDataError(f"{path} holds splits {sorted(rows)}: {which} with --split")
         rows = rows[split]
     pairs = _pairs(rows, path)
     labels = {label for _, label in pairs}

@@ -201,3 +201,44 @@ def test_pairs_refuses_the_other_sources_flags(
     assert main(argv) == 2
     assert f"{flag} go with {other}, not this source" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["a directory", "a file in a file"])
+def test_pairs_refuses_an_out_it_cannot_write_before_embedding(
+    where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--out` was looked at only after every text was embedded (minutes on CLINC150)."""
+    embedded: list[int] = []
+
+    def embedder(_: Path) -> Any:
+        return SimpleNamespace(embed_many=lambda texts: embedded.append(1) or _embed(texts))
+
+    monkeypatch.setattr("hopline.cache.cli._embedder", embedder)
+    (tmp_path / "afile").write_text("")
+    out = tmp_path if where == "a directory" else tmp_path / "afile" / "pairs.jsonl"
+    argv = ["cache", "pairs", "--clinc", str(_clinc(tmp_path)), "--out", str(out)]
+    assert main(argv) == 2
+    assert f"error: --out {out}: " in capsys.readouterr().err
+    assert embedded == []
+
+
+def test_pairs_refuses_min_score_without_model(
+    tmp_path: Path, no_encoder: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was taken and ignored: only --model's answers have scores."""
+    out = tmp_path / "pairs.jsonl"
+    argv = ["cache", "pairs", "--clinc", str(_clinc(tmp_path)), "--out", str(out)]
+    assert main([*argv, "--min-score", "0.5"]) == 2
+    assert "--min-score goes with --model" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_pairs_names_a_split_the_train_file_does_not_hold(
+    tmp_path: Path, no_encoder: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """'choose one with --split' was said to a caller who had given --split nosplit."""
+    train = tmp_path / "splits.json"
+    train.write_text(json.dumps({"train": [["a text", "a"]], "test": [["b text", "b"]]}))
+    argv = ["cache", "pairs", "--train", str(train), "--split", "nosplit"]
+    assert main([*argv, "--out", str(tmp_path / "p.jsonl")]) == 1
+    assert "not 'nosplit': choose one of them with --split" in capsys.readouterr().err
