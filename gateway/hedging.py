@@ -11,9 +11,17 @@ Every stage (tokenize, inference, postprocess) answers a request the same way tw
 second copy is safe.
 
 When: an attempt unanswered after `delay_s()` (HEDGE_P99_FACTOR times the stage's p99 over
-its last RECENT calls, at least HOPLINE_UPSTREAM_HEDGE_MIN_MS) gets another on the pool's
-next stub, which round_robin sends to the next replica; up to HOPLINE_UPSTREAM_HEDGE_ATTEMPTS
-attempts in all, within the call's deadline. The first reply is the call's; the attempts
+its last RECENT calls, at least HOPLINE_UPSTREAM_HEDGE_MIN_MS) gets another, up to
+HOPLINE_UPSTREAM_HEDGE_ATTEMPTS attempts in all, within the call's deadline.
+
+Where: a hedge goes to one replica by its own channel (`replicas`: the upstream's
+`replica_stubs`), never to one this call's hedges went to already, first to a replica whose
+hedge answered first lately and last to one whose hedge was itself left unanswered lately.
+Sent on round_robin's next pick instead, with other callers' picks between, it was the hung
+replica again about half the time: with two replicas and seven callers, a third attempt on
+the hung one too, or the budget spent, and every caller waited 5 s for the connection to
+drop (a helper's probe, two runs of four). Without replicas to name (a host name not yet
+resolved), round_robin's next pick. The first reply is the call's; the attempts
 left are cancelled. Hedges are budgeted as gRPC's retry throttling budgets retries: a hedge
 spends a token, an answered call gives back a tenth of one, and a hedge that answered first
 gives its token back (it replaced a call that was doing nothing): so hedging around a hung
@@ -31,6 +39,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -65,6 +74,13 @@ LOG_EVERY_S = 10.0  # hedges are counted in the metrics; logged at most this oft
 # call whose first pick was the hung one (with one caller and two replicas, each of them:
 # the hedge took the live replica's turn, the next call's first pick the hung one's).
 SUSPECT_S = 1.0
+# A replica whose hedge answered first is preferred for this long, and one whose hedge was
+# left unanswered (its call needed another attempt) avoided for this long.
+REPLICA_MEMORY_S = 5.0
+MAX_REMEMBERED = 64  # replicas remembered before the expired ones are dropped
+
+# The upstream's replicas as (address, the stub method on a channel to that one replica).
+Replicas = Callable[[], Sequence[tuple[str, Callable[..., Any]]]]
 
 
 class HedgeResult(enum.StrEnum):
@@ -82,6 +98,8 @@ class _Call:
     next_at: float  # when the next attempt is due, monotonic
     attempts: int = 1
     hedges: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
+    # The replicas its hedges went to, each with its hedge.
+    tried: dict[str, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
     reply: Any = None
     answered_by_hedge: bool = False
 
@@ -95,9 +113,14 @@ class Hedging(Generic[Rep]):
         send: Callable[[], Callable[..., Any]],
         attempts: int,
         min_delay_s: float,
+        replicas: Replicas | None = None,
     ) -> None:
         self.hop = hop
         self._send = send
+        self._replicas = replicas
+        self._answered_at: dict[str, float] = {}  # replica -> when its hedge last answered first
+        self._unanswered_at: dict[str, float] = {}  # replica -> when its hedge was left waiting
+        self._turn = 0
         self._attempts = attempts
         self._min_delay_s = min_delay_s
         self._recent: deque[float] = deque(maxlen=RECENT)
@@ -194,6 +217,9 @@ class Hedging(Generic[Rep]):
     def _launch(self, call: _Call, now: float, reserve: int = 0) -> None:
         """Send `call`'s next attempt, if it has one left, time left, and the budget a hedge
         beyond `reserve`."""
+        for address, sent in call.tried.items():
+            if not sent.done():  # the call is due another attempt: this hedge did not answer
+                self._unanswered_at[address] = now
         if call.attempts >= self._attempts or call.deadline - now <= 0:
             return
         if self._tokens < HEDGE + reserve:
@@ -203,15 +229,48 @@ class Hedging(Generic[Rep]):
         call.span.set_attribute(schema.HEDGE_ATTEMPTS, call.attempts)
         metrics.hedges(self.hop, HedgeResult.SENT).inc()
         self._unlogged[0] += 1
-        call.hedges.append(asyncio.ensure_future(self._hedge(call)))
+        replica, send = self._pick(call, now)
+        hedge = asyncio.ensure_future(self._hedge(call, replica, send))
+        call.hedges.append(hedge)
+        if replica is not None:
+            call.tried[replica] = hedge
 
-    async def _hedge(self, call: _Call) -> None:
+    def _pick(self, call: _Call, now: float) -> tuple[str | None, Callable[..., Any]]:
+        """The replica for `call`'s next hedge, and its stub method (module docstring)."""
+        named = self._replicas() if self._replicas is not None else ()
+        replicas = [r for r in named if r[0] not in call.tried]
+        if not replicas:
+            return None, self._send()
+        self._forget(now)
+        self._turn = (self._turn + 1) % len(replicas)
+        turn = replicas[self._turn :] + replicas[: self._turn]
+
+        def rank(replica: tuple[str, Callable[..., Any]]) -> tuple[bool, bool]:
+            address = replica[0]
+            avoided = now - self._unanswered_at.get(address, -math.inf) < REPLICA_MEMORY_S
+            preferred = now - self._answered_at.get(address, -math.inf) < REPLICA_MEMORY_S
+            return avoided, not preferred
+
+        return min(turn, key=rank)  # the first in turn among the best ranked
+
+    def _forget(self, now: float) -> None:
+        """Drop what is no longer remembered, once there is much of it (replicas come and go
+        behind a name)."""
+        for seen in (self._answered_at, self._unanswered_at):
+            if len(seen) > MAX_REMEMBERED:
+                for address in [a for a, at in seen.items() if now - at >= REPLICA_MEMORY_S]:
+                    del seen[address]
+
+    async def _hedge(self, call: _Call, replica: str | None, send: Callable[..., Any]) -> None:
         left = call.deadline - time.monotonic()
         with contextlib.suppress(grpc.aio.AioRpcError):
-            reply = await self._send()(call.request, timeout=left, metadata=call.metadata)
+            reply = await send(call.request, timeout=left, metadata=call.metadata)
             if call.answered_by_hedge:
                 return  # another hedge answered first
             call.reply, call.answered_by_hedge = reply, True
+            if replica is not None:
+                self._answered_at[replica] = time.monotonic()
+                self._unanswered_at.pop(replica, None)
             call.first.cancel()  # the caller's await ends (a no-op once it has ended)
 
     def _hedge_answered(self, call: _Call) -> Rep:

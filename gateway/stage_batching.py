@@ -36,7 +36,7 @@ from opentelemetry.trace import Link, SpanKind
 
 from hopline.gateway.hedging import Hedging
 from hopline.gateway.stage_codecs import Codec, InferCodec, PostprocessCodec, TokenizeCodec
-from hopline.gateway.upstream import CoLocated, GatewayUpstreams, Pool, one_endpoint
+from hopline.gateway.upstream import CoLocated, GatewayUpstreams, Pool, Upstream, one_endpoint
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import in_context, outgoing_metadata, tracer, unsampled
 from hopline.protos.hopline.inference.v1 import inference_pb2
@@ -349,14 +349,24 @@ class GatewayStages:
         def batched(
             hop: str,
             pool: Pool[Any],
-            send: Callable[[], Callable[..., Awaitable[Rep]]],
+            rpc: str,
             codec: Codec[Req, Rep],
             max_rows_of: Callable[[Req], int],
         ) -> BatchedStage[Req, Rep] | None:
             if isinstance(pool, CoLocated):
                 return None
-            hedged = hedge_attempts > 1 and not one_endpoint(pool.target)
-            hedging = Hedging[Rep](hop, send, hedge_attempts, hedge_min_s) if hedged else None
+
+            def send() -> Callable[..., Awaitable[Rep]]:
+                return getattr(pool.stub(), rpc)  # type: ignore[no-any-return]
+
+            def replicas() -> list[tuple[str, Callable[..., Any]]]:
+                assert isinstance(pool, Upstream)
+                return [(a, getattr(stub, rpc)) for a, stub in pool.replica_stubs()]
+
+            hedging = None
+            if hedge_attempts > 1 and not one_endpoint(pool.target):
+                per_replica = replicas if isinstance(pool, Upstream) else None
+                hedging = Hedging[Rep](hop, send, hedge_attempts, hedge_min_s, per_replica)
             return BatchedStage(
                 hop, send, codec, in_flight, max_rows_of, company, linger_s, hedging
             )
@@ -368,21 +378,21 @@ class GatewayStages:
             tokenize=batched(
                 schema.SPAN_TOKENIZE,
                 upstreams.tokenizer,
-                lambda: upstreams.tokenizer.stub().Tokenize,
+                "Tokenize",
                 TokenizeCodec(),
                 lambda _: max_rows,
             ),
             infer=batched(
                 schema.SPAN_INFERENCE,
                 upstreams.inference,
-                lambda: upstreams.inference.stub().Infer,
+                "Infer",
                 InferCodec(),
                 infer_rows,
             ),
             postprocess=batched(
                 schema.SPAN_POSTPROCESS,
                 upstreams.postprocess,
-                lambda: upstreams.postprocess.stub().Postprocess,
+                "Postprocess",
                 PostprocessCodec(),
                 lambda _: max_rows,
             ),

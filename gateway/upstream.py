@@ -21,7 +21,9 @@ import ipaddress
 import itertools
 import json
 import logging
+import math
 import re
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -289,12 +291,69 @@ class Upstream(Generic[StubT]):
         self._certificates = certificates
         self._redial_grace_s = redial_grace_s
         self._closing: set[asyncio.Task[None]] = set()
+        # One channel per replica, for hedges (`replica_stubs`): made on first use.
+        self._replicas: dict[str, tuple[grpc.aio.Channel, StubT]] = {}
+        self._replica_targets: list[str] | None = replica_targets(target)
+        self._resolved: list[str] = []  # what a host name resolved to last
+        self._resolved_at = -math.inf
+        self._resolving: asyncio.Task[None] | None = None
         self._dial(certificates.current if certificates is not None else None)
 
     def _dial(self, tls: ClientTls | None) -> None:
+        self._tls = tls
         self.channels = [aio_channel(self.target, tls, options) for options in self._options]
         self._stubs = [self._make_stub(c) for c in self.channels]
         self._next = itertools.cycle(self._stubs)
+        old, self._replicas = self._replicas, {}
+        self._close_later([channel for channel, _ in old.values()])
+
+    def replica_stubs(self) -> list[tuple[str, StubT]]:
+        """A stub per replica, each on its own channel to that one address, keyed by it: a
+        hedge must reach another replica than the attempt it backs up, and round_robin's next
+        pick, with other callers' picks between, was the hung one again about half the time
+        (with two replicas and seven callers, every caller waited 5 s for the connection to
+        drop in two runs of four: a helper's probe). Empty until a host name is resolved
+        (every REPLICAS_RESOLVE_S, in the background)."""
+        if self._certificates is not None and (renewed := self._certificates.renewed()):
+            self._redial(renewed)
+        targets = self._replica_targets
+        if targets is None:  # a host name: what it resolves to now
+            self._resolve_later()
+            targets = self._resolved
+        if len(self._replicas) != len(targets) or any(t not in self._replicas for t in targets):
+            self._replicas = self._replica_channels(targets)
+        return [(t, stub) for t, (_, stub) in self._replicas.items()]
+
+    def _replica_channels(self, targets: list[str]) -> dict[str, tuple[grpc.aio.Channel, StubT]]:
+        kept = {t: self._replicas[t] for t in targets if t in self._replicas}
+        gone = [channel for t, (channel, _) in self._replicas.items() if t not in kept]
+        self._close_later(gone)
+        for t in targets:
+            if t not in kept:
+                channel = aio_channel(t, self._tls, self._options[0])
+                kept[t] = (channel, self._make_stub(channel))
+        return kept
+
+    def _resolve_later(self) -> None:
+        now = time.monotonic()
+        if self._resolving is not None or now - self._resolved_at < REPLICAS_RESOLVE_S:
+            return
+        self._resolved_at = now
+        self._resolving = asyncio.ensure_future(self._resolve())
+
+    async def _resolve(self) -> None:
+        try:
+            self._resolved = await resolve_replicas(self.target)
+        except OSError as exc:  # said by the main channel's own failures: keep the last list
+            log.debug("resolving replicas failed", extra={"target": self.target, "error": str(exc)})
+        finally:
+            self._resolving = None
+
+    def _close_later(self, channels: list[grpc.aio.Channel]) -> None:
+        for channel in channels:
+            task = asyncio.ensure_future(channel.close(grace=self._redial_grace_s))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def stub(self) -> StubT:
         if self._certificates is not None and (renewed := self._certificates.renewed()):
@@ -305,10 +364,7 @@ class Upstream(Generic[StubT]):
         log.info("TLS files changed; dialling again with them", extra={"target": self.target})
         old = self.channels
         self._dial(tls)
-        for channel in old:
-            task = asyncio.ensure_future(channel.close(grace=self._redial_grace_s))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+        self._close_later(old)
 
     def check_serves(self) -> None:
         """Ask in the background whether the address serves the service it must: one that
@@ -342,7 +398,9 @@ class Upstream(Generic[StubT]):
     async def close(self) -> None:
         if self._checking is not None:
             self._checking.cancel()
-        for channel in self.channels:
+        if self._resolving is not None:
+            self._resolving.cancel()
+        for channel in [*self.channels, *(c for c, _ in self._replicas.values())]:
             await channel.close(grace=None)
         for task in list(self._closing):
             task.cancel()
@@ -490,6 +548,40 @@ def one_endpoint(target: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+REPLICAS_RESOLVE_S = 30.0  # gRPC's own minimum between resolutions of a name
+
+
+def replica_targets(target: str) -> list[str] | None:
+    """The one-server targets an `ipv4:`/`ipv6:` list names (`ipv4:A,B` -> `ipv4:A`,
+    `ipv4:B`), `[target]` for any other one-server address, None for a host name (what it
+    resolves to is asked when needed: `resolve_replicas`)."""
+    scheme, _, rest = target.partition(":")
+    if scheme.lower() in ("ipv4", "ipv6"):
+        return [f"{scheme}:{address}" for address in rest.split(",") if address]
+    return [target] if one_endpoint(target) else None
+
+
+async def resolve_replicas(target: str) -> list[str]:
+    """The addresses a host-name target (`host:port`, `dns:///host:port`) resolves to now, as
+    one-server targets; gRPC's default port 443 where none is given."""
+    name = target
+    if name.lower().startswith("dns:"):
+        name = name[4:]
+        if name.startswith("//"):
+            name = name[2:].partition("/")[2]  # dns://AUTHORITY/host:port
+    host, _, port = name.rpartition(":") if ":" in name else (name, "", "443")
+    infos = await asyncio.get_running_loop().getaddrinfo(
+        host.strip("[]"), int(port or 443), type=socket.SOCK_STREAM
+    )
+    found: list[str] = []
+    for family, *_, address in infos:
+        ip, port_no = str(address[0]), int(address[1])
+        one = f"ipv6:[{ip}]:{port_no}" if family == socket.AF_INET6 else f"ipv4:{ip}:{port_no}"
+        if one not in found:
+            found.append(one)
+    return found
 
 
 # Addresses grpc core writes into its details ("ipv4:127.0.0.1:8011: Connection refused").

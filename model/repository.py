@@ -79,7 +79,8 @@ class CachePolicy:
                 raise ValueError(
                     f"cache.{key} must be {_TYPE_NAMES[types[key]]}, got {json.dumps(value)[:60]}"
                 )
-        return cls(**{k: float(v) if types[k] is float else v for k, v in raw.items()})
+        values: dict[str, Any] = {k: float(v) if types[k] is float else v for k, v in raw.items()}
+        return cls(**values)
 
 
 def _json_type(value: Any) -> str:

@@ -19,7 +19,13 @@ import pytest
 from hopline.gateway import hedging
 from hopline.gateway.hedging import Hedging
 from hopline.gateway.stage_batching import GatewayStages
-from hopline.gateway.upstream import GatewayUpstreams, one_endpoint
+from hopline.gateway.upstream import (
+    GatewayUpstreams,
+    Upstream,
+    one_endpoint,
+    replica_targets,
+    resolve_replicas,
+)
 
 METHOD = "/hopline.test.Echo/Call"
 TIMEOUT_S = 3.0  # each call's deadline: far longer than a hedge takes, far shorter than a hang
@@ -34,6 +40,7 @@ class Replica:
         self.arrivals = arrivals  # (replica, request), every replica's, in order
         self.hung = False
         self.calls = 0
+        self.address = ""  # host:port, once it serves
         self.fault: grpc.StatusCode | None = None
         self._release = asyncio.Event()
 
@@ -64,6 +71,7 @@ async def replicas(count: int) -> AsyncIterator[tuple[list[Replica], grpc.aio.Ch
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((replica.handler(),))
         ports.append(server.add_insecure_port("127.0.0.1:0"))
+        replica.address = f"127.0.0.1:{ports[-1]}"
         await server.start()
         servers.append(server)
     config = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
@@ -299,3 +307,93 @@ def test_a_stage_with_one_server_is_not_hedged() -> None:
     for stage in (stages.infer, stages.postprocess):
         if stage is not None and stage._hedging is not None:
             stage._hedging.close()
+
+
+@contextlib.asynccontextmanager
+async def one_channel_each(
+    started: list[Replica],
+) -> AsyncIterator[Callable[[], list[tuple[str, Callable[..., Any]]]]]:
+    """A channel to each replica alone, as `Upstream.replica_stubs` makes them."""
+    channels = {r.address: grpc.aio.insecure_channel(r.address) for r in started}
+    methods = [(address, c.unary_unary(METHOD, None, None)) for address, c in channels.items()]
+    yield lambda: methods
+    for channel in channels.values():
+        await channel.close(None)
+
+
+def test_many_callers_and_a_hung_replica_every_call_answered_by_a_named_replica() -> None:
+    asyncio.run(_many_callers_and_a_hung_replica_every_call_answered_by_a_named_replica())
+
+
+async def _many_callers_and_a_hung_replica_every_call_answered_by_a_named_replica() -> None:
+    """Eight callers, two replicas, one hung. A hedge sent on round_robin's next pick, with
+    the other callers' picks between, reached the hung replica about half the time, and a
+    call whose three attempts all did waited for the connection to drop (every caller 5 s in
+    two runs of four: a helper's probe). Named per replica, a call's hedges never go where
+    its other hedges went, and avoid a replica whose hedge was left unanswered."""
+    async with replicas(2) as ([a, b], channel), one_channel_each([a, b]) as named:
+        method = channel.unary_unary(METHOD, None, None)
+        call = Hedging[bytes]("tokenize", lambda: method, 3, MIN_DELAY_S, named)
+        await warm(call)
+        b.hung = True
+        before_b = b.calls
+
+        async def caller(n: int) -> list[bytes]:
+            return [await call(b"c%d-%d" % (n, i), timeout=TIMEOUT_S) for i in range(8)]
+
+        replies = await asyncio.gather(*(caller(n) for n in range(8)))
+        assert [r for rs in replies for r in rs if not r.startswith(b"a:")] == []
+        assert b.calls - before_b >= 10, "few calls reached the hung replica: nothing proven"
+
+
+def test_a_hedge_never_goes_where_the_calls_hedges_went() -> None:
+    asyncio.run(_a_hedge_never_goes_where_the_calls_hedges_went())
+
+
+async def _a_hedge_never_goes_where_the_calls_hedges_went() -> None:
+    """Three replicas, two of them hung: a stuck call's two hedges go to two replicas, so
+    one reaches the live one, however the other callers' picks fall."""
+    async with replicas(3) as ([a, b, c], channel), one_channel_each([a, b, c]) as named:
+        method = channel.unary_unary(METHOD, None, None)
+        call = Hedging[bytes]("tokenize", lambda: method, 3, MIN_DELAY_S, named)
+        await warm(call)
+        b.hung = c.hung = True
+        replies = await asyncio.gather(*(call(b"q%d" % i, timeout=TIMEOUT_S) for i in range(6)))
+        assert all(r.startswith(b"a:") for r in replies), replies
+
+
+@pytest.mark.parametrize(
+    ("target", "replicas"),
+    [
+        ("ipv4:127.0.0.1:8011,127.0.0.1:8012", ["ipv4:127.0.0.1:8011", "ipv4:127.0.0.1:8012"]),
+        ("ipv6:[::1]:8011,[::1]:8012", ["ipv6:[::1]:8011", "ipv6:[::1]:8012"]),
+        ("127.0.0.1:8011", ["127.0.0.1:8011"]),
+        ("tokenizer:8011", None),  # resolved when needed
+    ],
+)
+def test_replica_targets_name_each_server_of_a_list(
+    target: str, replicas: list[str] | None
+) -> None:
+    assert replica_targets(target) == replicas
+
+
+def test_a_host_name_resolves_to_one_target_per_address() -> None:
+    for target in ("localhost:8011", "dns:///localhost:8011", "dns://8.8.8.8/localhost:8011"):
+        found = asyncio.run(resolve_replicas(target))
+        assert "ipv4:127.0.0.1:8011" in found, found
+        assert len(found) == len(set(found))
+
+
+def test_an_upstream_dials_each_replica_of_its_list_for_hedges() -> None:
+    async def scenario() -> list[str]:
+        upstream = Upstream(
+            "tokenize", "ipv4:127.0.0.1:8011,127.0.0.1:8012", lambda c: c, 1, 1 << 20
+        )
+        try:
+            first = upstream.replica_stubs()
+            assert upstream.replica_stubs() == first  # made once, then kept
+            return [address for address, _ in first]
+        finally:
+            await upstream.close()
+
+    assert asyncio.run(scenario()) == ["ipv4:127.0.0.1:8011", "ipv4:127.0.0.1:8012"]
