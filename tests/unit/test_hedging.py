@@ -290,10 +290,10 @@ def test_a_stage_with_one_server_is_not_hedged() -> None:
     class Remote:  # an Upstream's place: only its target is read
         target: str
 
-    single, listed = Remote("127.0.0.1:8011"), Remote("ipv4:127.0.0.1:8011,127.0.0.1:8012")
-    far: Any = GatewayUpstreams(
-        tokenizer=single, cache=single, inference=listed, postprocess=Remote("tokenizer:8011")
-    )
+    single: Any = Remote("127.0.0.1:8011")
+    listed: Any = Remote("ipv4:127.0.0.1:8011,127.0.0.1:8012")
+    named: Any = Remote("tokenizer:8011")
+    far = GatewayUpstreams(tokenizer=single, cache=single, inference=listed, postprocess=named)
     stages = GatewayStages.over(far, 1, 32, lambda m, v: 0, hedge_attempts=3)
     hedged = {
         hop: stage is not None and stage._hedging is not None
@@ -315,7 +315,9 @@ async def one_channel_each(
 ) -> AsyncIterator[Callable[[], list[tuple[str, Callable[..., Any]]]]]:
     """A channel to each replica alone, as `Upstream.replica_stubs` makes them."""
     channels = {r.address: grpc.aio.insecure_channel(r.address) for r in started}
-    methods = [(address, c.unary_unary(METHOD, None, None)) for address, c in channels.items()]
+    methods: list[tuple[str, Callable[..., Any]]] = [
+        (address, c.unary_unary(METHOD, None, None)) for address, c in channels.items()
+    ]
     yield lambda: methods
     for channel in channels.values():
         await channel.close(None)
