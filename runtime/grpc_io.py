@@ -102,8 +102,22 @@ def check(environ: Mapping[str, str] = os.environ) -> None:
         raise SystemExit(f"invalid {ENV}={raw!r}: {exc}") from None
 
 
+VERBOSITY_ENV = "GRPC_VERBOSITY"
+QUIET = "ERROR"
+
+
+def quiet(environ: MutableMapping[str, str]) -> None:
+    """GRPC_VERBOSITY=ERROR unless the operator set it. Unset, gRPC core wrote some INFO lines
+    to stderr in its own format ("I1206 ... chttp2_transport.cc:1403] ...: Got goaway [11]
+    ... ping_timeout", in a replica's log once a gateway's keepalive had dropped it during a
+    pause), breaking one-JSON-object-a-line logs. ERROR keeps core's own errors, which are
+    rare; what a call meets reaches hopline's logs through its status anyway."""
+    environ.setdefault(VERBOSITY_ENV, QUIET)
+
+
 # Chosen once, when hopline's package loads: hopline/__init__.py imports this module before
 # anything can import grpc.
+quiet(os.environ)
 IN_EFFECT: Final[GrpcIo | None] = apply(os.environ)
 
 

@@ -66,3 +66,14 @@ def test_a_wrong_value_is_named_with_the_modes() -> None:
         grpc_io.check({"HOPLINE_GRPC_IO": "epoll"})
     grpc_io.check({"HOPLINE_GRPC_IO": " Event-Engine "})
     grpc_io.check({})
+
+
+def test_grpc_core_is_quiet_unless_the_operator_asks() -> None:
+    """Unset, gRPC core wrote INFO lines in its own format into JSON logs
+    (tests/mesh/test_grpc_core_logs.py); an operator's GRPC_VERBOSITY wins."""
+    environ: dict[str, str] = {}
+    grpc_io.quiet(environ)
+    assert environ["GRPC_VERBOSITY"] == "ERROR"
+    environ = {"GRPC_VERBOSITY": "debug"}
+    grpc_io.quiet(environ)
+    assert environ["GRPC_VERBOSITY"] == "debug"
