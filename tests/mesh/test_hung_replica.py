@@ -7,6 +7,7 @@ deadline those requests failed DEADLINE_EXCEEDED."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import signal
@@ -40,14 +41,14 @@ def predict(stub: gateway_pb2_grpc.GatewayServiceStub, text: str) -> gateway_pb2
     return reply
 
 
-def hedges_answered(metrics_port: int) -> float:
+def hedges_answered(metrics_port: int, hop: str = "tokenize") -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
         text = r.read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
         if line.startswith("hopline_gateway_hedges_total{")
-        and 'hop="tokenize"' in line
+        and f'hop="{hop}"' in line
         and 'result="answered"' in line
     )
 
@@ -74,4 +75,46 @@ def test_a_hung_tokenizer_replica_does_not_hold_misses(repo: Path, tmp_path: Pat
         finally:
             os.kill(second.proc.pid, signal.SIGCONT)
     assert failures == {}, f"{len(failures)} of {REQUESTS} failed: {failures}"
+    assert answered_by_hedges >= REQUESTS // 4, "few calls met the hung replica: proves nothing"
+
+
+CALLERS = 7
+# Each caller's texts in their own length bucket (16, 32, 64, 128 tokens...), so the stage
+# has as many Infer calls on their way as callers (one per bucket), as mixed traffic has:
+# texts of one length go one batch at a time, which round_robin alternates as one caller's.
+WORDS = (1, 3, 7, 14, 28, 50, 2)
+
+
+def test_a_hung_replica_does_not_hold_several_callers(repo: Path, tmp_path: Path) -> None:
+    """Seven callers at once, one of two inference replicas hung: their stage calls'
+    hedges, on round_robin's next pick with the other callers' picks between, reached the
+    hung replica again about half the time, and every caller waited 5 s for the connection
+    to drop in two runs of four (a helper's probe). Hedges now go to a named replica
+    (Upstream.replica_stubs)."""
+    with (
+        beside_second_replica(repo, tmp_path, "inference", {}, "hung", {}) as (mesh, second),
+        grpc.insecure_channel(mesh.gateway) as channel,
+        concurrent.futures.ThreadPoolExecutor(CALLERS) as pool,
+    ):
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        for _ in range(2 * hedging.MIN_SAMPLES):
+            predict(stub, f"where is my order {uuid.uuid4()}")
+        os.kill(second.proc.pid, signal.SIGSTOP)
+
+        def caller(n: int) -> dict[str, str]:
+            failures = {}
+            for i in range(REQUESTS // 2):
+                try:
+                    predict(stub, f"{uuid.uuid4()} " + "what is my balance " * WORDS[n])
+                except grpc.RpcError as err:
+                    failures[f"{n}/{i}"] = f"{err.code().name}: {err.details()}"
+            return failures
+
+        try:
+            results = list(pool.map(caller, range(CALLERS)))
+            answered_by_hedges = hedges_answered(mesh.metrics_ports["gateway"], "inference")
+        finally:
+            os.kill(second.proc.pid, signal.SIGCONT)
+    failures = {k: v for result in results for k, v in result.items()}
+    assert failures == {}, f"{len(failures)} of {CALLERS * REQUESTS // 2} failed: {failures}"
     assert answered_by_hedges >= REQUESTS // 4, "few calls met the hung replica: proves nothing"
