@@ -4,6 +4,12 @@
   RESOURCE_EXHAUSTED at once; queued behind the others it would only time out, and add to
   the backlog that makes the others time out too. Repeats answered by the local exact tier
   cost no hop and are never refused.
+- **A tenant's share**: while several tenants send (a request arrived or ended within
+  `ACTIVE_S`), each may hold `max_in_flight` / tenants requests in flight, at least
+  `tenant_min_in_flight`; past it, its new ones get RESOURCE_EXHAUSTED. Without it one
+  tenant's flood took every place: a helper's probe, 300 callers of one tenant, made the other
+  tenants' requests fail RESOURCE_EXHAUSTED (48 of 75, 106 of 130) and wait 1.0-1.8 s at the
+  median behind the flood's queue (18-35 ms alone). A tenant alone gets every place.
 - **Deadline**: when the deadline left is shorter than the fastest recent inference path
   (tokenize, inference, postprocess: the 10th percentile of the last `WINDOW` misses), the
   request gets DEADLINE_EXCEEDED at once rather than running a model whose answer could not
@@ -59,7 +65,43 @@ INFERENCE_HOPS = ("tokenize", "inference", "postprocess")  # schema.SPAN_* of th
 
 class Refusal(enum.StrEnum):
     IN_FLIGHT = "in_flight"
+    TENANT_SHARE = "tenant_share"
     DEADLINE = "deadline"
+
+
+ACTIVE_S = 1.0  # a tenant counts as sending this long after a request of its arrived or ended
+
+
+class TenantShares:
+    """Which tenants are sending now, and each one's requests in flight. Memory follows the
+    tenants of the last ACTIVE_S and those in flight, never every tenant name seen."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.in_flight: dict[str, int] = {}
+
+    def seen(self, tenant: str) -> None:
+        self._seen[tenant] = self._clock()
+        self._seen.move_to_end(tenant)
+
+    def sending(self) -> int:
+        """Tenants that sent within ACTIVE_S or have requests in flight."""
+        oldest = self._clock() - ACTIVE_S
+        while self._seen and next(iter(self._seen.values())) < oldest:
+            self._seen.popitem(last=False)
+        return len(self._seen) + sum(1 for t in self.in_flight if t not in self._seen)
+
+    def enter(self, tenant: str) -> None:
+        self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1
+
+    def leave(self, tenant: str) -> None:
+        left = self.in_flight[tenant] - 1
+        if left:
+            self.in_flight[tenant] = left
+        else:
+            del self.in_flight[tenant]
+        self.seen(tenant)
 
 
 class SkipReason(enum.StrEnum):
@@ -117,8 +159,11 @@ class Admission:
         adaptive_cache: bool = True,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tenant_min_in_flight: int = 0,
     ) -> None:
         self.max_in_flight = max_in_flight  # 0: no limit
+        self.tenant_min_in_flight = tenant_min_in_flight  # 0: no tenant's share
+        self.tenants = TenantShares(clock)
         self.cache_budget_s = cache_budget_ms / 1e3
         self.adaptive_cache = adaptive_cache
         self.in_flight = 0
@@ -154,6 +199,10 @@ class Admission:
         if free:
             yield
             return
+        tenant = call.response.tenant
+        shares = self.tenants if self.max_in_flight and self.tenant_min_in_flight else None
+        if shares is not None:
+            shares.seen(tenant)
         if self.max_in_flight and self.in_flight >= self.max_in_flight:
             raise self._refuse(
                 Refusal.IN_FLIGHT,
@@ -161,6 +210,8 @@ class Admission:
                 f"the gateway is at its limit of {self.max_in_flight} requests in flight "
                 "(HOPLINE_GATEWAY_MAX_IN_FLIGHT): retry after a backoff",
             )
+        if shares is not None:
+            self._check_share(shares, tenant)
         fastest = self.path_estimate_s(0.1)
         left_s = call.left_s()
         if fastest is not None and left_s < fastest and self._refuse_deadline():
@@ -173,14 +224,34 @@ class Admission:
             )
         self.in_flight += 1
         metrics.GATEWAY_IN_FLIGHT.set(self.in_flight)
+        if shares is not None:
+            shares.enter(tenant)
         try:
             yield
         finally:
             self.in_flight -= 1
             metrics.GATEWAY_IN_FLIGHT.set(self.in_flight)
+            if shares is not None:
+                shares.leave(tenant)
         # Only a completed inference path is a sample (a coalesced wait is not one).
         if all(hop in call.timings for hop in INFERENCE_HOPS) and not call.cache.coalesced:
             self._paths_s.append(sum(call.timings[h] for h in INFERENCE_HOPS) / 1e3)
+
+    def _check_share(self, shares: TenantShares, tenant: str) -> None:
+        """RequestError when `tenant` holds its share of the places while others send."""
+        sending = shares.sending()
+        if sending < 2:
+            return
+        share = max(self.max_in_flight // sending, self.tenant_min_in_flight)
+        held = shares.in_flight.get(tenant, 0)
+        if held >= share:
+            raise self._refuse(
+                Refusal.TENANT_SHARE,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this tenant has {held} requests in flight, its share of the gateway's "
+                f"{self.max_in_flight} while {sending} tenants send (HOPLINE_GATEWAY_MAX_IN_"
+                "FLIGHT, HOPLINE_GATEWAY_TENANT_MIN_IN_FLIGHT): retry after a backoff",
+            )
 
     def _refuse_deadline(self) -> bool:
         """False for every MIN_PROBE_EVERY-th would-be refusal: that request goes through, so

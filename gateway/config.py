@@ -230,6 +230,12 @@ class GatewayConfig(ServerConfig):
         256,
         "requests worked on at once; past it RESOURCE_EXHAUSTED at once (0: no limit)",
     )
+    tenant_min_in_flight: int = env_field(
+        "HOPLINE_GATEWAY_TENANT_MIN_IN_FLIGHT",
+        32,
+        "while several tenants send, each may hold HOPLINE_GATEWAY_MAX_IN_FLIGHT / tenants "
+        "requests in flight, at least this many (0: no tenant's share)",
+    )
     cache_adaptive: bool = env_field(
         "HOPLINE_CACHE_ADAPTIVE",
         True,

@@ -145,7 +145,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             else None
         )
         self.admission = Admission(
-            config.max_in_flight, config.cache_budget_ms, config.cache_adaptive
+            config.max_in_flight,
+            config.cache_budget_ms,
+            config.cache_adaptive,
+            tenant_min_in_flight=config.tenant_min_in_flight,
         )
         self.exact_tier = LocalExactTier(config.local_exact_entries)
         self.key_mirror = KeyMirror(config.key_mirror_keys)

@@ -128,8 +128,9 @@ CACHE_LOOKUPS_SKIPPED = Counter(
 GATEWAY_REFUSED = Counter(
     "hopline_gateway_refused_total",
     "Requests the gateway refused at once: past its in-flight limit (in_flight, "
-    "RESOURCE_EXHAUSTED) or with too little deadline left for a model answer (deadline, "
-    "DEADLINE_EXCEEDED)",
+    "RESOURCE_EXHAUSTED), past their tenant's share of it while other tenants send "
+    "(tenant_share, RESOURCE_EXHAUSTED) or with too little deadline left for a model answer "
+    "(deadline, DEADLINE_EXCEEDED)",
     ("reason",),
 )
 GATEWAY_IN_FLIGHT = LoopGauge(

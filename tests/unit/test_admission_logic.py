@@ -3,6 +3,7 @@ cuts and the overload skip (the mesh test shows them through real processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 from typing import TYPE_CHECKING, cast
@@ -12,6 +13,7 @@ import pytest
 from fake_clock import FakeClock
 
 from hopline.gateway.admission import (
+    ACTIVE_S,
     MAX_SAMPLE_AGE_S,
     MIN_PROBE_EVERY,
     MIN_SAMPLES,
@@ -34,13 +36,16 @@ class Call:
     timeout_s: float = 10.0
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     cache: gateway_pb2.CacheInfo = dataclasses.field(default_factory=gateway_pb2.CacheInfo)
+    response: gateway_pb2.PredictResponse = dataclasses.field(
+        default_factory=lambda: gateway_pb2.PredictResponse(tenant="default")
+    )
 
     def left_s(self) -> float:
         return self.timeout_s  # a call that has just come in: its whole budget is left
 
 
-def call(timeout_s: float = 10.0) -> PredictCall:
-    return cast("PredictCall", Call(timeout_s))
+def call(timeout_s: float = 10.0, tenant: str = "default") -> PredictCall:
+    return cast("PredictCall", Call(timeout_s, response=gateway_pb2.PredictResponse(tenant=tenant)))
 
 
 def run_misses(admission: Admission, ms: float, count: int = MIN_SAMPLES) -> None:
@@ -171,3 +176,76 @@ def test_recent_keeps_its_window_in_order_as_samples_come_and_expire() -> None:
         assert recent.count() == len(kept)
         assert recent.ordered() == sorted(v for _, v in kept)
         assert recent.total == pytest.approx(sum(v for _, v in kept), abs=1e-9)
+
+
+def test_a_tenant_alone_gets_every_place() -> None:
+    admission = Admission(max_in_flight=8, cache_budget_ms=40, tenant_min_in_flight=2)
+    with contextlib.ExitStack() as held:
+        for _ in range(8):
+            held.enter_context(admission.admit(call(tenant="flood")))
+        with pytest.raises(RequestError) as refused, admission.admit(call(tenant="flood")):
+            pass
+    assert "limit of 8 requests in flight" in refused.value.message
+
+
+def test_while_others_send_a_tenant_holds_at_most_its_share() -> None:
+    """One tenant's flood took every place: the other tenants' requests were refused (a
+    helper's probe: 48 of 75, 106 of 130) and queued behind it. Once another tenant sends,
+    the flood is held to its share, the other's requests find places, and when the other
+    has been quiet for ACTIVE_S the flood may take every place again."""
+    clock = FakeClock(1000.0)
+    admission = Admission(max_in_flight=8, cache_budget_ms=40, clock=clock, tenant_min_in_flight=2)
+    with contextlib.ExitStack() as held:
+        for _ in range(7):
+            held.enter_context(admission.admit(call(tenant="flood")))
+        held.enter_context(admission.admit(call(tenant="quiet")))
+        with pytest.raises(RequestError) as refused, admission.admit(call(tenant="quiet")):
+            pass  # the gateway is full: refused, but now the quiet tenant counts as sending
+        assert "limit of 8" in refused.value.message
+    with contextlib.ExitStack() as held:
+        for _ in range(4):  # 8 places / 2 tenants
+            held.enter_context(admission.admit(call(tenant="flood")))
+        with pytest.raises(RequestError) as refused, admission.admit(call(tenant="flood")):
+            pass
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "4 requests in flight, its share of the gateway's 8 while 2 tenants" in (
+            refused.value.message
+        )
+        for _ in range(4):
+            held.enter_context(admission.admit(call(tenant="quiet")))
+    clock.advance(ACTIVE_S + 0.1)  # the quiet tenant stopped sending
+    with contextlib.ExitStack() as held:
+        for _ in range(8):
+            held.enter_context(admission.admit(call(tenant="flood")))
+
+
+def test_a_share_is_at_least_the_tenant_minimum_and_names_are_not_kept() -> None:
+    """Many tenants each get the minimum (the gateway's own limit still binds), and tenant
+    names are forgotten once quiet: 10,000 names leave nothing behind."""
+    clock = FakeClock(1000.0)
+    admission = Admission(max_in_flight=8, cache_budget_ms=40, clock=clock, tenant_min_in_flight=2)
+    for n in range(10_000):
+        with admission.admit(call(tenant=f"t{n}")):
+            pass
+    with (
+        admission.admit(call(tenant="a")),
+        admission.admit(call(tenant="a")),
+        pytest.raises(RequestError),
+        admission.admit(call(tenant="a")),
+    ):
+        pass  # 8 // 10,001 tenants is 0: the minimum, 2
+    clock.advance(ACTIVE_S + 0.1)
+    admission.tenants.sending()
+    assert admission.tenants.in_flight == {}
+    assert admission.tenants.sending() == 0
+
+
+@pytest.mark.parametrize(("minimum", "refused"), [(0, False), (1, True)])
+def test_no_tenant_share_when_it_is_off(minimum: int, refused: bool) -> None:
+    admission = Admission(max_in_flight=4, cache_budget_ms=40, tenant_min_in_flight=minimum)
+    with admission.admit(call(tenant="a")), contextlib.ExitStack() as held:
+        for _ in range(2):  # 4 places / 2 tenants
+            held.enter_context(admission.admit(call(tenant="b")))
+        third = contextlib.nullcontext() if not refused else pytest.raises(RequestError)
+        with third, admission.admit(call(tenant="b")):
+            pass
