@@ -210,8 +210,12 @@ def test_pairs_refuses_an_out_it_cannot_write_before_embedding(
     """`--out` was looked at only after every text was embedded (minutes on CLINC150)."""
     embedded: list[int] = []
 
+    def embed_many(texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        embedded.append(len(texts))
+        return _embed(texts)
+
     def embedder(_: Path) -> Any:
-        return SimpleNamespace(embed_many=lambda texts: embedded.append(1) or _embed(texts))
+        return SimpleNamespace(embed_many=embed_many)
 
     monkeypatch.setattr("hopline.cache.cli._embedder", embedder)
     (tmp_path / "afile").write_text("")
