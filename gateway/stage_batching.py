@@ -34,9 +34,10 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 
+from hopline.gateway.addresses import one_endpoint
 from hopline.gateway.hedging import Hedging
 from hopline.gateway.stage_codecs import Codec, InferCodec, PostprocessCodec, TokenizeCodec
-from hopline.gateway.upstream import CoLocated, GatewayUpstreams, Pool, Upstream, one_endpoint
+from hopline.gateway.upstream import CoLocated, GatewayUpstreams, Pool, Upstream
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import in_context, outgoing_metadata, tracer, unsampled
 from hopline.protos.hopline.inference.v1 import inference_pb2

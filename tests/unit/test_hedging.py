@@ -17,15 +17,10 @@ import grpc
 import pytest
 
 from hopline.gateway import hedging
+from hopline.gateway.addresses import one_endpoint, replica_targets, resolve_replicas
 from hopline.gateway.hedging import Hedging
 from hopline.gateway.stage_batching import GatewayStages
-from hopline.gateway.upstream import (
-    GatewayUpstreams,
-    Upstream,
-    one_endpoint,
-    replica_targets,
-    resolve_replicas,
-)
+from hopline.gateway.upstream import GatewayUpstreams, Upstream
 
 METHOD = "/hopline.test.Echo/Call"
 TIMEOUT_S = 3.0  # each call's deadline: far longer than a hedge takes, far shorter than a hang
