@@ -313,8 +313,7 @@ class Upstream(Generic[StubT]):
         (with two replicas and seven callers, every caller waited 5 s for the connection to
         drop in two runs of four: a helper's probe). Empty until a host name is resolved
         (every REPLICAS_RESOLVE_S, in the background)."""
-        if self._certificates is not None and (renewed := self._certificates.renewed()):
-            self._redial(renewed)
+        self._redial_if_renewed()
         targets = self._replica_targets
         if targets is None:  # a host name: what it resolves to now
             self._resolve_later()
@@ -355,9 +354,12 @@ class Upstream(Generic[StubT]):
             task.add_done_callback(self._closing.discard)
 
     def stub(self) -> StubT:
+        self._redial_if_renewed()
+        return next(self._next)
+
+    def _redial_if_renewed(self) -> None:
         if self._certificates is not None and (renewed := self._certificates.renewed()):
             self._redial(renewed)
-        return next(self._next)
 
     def _redial(self, tls: ClientTls) -> None:
         log.info("TLS files changed; dialling again with them", extra={"target": self.target})
