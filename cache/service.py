@@ -61,6 +61,7 @@ from hopline.observability import schema
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.runtime.batching import QueueFullError
 from hopline.runtime.errors import clip, status_code
+from hopline.runtime.fairness import FLOW
 
 log = logging.getLogger("hopline.cache")
 # The counts GetStatsResponse has a field for, by the field's name.
@@ -349,6 +350,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             verify = policy_of(request) if semantic else None
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        flow = FLOW.set(scope[0])  # the embedder's fair share (runtime/fairness.py)
         try:
             response = await self.lookups.answer(
                 scope, request.text, semantic, request.threshold, verify
@@ -357,6 +359,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except QueueFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"embedder overloaded: {exc}")
+        finally:
+            FLOW.reset(flow)
         self.counts.add(CacheCount.LOOKUPS)
         self.lookup_ms.append((time.perf_counter() - started) * 1e3)
         return response

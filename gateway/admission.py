@@ -9,7 +9,9 @@
   `tenant_min_in_flight`; past it, its new ones get RESOURCE_EXHAUSTED. Without it one
   tenant's flood took every place: a helper's probe, 300 callers of one tenant, made the other
   tenants' requests fail RESOURCE_EXHAUSTED (48 of 75, 106 of 130) and wait 1.0-1.8 s at the
-  median behind the flood's queue (18-35 ms alone). A tenant alone gets every place.
+  median behind the flood's queue (18-35 ms alone). A tenant alone gets every place. An
+  admitted request runs as its tenant's flow (`runtime/fairness.py:FLOW`): the stage queues
+  and the model's batcher serve the tenants waiting there in equal shares.
 - **Deadline**: when the deadline left is shorter than the fastest recent inference path
   (tokenize, inference, postprocess: the 10th percentile of the last `WINDOW` misses), the
   request gets DEADLINE_EXCEEDED at once rather than running a model whose answer could not
@@ -50,6 +52,7 @@ from opentelemetry import trace
 from hopline.gateway.errors import RequestError
 from hopline.observability import metrics, schema
 from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.runtime.fairness import FLOW
 
 if TYPE_CHECKING:
     from hopline.gateway.call import PredictCall
@@ -226,9 +229,11 @@ class Admission:
         metrics.GATEWAY_IN_FLIGHT.set(self.in_flight)
         if shares is not None:
             shares.enter(tenant)
+        flow = FLOW.set(tenant)  # the stage queues' and batchers' fair shares
         try:
             yield
         finally:
+            FLOW.reset(flow)
             self.in_flight -= 1
             metrics.GATEWAY_IN_FLIGHT.set(self.in_flight)
             if shares is not None:

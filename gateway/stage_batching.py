@@ -4,7 +4,9 @@ Each stage (tokenize, inference, postprocess) keeps at most `in_flight` RPCs on 
 per batch key (model, version, and for postprocess top_k). A request that finds a free slot
 is sent at once, alone: a lone request waits for nothing. Requests that arrive while every
 slot is taken queue, and go together, up to `max_rows`, in the RPC that the next free slot sends
-(a lone request is sent from its caller's task: no task, future or shield of its own).
+(a lone request is sent from its caller's task: no task, future or shield of its own). The
+queue is in fair order (runtime/fairness.py): while several tenants' rows wait, each gets an
+equal share of the rows sent, so a flood does not queue the others behind all of its own.
 So under load the per-RPC cost (serialisation, a round trip, a server's per-call work) is paid
 per batch, and at rest nothing changes. The cache stores after a reply are batched apart
 (gateway/store_queue.py): nobody waits for them, so they linger for each other.
@@ -43,6 +45,7 @@ from hopline.observability.tracing import in_context, outgoing_metadata, tracer,
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
+from hopline.runtime.fairness import FLOW, FairQueue
 
 log = logging.getLogger("hopline.gateway.stage_batching")
 
@@ -100,7 +103,9 @@ class BatchedStage(Generic[Req, Rep]):
         self._in_flight = max(1, in_flight)
         self._max_rows = max_rows
         self._busy: dict[Hashable, int] = {}
-        self._queues: dict[Hashable, list[_Row[Req, Rep]]] = {}
+        # Per key, in fair order between tenants (runtime/fairness.py): a tenant's flood
+        # does not queue the others' rows behind all of its own.
+        self._queues: dict[Hashable, FairQueue[_Row[Req, Rep]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def __call__(
@@ -122,11 +127,13 @@ class BatchedStage(Generic[Req, Rep]):
             asyncio.get_running_loop().create_future(),
             otel_context.get_current(),
         )
-        queue = self._queues.setdefault(key, [])
-        queue.append(row)
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = FairQueue()
+        queue.push(row, FLOW.get())
         if free:
             self._gather(key)
-        elif key in self._gathering and len(queue) >= self._max_rows(queue[0].request):
+        elif key in self._gathering and len(queue) >= self._max_rows(queue.head().request):
             self._gathered(key)  # a full batch waits for nobody
         self._pump(key)
         try:
@@ -184,11 +191,11 @@ class BatchedStage(Generic[Req, Rep]):
             return
         queue = self._queues.get(key)
         while queue and self._busy.get(key, 0) < self._in_flight:
-            live = [r for r in queue if not r.reply.done()]  # a waiter may have given up
-            limit = max(1, self._max_rows(live[0].request)) if live else 1
-            rows, queue[:] = live[:limit], live[limit:]
-            if not rows:
+            queue.prune(lambda r: r.reply.done())  # a waiter may have given up
+            if not queue:
                 break
+            limit = max(1, self._max_rows(queue.head().request))
+            rows = [queue.pop() for _ in range(min(limit, len(queue)))]
             self._busy[key] = self._busy.get(key, 0) + 1
             if len(rows) > 1:
                 model = key[0] if isinstance(key, tuple) else key

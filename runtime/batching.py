@@ -6,12 +6,14 @@ baseline of `hopline bench`, so what the benchmark compares against is the same 
 Scheduling, per batcher:
 - A request goes into the bucket of its sequence length (`length_buckets` are upper bounds
   in tokens), so a 9-token query is never padded to a 200-token one.
-- When a run slot is free, the bucket holding the oldest request is dispatched: up to
-  `max_batch_size` rows, oldest first. With `max_queue_delay_us` > 0 a batch that is not
-  full waits up to that long after its oldest request arrived for more rows; with 0 (the
-  default) nothing waits: a lone request runs at once (from its caller's task, not through
-  the scheduler: two event-loop turns fewer), and under load the requests that queued while
-  the previous run was busy form the next batch.
+- When a run slot is free, the bucket holding the next request in fair order is dispatched:
+  up to `max_batch_size` rows in that order. Fair order (runtime/fairness.py) is arrival
+  order while one tenant sends; while several do, each gets an equal share of the rows run,
+  so one tenant's backlog does not queue the others behind it. With `max_queue_delay_us` > 0
+  a batch that is not full waits up to that long after its first request arrived for more
+  rows; with 0 (the default) nothing waits: a lone request runs at once (from its caller's
+  task, not through the scheduler: two event-loop turns fewer), and under load the requests
+  that queued while the previous run was busy form the next batch.
 - Past `max_queue_size` waiting rows a request is refused at once (QueueFullError), so an
   overloaded model answers RESOURCE_EXHAUSTED instead of letting every queue in front of it
   grow.
@@ -26,10 +28,11 @@ import bisect
 import contextlib
 import dataclasses
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, Generic, TypeVar
+
+from hopline.runtime.fairness import FLOW, FairQueue, VirtualClock
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -112,8 +115,9 @@ def _fail(item: _Item[Any, Any], exc: BaseException) -> None:
 class DynamicBatcher(Generic[In, Out]):
     """Batches `submit` calls into calls of `run(payloads) -> outputs` on `executor`.
 
-    `run` is blocking and gets the payloads of one batch, in arrival order; it returns one
-    output per payload in the same order. It runs on `executor`, off the event loop.
+    `run` is blocking and gets the payloads of one batch, in fair order (arrival order for
+    one tenant's); it returns one output per payload in the same order. It runs on
+    `executor`, off the event loop.
     """
 
     def __init__(
@@ -128,7 +132,11 @@ class DynamicBatcher(Generic[In, Out]):
         self._run = run
         self.policy = policy
         self._executor = executor
-        self._buckets: list[deque[_Item[In, Out]]] = [deque() for _ in policy.length_buckets]
+        # One virtual clock: the buckets share the run slots, so the shares are the batcher's.
+        clock = VirtualClock()
+        self._buckets: list[FairQueue[_Item[In, Out]]] = [
+            FairQueue(clock) for _ in policy.length_buckets
+        ]
         self._waiting_rows = 0
         self._in_flight = 0
         self._wake = asyncio.Event()
@@ -163,7 +171,7 @@ class DynamicBatcher(Generic[In, Out]):
 
     async def submit(self, payload: In, rows: int = 1, length: int = 1) -> tuple[Out, BatchInfo]:
         """Queue `payload` (`rows` rows of `length` tokens) and wait for its output."""
-        if self._waiting_rows + rows > self.policy.max_queue_size:
+        if self._waiting_rows + rows > self.policy.max_queue_size and not self._pruned(rows):
             raise QueueFullError(
                 f"{self._waiting_rows} rows already waiting (max_queue_size "
                 f"{self.policy.max_queue_size})"
@@ -177,7 +185,7 @@ class DynamicBatcher(Generic[In, Out]):
         item: _Item[In, Out] = _Item(
             payload, rows, time.time_ns(), asyncio.get_running_loop().create_future()
         )
-        self._buckets[self.bucket_of(length)].append(item)
+        self._buckets[self.bucket_of(length)].push(item, FLOW.get(), rows)
         self._waiting_rows += rows
         self._on_queue_depth(self._waiting_rows)
         self._wake.set()
@@ -186,6 +194,13 @@ class DynamicBatcher(Generic[In, Out]):
         except asyncio.CancelledError:
             item.future.cancel()  # the scheduler skips it if it has not run yet
             raise
+
+    def _pruned(self, rows: int) -> bool:
+        """Whether `rows` more fit once the requests whose callers gave up are dropped (they
+        count until the scheduler reaches them, which may be behind a flood's rows)."""
+        for bucket in self._buckets:
+            self._waiting_rows -= sum(i.rows for i in bucket.prune(lambda i: i.future.done()))
+        return self._waiting_rows + rows <= self.policy.max_queue_size
 
     def _alone_runs_now(self, rows: int) -> bool:
         """Nothing waits, a run slot is free and the policy would not hold the request back
@@ -228,23 +243,24 @@ class DynamicBatcher(Generic[In, Out]):
         self._wake.set()
         self._ran.set()
 
-    def _oldest_bucket(self) -> deque[_Item[In, Out]] | None:
+    def _next_bucket(self) -> FairQueue[_Item[In, Out]] | None:
         for bucket in self._buckets:  # drop requests whose callers gave up
-            while bucket and bucket[0].future.done():
-                self._waiting_rows -= bucket.popleft().rows
+            while bucket and bucket.head().future.done():
+                self._waiting_rows -= bucket.pop(served=False).rows
         live = [b for b in self._buckets if b]
-        return min(live, key=lambda b: b[0].enqueued_ns) if live else None
+        return min(live, key=FairQueue.head_tag) if live else None
 
-    def _take(self, bucket: deque[_Item[In, Out]]) -> list[_Item[In, Out]]:
+    def _take(self, bucket: FairQueue[_Item[In, Out]]) -> list[_Item[In, Out]]:
         batch: list[_Item[In, Out]] = []
         rows = 0
         while bucket:
             # A request larger than max_batch_size (the model may allow more) runs alone.
-            if batch and rows + bucket[0].rows > self.policy.max_batch_size:
+            if batch and rows + bucket.head().rows > self.policy.max_batch_size:
                 break
-            item = bucket.popleft()
+            live = not bucket.head().future.done()
+            item = bucket.pop(served=live)
             self._waiting_rows -= item.rows
-            if not item.future.done():
+            if live:
                 batch.append(item)
                 rows += item.rows
         self._on_queue_depth(self._waiting_rows)
@@ -253,14 +269,14 @@ class DynamicBatcher(Generic[In, Out]):
     async def _schedule(self) -> None:
         delay_ns = self.policy.max_queue_delay_us * 1000
         while True:
-            bucket = self._oldest_bucket()
+            bucket = self._next_bucket()
             if bucket is None or self._in_flight >= self.policy.max_in_flight:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             if delay_ns:
                 rows = sum(i.rows for i in bucket)
-                due = bucket[0].enqueued_ns + delay_ns
+                due = bucket.head().enqueued_ns + delay_ns
                 if rows < self.policy.max_batch_size and time.time_ns() < due:
                     # Wait for more rows, a fuller bucket or the deadline, whichever is first.
                     self._wake.clear()
@@ -308,7 +324,6 @@ class DynamicBatcher(Generic[In, Out]):
         if self._runs:
             await asyncio.wait(set(self._runs))
         for bucket in self._buckets:
-            for item in bucket:
+            for item in bucket.clear():
                 item.future.cancel()
-            bucket.clear()
         self._waiting_rows = 0

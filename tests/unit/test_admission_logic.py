@@ -24,6 +24,7 @@ from hopline.gateway.admission import (
 from hopline.gateway.errors import RequestError
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
+from hopline.runtime.fairness import FLOW
 
 if TYPE_CHECKING:
     from hopline.gateway.call import PredictCall
@@ -249,3 +250,19 @@ def test_no_tenant_share_when_it_is_off(minimum: int, refused: bool) -> None:
         third = contextlib.nullcontext() if not refused else pytest.raises(RequestError)
         with third, admission.admit(call(tenant="b")):
             pass
+
+
+def test_an_admitted_request_runs_as_its_tenants_flow() -> None:
+    """The stage queues and the model's batcher share their turns by FLOW (runtime/
+    fairness.py): set to the tenant while the request holds its place, unset after, and
+    left alone for a local-tier answer, which queues nowhere."""
+    admission = Admission(max_in_flight=8, cache_budget_ms=40)
+    assert FLOW.get() is None
+    with admission.admit(call(tenant="tenant-a")):
+        assert FLOW.get() == "tenant-a"
+        with admission.admit(call(tenant="tenant-b")):
+            assert FLOW.get() == "tenant-b"
+        assert FLOW.get() == "tenant-a"
+    assert FLOW.get() is None
+    with admission.admit(call(tenant="tenant-a"), free=True):
+        assert FLOW.get() is None

@@ -6,6 +6,7 @@ gRPC, is tests/mesh/test_batching_service.py."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from conftest import BATCH_TEXTS, DEFAULT_MODEL
 from hopline.model.repository import load_config
 from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.runtime.batching import BatchInfo, BatchingPolicy, DynamicBatcher, QueueFullError
+from hopline.runtime.fairness import FLOW
 from hopline.services.inference.backend import Array, OnnxRuntimeBackend
 from hopline.services.inference.batched_model import BatchedModel, ModelRequest
 
@@ -181,6 +183,81 @@ def test_queue_bound_is_enforced_in_the_batcher() -> None:
             gate.set()
             assert (await running)[0] == "x"
             assert (await queued)[0] == "y"
+            await batcher.close()
+
+    asyncio.run(scenario())
+
+
+def _as_tenant(tenant: str, work: Any) -> asyncio.Task[Any]:
+    """`work` (a coroutine) in a task of its own running as `tenant`'s flow, as the gateway's
+    admission sets it for a request."""
+    context = contextvars.copy_context()
+    context.run(FLOW.set, tenant)
+    return asyncio.get_running_loop().create_task(work, context=context)
+
+
+def test_a_tenant_behind_another_tenants_backlog_runs_in_the_next_batch() -> None:
+    """One tenant's 30 requests queue behind a held run, then another tenant's one: it runs
+    in the first batch after the held run, not after the whole backlog (it was in the last of
+    eight batches when the batcher served arrival order). Lengths in two buckets, so the
+    choice between buckets is fair too; the flood's own rows keep their arrival order."""
+    gate = threading.Event()
+    runs: list[list[str]] = []
+
+    def run(payloads: list[str]) -> Sequence[str]:
+        runs.append(list(payloads))
+        if "hold" in payloads:
+            gate.wait(10)
+        return payloads
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            policy = BatchingPolicy(max_batch_size=4, length_buckets=(16, 64), max_in_flight=1)
+            batcher: DynamicBatcher[str, str] = DynamicBatcher(run, policy, executor)
+            hold = _as_tenant("flood", batcher.submit("hold", length=4))
+            await asyncio.sleep(0.05)
+            flood = [
+                _as_tenant("flood", batcher.submit(f"f{i}", length=8 if i % 2 else 40))
+                for i in range(30)
+            ]
+            await asyncio.sleep(0.01)
+            other = _as_tenant("other", batcher.submit("other", length=40))
+            await asyncio.sleep(0.01)
+            gate.set()
+            await asyncio.gather(hold, *flood, other)
+            await batcher.close()
+
+    asyncio.run(scenario())
+    assert runs[0] == ["hold"]
+    assert "other" in runs[1]
+    served = [p for r in runs[1:] for p in r if p != "other"]
+    short = [p for p in served if int(p[1:]) % 2]
+    assert short == sorted(short, key=lambda p: int(p[1:]))
+    assert sorted(served) == sorted(f"f{i}" for i in range(30))
+
+
+def test_requests_given_up_behind_a_backlog_free_the_queue_bound() -> None:
+    """A caller that gave up leaves its request queued until the scheduler reaches it; at
+    the queue's bound those are dropped before a new request is refused."""
+
+    async def scenario() -> None:
+        gate = threading.Event()
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher: DynamicBatcher[str, str] = DynamicBatcher(
+                lambda p: (gate.wait(10), p)[1], BatchingPolicy(max_queue_size=3), executor
+            )
+            running = asyncio.ensure_future(batcher.submit("x"))
+            await asyncio.sleep(0.05)
+            gone = [asyncio.ensure_future(batcher.submit(t)) for t in ("a", "b", "c")]
+            await asyncio.sleep(0)
+            for task in gone[1:]:
+                task.cancel()
+            queued = asyncio.ensure_future(batcher.submit("y", rows=2))
+            await asyncio.sleep(0)
+            with pytest.raises(QueueFullError, match="max_queue_size 3"):
+                await batcher.submit("z")
+            gate.set()
+            assert [(await t)[0] for t in (running, gone[0], queued)] == ["x", "a", "y"]
             await batcher.close()
 
     asyncio.run(scenario())

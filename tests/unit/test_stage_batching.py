@@ -9,6 +9,7 @@ refuses); the real services are batched in tests/mesh/test_gateway_batching.py.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from typing import Any
 
 import grpc
@@ -23,6 +24,7 @@ from hopline.gateway.stage_batching import BatchedStage, GatewayStages
 from hopline.gateway.stage_codecs import TokenizeCodec
 from hopline.observability import tracing
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2
+from hopline.runtime.fairness import FLOW
 from hopline.runtime.tensors import from_tensor, to_tensor
 
 Request = tokenizer_pb2.TokenizeRequest
@@ -345,6 +347,30 @@ def test_batches_hold_at_most_max_rows() -> None:
         gate.set()
         await asyncio.gather(first, *rows)
         assert [len(c) for c in upstream.calls] == [1, 3, 3, 1]
+
+    asyncio.run(scenario())
+
+
+def test_a_tenant_behind_another_tenants_backlog_goes_in_the_next_batch() -> None:
+    """One tenant's nine rows wait for the busy slot, then another tenant's one: it goes in
+    the next RPC (it went in the fourth of four, arrival order); each tenant's own rows keep
+    their order. Tenants as the gateway's admission sets them (runtime/fairness.py:FLOW)."""
+
+    def ask_as(stage: BatchedStage[Any, Any], tenant: str, text: str) -> asyncio.Task[Reply]:
+        context = contextvars.copy_context()
+        context.run(FLOW.set, tenant)
+        request = Request(model="m", model_version="1", texts=[text])
+        return asyncio.get_running_loop().create_task(stage(request, timeout=5.0), context=context)
+
+    async def scenario() -> None:
+        upstream, gate, stage, first = await _busy(max_rows=3)
+        flood = [ask_as(stage, "flood", f"f{i}") for i in range(9)]
+        other = ask_as(stage, "other", "other")
+        await asyncio.sleep(0)
+        gate.set()
+        await asyncio.gather(first, *flood, other)
+        assert upstream.calls[1] == ["f0", "other", "f1"]
+        assert [t for c in upstream.calls[2:] for t in c] == [f"f{i}" for i in range(2, 9)]
 
     asyncio.run(scenario())
 
