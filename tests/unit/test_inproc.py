@@ -8,10 +8,12 @@ repository; nothing opens a socket.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import grpc
+import numpy as np
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -21,12 +23,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from conftest import DEFAULT_MODEL
 from hopline.observability import tracing
 from hopline.observability.tracing import outgoing_metadata
+from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from hopline.protos.hopline.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from hopline.runtime.fairness import FLOW, FairQueue
 from hopline.runtime.inproc import InProcessService
 from hopline.runtime.server import NOT_READY
 from hopline.runtime.service_table import ServiceName, spec
-from hopline.runtime.tensors import from_tensor
+from hopline.runtime.tensors import from_tensor, to_tensor
 
 
 def _service(
@@ -125,3 +129,48 @@ def test_the_server_span_is_a_child_of_the_callers_span(
     assert server.context.trace_id == client.context.trace_id
     assert server.parent is not None
     assert server.parent.span_id == client.context.span_id
+
+
+def test_a_callers_tenant_reaches_the_co_located_models_batcher(
+    default_repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway's admission sets the request's tenant as its flow (runtime/fairness.py);
+    a co-located inference service's batcher must see it through the in-process call, or
+    every tenant's rows would queue as one. Six callers of three tenants at once: the first
+    runs alone, the rest queue under their own tenant's name, none as nobody's."""
+    service = _service(ServiceName.INFERENCE, default_repo, monkeypatch)
+    stub = inference_pb2_grpc.InferenceServiceStub(cast(grpc.aio.Channel, service.channel))
+    ids = np.array([[101, 7592, 2026, 20786, 102]], dtype=np.int64)
+    request = inference_pb2.InferRequest(
+        model=DEFAULT_MODEL,
+        inputs=[to_tensor("input_ids", ids), to_tensor("attention_mask", np.ones_like(ids))],
+        outputs=["logits"],
+    )
+    queued: list[object] = []
+    push = FairQueue.push
+
+    def recording_push(self: FairQueue[Any], item: Any, flow: Any = None, cost: int = 1) -> None:
+        queued.append(flow)
+        push(self, item, flow, cost)
+
+    monkeypatch.setattr(FairQueue, "push", recording_push)
+
+    async def infer() -> inference_pb2.InferResponse:
+        return await stub.Infer(request, timeout=30)
+
+    def as_tenant(tenant: str) -> asyncio.Task[inference_pb2.InferResponse]:
+        context = contextvars.copy_context()
+        context.run(FLOW.set, tenant)
+        return asyncio.get_running_loop().create_task(infer(), context=context)
+
+    async def scenario() -> list[inference_pb2.InferResponse]:
+        await service.start()
+        try:
+            return await asyncio.gather(*(as_tenant(f"tenant-{n % 3}") for n in range(6)))
+        finally:
+            await service.stop()
+
+    replies = asyncio.run(scenario())
+    assert all(r.outputs for r in replies)
+    assert queued, "nothing queued: every call ran alone"
+    assert set(queued) <= {"tenant-0", "tenant-1", "tenant-2"}
