@@ -28,7 +28,7 @@ from hopline.gateway.exact_tier import LocalEntry, LocalExactTier
 from hopline.gateway.key_mirror import KeyMirror
 from hopline.gateway.resilience import CircuitBreaker, CircuitState
 from hopline.gateway.speculation import Speculation
-from hopline.gateway.upstream import HopError, Pool, call_hop
+from hopline.gateway.upstream import HopError, Pool, Upstream, call_hop
 from hopline.observability import metrics, schema
 from hopline.observability.logs import Episodes
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
@@ -68,6 +68,20 @@ class CachePath:
         self.speculation = speculation
         self.writes = writes
         self._mismatch_logged: set[str] = set()
+        # The last lookup failed with no connection to the cache (not a cache that answered
+        # UNAVAILABLE itself, as it does while Milvus is down): see _cache_back.
+        self._unreachable = False
+
+    def _cache_back(self) -> bool:
+        """Whether the circuit's probe goes now: the cache was unreachable when the lookups
+        failed and the gateway has a connection to it again. Before, a restarted cache was
+        skipped until the cool-down ended (FAIL_OPEN 2-6 s after it served again, in a
+        helper's probe with the default 5 s; for the whole cool-down when it is longer)."""
+        if not (self._unreachable and isinstance(self.cache, Upstream) and self.cache.connected()):
+            return False
+        self._unreachable = False
+        self.breaker.reconnected()
+        return self.breaker.allow()
 
     def local_answer(self, call: PredictCall) -> common_pb2.Prediction | None:
         """An exact repeat this gateway holds, answered with no hop (the tier serves only
@@ -126,7 +140,7 @@ class CachePath:
                 else f"request cache_mode {common_pb2.CacheMode.Name(call.mode)}"
             )
             return None
-        if not self.breaker.allow():
+        if not self.breaker.allow() and not self._cache_back():
             call.cache.outcome = common_pb2.CACHE_OUTCOME_FAIL_OPEN
             call.fail_open_reason = "circuit_open"
             call.cache.detail = (
@@ -157,6 +171,11 @@ class CachePath:
         except HopError as err:
             self.admission.lookup_finished(overran=err.code == grpc.StatusCode.DEADLINE_EXCEEDED)
             self.breaker.failure()
+            self._unreachable = (
+                err.code == grpc.StatusCode.UNAVAILABLE
+                and isinstance(self.cache, Upstream)
+                and not self.cache.connected(try_to_connect=False)
+            )
             call.cache.outcome = common_pb2.CACHE_OUTCOME_FAIL_OPEN
             call.fail_open_reason = err.code.name.lower()
             call.cache.detail = err.message
@@ -164,6 +183,7 @@ class CachePath:
             return None
         self.admission.lookup_finished(overran=False)
         self.breaker.success()
+        self._unreachable = False
         LOOKUP_FAILURES.ended(LOOKUPS)
         call.verify_id = found.verify_id
         self._take_embedding(call, found)

@@ -2,8 +2,10 @@
 
 CircuitBreaker: after `failures` consecutive cache failures (errors or budget overruns) the
 gateway stops calling the cache for `cooldown_s`, then lets one probe through; its result
-closes or reopens the circuit. Coalescer: identical concurrent misses (same scope and
-normalised text) share one inference; the others wait for its answer.
+closes or reopens the circuit. A cache that was unreachable is probed as soon as the gateway
+has a connection to it again (gateway/cache_path.py:CachePath._cache_back). Coalescer:
+identical concurrent misses (same scope and normalised text) share one inference; the others
+wait for its answer.
 """
 
 from __future__ import annotations
@@ -70,6 +72,12 @@ class CircuitBreaker:
 
     def retry_in(self) -> float:
         return max(0.0, self._open_until - self.clock())
+
+    def reconnected(self) -> None:
+        """The upstream, unreachable when the circuit opened, has a connection again: the
+        circuit's probe may go now instead of at the end of the cool-down."""
+        if self._state == OPEN:
+            self._open_until = min(self._open_until, self.clock())
 
     def success(self) -> None:
         self._consecutive, self._state, self._probing = 0, CLOSED, False

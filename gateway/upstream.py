@@ -367,6 +367,12 @@ class Upstream(Generic[StubT]):
         self._dial(tls)
         self._close_later(old)
 
+    def connected(self, try_to_connect: bool = True) -> bool:
+        """Whether a channel has a ready connection (with health checking: to a replica that
+        says SERVING). `try_to_connect` wakes an idle channel, which connects only when asked."""
+        ready = grpc.ChannelConnectivity.READY
+        return any(c.get_state(try_to_connect) == ready for c in self.channels)
+
     def check_serves(self) -> None:
         """Ask in the background whether the address serves the service it must: one that
         serves another (an address setting naming the wrong service) would leave the gateway

@@ -380,6 +380,41 @@ def test_cache_killed_mid_run_fails_open_then_recovers(slow_mesh: Mesh) -> None:
     assert slow_mesh.gateway_counters()["circuit"] == "closed"
 
 
+def test_a_restarted_cache_is_used_again_before_the_circuits_cool_down_ends(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """The circuit opened because the cache was unreachable: once the gateway connects to it
+    again, the next lookup is the circuit's probe. Before, a restarted cache was skipped
+    until the cool-down ended (FAIL_OPEN 2-6 s after it served again with the default 5 s;
+    here 120 s, so the old behaviour cannot pass by chance). A cache that answers but fails
+    (UNAVAILABLE from the cache itself, Milvus down) keeps its full cool-down: unit tests."""
+    mesh = Mesh(
+        make_repo(default_repo, tmp_path),
+        tmp_path,
+        HOPLINE_DEFAULT_MODEL="sem",
+        HOPLINE_CACHE_BREAKER_FAILURES="2",
+        HOPLINE_CACHE_BREAKER_COOLDOWN_S="120",
+        HOPLINE_CACHE_BUDGET_MS="2000",
+    ).start()
+    try:
+        mesh.kill("cache")
+        down = [ask(mesh, f"is the cache away {i}", tenant="back") for i in range(4)]
+        assert all(r.cache.outcome == FAIL_OPEN for r in down)
+        assert "circuit open" in down[-1].cache.detail
+        mesh.start(("cache",))
+        deadline = time.monotonic() + 30
+        while (reply := ask(mesh, "is the cache back", tenant="back")).cache.outcome == FAIL_OPEN:
+            assert "circuit open" in reply.cache.detail or "unavailable" in (
+                reply.cache.detail.lower()
+            ), reply.cache.detail
+            assert time.monotonic() < deadline, reply.cache.detail
+            time.sleep(0.2)
+        assert reply.cache.outcome in (MISS, SEMANTIC), reply.cache
+        assert mesh.gateway_counters()["circuit"] == "closed"
+    finally:
+        mesh.stop()
+
+
 def test_refresh_replaces_the_entry_and_bypass_leaves_the_cache_alone(cmesh: Mesh) -> None:
     text = "what are your opening hours"
     ask(cmesh, text, tenant="modes")

@@ -104,6 +104,23 @@ def test_breaker_successful_probe_closes_the_circuit() -> None:
     assert breaker.opened == 1
 
 
+def test_breaker_probes_at_once_when_the_upstream_is_reachable_again() -> None:
+    """A cache that was unreachable is probed as soon as the gateway connects to it again,
+    not at the end of the cool-down; one probe still, and a failed one reopens in full."""
+    breaker, clock = open_breaker(cooldown_s=60.0)
+    clock.advance(1.0)
+    assert not breaker.allow()
+    breaker.reconnected()
+    assert breaker.state == HALF_OPEN
+    assert breaker.allow()
+    assert not breaker.allow()  # the probe is out
+    breaker.failure()
+    assert breaker.retry_in() == pytest.approx(60.0)
+    breaker.success()
+    breaker.reconnected()  # closed: nothing to do
+    assert breaker.state == CLOSED
+
+
 def test_breaker_failed_probe_reopens_for_a_full_cooldown() -> None:
     breaker, clock = open_breaker(cooldown_s=5.0)
     clock.advance(7.0)
