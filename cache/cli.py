@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from hopline.cache.invalidate_cli import add_invalidate
+from hopline.cache.stats_cli import add_stats
 
 if TYPE_CHECKING:
     from hopline.cache.cross_validation import CrossValidation
@@ -80,7 +81,8 @@ def _split_names(raw: str) -> list[str]:
 
 def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cache = sub.add_parser(
-        "cache", help="semantic cache tools (pairs, calibration, evaluation, invalidation)"
+        "cache",
+        help="semantic cache tools (pairs, calibration, evaluation, invalidation, stats)",
     )
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
     work_dir = os.environ.get("HOPLINE_CACHE_DIR", ".hopline")
@@ -237,6 +239,7 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     user.set_defaults(cache_handler=_milvus_user)
     add_invalidate(cache_sub)
+    add_stats(cache_sub)
 
 
 def _milvus_user(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ config.json (policy lives in the model's config, as an operator would change it)
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -171,6 +172,35 @@ def test_hopline_cache_invalidate_drops_a_tenants_answers_everywhere(cmesh: Mesh
     )  # fmt: skip
     assert usage.returncode == 2
     assert usage.stderr == "hopline cache invalidate: error: --model-version needs --model\n"
+
+
+def test_hopline_cache_stats_shows_what_the_cache_holds(cmesh: Mesh) -> None:
+    """The operator's view of GetStats (cache/stats_cli.py): the same figures as the RPC, as
+    lines and as JSON; an address with no cache is said, exit 1."""
+    ask(cmesh, "what are your opening hours", tenant="cli-stats")
+    cmesh.settle()
+    held = cmesh.cache_stats()
+
+    def stats(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "hopline", "cache", "stats", *flags],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
+    lines = stats("--cache", cmesh.addrs["cache"])
+    assert lines.returncode == 0, lines.stderr
+    assert lines.stdout.startswith(f"cache at {cmesh.addrs['cache']}: "), lines.stdout
+    assert f"\nentries {held.entries} (" in lines.stdout, lines.stdout
+    assert "\nlookups " in lines.stdout
+    as_json = stats("--cache", cmesh.addrs["cache"], "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    figures = json.loads(as_json.stdout)
+    assert int(figures["entries"]) == held.entries
+    assert int(figures["lookups"]) >= held.lookups
+    nobody = stats("--cache", "127.0.0.1:9")
+    assert nobody.returncode == 1
+    assert nobody.stderr.startswith("error: UNAVAILABLE: "), nobody.stderr
+    assert "(cache at 127.0.0.1:9)" in nobody.stderr
 
 
 def test_invalidate_by_scope_and_by_id(cmesh: Mesh) -> None:
