@@ -10,8 +10,8 @@ Scheduling, per batcher:
   up to `max_batch_size` rows in that order. Fair order (runtime/fairness.py) is arrival
   order while one tenant sends; while several do, each gets an equal share of the rows run,
   so one tenant's backlog does not queue the others behind it. With `max_queue_delay_us` > 0
-  a batch that is not full waits up to that long after its first request arrived for more
-  rows; with 0 (the default) nothing waits: a lone request runs at once (from its caller's
+  a batch that is not full waits up to that long after the request at its head arrived for
+  more rows; with 0 (the default) nothing waits: a lone request runs at once (from its caller's
   task, not through the scheduler: two event-loop turns fewer), and under load the requests
   that queued while the previous run was busy form the next batch.
 - Past `max_queue_size` waiting rows a request is refused at once (QueueFullError), so an
@@ -200,6 +200,7 @@ class DynamicBatcher(Generic[In, Out]):
         count until the scheduler reaches them, which may be behind a flood's rows)."""
         for bucket in self._buckets:
             self._waiting_rows -= sum(i.rows for i in bucket.prune(lambda i: i.future.done()))
+        self._on_queue_depth(self._waiting_rows)
         return self._waiting_rows + rows <= self.policy.max_queue_size
 
     def _alone_runs_now(self, rows: int) -> bool:
