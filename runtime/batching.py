@@ -245,9 +245,14 @@ class DynamicBatcher(Generic[In, Out]):
         self._ran.set()
 
     def _next_bucket(self) -> FairQueue[_Item[In, Out]] | None:
+        waiting = self._waiting_rows
         for bucket in self._buckets:  # drop requests whose callers gave up
             while bucket and bucket.head().future.done():
                 self._waiting_rows -= bucket.pop(served=False).rows
+        if self._waiting_rows != waiting:
+            # Said now: the queue may be empty from here on, and a lone request that runs at
+            # once says nothing (a helper's probe read 12 rows waiting on an idle model).
+            self._on_queue_depth(self._waiting_rows)
         live = [b for b in self._buckets if b]
         return min(live, key=FairQueue.head_tag) if live else None
 

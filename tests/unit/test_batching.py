@@ -263,6 +263,39 @@ def test_requests_given_up_behind_a_backlog_free_the_queue_bound() -> None:
     asyncio.run(scenario())
 
 
+def test_the_queue_depth_returns_to_zero_when_every_waiting_caller_gave_up() -> None:
+    """`hopline_queue_depth` read 1-15 rows on an idle model after callers gave up in a flood
+    (a helper's probe): requests dropped from the queue were never said, and a lone request
+    that runs at once says nothing."""
+    depths: list[int] = []
+    gate = threading.Event()
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher: DynamicBatcher[str, str] = DynamicBatcher(
+                lambda p: (gate.wait(10), p)[1],
+                BatchingPolicy(),
+                executor,
+                on_queue_depth=depths.append,
+            )
+            running = asyncio.ensure_future(batcher.submit("x"))
+            await asyncio.sleep(0.05)
+            gone = [asyncio.ensure_future(batcher.submit(t)) for t in ("a", "b", "c")]
+            await asyncio.sleep(0)
+            assert depths[-1] == 3
+            for task in gone:
+                task.cancel()
+            await asyncio.sleep(0)
+            gate.set()
+            await running
+            await batcher.wait_idle()
+            assert (await batcher.submit("alone"))[0] == "alone"
+            await batcher.close()
+
+    asyncio.run(scenario())
+    assert depths[-1] == 0, depths
+
+
 def test_a_lone_request_that_gives_up_mid_run_holds_its_slot_until_the_run_ends() -> None:
     """A lone request runs from its caller's task; when that caller is cancelled mid-run the
     model is still busy, so the next request must queue, not start a second run beside it."""
