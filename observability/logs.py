@@ -88,6 +88,51 @@ def setup_logging(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.value.upper())
+    grpc_server = logging.getLogger(GRPC_AIO_SERVER_LOGGER)
+    if not any(isinstance(f, RepliesAfterTheCallEnded) for f in grpc_server.filters):
+        grpc_server.addFilter(RepliesAfterTheCallEnded())
+
+
+GRPC_AIO_SERVER_LOGGER = "grpc._cython.cygrpc"
+# What grpc.aio's server logs, with a traceback at ERROR, when a servicer's reply cannot be
+# handed to gRPC core: the call has ended before it (grpc 1.85).
+EXECUTE_BATCH_ERROR = "ExecuteBatchError raised in core by servicer method "
+REPLIES_AFTER_END_EVERY_S = 60.0
+
+
+class RepliesAfterTheCallEnded(logging.Filter):
+    """grpc.aio's ERROR with a traceback for a reply it could not send, as one INFO line a
+    minute per method: it comes when the call ended first, the client's deadline passing as
+    the reply was sent or the client cancelling a stream whose replies it had not read
+    (helpers' probes: internal services under the gateway's short hop deadlines, a cancelled
+    PredictStream held by flow control). That is the client's doing; the RPC's own span and
+    metrics say how it ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._said: dict[str, float] = {}  # method -> when; bounded by the methods served
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(EXECUTE_BATCH_ERROR):
+            return True
+        if not logging.getLogger().isEnabledFor(logging.INFO):
+            return False
+        method = message.removeprefix(EXECUTE_BATCH_ERROR).strip("[]")
+        now = time.monotonic()
+        last = self._said.get(method)
+        if last is not None and now - last < REPLIES_AFTER_END_EVERY_S:
+            return False
+        self._said[method] = now
+        record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        record.msg = (
+            "a reply was not sent: its call had ended first (the client's deadline passed or "
+            "it cancelled); said once a minute per method"
+        )
+        record.args = None
+        record.exc_info, record.exc_text = None, None
+        record.method = method
+        return True
 
 
 # While a failure lasts, at most one line a key this often: under load an upstream that is
