@@ -127,8 +127,10 @@ def _pairs(rows: Iterable[Any], source: Path) -> list[tuple[str, str]]:
             raise TrainingDataError(
                 f"{source}: example {n} is neither {{'text','label'}} nor [text, label]"
             )
-        if not isinstance(text, str) or not isinstance(label, str) or not text.strip():
-            raise TrainingDataError(f"{source}: example {n} needs a non-empty text and a label")
+        if not (isinstance(text, str) and isinstance(label, str) and text.strip() and label):
+            raise TrainingDataError(
+                f"{source}: example {n} needs a non-empty text and a non-empty label"
+            )
         out.append((text, label))
     return out
 
@@ -317,11 +319,13 @@ def build_model(
             },
         )
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2), encoding="utf-8")
+        # Checked before it is published: a version the services cannot load was left in the
+        # repository, its number used up, with the build failing after (a helper's probe).
+        load_config(staging, expect=(name, version))
         staging.rename(target)  # atomic: a reader never sees half a version
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    load_config(target)  # refuse to report success for a version the services cannot load
     return target
 
 

@@ -186,6 +186,31 @@ def labels_problem(cfg: ModelConfig) -> str | None:
 
 
 MAX_ENTRIES_LIMIT = 2**63 - 1  # int64 in inference.proto's CachePolicy
+INT32_MAX = 2**31 - 1  # ModelInfo.max_batch_size, and what a tensor's dimension can be
+
+
+def _whole(raw: dict[str, Any], key: str, low: int, high: int) -> int:
+    """config.json's `key`, a whole number from `low` to `high`; ValueError naming it. A
+    max_batch_size of 3e9 loaded and then failed every model-list read of every model (out of
+    the proto's int32), and a max_sequence_length of 0 failed every request as the client's
+    fault (a helper's probe)."""
+    value = raw[key]
+    if not _is_json_type(value, int) or not low <= value <= high:
+        raise ValueError(
+            f"{key} must be a whole number from {low} to {high}, got {json.dumps(value)[:60]}"
+        )
+    return int(value)
+
+
+def _score(raw: dict[str, Any], key: str) -> float:
+    """config.json's `key`, a number from 0 to 1 (a score): an oos_threshold of 5 sent every
+    answer out of scope, unsaid (`hopline model build` refuses it; the services did not)."""
+    value = raw[key]
+    if not _is_json_type(value, float) or not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"{key} must be a number from 0 to 1 (a score), got {json.dumps(value)[:60]}"
+        )
+    return float(value)
 
 
 def cache_problem(cache: CachePolicy) -> str | None:
@@ -208,8 +233,10 @@ def cache_problem(cache: CachePolicy) -> str | None:
     return None
 
 
-def load_config(path: Path) -> ModelConfig:
-    """Read `<path>/config.json` and check that the files it names exist."""
+def load_config(path: Path, expect: tuple[str, str] | None = None) -> ModelConfig:
+    """Read `<path>/config.json` and check that the files it names exist. The config must
+    name the model and version of its folders, or `expect` (a build checks its staging
+    folder before publishing it under that name)."""
     try:
         raw = _read_json(path / CONFIG_FILE)
         labels = _labels(path / raw["files"]["labels"])
@@ -223,13 +250,13 @@ def load_config(path: Path) -> ModelConfig:
             precision=Precision(raw["precision"]),
             inputs=_specs(raw["inputs"]),
             outputs=_specs(raw["outputs"]),
-            max_batch_size=int(raw["max_batch_size"]),
-            max_sequence_length=int(raw["max_sequence_length"]),
+            max_batch_size=_whole(raw, "max_batch_size", 1, INT32_MAX),
+            max_sequence_length=_whole(raw, "max_sequence_length", 1, INT32_MAX),
             labels=labels,
-            oos_threshold=float(raw["oos_threshold"]),
+            oos_threshold=_score(raw, "oos_threshold"),
             cache=CachePolicy.from_json(raw.get("cache", {})),
             batching=BatchingPolicy.from_json(
-                raw.get("dynamic_batching", {}), int(raw["max_batch_size"])
+                raw.get("dynamic_batching", {}), _whole(raw, "max_batch_size", 1, INT32_MAX)
             ),
             files=dict(raw["files"]),
             build=dict(raw.get("build", {})),
@@ -239,10 +266,10 @@ def load_config(path: Path) -> ModelConfig:
         raise InvalidModelError(f"{path}: {CONFIG_FILE} has no {exc}") from exc
     except (OSError, TypeError, ValueError) as exc:
         raise InvalidModelError(f"{path}: {exc}") from exc
-    if cfg.name != path.parent.name or cfg.version != path.name:
+    name, version = expect or (path.parent.name, path.name)
+    if (cfg.name, cfg.version) != (name, version):
         raise InvalidModelError(
-            f"{path}: config says {cfg.name}/{cfg.version}, the directory says "
-            f"{path.parent.name}/{path.name}"
+            f"{path}: config says {cfg.name}/{cfg.version}, the directory says {name}/{version}"
         )
     problem = cache_problem(cfg.cache) or labels_problem(cfg)
     if problem is not None:

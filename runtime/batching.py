@@ -27,6 +27,7 @@ import asyncio
 import bisect
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -39,6 +40,9 @@ Out = TypeVar("Out")
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256)
 DEFAULT_MAX_BATCH = 32
+# Past a second a request's wait for company is a deadline, not a batching delay: a config's
+# 1e12 made a lone request wait until its caller gave up (a helper's probe).
+MAX_QUEUE_DELAY_US = 1_000_000
 
 
 class QueueFullError(Exception):
@@ -57,8 +61,8 @@ class BatchingPolicy:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_queue_size < 1 or self.max_in_flight < 1:
             raise ValueError("max_batch_size, max_queue_size and max_in_flight must be >= 1")
-        if self.max_queue_delay_us < 0:
-            raise ValueError("max_queue_delay_us must be >= 0")
+        if not 0 <= self.max_queue_delay_us <= MAX_QUEUE_DELAY_US:
+            raise ValueError(f"max_queue_delay_us must be from 0 to {MAX_QUEUE_DELAY_US}")
         buckets = tuple(self.length_buckets)
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError("length_buckets must be increasing positive token counts")
@@ -70,23 +74,43 @@ class BatchingPolicy:
         Runs in flight are not a model property but a deployment one (the inference
         service's `--workers`), so the block does not set them.
         """
+        if not isinstance(raw, dict):
+            raise ValueError("dynamic_batching must be a JSON object")
         known = {f.name for f in dataclasses.fields(cls)} - {"max_in_flight"}
         unknown = set(raw) - known
         if unknown:
             raise ValueError(
                 f"unknown dynamic_batching keys {sorted(unknown)} (known: {sorted(known)})"
             )
+        # Whole numbers, checked before any comparison: a float max_batch_size loaded and
+        # failed every batched run (TypeError, INTERNAL to clients), a string one failed the
+        # load naming no key (a helper's probe).
+        for key, value in raw.items():
+            listed = key == "length_buckets"
+            if not (
+                isinstance(value, list) and value and all(_whole(b) for b in value)
+                if listed
+                else _whole(value)
+            ):
+                kind = "a list of whole numbers" if listed else "a whole number"
+                got = json.dumps(value)[:60]
+                raise ValueError(f"dynamic_batching.{key} must be {kind}, got {got}")
         # 32 rows: on 2 CPU cores a 32-row MiniLM run already gets 96% of the per-row saving
         # of a 64-row one (1.46 vs 1.40 ms a row) in half the time a request waits for it.
         values = {"max_batch_size": min(DEFAULT_MAX_BATCH, model_max_batch_size), **raw}
-        if int(values["max_batch_size"]) > model_max_batch_size:
+        if values["max_batch_size"] > model_max_batch_size:
             raise ValueError(
                 f"dynamic_batching.max_batch_size {values['max_batch_size']} exceeds the "
                 f"model's max_batch_size {model_max_batch_size}"
             )
         if "length_buckets" in values:
-            values["length_buckets"] = tuple(int(b) for b in values["length_buckets"])
+            values["length_buckets"] = tuple(values["length_buckets"])
         return cls(**values)
+
+
+def _whole(value: Any) -> bool:
+    """A JSON whole number (JSON's true is Python's 1: not one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)

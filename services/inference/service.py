@@ -67,6 +67,8 @@ async def _close_when_idle(model: BatchedModel) -> None:
 # A run that fails fails every request in its batch, and a model that fails once often fails
 # every run: its traceback once an episode, by model version (observability/logs.py).
 RUN_FAILURES = Episodes(log, "model run failed", level=logging.ERROR)
+# A loaded version the model list cannot carry: left out of every list, said once an episode.
+UNLISTABLE = Episodes(log, "model version left out of the model list")
 # Threads a run or runs at once: far past any machine's cores, below what wedged a start
 # (100,000 intra-op threads: ONNX Runtime's session creation never returned, nor the drain).
 THREADS = Range(high=1024)
@@ -260,6 +262,17 @@ def _model_info(cfg: ModelConfig, model: BatchedModel) -> inference_pb2.ModelInf
         head_embedder=cfg.head_embedder,
         digest=model.digest,
     )
+
+
+def _listed(cfg: ModelConfig, model: BatchedModel) -> inference_pb2.ModelInfo | None:
+    """A loaded version's entry in the model list; None, said once a version, when its config
+    does not fit the message: one such version failed every list read, and with it every
+    gateway's view of every model (a helper's probe; load_config now bounds what it knew of)."""
+    try:
+        return _model_info(cfg, model)
+    except (ValueError, TypeError) as exc:
+        UNLISTABLE.failed(cfg.key, type(exc).__name__, model=cfg.key, error=str(exc))
+        return None
 
 
 class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
@@ -456,5 +469,5 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         # only ever routes to a version that loaded; one that fails is left out.
         await asyncio.get_running_loop().run_in_executor(None, self.models.load_new)
         return inference_pb2.ListModelsResponse(
-            models=[_model_info(cfg, model) for cfg, model in self.models.loaded()]
+            models=[i for cfg, model in self.models.loaded() if (i := _listed(cfg, model))]
         )

@@ -35,12 +35,19 @@ def repo(default_repo: Path, tmp_path: Path) -> Path:
 def test_unusable_input_is_one_line_and_publishes_nothing(repo: Path, tmp_path: Path) -> None:
     one_label = tmp_path / "one-label.json"
     one_label.write_text(json.dumps([["refund please", "refund"], ["money back", "refund"]]))
+    # An empty label was built and published (about 90 MB), then left out by every service,
+    # its version number used up, with the build failing after (a helper's probe).
+    empty_label = tmp_path / "empty-label.json"
+    empty_label.write_text(json.dumps([["refund please", ""], ["money back", "refund"]]))
     not_json = tmp_path / "examples.json"
     not_json.write_text("text,label\nrefund please,refund\n")
     cases = {
         "no such file": ("--train", str(tmp_path / "missing.json"), "--name", "m"),
         f"{not_json} is not JSON: Expecting value": ("--train", str(not_json), "--name", "m"),
         "need at least two labels": ("--train", str(one_label), "--name", "m"),
+        "example 1 needs a non-empty text and a non-empty label": (
+            "--train", str(empty_label), "--name", "m",
+        ),
         "model versions are immutable": ("--default", "--version", "1"),
         "must be a positive integer": ("--default", "--version", "v2"),
         # Built and published, then left out by every service: "not a version folder".

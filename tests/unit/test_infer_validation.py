@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -14,7 +16,7 @@ from conftest import DEFAULT_MODEL
 from hopline.model.repository import ModelConfig, load_config
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.runtime.tensors import TensorError, to_tensor
-from hopline.services.inference.service import _validate
+from hopline.services.inference.service import _listed, _validate
 
 VOCAB = 30522  # MiniLM's
 
@@ -93,3 +95,24 @@ def test_a_float_model_input_is_checked_by_value(cfg: ModelConfig) -> None:
         assert f"holds token id {int(bad)};" in _refusal(spec, _request(ids, np.ones_like(ids)))
     mask = np.array([[1.0, 0.5, 1.0]], dtype=np.float32)
     assert _refusal(spec, _request(ok, mask)) == "input 'attention_mask' must hold only 0 and 1"
+
+
+def test_a_version_the_model_list_cannot_carry_is_left_out_not_the_whole_list(
+    cfg: ModelConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One loaded version whose max_batch_size did not fit ModelInfo's int32 failed every
+    ListModels (UNKNOWN), and every gateway's view of every model with it (a helper's
+    probe). load_config now refuses such a value; a version the list still cannot carry is
+    left out of it, said once. A stand-in for the loaded model: _model_info reads only its
+    providers and digest."""
+    model = cast(Any, SimpleNamespace(backend=SimpleNamespace(providers=["cpu"]), digest="ab"))
+    listed = _listed(cfg, model)
+    assert listed is not None
+    assert listed.max_batch_size == cfg.max_batch_size
+    too_big = dataclasses.replace(cfg, max_batch_size=2**31)
+    assert _listed(too_big, model) is None
+    assert _listed(too_big, model) is None
+    said = [
+        r for r in caplog.records if r.getMessage() == "model version left out of the model list"
+    ]
+    assert len(said) == 1

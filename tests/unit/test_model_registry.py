@@ -281,6 +281,12 @@ def _edit_cache(folder: Path, key: str, value: object) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def _edit_batching(folder: Path, key: str, value: Any) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.setdefault("dynamic_batching", {})[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 @pytest.mark.parametrize(
     ("damage", "said"),
     [
@@ -336,6 +342,43 @@ def _edit_cache(folder: Path, key: str, value: object) -> None:
             ]
         ),
         (lambda f: _edit_config(f, cache=[]), "cache must be a JSON object, got list"),
+        # Top-level values out of what the services can carry or use (a helper's probe): a
+        # max_batch_size past int32 loaded and then failed every model-list read, for every
+        # model; a max_sequence_length of 0 failed every request as the client's fault; an
+        # oos_threshold of 5 sent every answer out of scope, unsaid.
+        *(
+            (lambda f, k=key, v=value: _edit_config(f, **{k: v}), said)
+            for key, value, said in [
+                ("max_batch_size", 3_000_000_000, "max_batch_size must be a whole number from 1"),
+                ("max_batch_size", 4.5, "max_batch_size must be a whole number from 1 to"),
+                ("max_batch_size", True, "max_batch_size must be a whole number from 1 to"),
+                ("max_sequence_length", 0, "max_sequence_length must be a whole number from 1"),
+                ("oos_threshold", 5, "oos_threshold must be a number from 0 to 1 (a score)"),
+                ("oos_threshold", -1, "oos_threshold must be a number from 0 to 1"),
+                (
+                    "oos_threshold",
+                    "0.3",
+                    'oos_threshold must be a number from 0 to 1 (a score), got "0.3"',
+                ),
+            ]
+        ),
+        # dynamic_batching values of another JSON type: a float max_batch_size loaded and
+        # failed every batched run INTERNAL; a string max_queue_size was refused naming no
+        # key; a delay of 1e12 us held a lone request until its deadline.
+        *(
+            (lambda f, k=key, v=value: _edit_batching(f, k, v), said)
+            for key, value, said in [
+                ("max_batch_size", 4.5, "dynamic_batching.max_batch_size must be a whole number"),
+                (
+                    "max_queue_size",
+                    "big",
+                    'dynamic_batching.max_queue_size must be a whole number, got "big"',
+                ),
+                ("max_queue_delay_us", 10**12, "max_queue_delay_us must be from 0 to 1000000"),
+                ("length_buckets", [8, 16.5], "length_buckets must be a list of whole numbers"),
+                ("length_buckets", [], "length_buckets must be a list of whole numbers"),
+            ]
+        ),
     ],
 )
 def test_a_version_whose_config_cannot_serve_is_left_out_naming_what_is_wrong(
