@@ -27,12 +27,15 @@ are not asked for ListModels): a few directory reads and stats every few seconds
 A caller may say which files it expects a version to have (`find`'s `expect`: the digest the
 gateway's model list gives it), so that one request's stages answer from one build of a
 version changed in place, though each service reloads it on its own. With `keep_replaced`
-the files a reload replaced are kept, and answer callers that still expect them, until none
-has for `linger_s` (the gateway's list names the old build until inference has loaded the
-new one, and for as long as the new one does not load there); a caller that expects files
-this service has not loaded makes it rescan there and then, not at its next refresh (at
-most once a second per version, whatever the digest: a caller's list may itself be the
-stale side, and made-up digests must not make every request a rescan).
+the files a reload replaced are kept, and answer callers that still expect them, until the
+version changes again or leaves the repository (the gateway's list names the old build until
+inference has loaded the new one, and for as long as the new one does not load there: a
+model.onnx truncated in place loads in the tokenizer and postprocess, whose files did not
+change, and not in inference; when the kept build went after `linger_s` without a miss,
+every miss failed UNAVAILABLE until the file was fixed, a helper's probe); a caller that
+expects files this service has not loaded makes it rescan there and then, not at its next
+refresh (at most once a second per version, whatever the digest: a caller's list may itself
+be the stale side, and made-up digests must not make every request a rescan).
 
 Rescans are single-flight: callers that miss while one is running share the next one (a scan
 that started before a caller missed may not have seen what the caller wants), so a burst of
@@ -223,7 +226,7 @@ class ModelRegistry(Generic[T]):
                 del self._leaving[key]
                 self._retire(model)
         for key, kept in list(self._replaced.items()):
-            if key not in configs or time.monotonic() >= kept.until:
+            if key not in configs:
                 del self._replaced[key]
                 self._retire(kept.found[1])
         self._configs, self._config_files, self._broken = configs, config_files, broken
@@ -262,7 +265,7 @@ class ModelRegistry(Generic[T]):
         )
         if self._keep_replaced:
             older = self._replaced.get(key)
-            self._replaced[key] = _Kept((old_cfg, old_model), self._linger_s)
+            self._replaced[key] = _Kept((old_cfg, old_model))
             if older is not None:
                 self._retire(older.found[1])
         else:
@@ -357,13 +360,10 @@ class ModelRegistry(Generic[T]):
         return bool(expect) and self._digest_of is not None and self._digest_of(found[1]) != expect
 
     def _kept(self, key: Key, expect: str) -> tuple[ModelConfig, T] | None:
-        """The files a reload replaced, when they are the ones the caller expects (kept
-        `linger_s` longer from now)."""
+        """The files a reload replaced, when they are the ones the caller expects."""
         kept = self._replaced.get(key)
-        now = time.monotonic()
-        if kept is None or now >= kept.until or self._differs(kept.found, expect):
-            return None  # (let go at the next scan once past `until`)
-        kept.until = now + self._linger_s
+        if kept is None or self._differs(kept.found, expect):
+            return None
         return kept.found
 
     def _recheck_due(self, key: Key) -> bool:
@@ -392,16 +392,19 @@ class ModelRegistry(Generic[T]):
         `find`)."""
         key = self._key(name, version)
         loaded = self._loaded.get(key)
-        if loaded is not None and self._differs(loaded, expect):
-            if (kept := self._kept(key, expect)) is not None:
-                return kept
-            self._recheck(key)
-        elif self._rescan_due():
+        # The periodic rescan first, even for a caller the kept files answer: they may be
+        # what every caller expects for as long as inference cannot load the new files, and
+        # then only a rescan sees the files fixed.
+        if self._rescan_due():
             self._next_rescan = time.monotonic() + (self._rescan_s or math.inf)
             try:
                 self._rescan_after(self._scans_started)
             except OSError as exc:  # a volume going away under the listing: serve on
                 log.warning("model repository rescan failed", extra={"error": str(exc)})
+        elif loaded is not None and self._differs(loaded, expect):
+            if (kept := self._kept(key, expect)) is not None:
+                return kept
+            self._recheck(key)
         key = self._key(name, version)
         found = self._loaded.get(key)
         if found is not None:
@@ -441,11 +444,10 @@ class ModelRegistry(Generic[T]):
 
 
 class _Kept(Generic[T]):
-    """A version's files that a reload replaced, and until when they are kept."""
+    """A version's files that a reload replaced (one build a version: the one before)."""
 
-    def __init__(self, found: tuple[ModelConfig, T], linger_s: float) -> None:
+    def __init__(self, found: tuple[ModelConfig, T]) -> None:
         self.found = found
-        self.until = time.monotonic() + linger_s
 
 
 def _latest(configs: dict[Key, ModelConfig]) -> dict[str, str]:
