@@ -62,11 +62,13 @@ from hopline.model.quantize import (
     convert,
 )
 from hopline.model.repository import (
+    CHECKSUMS,
     CONFIG_FILE,
     SENTENCE_EMBEDDING,
     CachePolicy,
     ModelRepository,
     cache_problem,
+    file_checksums,
     is_version,
     load_config,
     validate_name,
@@ -318,6 +320,9 @@ def build_model(
                 **({"precision_check": check} if check else {}),
             },
         )
+        # What ties the files together: a service refuses a folder whose files are not these
+        # (a copy over a served version seen half done; model/repository.py:checksum_problem).
+        config[CHECKSUMS] = file_checksums(staging, config["files"])
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2), encoding="utf-8")
         # Checked before it is published: a version the services cannot load was left in the
         # repository, its number used up, with the build failing after (a helper's probe).

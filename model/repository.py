@@ -122,6 +122,9 @@ class ModelConfig:
     build: dict[str, Any]
     # The encoder whose embeddings the "head" file takes in place of tokens ("": none).
     head_embedder: str = ""
+    # SHA-256 (hex) of each file `files` names, as `hopline model build` wrote them
+    # (`checksum_problem`): empty in versions built before them, which are not checked.
+    checksums: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -261,6 +264,7 @@ def load_config(path: Path, expect: tuple[str, str] | None = None) -> ModelConfi
             files=dict(raw["files"]),
             build=dict(raw.get("build", {})),
             head_embedder=str(raw.get("head_embedder", "")),
+            checksums=_checksums(raw.get(CHECKSUMS, {})),
         )
     except KeyError as exc:
         raise InvalidModelError(f"{path}: {CONFIG_FILE} has no {exc}") from exc
@@ -279,7 +283,38 @@ def load_config(path: Path, expect: tuple[str, str] | None = None) -> ModelConfi
     for role in cfg.files:
         if not cfg.file(role).is_file():
             raise InvalidModelError(f"{path}: missing {role} file {cfg.files[role]}")
+    if problem := checksum_problem(cfg):
+        raise InvalidModelError(f"{path}: {problem}")
     return cfg
+
+
+CHECKSUMS = "checksums"  # config.json's key
+
+
+def _checksums(raw: Any) -> dict[str, str]:
+    if not (isinstance(raw, dict) and all(isinstance(v, str) for v in raw.values())):
+        raise ValueError(f"{CHECKSUMS} must map file names to SHA-256 hex digests")
+    return dict(raw)
+
+
+def file_checksums(folder: Path, files: dict[str, str]) -> dict[str, str]:
+    """The SHA-256 (hex) of each file `files` names, for config.json's `checksums`."""
+    return {name: _file_digest(folder / name).hex() for name in sorted(set(files.values()))}
+
+
+def checksum_problem(cfg: ModelConfig) -> str | None:
+    """A file that is not the one config.json was written with: the folder holds files of
+    two builds, as while a copy over it is under way (each service would load the files it
+    found: a helper's probe saw labels.json arrive first, its label count unchanged, and
+    every stage answer the new labels over the old model's scores for 40 s, cached). The
+    version is then left out, or served from the files loaded before, until they agree."""
+    for name, want in cfg.checksums.items():
+        if name in cfg.files.values() and _file_digest(cfg.path / name).hex() != want:
+            return (
+                f"{name} is not the file {CONFIG_FILE} was written with (its SHA-256 differs): "
+                "the folder holds files of two builds, as while a copy over it is under way"
+            )
+    return None
 
 
 def config_to_json(cfg: ModelConfig) -> dict[str, Any]:

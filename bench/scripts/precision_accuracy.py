@@ -27,6 +27,7 @@ from hopline.model.build import build_model, default_weights_dir, load_examples
 from hopline.model.encoder import ClassifierHead, build_encoder_graph
 from hopline.model.outliers import calibration_feeds
 from hopline.model.quantize import Precision, convert
+from hopline.model.repository import CHECKSUMS, file_checksums
 from hopline.model.tokenizer import DEFAULT_MAX_LENGTH, load_tokenizer
 from hopline.observability.logs import LogFormat, setup_logging
 from hopline.services.pipeline import Pipeline
@@ -51,6 +52,7 @@ def convert_version(fp32: Path, target: Path, precision: Precision, train: Path)
     convert(graph, precision, staging / "model.onnx", calibration)
     config = json.loads((staging / "config.json").read_text())
     config.update(version=target.name, precision=precision.value)
+    config[CHECKSUMS] = file_checksums(staging, config["files"])  # its own model file's
     (staging / "config.json").write_text(json.dumps(config, indent=2))
     staging.rename(target)
 

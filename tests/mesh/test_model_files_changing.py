@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from model_files import reseal
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from conftest import DEFAULT_MODEL
@@ -77,6 +78,7 @@ def swap_labels(folder: Path, first: str, second: str) -> None:
     staged = labels_file.with_name("labels.staged")
     staged.write_text(json.dumps(labels))
     staged.replace(labels_file)
+    reseal(folder)
 
 
 def test_a_stage_that_lags_behind_the_model_list_answers_from_the_new_files(mesh: Mesh) -> None:
@@ -151,7 +153,8 @@ def test_while_the_model_list_names_the_old_build_every_stage_answers_from_it(
     mesh.settle()
     assert ask(mesh, text).cache.outcome == EXACT  # one build's answer, cached under its digest
 
-    (folder / "model.onnx").write_bytes(b"not an onnx model")  # the next copy, broken
+    (folder / "model.onnx").write_bytes(b"not an onnx model")  # the next build, broken
+    reseal(folder)
     eventually(lambda: reloads(mesh) == 2, "the tokenizer and postprocess reload again")
     with pytest.raises(grpc.RpcError) as failed:
         ask(mesh, "my parcel never arrived", cache="bypass")
@@ -159,6 +162,7 @@ def test_while_the_model_list_names_the_old_build_every_stage_answers_from_it(
     assert "answered from different files" in (failed.value.details() or "")
 
     shutil.copyfile(default_repo / DEFAULT_MODEL / "1" / "model.onnx", folder / "model.onnx")
+    reseal(folder)
     eventually(
         lambda: _label_or_none(mesh, "I forgot my password") == "order_status",
         "answers from the new build once its files load everywhere",
@@ -195,11 +199,13 @@ def test_a_model_file_inference_cannot_load_leaves_the_old_build_serving_however
     mesh = lagging_list
     folder = mesh.repo / DEFAULT_MODEL / "1"
     (folder / "model.onnx").write_bytes(b"not an onnx model")
+    reseal(folder)  # a build whose model inference cannot read, not a copy under way
     eventually(lambda: reloads(mesh) == 1, "the tokenizer and postprocess reload the folder")
     time.sleep(3.0)  # no request: five times the stages' linger, and rescans meanwhile
     after = ask(mesh, "I forgot my password and the reset link never came", cache="bypass")
     assert after.prediction.label == "password_reset"
 
     shutil.copyfile(default_repo / DEFAULT_MODEL / "1" / "model.onnx", folder / "model.onnx")
+    reseal(folder)
     eventually(lambda: reloads(mesh) == 2, "the fixed file is loaded again")
     assert _label_or_none(mesh, "I forgot my password") == "password_reset"

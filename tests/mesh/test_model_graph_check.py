@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from model_files import reseal
 
 from conftest import DEFAULT_MODEL
 from hopline.protos.hopline.inference.v1 import inference_pb2
@@ -44,6 +45,7 @@ def publish(repo: Path, version: str, damage: Callable[[Path], None]) -> None:
     config = json.loads((staging / "config.json").read_text())
     (staging / "config.json").write_text(json.dumps(config | {"version": int(version)}))
     damage(staging)
+    reseal(staging)  # a build with that damage, not a copy under way
     staging.rename(repo / DEFAULT_MODEL / version)
 
 

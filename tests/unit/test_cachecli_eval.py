@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from model_files import reseal
 
 from hopline.cache import evaluate
 from hopline.cache.cli import weights_difference
@@ -139,6 +140,7 @@ def _copy(default_repo: Path, repo: Path, name: str, **changes: Any) -> Path:
     for role, data in contents.items():
         (target / config["files"][role]).write_bytes(data)
     (target / "config.json").write_text(json.dumps(config))
+    reseal(target)
     return target
 
 
@@ -170,6 +172,7 @@ def test_weights_difference_names_what_differs(default_repo: Path, tmp_path: Pat
     _copy(default_repo, repo, "oos", oos_threshold=0.123)
     labels = _copy(default_repo, repo, "labels") / "labels.json"
     labels.write_text(json.dumps(json.loads(labels.read_text())[::-1]))  # the columns renamed
+    reseal(labels.parent)
     resolve = ModelRepository(repo).resolve
     plain = resolve("plain")
     assert weights_difference(plain, plain) is None

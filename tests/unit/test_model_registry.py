@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from model_files import reseal
 
 from conftest import DEFAULT_MODEL
 from hopline.model.registry import ModelRegistry
@@ -51,8 +52,9 @@ def publish(default_repo: Path, repo: Path, version: str, broken: bool = False) 
     config = json.loads((folder / "config.json").read_text())
     config["version"] = int(version)
     (folder / "config.json").write_text(json.dumps(config))
-    if broken:
+    if broken:  # a build whose model file ONNX Runtime cannot read
         (folder / "model.onnx").write_bytes(BROKEN)
+        reseal(folder)
     return folder
 
 
@@ -109,6 +111,7 @@ def test_a_failed_version_is_tried_again_once_its_files_change(
     shutil.copyfile(default_repo / DEFAULT_MODEL / "1" / "model.onnx", folder / "model.onnx")
     stat = (folder / "model.onnx").stat()
     os.utime(folder / "model.onnx", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    reseal(folder)
 
     registry.load_new()
     assert loader.attempts == ["1", "2", "2"]
@@ -119,6 +122,7 @@ def test_a_failed_version_is_tried_again_once_its_files_change(
 
 def test_a_model_none_of_whose_versions_loads_says_why(repo: Path) -> None:
     (repo / DEFAULT_MODEL / "1" / "model.onnx").write_bytes(BROKEN)
+    reseal(repo / DEFAULT_MODEL / "1")
     registry = ModelRegistry(ModelRepository(repo), Loader())
     assert registry.load_all() == []
     with pytest.raises(ModelNotFoundError, match=r"no version of model .* loads .*1: failed"):
@@ -238,9 +242,10 @@ def test_files_copied_over_a_loaded_version_serve_it_as_it_was_until_they_load(
     under its own number and as the latest, and loaded from the new files once they load."""
     loader = Loader()
     retired: list[str] = []
+    folder = repo / DEFAULT_MODEL / "1"
+    reseal(folder)  # as `hopline model build` writes it, whatever built the default model
     registry = ModelRegistry(ModelRepository(repo), loader, on_retire=retired.append)
     registry.load_all()
-    folder = repo / DEFAULT_MODEL / "1"
     config = json.loads((folder / "config.json").read_text())
     model = (folder / "model.onnx").read_bytes()
 
@@ -254,7 +259,8 @@ def test_files_copied_over_a_loaded_version_serve_it_as_it_was_until_they_load(
     (folder / "model.onnx").write_bytes(BROKEN)  # the model file not yet whole
     registry.load_new()
     registry.load_new()  # the same files: not tried again
-    assert loader.attempts == ["1", "1"]
+    # Not the file config.json names (its checksum): never handed to the loader.
+    assert loader.attempts == ["1"]
     cfg, _ = registry.get(DEFAULT_MODEL)
     assert cfg.oos_threshold != 0.25, "the config served must be the loaded model's"
     assert registry.broken() == {}
@@ -262,7 +268,7 @@ def test_files_copied_over_a_loaded_version_serve_it_as_it_was_until_they_load(
 
     (folder / "model.onnx").write_bytes(model)  # the copy is done
     registry.load_new()
-    assert loader.attempts == ["1", "1", "1"]
+    assert loader.attempts == ["1", "1"]
     cfg, session = registry.get(DEFAULT_MODEL, "1")
     assert (cfg.oos_threshold, session) == (0.25, "session 1")
     assert retired == ["session 1"]
@@ -489,6 +495,7 @@ def test_files_replaced_keeping_size_and_mtime_are_loaded_again(
     assert staged.stat().st_size == before.st_size
     os.utime(staged, ns=(before.st_atime_ns, before.st_mtime_ns))
     staged.replace(labels)
+    reseal(folder)
 
     registry.load_new()
 
@@ -517,6 +524,7 @@ def test_files_changed_between_the_scan_and_the_first_load_are_loaded_with_their
     staged = folder / "labels.staged"
     staged.write_text(json.dumps(labels))
     staged.replace(folder / "labels.json")
+    reseal(folder)
 
     cfg, (loaded_labels, digest) = registry.get(DEFAULT_MODEL, "2")
 
@@ -587,3 +595,38 @@ def test_a_version_digest_follows_a_file_edited_in_place_keeping_size_and_mtime(
     labels.write_text(text)
     os.utime(labels, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert version_digest(folder) == before
+
+
+def test_a_copy_over_a_served_version_is_not_loaded_until_its_files_agree(
+    repo: Path, default_repo: Path
+) -> None:
+    """Another build copied over a serving version file by file, labels.json first (a helper's
+    probe, `cp` of a build's folder): its labels, as many as before, loaded over the old
+    model, and every stage answered the new labels over the old scores for 40 s, cached.
+    config.json's checksums tie a build's files together: until every file is the build's,
+    the version serves the files it loaded before, and the loader never sees a mix."""
+    loader = Loader()
+    folder = repo / DEFAULT_MODEL / "1"
+    reseal(folder)
+    registry = ModelRegistry(ModelRepository(repo), loader)
+    registry.load_all()
+    old_labels = registry.get(DEFAULT_MODEL, "1")[0].labels
+
+    build = repo.parent / "next-build"  # the new build, made elsewhere
+    shutil.copytree(folder, build)
+    labels = list(old_labels)
+    labels[0], labels[1] = labels[1], labels[0]
+    (build / "labels.json").write_text(json.dumps(labels))
+    (build / "model.onnx").write_bytes(b"the next build's model")  # the stand-in loader's
+    reseal(build)
+
+    for name in ("labels.json", "config.json", "model.onnx"):  # copied one by one
+        shutil.copyfile(build / name, folder / name)
+        registry.load_new()
+        cfg, _ = registry.get(DEFAULT_MODEL, "1")
+        if name != "model.onnx":
+            assert cfg.labels == old_labels, f"loaded with only {name} copied"
+            assert loader.attempts == ["1"]
+    assert list(cfg.labels) == labels
+    assert loader.attempts == ["1", "1"]
+    assert registry.broken() == {}

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from model_files import reseal
 
 from conftest import DEFAULT_MODEL
 from hopline.model.registry import RECHECK_S, ModelRegistry
@@ -55,6 +56,7 @@ def swap_two_labels(folder: Path, first: int = 0) -> None:
     staged = labels_file.with_name("labels.staged")
     staged.write_text(json.dumps(labels))
     staged.replace(labels_file)
+    reseal(folder)
 
 
 def registry(folder: Path, loads: Loads, rescan_s: float) -> ModelRegistry[str]:
