@@ -134,7 +134,12 @@ class ModelCatalogue:
                 f"model {wanted!r} is not in the model list, and inference's list could not "
                 f"be read again ({failed.code().name}): retry",
             )
-        known = ", ".join(sorted(f"{n}/{v}" for n, v in self.models)) or "none"
         raise RequestError(
-            grpc.StatusCode.NOT_FOUND, f"unknown model {wanted!r} (serving: {known})"
+            grpc.StatusCode.NOT_FOUND, f"unknown model {wanted!r} (serving: {self.serving()})"
         )
+
+    def serving(self) -> str:
+        """The model versions listed, as NOT_FOUND names them: a name's in version order
+        (they read 1, 10, 2)."""
+        keys = sorted(self.models, key=lambda k: (k[0], int(k[1]) if k[1].isdigit() else 0))
+        return ", ".join(f"{n}/{v}" for n, v in keys) or "none"

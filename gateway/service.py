@@ -265,9 +265,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             if err.code != grpc.StatusCode.NOT_FOUND or max(len(name), len(version)) <= ECHO_CHARS:
                 raise
             # The catalogue's message echoes the name whole: say it again, clipped.
-            known = ", ".join(sorted(f"{n}/{v}" for n, v in self.models)) or "none"
             wanted = f"{clip(name)}/{clip(version)}" if version else clip(name)
-            raise RequestError(err.code, f"unknown model {wanted!r} (serving: {known})") from None
+            raise RequestError(
+                err.code, f"unknown model {wanted!r} (serving: {self.catalogue.serving()})"
+            ) from None
 
     def check_text(self, text: str, where: str = "PredictRequest.text") -> None:
         if not text.strip():

@@ -139,7 +139,10 @@ def _pairs(rows: Iterable[Any], source: Path) -> list[tuple[str, str]]:
 
 def load_examples(path: Path, split: str | None = None) -> list[tuple[str, str]]:
     """(text, label) pairs from JSONL, a JSON list, or a JSON object of splits (`split`)."""
-    raw = path.read_text(encoding="utf-8")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:  # said without the file's name before
+        raise TrainingDataError(f"{path} is not UTF-8 text: {exc}") from None
     try:
         if path.suffix == ".jsonl":
             rows: Any = [json.loads(line) for line in raw.splitlines() if line.strip()]

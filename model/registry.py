@@ -440,7 +440,8 @@ class ModelRegistry(Generic[T]):
         return dict(self._broken)
 
     def loaded(self) -> list[tuple[ModelConfig, T]]:
-        return sorted(self._loaded.values(), key=lambda m: m[0].key)
+        """By name, then version number (ListModels listed 1, 10, 2)."""
+        return sorted(self._loaded.values(), key=lambda m: (m[0].name, int(m[0].version)))
 
 
 class _Kept(Generic[T]):

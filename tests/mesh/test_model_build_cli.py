@@ -39,12 +39,15 @@ def test_unusable_input_is_one_line_and_publishes_nothing(repo: Path, tmp_path: 
     # its version number used up, with the build failing after (a helper's probe).
     empty_label = tmp_path / "empty-label.json"
     empty_label.write_text(json.dumps([["refund please", ""], ["money back", "refund"]]))
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes('[["caf\u00e9 ferm\u00e9", "hours"], ["hi", "greet"]]'.encode("latin-1"))
     not_json = tmp_path / "examples.json"
     not_json.write_text("text,label\nrefund please,refund\n")
     cases = {
         "no such file": ("--train", str(tmp_path / "missing.json"), "--name", "m"),
         f"{not_json} is not JSON: Expecting value": ("--train", str(not_json), "--name", "m"),
         "need at least two labels": ("--train", str(one_label), "--name", "m"),
+        f"{latin1} is not UTF-8 text": ("--train", str(latin1), "--name", "m"),
         "example 1 needs a non-empty text and a non-empty label": (
             "--train", str(empty_label), "--name", "m",
         ),

@@ -630,3 +630,12 @@ def test_a_copy_over_a_served_version_is_not_loaded_until_its_files_agree(
     assert list(cfg.labels) == labels
     assert loader.attempts == ["1", "1"]
     assert registry.broken() == {}
+
+
+def test_versions_are_listed_in_number_order(repo: Path, default_repo: Path) -> None:
+    """ListModels listed 1, 10, 2 (a model author's probe)."""
+    registry = ModelRegistry(ModelRepository(repo), Loader())
+    for version in ("10", "2"):
+        publish(default_repo, repo, version)
+    registry.load_all()
+    assert [cfg.version for cfg, _ in registry.loaded()] == ["1", "2", "10"]
