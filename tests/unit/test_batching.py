@@ -107,6 +107,14 @@ async def behind_a_held_run(
         return [r if isinstance(r, BaseException) else r[0] for r in results]
 
 
+def held_run(runs: list[list[str]], gate: threading.Event, payloads: list[str]) -> None:
+    """A stand-in model run's start: the batch recorded, a batch holding "hold" kept until
+    `gate` is set."""
+    runs.append(list(payloads))
+    if "hold" in payloads:
+        gate.wait(10)
+
+
 def test_a_failed_batch_fails_only_the_request_that_fails_alone() -> None:
     """A run that raises is run again request by request: only the request that fails alone
     fails; its batch-mate and the batch beside it are answered.
@@ -118,9 +126,7 @@ def test_a_failed_batch_fails_only_the_request_that_fails_alone() -> None:
     runs: list[list[str]] = []
 
     def run(payloads: list[str]) -> Sequence[str]:
-        runs.append(list(payloads))
-        if "hold" in payloads:
-            gate.wait(10)
+        held_run(runs, gate, payloads)
         if "poison" in payloads:
             raise RuntimeError("model run failed")
         return [p.upper() for p in payloads]
@@ -167,15 +173,25 @@ def test_the_runs_again_of_a_failed_batch_keep_to_the_run_slots() -> None:
     assert running[1] == 1
 
 
+async def _holding(
+    gate: threading.Event, executor: ThreadPoolExecutor, **options: Any
+) -> tuple[DynamicBatcher[str, str], asyncio.Future[tuple[str, BatchInfo]]]:
+    """A batcher (`options`: its policy's, and `on_queue_depth`) whose one run slot holds
+    "x" until `gate` is set."""
+    depth = options.pop("on_queue_depth", None)
+    batcher: DynamicBatcher[str, str] = DynamicBatcher(
+        lambda p: (gate.wait(10), p)[1], BatchingPolicy(**options), executor, on_queue_depth=depth
+    )
+    running = asyncio.ensure_future(batcher.submit("x"))
+    await asyncio.sleep(0.05)
+    return batcher, running
+
+
 def test_queue_bound_is_enforced_in_the_batcher() -> None:
     async def scenario() -> None:
         gate = threading.Event()
         with ThreadPoolExecutor(max_workers=1) as executor:
-            batcher: DynamicBatcher[str, str] = DynamicBatcher(
-                lambda p: (gate.wait(10), p)[1], BatchingPolicy(max_queue_size=3), executor
-            )
-            running = asyncio.ensure_future(batcher.submit("x"))
-            await asyncio.sleep(0.05)
+            batcher, running = await _holding(gate, executor, max_queue_size=3)
             queued = asyncio.ensure_future(batcher.submit("y", rows=3))
             await asyncio.sleep(0)
             with pytest.raises(QueueFullError, match="max_queue_size 3"):
@@ -205,9 +221,7 @@ def test_a_tenant_behind_another_tenants_backlog_runs_in_the_next_batch() -> Non
     runs: list[list[str]] = []
 
     def run(payloads: list[str]) -> Sequence[str]:
-        runs.append(list(payloads))
-        if "hold" in payloads:
-            gate.wait(10)
+        held_run(runs, gate, payloads)
         return payloads
 
     async def scenario() -> None:
@@ -243,11 +257,7 @@ def test_requests_given_up_behind_a_backlog_free_the_queue_bound() -> None:
     async def scenario() -> None:
         gate = threading.Event()
         with ThreadPoolExecutor(max_workers=1) as executor:
-            batcher: DynamicBatcher[str, str] = DynamicBatcher(
-                lambda p: (gate.wait(10), p)[1], BatchingPolicy(max_queue_size=3), executor
-            )
-            running = asyncio.ensure_future(batcher.submit("x"))
-            await asyncio.sleep(0.05)
+            batcher, running = await _holding(gate, executor, max_queue_size=3)
             gone = [asyncio.ensure_future(batcher.submit(t)) for t in ("a", "b", "c")]
             await asyncio.sleep(0)
             for task in gone[1:]:
@@ -272,14 +282,7 @@ def test_the_queue_depth_returns_to_zero_when_every_waiting_caller_gave_up() -> 
 
     async def scenario() -> None:
         with ThreadPoolExecutor(max_workers=1) as executor:
-            batcher: DynamicBatcher[str, str] = DynamicBatcher(
-                lambda p: (gate.wait(10), p)[1],
-                BatchingPolicy(),
-                executor,
-                on_queue_depth=depths.append,
-            )
-            running = asyncio.ensure_future(batcher.submit("x"))
-            await asyncio.sleep(0.05)
+            batcher, running = await _holding(gate, executor, on_queue_depth=depths.append)
             gone = [asyncio.ensure_future(batcher.submit(t)) for t in ("a", "b", "c")]
             await asyncio.sleep(0)
             assert depths[-1] == 3
