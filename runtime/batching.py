@@ -278,7 +278,11 @@ class DynamicBatcher(Generic[In, Out]):
             # once says nothing (a helper's probe read 12 rows waiting on an idle model).
             self._on_queue_depth(self._waiting_rows)
         live = [b for b in self._buckets if b]
-        return min(live, key=FairQueue.head_tag) if live else None
+        # Tags tie whenever each waiting tenant has one request (the common case: one caller
+        # a tenant): then the oldest goes first. Ties went to the shortest bucket, and a
+        # tenant of long texts waited behind every short one (a helper's probe: 1 answer in
+        # 3 s beside 8 tenants of short texts, 49 before).
+        return min(live, key=lambda b: (b.head_tag(), b.head().enqueued_ns)) if live else None
 
     def _take(self, bucket: FairQueue[_Item[In, Out]]) -> list[_Item[In, Out]]:
         batch: list[_Item[In, Out]] = []

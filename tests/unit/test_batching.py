@@ -250,6 +250,36 @@ def test_a_tenant_behind_another_tenants_backlog_runs_in_the_next_batch() -> Non
     assert sorted(served) == sorted(f"f{i}" for i in range(30))
 
 
+def test_tenants_with_one_request_each_are_served_oldest_first_across_lengths() -> None:
+    """Every waiting tenant with one request (the usual case: a caller a tenant) ties in fair
+    order; the tie went to the shortest length bucket, so a tenant of long texts waited behind
+    every short one as long as they kept coming (a helper's probe: one answer in 3 s beside 8
+    tenants of short texts, 49 with arrival order). The oldest goes first."""
+    gate = threading.Event()
+    runs: list[list[str]] = []
+
+    def run(payloads: list[str]) -> Sequence[str]:
+        held_run(runs, gate, payloads)
+        return payloads
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            policy = BatchingPolicy(max_batch_size=4, length_buckets=(16, 64), max_in_flight=1)
+            batcher: DynamicBatcher[str, str] = DynamicBatcher(run, policy, executor)
+            hold = _as_tenant("h", batcher.submit("hold", length=4))
+            await asyncio.sleep(0.05)
+            long = _as_tenant("long-texts", batcher.submit("long", length=40))
+            await asyncio.sleep(0.01)
+            short = [_as_tenant(f"s{i}", batcher.submit(f"s{i}", length=8)) for i in range(4)]
+            await asyncio.sleep(0.01)
+            gate.set()
+            await asyncio.gather(hold, long, *short)
+            await batcher.close()
+
+    asyncio.run(scenario())
+    assert runs == [["hold"], ["long"], ["s0", "s1", "s2", "s3"]]
+
+
 def test_requests_given_up_behind_a_backlog_free_the_queue_bound() -> None:
     """A caller that gave up leaves its request queued until the scheduler reaches it; at
     the queue's bound those are dropped before a new request is refused."""
