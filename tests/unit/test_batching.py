@@ -212,6 +212,20 @@ def _as_tenant(tenant: str, work: Any) -> asyncio.Task[Any]:
     return asyncio.get_running_loop().create_task(work, context=context)
 
 
+def _two_buckets(
+    runs: list[list[str]], gate: threading.Event, executor: ThreadPoolExecutor
+) -> DynamicBatcher[str, str]:
+    """Runs of at most 4 rows, one at a time, in two length buckets (up to 16 and 64 tokens),
+    each recorded (`held_run`)."""
+
+    def run(payloads: list[str]) -> Sequence[str]:
+        held_run(runs, gate, payloads)
+        return payloads
+
+    policy = BatchingPolicy(max_batch_size=4, length_buckets=(16, 64), max_in_flight=1)
+    return DynamicBatcher(run, policy, executor)
+
+
 def test_a_tenant_behind_another_tenants_backlog_runs_in_the_next_batch() -> None:
     """One tenant's 30 requests queue behind a held run, then another tenant's one: it runs
     in the first batch after the held run, not after the whole backlog (it was in the last of
@@ -220,14 +234,9 @@ def test_a_tenant_behind_another_tenants_backlog_runs_in_the_next_batch() -> Non
     gate = threading.Event()
     runs: list[list[str]] = []
 
-    def run(payloads: list[str]) -> Sequence[str]:
-        held_run(runs, gate, payloads)
-        return payloads
-
     async def scenario() -> None:
         with ThreadPoolExecutor(max_workers=1) as executor:
-            policy = BatchingPolicy(max_batch_size=4, length_buckets=(16, 64), max_in_flight=1)
-            batcher: DynamicBatcher[str, str] = DynamicBatcher(run, policy, executor)
+            batcher = _two_buckets(runs, gate, executor)
             hold = _as_tenant("flood", batcher.submit("hold", length=4))
             await asyncio.sleep(0.05)
             flood = [
@@ -258,14 +267,9 @@ def test_tenants_with_one_request_each_are_served_oldest_first_across_lengths() 
     gate = threading.Event()
     runs: list[list[str]] = []
 
-    def run(payloads: list[str]) -> Sequence[str]:
-        held_run(runs, gate, payloads)
-        return payloads
-
     async def scenario() -> None:
         with ThreadPoolExecutor(max_workers=1) as executor:
-            policy = BatchingPolicy(max_batch_size=4, length_buckets=(16, 64), max_in_flight=1)
-            batcher: DynamicBatcher[str, str] = DynamicBatcher(run, policy, executor)
+            batcher = _two_buckets(runs, gate, executor)
             hold = _as_tenant("h", batcher.submit("hold", length=4))
             await asyncio.sleep(0.05)
             long = _as_tenant("long-texts", batcher.submit("long", length=40))
