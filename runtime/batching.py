@@ -195,14 +195,18 @@ class DynamicBatcher(Generic[In, Out]):
 
     async def submit(self, payload: In, rows: int = 1, length: int = 1) -> tuple[Out, BatchInfo]:
         """Queue `payload` (`rows` rows of `length` tokens) and wait for its output."""
-        if self._waiting_rows + rows > self.policy.max_queue_size and not self._pruned(rows):
-            raise QueueFullError(
-                f"{self._waiting_rows} rows already waiting (max_queue_size "
-                f"{self.policy.max_queue_size})"
-            )
+        # A request that runs at once never waits, so the bound on waiting rows is not its
+        # (20 rows beside max_queue_size 1 were refused on an idle model, told to retry).
+        runs_now = self._closed or self._alone_runs_now(rows)
+        if (
+            not runs_now
+            and self._waiting_rows + rows > self.policy.max_queue_size
+            and not self._pruned(rows)
+        ):
+            raise QueueFullError(self._full(rows))
         # After close (a retired model version), a request that took the model just before
         # runs alone rather than wait on a scheduler that is gone.
-        if self._closed or self._alone_runs_now(rows):
+        if runs_now or self._alone_runs_now(rows):
             return await self._run_alone(payload, rows)
         if self._task is None:
             self._task = asyncio.create_task(self._schedule(), name="loop-batcher")
@@ -218,6 +222,16 @@ class DynamicBatcher(Generic[In, Out]):
         except asyncio.CancelledError:
             item.future.cancel()  # the scheduler skips it if it has not run yet
             raise
+
+    def _full(self, rows: int) -> str:
+        bound = self.policy.max_queue_size
+        said = f"{self._waiting_rows} rows already waiting (max_queue_size {bound})"
+        if rows > bound:
+            said += (
+                f"; a request of {rows} rows, more than may wait, is taken only when the model "
+                f"can run it at once: retry, or send at most {bound} rows a request"
+            )
+        return said
 
     def _pruned(self, rows: int) -> bool:
         """Whether `rows` more fit once the requests whose callers gave up are dropped (they

@@ -85,6 +85,11 @@ class _QueueDepth:
         self._depth = depth
 
 
+class NeverFitsError(ValueError):
+    """A request with more rows than the model's runs and queue ever hold at once: refused
+    on any load, so the client's to split (INVALID_ARGUMENT), not to retry."""
+
+
 class BatchedModel:
     """One model version: its backend, the batcher that feeds it, and its head if it has one."""
 
@@ -121,9 +126,20 @@ class BatchedModel:
         """The request's outputs and how it ran. One with more rows than a run takes
         (`dynamic_batching.max_batch_size`) goes in parts of at most that many, side by side
         in the run slots, and is answered when the last part is (`_in_parts`)."""
-        most = self.batcher.policy.max_batch_size
+        policy = self.batcher.policy
+        most = policy.max_batch_size
         if request.rows <= most:
             return await self.batcher.submit(request, request.rows, request.length)
+        # Parts beyond the free run slots wait; past the queue bound one is refused even on
+        # an idle model.
+        held = most * policy.max_in_flight + policy.max_queue_size
+        if request.rows > held:
+            raise NeverFitsError(
+                f"{request.rows} rows in one request; {self.config.key} takes at most {held} "
+                f"at once (max_batch_size {most} in each of {policy.max_in_flight} run slots, "
+                f"max_queue_size {policy.max_queue_size} waiting): send at most {held} rows a "
+                "request"
+            )
         return await self._in_parts(request, most)
 
     async def _in_parts(

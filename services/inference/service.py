@@ -54,7 +54,12 @@ from hopline.services.inference.backend import (
     graph_problem,
     warm_up,
 )
-from hopline.services.inference.batched_model import BatchedModel, EmbeddingHead, ModelRequest
+from hopline.services.inference.batched_model import (
+    BatchedModel,
+    EmbeddingHead,
+    ModelRequest,
+    NeverFitsError,
+)
 
 log = logging.getLogger("hopline.inference")
 
@@ -382,6 +387,8 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             outputs, run = await model.infer(
                 ModelRequest(inputs, tuple(request.outputs), int(batch), int(seq))
             )
+        except NeverFitsError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFullError as exc:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

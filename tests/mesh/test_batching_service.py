@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 
 from conftest import BATCH_TEXTS, DEFAULT_MODEL
 from harness import Mesh
@@ -21,7 +22,10 @@ from hopline.runtime.tensors import to_tensor
 
 
 def test_full_queue_returns_resource_exhausted(default_repo: Path, tmp_path: Path) -> None:
-    """A real inference service with a 4-row queue, hit by 24 concurrent 4-row requests."""
+    """A real inference service with a 4-row queue, hit by 24 concurrent 4-row requests; then
+    one request of more rows than its runs and queue ever hold at once, which no retry
+    serves: INVALID_ARGUMENT naming the most a request may carry (it was RESOURCE_EXHAUSTED,
+    "retry with backoff")."""
     repo = tmp_path / "models"
     shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
     config_path = repo / DEFAULT_MODEL / "1" / "config.json"
@@ -49,6 +53,17 @@ def test_full_queue_returns_resource_exhausted(default_repo: Path, tmp_path: Pat
                 return await asyncio.gather(*calls, return_exceptions=True)
 
         results = asyncio.run(burst())
+        ids, mask = (np.tile(a, (16, 1)) for a in (batch.input_ids, batch.attention_mask))
+        huge = inference_pb2.InferRequest(
+            model=DEFAULT_MODEL,
+            inputs=[to_tensor("input_ids", ids), to_tensor("attention_mask", mask)],
+        )
+        with grpc.insecure_channel(mesh.addrs["inference"]) as channel:
+            try:
+                inference_pb2_grpc.InferenceServiceStub(channel).Infer(huge, timeout=30)
+                raise AssertionError("64 rows beside runs of 4 and a 4-row queue: answered")
+            except grpc.RpcError as err:
+                too_many = err
     finally:
         mesh.stop()
     refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
@@ -60,6 +75,9 @@ def test_full_queue_returns_resource_exhausted(default_repo: Path, tmp_path: Pat
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "inference queue for support-intents" in (err.details() or "")
         assert "retry with backoff" in (err.details() or "")
+    assert too_many.code() == grpc.StatusCode.INVALID_ARGUMENT, too_many
+    assert "64 rows in one request" in (too_many.details() or "")
+    assert "rows a request" in (too_many.details() or "")
     for reply in answered:
         logits = next(t for t in reply.outputs if t.name == "logits")
         assert logits.dtype == common_pb2.DATA_TYPE_FP32

@@ -24,7 +24,7 @@ from hopline.model.tokenizer import encode, load_tokenizer
 from hopline.runtime.batching import BatchInfo, BatchingPolicy, DynamicBatcher, QueueFullError
 from hopline.runtime.fairness import FLOW
 from hopline.services.inference.backend import Array, OnnxRuntimeBackend
-from hopline.services.inference.batched_model import BatchedModel, ModelRequest
+from hopline.services.inference.batched_model import BatchedModel, ModelRequest, NeverFitsError
 
 
 def _requests(repo: Path) -> tuple[OnnxRuntimeBackend, list[ModelRequest]]:
@@ -411,12 +411,15 @@ def test_a_request_larger_than_a_run_runs_in_parts_with_the_same_answers(
 
 
 def test_a_request_whose_part_is_refused_leaves_no_part_queued(default_repo: Path) -> None:
-    """Parts are queued one by one; when the queue refuses one, the request is refused
-    (QueueFullError: RESOURCE_EXHAUSTED at the service) and its parts still waiting never
-    run."""
+    """Parts are queued one by one; when the queue refuses one (here: behind a lone request
+    holding the run slot), the request is refused (QueueFullError: RESOURCE_EXHAUSTED at the
+    service) and its parts still waiting never run."""
     backend, _ = _requests(default_repo)
     request = _ten_rows(backend)
-    _small_runs(backend, rows=4, queue=4)
+    lone = dataclasses.replace(
+        request, inputs={name: a[:2] for name, a in request.inputs.items()}, rows=2
+    )
+    _small_runs(backend, rows=4, queue=6)
 
     async def refused() -> tuple[int, list[int]]:
         with ThreadPoolExecutor(max_workers=1) as executor:
@@ -424,19 +427,77 @@ def test_a_request_whose_part_is_refused_leaves_no_part_queued(default_repo: Pat
             sizes: list[int] = []
             model.batcher._on_batch = sizes.append
             try:
+                first = asyncio.ensure_future(model.infer(lone))
+                await asyncio.sleep(0)  # it takes the one run slot
                 with pytest.raises(QueueFullError):
                     await model.infer(request)
-                # The scheduler lets go of the cancelled part once the first part's run has
-                # ended and the loop has taken the slot back.
-                await asyncio.to_thread(executor.shutdown, True)
-                await asyncio.sleep(0.1)
+                await first
+                await asyncio.sleep(0.1)  # the scheduler lets go of the cancelled parts
                 return model.batcher.waiting_rows, sizes
             finally:
                 await model.close()
 
     waiting, sizes = asyncio.run(refused())
     assert waiting == 0
-    assert sizes == [4]  # the first part had started; the second, queued, never ran
+    assert sizes == [2]  # the lone request's run; no part of the refused one ran
+
+
+def test_a_request_the_model_never_holds_at_once_is_the_clients_to_split(
+    default_repo: Path,
+) -> None:
+    """Ten rows against runs of 4 and 4 waiting rows: refused on any load, so NeverFitsError
+    (INVALID_ARGUMENT at the service) naming the most a request may carry, before any part
+    runs; it was QueueFullError, which the service told the client to retry."""
+    backend, _ = _requests(default_repo)
+    request = _ten_rows(backend)
+    _small_runs(backend, rows=4, queue=4)
+
+    async def refused() -> tuple[str, list[int]]:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            model = BatchedModel(backend, executor, max_in_flight=1)
+            sizes: list[int] = []
+            model.batcher._on_batch = sizes.append
+            try:
+                with pytest.raises(NeverFitsError) as refusal:
+                    await model.infer(request)
+                fits = dataclasses.replace(
+                    request, inputs={n: a[:8] for n, a in request.inputs.items()}, rows=8
+                )
+                outputs, _ = await model.infer(fits)  # 8 rows: one run, 4 waiting
+                assert next(iter(outputs.values())).shape[0] == 8
+                return str(refusal.value), sizes
+            finally:
+                await model.close()
+
+    said, sizes = asyncio.run(refused())
+    assert "10 rows in one request" in said
+    assert "send at most 8 rows a request" in said
+    assert sorted(sizes) == [4, 4]
+
+
+def test_a_request_more_than_the_queue_bound_runs_when_the_model_is_free() -> None:
+    """20 rows beside max_queue_size 1 were refused on an idle model and told to retry (a
+    model author's probe): a request that runs at once never waits, so the bound on waiting
+    rows is not its. Behind a busy run slot it is refused, saying how to fit."""
+
+    async def scenario() -> tuple[str, str]:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            free: DynamicBatcher[str, str] = DynamicBatcher(
+                lambda p: p, BatchingPolicy(max_queue_size=1), executor
+            )
+            output, _ = await free.submit("big", rows=3)
+            gate = threading.Event()
+            busy, running = await _holding(gate, executor, max_queue_size=1)
+            with pytest.raises(QueueFullError) as refusal:
+                await busy.submit("big", rows=3)
+            gate.set()
+            await running
+            await asyncio.gather(free.close(), busy.close())
+            return output, str(refusal.value)
+
+    output, said = asyncio.run(scenario())
+    assert output == "big"
+    assert "send at most 1 rows a request" in said
 
 
 def test_a_retired_batcher_closes_once_idle_and_still_answers_a_late_request() -> None:
