@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -169,6 +170,14 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+class BuildStopped(BaseException):
+    """SIGTERM during `hopline model build` (a BaseException: no handler of errors keeps it)."""
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise BuildStopped
+
+
 def _model_build(args: argparse.Namespace) -> int:
     from hopline.model.build import DEFAULT_MODEL_NAME, DEFAULT_TRAIN_FILE, build_model
     from hopline.model.limits import CheckLimits
@@ -176,6 +185,8 @@ def _model_build(args: argparse.Namespace) -> int:
     from hopline.model.quantize import Precision, PrecisionCheckError
     from hopline.observability.logs import LogFormat, setup_logging
 
+    if args.default and args.train:  # --train was ignored, the default set built unsaid
+        return _usage_error("model build", "give --train FILE --name NAME, or --default, not both")
     if args.default:
         train, name = DEFAULT_TRAIN_FILE, args.name or DEFAULT_MODEL_NAME
     elif args.train:
@@ -198,6 +209,9 @@ def _model_build(args: argparse.Namespace) -> int:
             f"hopline model build: --check-sentences {check_sentences}: no such file\n"
         )
         return 2
+    # A build stopped by SIGTERM left its staging folder (up to 90 MB) behind: raised here,
+    # the builder's clean-up runs as for any failure.
+    signal.signal(signal.SIGTERM, _stopped)
     try:
         target = build_model(
             train,
@@ -222,6 +236,9 @@ def _model_build(args: argparse.Namespace) -> int:
                 }
             ),
         )
+    except BuildStopped:
+        sys.stderr.write("hopline model build: stopped by SIGTERM; nothing published\n")
+        return 128 + signal.SIGTERM
     except (PrecisionCheckError, ProviderConfigError, ValueError, OSError) as exc:
         # The builder's ValueErrors (TrainingDataError, a bad version) and OSErrors (a file
         # missing, a version that exists) are the user's to fix: one line, no traceback.

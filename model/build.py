@@ -19,7 +19,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Iterable
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from hopline.model.build_claim import claimed, staging_dir
 from hopline.model.encoder import (
     ClassifierHead,
     GraphForm,
@@ -66,10 +66,8 @@ from hopline.model.repository import (
     CONFIG_FILE,
     SENTENCE_EMBEDDING,
     CachePolicy,
-    ModelRepository,
     cache_problem,
     file_checksums,
-    is_version,
     load_config,
     validate_name,
 )
@@ -230,111 +228,109 @@ def build_model(
     y = np.array([label_index[label] for _, label in examples], dtype=np.int64)
     weights = weights_dir or default_weights_dir()
 
-    repo = ModelRepository(repo_root)
-    version = version or repo.next_version(name)
-    if not is_version(version):  # the services' rule: `01` would be built, never served
-        raise ValueError(f"version {version!r} must be a positive integer, without leading zeros")
-    target = repo_root / name / version
-    if target.exists():
-        raise FileExistsError(f"{target} exists: model versions are immutable, pick another")
-    staging = repo_root / name / f".staging-{version}-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        tokenizer = load_tokenizer(weights / "tokenizer.json", DEFAULT_MAX_LENGTH)
-        log.info("building encoder", extra={"weights": str(weights)})
-        build_encoder(weights, staging / "encoder.onnx")
-        session = make_session(staging / "encoder.onnx")
-        log.info("embedding examples", extra={"examples": len(texts), "labels": len(labels)})
-        x = embed_texts(session, tokenizer, texts)
-        del session
-        (staging / "encoder.onnx").unlink()
+    with claimed(repo_root, name, version) as version:
+        target = repo_root / name / version
+        staging = staging_dir(repo_root / name, version)
+        staging.mkdir()
+        try:
+            tokenizer = load_tokenizer(weights / "tokenizer.json", DEFAULT_MAX_LENGTH)
+            log.info("building encoder", extra={"weights": str(weights)})
+            build_encoder(weights, staging / "encoder.onnx")
+            session = make_session(staging / "encoder.onnx")
+            log.info("embedding examples", extra={"examples": len(texts), "labels": len(labels)})
+            x = embed_texts(session, tokenizer, texts)
+            del session
+            (staging / "encoder.onnx").unlink()
 
-        head = train_head(x, y, len(labels))
-        # Two folds are plenty of held-out scores for large sets and halve the build time.
-        folds = fold_heads(x, y, len(labels), folds=5 if len(texts) <= 5000 else 2)
-        heldout, cv_accuracy = heldout_max_probs(x, y, folds)
-        threshold = (
-            oos_threshold
-            if oos_threshold is not None
-            else calibrate_oos_threshold(heldout, in_scope_reject_rate)
-        )
-        log.info(
-            "head trained",
-            extra={
-                "train_accuracy": head.train_accuracy,
-                "cv_accuracy": cv_accuracy,
-                "oos_threshold": threshold,
-            },
-        )
-        graph = build_encoder_graph(weights, ClassifierHead(head.weight, head.bias))
-        # INT8 is a CPU format, and its quantizer matches the unfused graph's weights.
-        form = GraphForm.REWRITTEN if precision is Precision.INT8 else graph_form(provider_specs)
-        optimize_graph(graph, staging / "model.onnx", form)
-        if form is GraphForm.FUSED:  # converted from the form it runs in
-            graph = onnx.load(str(staging / "model.onnx"))
-        _check_graph(staging / "model.onnx", tokenizer, texts[:16], x[:16], head.weight, head.bias)
-        # FP32's encoder is the cache's, so the cache's query vector can feed the head alone.
-        # A converted encoder computes other vectors: its versions take tokens only.
-        head_embedder = ""
-        if precision is Precision.FP32:
-            head_graph = build_head_graph(ClassifierHead(head.weight, head.bias))
-            onnx.save(head_graph, str(staging / HEAD_FILE))
-            _check_head(staging / HEAD_FILE, x[:16], head.weight, head.bias)
-            head_embedder = encoder_identity(_sha256(weights / "model.safetensors"))
-        check: dict[str, Any] | None = None
-        if precision is not Precision.FP32:
-            check = _convert_and_check(
-                name,
-                staging,
-                graph,
-                precision,
-                check_limits or CheckLimits(),
-                _CheckData(tokenizer, texts, x, y, head, folds, check_sentences),
-                provider_specs,
-            )
-        del graph
-
-        tokenizer.save(str(staging / "tokenizer.json"))
-        (staging / "labels.json").write_text(json.dumps(labels, indent=1), encoding="utf-8")
-        config = _config(
-            name,
-            version,
-            len(labels),
-            threshold,
-            precision,
-            provider_specs,
-            head_embedder,
-            {"mode": cache.mode, "threshold": cache.threshold, "min_score": cache.min_score},
-            build={
-                "weights": WEIGHTS_PACKAGE,
-                "weights_sha256": _sha256(weights / "model.safetensors"),
-                "graph": form.value,
-                "train_file": str(train_file),
-                "train_split": split,
-                "train_examples": len(texts),
-                "train_accuracy": round(head.train_accuracy, 4),
-                "cv_accuracy": round(cv_accuracy, 4),
-                "oos_threshold_source": "given"
+            head = train_head(x, y, len(labels))
+            # Two folds are plenty of held-out scores for large sets and halve the build time.
+            folds = fold_heads(x, y, len(labels), folds=5 if len(texts) <= 5000 else 2)
+            heldout, cv_accuracy = heldout_max_probs(x, y, folds)
+            threshold = (
+                oos_threshold
                 if oos_threshold is not None
-                else f"held-out in-scope reject rate {in_scope_reject_rate}",
-                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "build_seconds": round(time.perf_counter() - started, 1),
-                **({"precision_check": check} if check else {}),
-            },
-        )
-        # What ties the files together: a service refuses a folder whose files are not these
-        # (a copy over a served version seen half done; model/repository.py:checksum_problem).
-        config[CHECKSUMS] = file_checksums(staging, config["files"])
-        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2), encoding="utf-8")
-        # Checked before it is published: a version the services cannot load was left in the
-        # repository, its number used up, with the build failing after (a helper's probe).
-        load_config(staging, expect=(name, version))
-        staging.rename(target)  # atomic: a reader never sees half a version
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+                else calibrate_oos_threshold(heldout, in_scope_reject_rate)
+            )
+            log.info(
+                "head trained",
+                extra={
+                    "train_accuracy": head.train_accuracy,
+                    "cv_accuracy": cv_accuracy,
+                    "oos_threshold": threshold,
+                },
+            )
+            graph = build_encoder_graph(weights, ClassifierHead(head.weight, head.bias))
+            # INT8 is a CPU format, and its quantizer matches the unfused graph's weights.
+            form = (
+                GraphForm.REWRITTEN if precision is Precision.INT8 else graph_form(provider_specs)
+            )
+            optimize_graph(graph, staging / "model.onnx", form)
+            if form is GraphForm.FUSED:  # converted from the form it runs in
+                graph = onnx.load(str(staging / "model.onnx"))
+            _check_graph(
+                staging / "model.onnx", tokenizer, texts[:16], x[:16], head.weight, head.bias
+            )
+            # FP32's encoder is the cache's, so the cache's query vector can feed the head alone.
+            # A converted encoder computes other vectors: its versions take tokens only.
+            head_embedder = ""
+            if precision is Precision.FP32:
+                head_graph = build_head_graph(ClassifierHead(head.weight, head.bias))
+                onnx.save(head_graph, str(staging / HEAD_FILE))
+                _check_head(staging / HEAD_FILE, x[:16], head.weight, head.bias)
+                head_embedder = encoder_identity(_sha256(weights / "model.safetensors"))
+            check: dict[str, Any] | None = None
+            if precision is not Precision.FP32:
+                check = _convert_and_check(
+                    name,
+                    staging,
+                    graph,
+                    precision,
+                    check_limits or CheckLimits(),
+                    _CheckData(tokenizer, texts, x, y, head, folds, check_sentences),
+                    provider_specs,
+                )
+            del graph
+
+            tokenizer.save(str(staging / "tokenizer.json"))
+            (staging / "labels.json").write_text(json.dumps(labels, indent=1), encoding="utf-8")
+            config = _config(
+                name,
+                version,
+                len(labels),
+                threshold,
+                precision,
+                provider_specs,
+                head_embedder,
+                {"mode": cache.mode, "threshold": cache.threshold, "min_score": cache.min_score},
+                build={
+                    "weights": WEIGHTS_PACKAGE,
+                    "weights_sha256": _sha256(weights / "model.safetensors"),
+                    "graph": form.value,
+                    "train_file": str(train_file),
+                    "train_split": split,
+                    "train_examples": len(texts),
+                    "train_accuracy": round(head.train_accuracy, 4),
+                    "cv_accuracy": round(cv_accuracy, 4),
+                    "oos_threshold_source": "given"
+                    if oos_threshold is not None
+                    else f"held-out in-scope reject rate {in_scope_reject_rate}",
+                    "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "build_seconds": round(time.perf_counter() - started, 1),
+                    **({"precision_check": check} if check else {}),
+                },
+            )
+            # What ties the files together: a service refuses a folder whose files are not these
+            # (a copy over a served version seen half done; model/repository.py:checksum_problem).
+            config[CHECKSUMS] = file_checksums(staging, config["files"])
+            (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2), encoding="utf-8")
+            # Checked before it is published: a version the services cannot load was left in the
+            # repository, its number used up, with the build failing after (a helper's probe).
+            load_config(staging, expect=(name, version))
+            staging.rename(target)  # atomic: a reader never sees half a version
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return target
 
 
 def _check_settings(
