@@ -62,8 +62,8 @@ def test_full_queue_returns_resource_exhausted(default_repo: Path, tmp_path: Pat
             try:
                 inference_pb2_grpc.InferenceServiceStub(channel).Infer(huge, timeout=30)
                 raise AssertionError("64 rows beside runs of 4 and a 4-row queue: answered")
-            except grpc.RpcError as err:
-                too_many = err
+            except grpc.RpcError as refusal:
+                too_many = refusal
     finally:
         mesh.stop()
     refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
