@@ -6,10 +6,13 @@ work is tens of microseconds. Instead a service registers its handlers through
 `WrappingRegistrar`, which wraps each method's behaviour once, at start-up; a call then
 pays only for what the wrappers do.
 
-Health, reflection and the KServe v2 liveness/readiness probes pass through untouched: probes
-must answer while a service is starting or draining, and tracing them would drown the traces
-that matter. (Health and reflection are registered on the server directly, not through the
-registrar; the KServe probes are filtered by name.)
+Health, reflection and the KServe v2 liveness/readiness probes (`INFRA_METHOD_PREFIXES`) get
+none of the service's wrappers: probes must answer while a service is starting or draining,
+and tracing them would drown the traces that matter. They get the registrar's `infra`
+wrappers instead: the peer check for reflection and the KServe probes (a caller the service
+does not serve learns nothing), and a bound on open health watches and reflection streams,
+which any caller can open (`StreamCap`). Health itself answers any caller, as Kubernetes'
+probes and other services' health checks need.
 
 Responses that are a single message (unary and client-streaming RPCs) go through `wrap`;
 response streams (server and bidirectional streaming) through `wrap_stream`, whose
@@ -29,6 +32,7 @@ message, the same way.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from time import monotonic
@@ -75,6 +79,51 @@ class RpcWrapper:
         return None
 
 
+class StreamCap(RpcWrapper):
+    """At most `limit` response streams of the methods it wraps open at once, then
+    RESOURCE_EXHAUSTED. Health's Watch and reflection's stream answer callers without a key
+    (health any caller at all), and each open stream holds 14-20 KB of the server's memory:
+    one client opened 8,000-14,000 watches in seconds (a security probe: a gateway 80 ->
+    239 MB, its Kubernetes limit 512 Mi). A service's real watchers are a few per client
+    channel."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+
+    def wrap_stream(self, method: str, inner: StreamBehaviour) -> StreamBehaviour:
+        if not inspect.isasyncgenfunction(inner):  # it writes with context.write
+            writing: Behaviour = inner  # type: ignore[assignment]
+
+            async def capped_writing(request: Any, context: Context) -> Any:
+                await self._admit(context)
+                try:
+                    return await writing(request, context)
+                finally:
+                    self.open -= 1
+
+            return capped_writing  # type: ignore[return-value]
+
+        async def capped(request: Any, context: Context) -> AsyncIterator[Any]:
+            await self._admit(context)
+            try:
+                async for reply in inner(request, context):
+                    yield reply
+            finally:
+                self.open -= 1
+
+        return capped
+
+    async def _admit(self, context: Context) -> None:
+        if self.open >= self.limit:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.open} health watches and reflection streams are open on this "
+                f"server, the most it keeps ({self.limit}): close the ones not in use",
+            )
+        self.open += 1
+
+
 _KINDS: tuple[tuple[str, bool, Any], ...] = (
     ("unary_unary", False, grpc.unary_unary_rpc_method_handler),
     ("stream_unary", False, grpc.stream_unary_rpc_method_handler),
@@ -83,14 +132,18 @@ _KINDS: tuple[tuple[str, bool, Any], ...] = (
 )
 
 
-def wrap_handler(method: str, handler: Handler, wrappers: Sequence[RpcWrapper]) -> Handler:
+def wrap_handler(
+    method: str,
+    handler: Handler,
+    wrappers: Sequence[RpcWrapper],
+    infra: Sequence[RpcWrapper] = (),
+) -> Handler:
     """`handler` with `wrappers` applied, the first one outermost, decoding its requests itself.
 
-    Infra methods (the KServe probes here; health and reflection never come through) get the
-    decoding only.
+    Infra methods (health, reflection, the KServe probes) get `infra` instead of `wrappers`.
     """
     if method.startswith(INFRA_METHOD_PREFIXES):
-        wrappers = ()
+        wrappers = infra
     for kind, streams, build in _KINDS:
         behaviour = getattr(handler, kind)
         if behaviour is None:
@@ -206,6 +259,16 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
             return await behaviour(request, context)
 
         return unary_unary
+    if kind == "unary_stream" and not inspect.isasyncgenfunction(behaviour):
+        # A handler that writes its replies with context.write (health's Watch) stays one.
+        async def unary_writing(data: bytes, context: Context) -> Any:
+            try:
+                request = deserializer(data)
+            except Exception as exc:
+                await refuse(context, exc)
+            return await behaviour(request, context)
+
+        return unary_writing
     if kind == "unary_stream":
 
         async def unary_stream(data: bytes, context: Context) -> AsyncIterator[Any]:
@@ -241,10 +304,14 @@ class _WrappedGeneric(_GenericHandler):
     """A generic handler whose methods are wrapped on first use, then served from a table."""
 
     def __init__(
-        self, inner: grpc.GenericRpcHandler[Any, Any], wrappers: Sequence[RpcWrapper]
+        self,
+        inner: grpc.GenericRpcHandler[Any, Any],
+        wrappers: Sequence[RpcWrapper],
+        infra: Sequence[RpcWrapper],
     ) -> None:
         self._inner = inner
         self._wrappers = wrappers
+        self._infra = infra
         self._table: dict[str, Handler | None] = {}
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
@@ -253,7 +320,11 @@ class _WrappedGeneric(_GenericHandler):
             return self._table[method]
         except KeyError:
             handler = self._inner.service(handler_call_details)
-            wrapped = None if handler is None else wrap_handler(method, handler, self._wrappers)
+            wrapped = (
+                None
+                if handler is None
+                else wrap_handler(method, handler, self._wrappers, self._infra)
+            )
             self._table[method] = wrapped
             return wrapped
 
@@ -265,15 +336,21 @@ class WrappingRegistrar:
     handlers; each gets the wrapped handlers, so whichever lookup grpc uses finds them.
     """
 
-    def __init__(self, server: grpc.aio.Server, wrappers: Sequence[RpcWrapper]) -> None:
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        wrappers: Sequence[RpcWrapper],
+        infra: Sequence[RpcWrapper] = (),
+    ) -> None:
         self._server = server
         self._wrappers = tuple(wrappers)
+        self._infra = tuple(infra)
 
     def add_generic_rpc_handlers(
         self, handlers: Iterable[grpc.GenericRpcHandler[Any, Any]]
     ) -> None:
         self._server.add_generic_rpc_handlers(
-            tuple(_WrappedGeneric(h, self._wrappers) for h in handlers)
+            tuple(_WrappedGeneric(h, self._wrappers, self._infra) for h in handlers)
         )
 
     def add_registered_method_handlers(
@@ -282,7 +359,7 @@ class WrappingRegistrar:
         self._server.add_registered_method_handlers(  # type: ignore[attr-defined]
             service_name,
             {
-                name: wrap_handler(f"/{service_name}/{name}", handler, self._wrappers)
+                name: wrap_handler(f"/{service_name}/{name}", handler, self._wrappers, self._infra)
                 for name, handler in method_handlers.items()
             },
         )

@@ -24,6 +24,7 @@ from hopline.runtime.interceptors import (
     Context,
     RpcWrapper,
     StreamBehaviour,
+    StreamCap,
     WrappingRegistrar,
     trace_trailer,
 )
@@ -73,6 +74,9 @@ CUT = (
     "shutting down: this call outlived the drain's grace (HOPLINE_DRAIN_GRACE_S) and was "
     "ended; retry on another replica"
 )
+# Health watches and reflection streams open at once in one process (each 14-20 KB): a
+# service's real watchers are a few per client channel.
+MAX_INFRA_STREAMS = 1000
 CUT_WAIT_S = 1.0  # for the calls ended at the grace's end to send their status
 REPLY_FLUSH_S = 0.05
 
@@ -337,7 +341,7 @@ def _port_to_ourselves(listen: str) -> bool:
     return not others
 
 
-async def _serve_probes(config: ServerConfig, health: HealthServicer) -> bool:
+async def _serve_probes(config: ServerConfig, health: HealthServicer, streams: StreamCap) -> bool:
     """grpc.health.v1 alone, in plaintext, on `HOPLINE_HEALTH_PORT` of the listen address's
     host (loopback for a Unix socket), when set: Kubernetes' gRPC probes cannot speak TLS,
     and a service with a certificate serves only TLS on its own port. It answers from the
@@ -350,7 +354,9 @@ async def _serve_probes(config: ServerConfig, health: HealthServicer) -> bool:
     probes = grpc.aio.server(
         options=server_options(config.max_message_bytes, reuse_port=worker_index() is not None)
     )
-    health_pb2_grpc.add_HealthServicer_to_server(health, probes)
+    health_pb2_grpc.add_HealthServicer_to_server(
+        health, cast(grpc.aio.Server, WrappingRegistrar(probes, (), infra=(streams,)))
+    )
     try:
         probes.add_insecure_port(address)
     except RuntimeError as exc:
@@ -379,16 +385,29 @@ async def serve(service: Service, config: ServerConfig) -> int:
         )
     )
     health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    # Health answers any caller (decoded as every method is, so bytes that do not parse are
+    # INVALID_ARGUMENT, not UNKNOWN with a traceback in the log); its watches are bounded.
+    streams = StreamCap(MAX_INFRA_STREAMS)
+    health_pb2_grpc.add_HealthServicer_to_server(
+        health, cast(grpc.aio.Server, WrappingRegistrar(server, (), infra=(streams,)))
+    )
     # Each method's handler is wrapped once here, not per call (see hopline.runtime.interceptors).
-    # The peer check comes first: a caller the service does not serve learns nothing more.
+    # The peer check comes first: a caller the service does not serve learns nothing more,
+    # reflection and the KServe probes included.
     peers = peer_check(tls, config.tls_peers, setting_of(config, "tls_peers"))
     wrappers: list[RpcWrapper] = [gate, ServerTracing(config.test_delay_ms)]
     if config.test_fault:
         wrappers.append(FaultInjection(config.test_fault))
     wrappers.extend(getattr(service, "rpc_wrappers", list)())
-    registrar = WrappingRegistrar(server, [peers, *wrappers] if peers else wrappers)
-    service.register(cast(grpc.aio.Server, registrar))
+    registrar = cast(
+        grpc.aio.Server,
+        WrappingRegistrar(
+            server,
+            [peers, *wrappers] if peers else wrappers,
+            infra=(peers, streams) if peers else (streams,),
+        ),
+    )
+    service.register(registrar)
     if config.reflection:
         reflection.enable_server_reflection(
             [
@@ -396,7 +415,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ],
-            server,
+            registrar,
         )
     for name in ("", *service.service_names):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -408,7 +427,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
     late_bind = index is not None
     if not late_bind and not await _listen(server, config, tls, peers):
         return 2
-    if not late_bind and not await _serve_probes(config, health):
+    if not late_bind and not await _serve_probes(config, health, streams):
         await server.stop(0)
         return 2
     if index is None:
@@ -433,7 +452,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
         if late_bind and not (
             await _listen(server, config, tls, peers)
             and _port_to_ourselves(config.listen)
-            and await _serve_probes(config, health)
+            and await _serve_probes(config, health, streams)
         ):
             await service.stop()
             return 2

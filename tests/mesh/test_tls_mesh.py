@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from conftest import DEFAULT_MODEL
 from harness import NOT_SERVING, SERVING, Mesh, answer_scope, health, serve_refused
@@ -179,6 +180,50 @@ def test_no_one_but_the_gateway_or_an_operator_can_read_or_write_the_cache(
     assert again.prediction.label == genuine.label != POISON.label
 
 
+def reflected(mesh: TlsMesh, service: str, tls: ClientTls | None) -> list[str]:
+    """The services `service`'s reflection lists to a caller dialling with `tls`."""
+    with channel(mesh.addrs[service], tls) as chan:
+        stub = reflection_pb2_grpc.ServerReflectionStub(chan)
+        asked = iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        reply = next(iter(stub.ServerReflectionInfo(asked, timeout=10)))
+        return [s.name for s in reply.list_services_response.service]
+
+
+def garbage(address: str, method: str, tls: ClientTls | None) -> grpc.RpcError:
+    """What `address` answers to bytes that are no request of `method`'s."""
+    with channel(address, tls) as chan:
+        call = chan.unary_unary(method, None, None)
+        with pytest.raises(grpc.RpcError) as caught:
+            call(b"\xff\xff\xff", timeout=10)
+        error: grpc.RpcError = caught.value
+        return error
+
+
+def test_reflection_is_served_only_to_the_peers_and_probes_refuse_garbage_quietly(
+    tmesh: TlsMesh,
+) -> None:
+    """A security probe: reflection and health were registered on the server directly, past
+    the peer check and the request decoding. A certificate the cache refuses every RPC read
+    its whole API by reflection (4 KB of descriptors), and bytes that do not parse got
+    UNKNOWN "Unexpected <class DecodeError>" and a traceback in the log, for anyone, with no
+    key; on the gateway's port, its health port and the internal ones."""
+    operator = as_role(tmesh.tls, "operator", "cache")
+    assert "hopline.cache.v1.CacheService" in reflected(tmesh, "cache", operator)
+    intruder = as_role(tmesh.tls, "intruder", "cache")
+    assert refused(reflected, tmesh, "cache", intruder) == DENIED
+    tokenizer = as_role(tmesh.tls, "tokenizer", "tokenizer")
+    assert refused(reflected, tmesh, "tokenizer", tokenizer) == DENIED
+    for service, tls in (("cache", intruder), ("gateway", as_role(tmesh.tls, None, "gateway"))):
+        for method in ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"):
+            error = garbage(tmesh.addrs[service], method, tls)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (service, method, error)
+            assert "HealthCheckRequest" in (error.details() or ""), error
+    for service in ("cache", "gateway"):
+        said = (tmesh.workdir / f"{service}.log").read_text()
+        assert "Traceback" not in said, said
+        assert "Unexpected" not in said, said
+
+
 def test_hopline_predict_dials_tls_from_the_environment(
     tmesh: TlsMesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -227,6 +272,8 @@ def test_a_tls_service_answers_plaintext_probes_on_its_health_port(
             stub = postprocess_pb2_grpc.PostprocessServiceStub(chan)
             code = refused(stub.Postprocess, postprocess_pb2.PostprocessRequest(), 5)
             assert code == grpc.StatusCode.UNIMPLEMENTED
+        noise = garbage(probe, "/grpc.health.v1.Health/Check", None)
+        assert noise.code() == grpc.StatusCode.INVALID_ARGUMENT, noise
         assert health(address) is None  # plaintext on the service's own port: no answer
         assert health(address, tls=as_role(tmesh.tls, "operator", "postprocess")) == SERVING
         proc.send_signal(signal.SIGTERM)
