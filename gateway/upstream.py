@@ -575,6 +575,18 @@ def _hop_error(hop: str, target: str, err: grpc.aio.AioRpcError) -> HopError:
             target,
             details,
         )
+    if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+        # The upstream refused the gateway itself (its certificate, its peers list): the
+        # operator's to mend. Its message names internal certificates and who is served, and
+        # tells a caller to call through the gateway: logged, not returned.
+        return HopError(
+            hop,
+            grpc.StatusCode.INTERNAL,
+            f"{hop} failed: the {hop} service refused the gateway ({code.name}; the gateway's "
+            "log says why)",
+            target,
+            details,
+        )
     shown = caller_details(details, target)
     if code in (
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -619,9 +631,9 @@ async def call_hop(
         try:
             if timeout_s <= 0:
                 code = grpc.StatusCode.DEADLINE_EXCEEDED
-                raise HopError(
-                    hop, code, f"deadline exceeded before calling the {hop} service", target
-                )
+                said = f"deadline exceeded before calling the {hop} service"
+                span.set_status(Status(StatusCode.ERROR, f"{code.name}: {said}"))
+                raise HopError(hop, code, said, target)
             reply = await rpc(request, timeout=timeout_s, metadata=outgoing_metadata())
             HOP_FAILURES.ended((hop, target))
             return reply
@@ -633,6 +645,7 @@ async def call_hop(
             raise failure from None
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
+            span.set_status(Status(StatusCode.ERROR, "CANCELLED: the request gave up the call"))
             raise
         finally:
             elapsed = time.perf_counter() - started

@@ -19,6 +19,11 @@ from typing import Any, cast
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.trace import StatusCode
 from servicer_context import Aborted, AbortingContext
 
 from hopline.gateway import upstream
@@ -27,7 +32,7 @@ from hopline.gateway.config import GatewayConfig
 from hopline.gateway.errors import RequestError
 from hopline.gateway.service import GatewayService
 from hopline.gateway.upstream import GatewayUpstreams, HopError, call_hop, caller_details
-from hopline.observability import metrics
+from hopline.observability import metrics, tracing
 from hopline.observability.logs import Episodes
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
@@ -417,3 +422,53 @@ def test_a_short_unknown_model_keeps_the_catalogues_message() -> None:
     error = asyncio.run(main())
     assert error.code == grpc.StatusCode.NOT_FOUND
     assert "no-such-model" in error.message
+
+
+def test_a_refusal_of_the_gateway_itself_is_not_passed_on_word_for_word() -> None:
+    """An upstream that refuses the gateway's certificate (an operator's mistake) said to the
+    tenant which certificates it serves and told them to call through the gateway (a security
+    probe): the tenant now hears that the hop refused the gateway; the details go to the log."""
+    details = "this service serves only gateway, operator; the caller's certificate names x"
+    for code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+        err = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details, None)
+        failure = upstream._hop_error("tokenize", "10.1.2.3:8011", err)
+        assert failure.code == grpc.StatusCode.INTERNAL
+        assert failure.message == (
+            f"tokenize failed: the tokenize service refused the gateway ({code.name}; the "
+            "gateway's log says why)"
+        )
+        assert failure.details == details
+
+
+def test_a_hop_not_called_for_want_of_time_or_given_up_is_an_error_span(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hop skipped with no deadline left, or cancelled by its request, ended as an unmarked
+    span while its metric said DEADLINE_EXCEEDED or CANCELLED (an observability probe)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_ON)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_TRACER", provider.get_tracer("hopline"))
+
+    async def never(request: Any, **_: Any) -> Any:
+        await asyncio.sleep(60)
+
+    async def both() -> None:
+        with tracing.tracer().start_as_current_span("request"):
+            with pytest.raises(HopError):
+                await call_hop("postprocess", "127.0.0.1:1", never, None, 0.0, {})
+            call = asyncio.ensure_future(call_hop("inference", "127.0.0.1:1", never, None, 5, {}))
+            await asyncio.sleep(0.01)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+    asyncio.run(both())
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    skipped, gone = spans["postprocess"], spans["inference"]
+    assert skipped.status.status_code == StatusCode.ERROR
+    assert skipped.status.description == (
+        "DEADLINE_EXCEEDED: deadline exceeded before calling the postprocess service"
+    )
+    assert gone.status.status_code == StatusCode.ERROR
+    assert (gone.status.description or "").startswith("CANCELLED")
