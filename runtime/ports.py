@@ -12,7 +12,7 @@ the port can take it; the bind probe sees those already listening.
 Another hopline process drawing at the same moment (a second test session, a bench beside
 one) would not be seen by the probe either: a port chosen there is not bound until its
 service starts. So each chosen port is also claimed, by a lock on a file named after it in
-`CLAIMS_DIR`, held until the process that chose it exits, and a port another process holds is
+`claims_dir()`, held until the process that chose it exits, and a port another process holds is
 drawn again. A drain test lost a run that way (stop 74): its inference service found the
 port it was given taken, while a second pytest session ran on the same machine.
 """
@@ -36,22 +36,36 @@ QUIET_SPAN = 8192
 # each other and other test processes' too often.
 QUIET_MIN = 1024
 _TRIES_PER_PORT = 64
-# One folder per user: a shared one in /tmp would let another user's files stand in for it.
-CLAIMS_DIR = Path(tempfile.gettempdir()) / f"hopline-ports-{os.getuid()}"
+
+
+def claims_dir() -> Path:
+    """One folder per user: a shared one in /tmp would let another user's files stand in for
+    it. Found when a port is first claimed, never at import: every command imports this
+    module, and with no writable temporary folder (a Kubernetes pod's read-only root with
+    nothing mounted on /tmp) tempfile's search raised at import, so `hopline cache
+    milvus-user`, even its --help, failed before doing anything (a deploy probe: the
+    production overlay's Job crash-looped and no cache pod ever started)."""
+    try:
+        return Path(tempfile.gettempdir()) / f"hopline-ports-{os.getuid()}"
+    except OSError:  # nothing writable: ports are granted unclaimed (see `claim`)
+        return Path("/nonexistent/hopline-ports")
+
 
 # Ports this process chose, each with its claim's open file: closing it (here never, the exit
 # does) would release the claim.
 _handed_out: dict[int, int | None] = {}
 
 
-def claim(port: int, claims_dir: Path = CLAIMS_DIR) -> bool:
+def claim(port: int, folder: Path | None = None) -> bool:
     """Whether this process now holds `port`: False when this or another process claimed it.
-    Where the folder cannot be written, every port not yet handed out here is granted."""
+    Where the folder (`claims_dir()` unless given) cannot be written, every port not yet
+    handed out here is granted."""
     if port in _handed_out:
         return False
     try:
-        claims_dir.mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(claims_dir / str(port), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        folder = folder or claims_dir()
+        folder.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(folder / str(port), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError:
         _handed_out[port] = None
         return True

@@ -119,11 +119,14 @@ def test_a_container_with_a_cpu_limit_sizes_its_threads_to_it() -> None:
 def test_the_cache_milvus_user_command_runs_from_the_image() -> None:
     """The one-shot milvus-cache-user (compose.mtls.yaml; the production overlay's Job) runs
     the image with its entrypoint replaced by `hopline cache milvus-user`, as the image's
-    user, with a read-only root: the command is there, and a missing token file is one line,
+    user, with a read-only root and nothing writable (as Kubernetes runs it): the command is there, and a missing token file is one line,
     not a traceback. (No Milvus runs in a container here; tests/deploy/
     test_cache_milvus_security.py runs the command against one.)"""
     require_image()
-    command = ["run", "--rm", *LIMITS, "--entrypoint", "hopline", "--read-only", IMAGE]
+    # No tmpfs on /tmp either (podman's --read-only mounts one unless told not to): the Job's
+    # pod has none, and a temporary folder looked for at import failed it there.
+    read_only = ["--read-only", "--read-only-tmpfs=false"]
+    command = ["run", "--rm", *LIMITS, "--entrypoint", "hopline", *read_only, IMAGE]
     command += ["cache", "milvus-user"]
     assert "--admin-token-file" in podman(*command, "--help")
     out = subprocess.run(
