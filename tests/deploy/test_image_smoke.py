@@ -120,8 +120,9 @@ def test_the_cache_milvus_user_command_runs_from_the_image() -> None:
     """The one-shot milvus-cache-user (compose.mtls.yaml; the production overlay's Job) runs
     the image with its entrypoint replaced by `hopline cache milvus-user`, as the image's
     user, with a read-only root and nothing writable (as Kubernetes runs it): the command is
-    there, and a missing token file is one line, not a traceback. (No Milvus runs in a container here; tests/deploy/
-    test_cache_milvus_security.py runs the command against one.)"""
+    there, and a missing token file is one line, not a traceback. (No Milvus runs in a
+    container here; tests/deploy/test_cache_milvus_security.py runs the command against
+    one.)"""
     require_image()
     # No tmpfs on /tmp either (podman's --read-only mounts one unless told not to): the Job's
     # pod has none, and a temporary folder looked for at import failed it there.
