@@ -103,15 +103,19 @@ def check(environ: Mapping[str, str] = os.environ) -> None:
 
 
 VERBOSITY_ENV = "GRPC_VERBOSITY"
-QUIET = "ERROR"
+QUIET = "NONE"
 
 
 def quiet(environ: MutableMapping[str, str]) -> None:
-    """GRPC_VERBOSITY=ERROR unless the operator set it. Unset, gRPC core wrote some INFO lines
-    to stderr in its own format ("I1206 ... chttp2_transport.cc:1403] ...: Got goaway [11]
-    ... ping_timeout", in a replica's log once a gateway's keepalive had dropped it during a
-    pause), breaking one-JSON-object-a-line logs. ERROR keeps core's own errors, which are
-    rare; what a call meets reaches hopline's logs through its status anyway."""
+    """GRPC_VERBOSITY=NONE unless the operator set it. gRPC core writes to stderr in its own
+    format, breaking one-JSON-object-a-line logs: unset, INFO lines ("I1206 ...
+    chttp2_transport.cc:1403] ...: Got goaway [11] ... ping_timeout", in a replica's log
+    once a gateway's keepalive had dropped it during a pause); at ERROR, a line for every TLS
+    handshake naming a server the certificate does not ("E1206 ... ssl_transport_security.cc
+    :3238] No match found for server name: <the client's string>": any client, no key, one
+    line a connection; a security probe wrote 200 in a second). What a call meets reaches
+    hopline's logs through its status; an operator debugging the transport sets the
+    variable."""
     environ.setdefault(VERBOSITY_ENV, QUIET)
 
 

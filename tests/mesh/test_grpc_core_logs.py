@@ -4,7 +4,7 @@ Unset, GRPC_VERBOSITY let gRPC core write INFO lines to stderr in its own format
 paused long enough for a client's keepalive to give up on it logged, once it ran again,
 "I1206 ... chttp2_transport.cc:1403] ipv4:...: Got goaway [11] ... ping_timeout" among its
 JSON lines (a helper's probe of paused replicas; a log shipper parsing JSON drops or
-misreads such lines). hopline sets GRPC_VERBOSITY=ERROR unless the operator set it
+misreads such lines). hopline sets GRPC_VERBOSITY=NONE unless the operator set it
 (runtime/grpc_io.py:quiet). The service here is a real postprocess process; the client is
 this test, pinging every second with a 1 s timeout, so that its keepalive gives up on the
 paused service and sends the GOAWAY the service reads when it runs again.

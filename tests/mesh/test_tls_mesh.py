@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -222,6 +224,26 @@ def test_reflection_is_served_only_to_the_peers_and_probes_refuse_garbage_quietl
         said = (tmesh.workdir / f"{service}.log").read_text()
         assert "Traceback" not in said, said
         assert "Unexpected" not in said, said
+
+
+def test_handshakes_naming_another_server_write_nothing_to_the_log(tmesh: TlsMesh) -> None:
+    """Any client (no key, no certificate) made the gateway log gRPC core's "E1206 ...
+    ssl_transport_security.cc:3238] No match found for server name: attacker.example", its own
+    format and the client's string, a line for every handshake (a security probe: 200 in a
+    second); hopline's GRPC_VERBOSITY default is NONE now."""
+    context = ssl.create_default_context(cafile=str(tmesh.tls / "ca.crt"))
+    context.check_hostname = False
+    context.set_alpn_protocols(["h2"])
+    host, port = tmesh.gateway.rsplit(":", 1)
+    for _ in range(5):
+        with (
+            socket.create_connection((host, int(port)), timeout=10) as raw,
+            context.wrap_socket(raw, server_hostname="attacker.example") as tls,
+        ):
+            assert tls.version() is not None
+    time.sleep(0.5)  # what core would write, written
+    said = (tmesh.workdir / "gateway.log").read_text()
+    assert "attacker.example" not in said
 
 
 def test_hopline_predict_dials_tls_from_the_environment(

@@ -73,7 +73,7 @@ def test_grpc_core_is_quiet_unless_the_operator_asks() -> None:
     (tests/mesh/test_grpc_core_logs.py); an operator's GRPC_VERBOSITY wins."""
     environ: dict[str, str] = {}
     grpc_io.quiet(environ)
-    assert environ["GRPC_VERBOSITY"] == "ERROR"
+    assert environ["GRPC_VERBOSITY"] == "NONE"
     environ = {"GRPC_VERBOSITY": "debug"}
     grpc_io.quiet(environ)
     assert environ["GRPC_VERBOSITY"] == "debug"
