@@ -152,6 +152,26 @@ class ModelRegistry(Generic[T]):
                 self._load(key)
         return [cfg for cfg, _ in self._loaded.values()]
 
+    def check_start(self) -> None:
+        """After `load_all` found nothing: start anyway while the repository holds no version
+        yet, serving NOT_FOUND until one is published (picked up without a restart); a
+        fresh install makes the models' volume before anything is published, and the
+        services exited 1 there and crash-looped until Kubernetes' restart backoff let them
+        see the first model, up to 5 minutes later (a deploy probe). RuntimeError, saying
+        why, when the repository is not a folder or its versions all failed to load."""
+        root = self._repo.root
+        if not root.is_dir():
+            raise RuntimeError(f"model repository {str(root)!r} is not a folder")
+        if self._repo.names():
+            broken = "; ".join(f"{n}/{v}: {e}" for (n, v), e in sorted(self.broken().items()))
+            raise RuntimeError(
+                f"no model in repository {str(root)!r} loads" + (f" ({broken})" if broken else "")
+            )
+        log.warning(
+            "no model in the repository yet: requests are NOT_FOUND until one is published",
+            extra={"repository": str(root)},
+        )
+
     def load_new(self) -> None:
         """Rescan, then load every version seen and not loaded yet (blocking: run it off the
         event loop); a version that fails to load is left out."""

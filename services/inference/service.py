@@ -342,11 +342,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             self.executor, self.models.load_all
         )
         if not loaded:
-            broken = "; ".join(f"{n}/{v}: {e}" for (n, v), e in self.models.broken().items())
-            raise RuntimeError(
-                f"no model in repository {self.config.model_repo!r} loads"
-                + (f" ({broken})" if broken else "")
-            )
+            self.models.check_start()
 
     async def stop(self) -> None:
         for task in self._closing:

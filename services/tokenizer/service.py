@@ -74,7 +74,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
     async def start(self) -> None:
         if not self.models.load_all():
-            raise RuntimeError(f"no models in repository {self.config.model_repo!r}")
+            self.models.check_start()
 
     async def stop(self) -> None:
         return None

@@ -19,7 +19,7 @@ import pytest
 from model_files import reseal
 
 from conftest import DEFAULT_MODEL
-from harness import Mesh, eventually
+from harness import TOPOLOGIES, Mesh, Topology, eventually
 from hopline.gateway.client import predict
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
@@ -177,3 +177,30 @@ def version_or_status(mesh: Mesh, name: str, version: str) -> str:
 
 def outcome(reply: gateway_pb2.PredictResponse) -> str:
     return f"{reply.model_version} {'out' if reply.prediction.out_of_scope else 'in'}"
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=str)
+def test_a_mesh_started_before_any_model_serves_the_first_one_published(
+    default_repo: Path, tmp_path: Path, topology: Topology
+) -> None:
+    """A fresh Kubernetes install makes the models' volume before anything is published:
+    tokenizer, inference and postprocess exited 1 ("no models in repository") and crash-looped
+    until the restart backoff let them see the first model (a deploy probe). They start now,
+    every request NOT_FOUND saying none is served, and the first model published is
+    served without a restart. A repository whose versions all fail still fails the start
+    (tests/unit/test_model_registry.py)."""
+    repo = tmp_path / "models"
+    repo.mkdir()
+    mesh = Mesh(repo, tmp_path, addrs=topology.addrs()).start()
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            ask(mesh, "I forgot my password", DEFAULT_MODEL)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "(serving: none)" in (refused.value.details() or ""), refused.value
+        staging = repo / f".staging-{DEFAULT_MODEL}"
+        shutil.copytree(default_repo / DEFAULT_MODEL, staging)
+        staging.rename(repo / DEFAULT_MODEL)
+        reply = ask(mesh, "I forgot my password", DEFAULT_MODEL)
+        assert reply.prediction.label == "password_reset"
+    finally:
+        mesh.stop()

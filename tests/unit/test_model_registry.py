@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -639,3 +640,31 @@ def test_versions_are_listed_in_number_order(repo: Path, default_repo: Path) -> 
         publish(default_repo, repo, version)
     registry.load_all()
     assert [cfg.version for cfg, _ in registry.loaded()] == ["1", "2", "10"]
+
+
+def test_a_start_with_no_model_yet_serves_but_a_broken_repository_does_not(
+    tmp_path: Path, default_repo: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A repository that holds no version yet (a fresh install's empty volume) starts, said
+    once; one that is not a folder, or whose versions all fail to load, is a broken
+    deployment and fails the start saying why (tests/mesh/test_new_model_version.py runs a
+    mesh from an empty repository)."""
+    empty = tmp_path / "empty"
+    (empty / DEFAULT_MODEL / ".staging-1-4242").mkdir(parents=True)  # a build under way
+    registry = ModelRegistry(ModelRepository(empty), Loader())
+    assert registry.load_all() == []
+    with caplog.at_level(logging.WARNING):
+        registry.check_start()
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "no model in the repository yet: requests are NOT_FOUND until one is published"
+    ]
+    missing = ModelRegistry(ModelRepository(tmp_path / "typo"), Loader())
+    assert missing.load_all() == []
+    with pytest.raises(RuntimeError, match="is not a folder"):
+        missing.check_start()
+    broken = tmp_path / "broken"
+    publish(default_repo, broken, "1", broken=True)
+    failing = ModelRegistry(ModelRepository(broken), Loader())
+    assert failing.load_all() == []
+    with pytest.raises(RuntimeError, match=r"loads \(support-intents/1: .*Protobuf parsing"):
+        failing.check_start()
