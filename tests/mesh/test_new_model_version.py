@@ -9,7 +9,10 @@ below is the first that names the new version: no retry, no wait for a periodic 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from harness import TOPOLOGIES, Mesh, Topology, eventually
 from hopline.gateway.client import predict
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
+from hopline.runtime.ports import free_ports
 
 
 def publish(
@@ -204,3 +208,34 @@ def test_a_mesh_started_before_any_model_serves_the_first_one_published(
         assert reply.prediction.label == "password_reset"
     finally:
         mesh.stop()
+
+
+def test_a_start_that_fails_with_a_health_port_logs_only_json(tmp_path: Path) -> None:
+    """A failed start left the health port's server to the collector after the event loop
+    closed: 8 lines of "Exception ignored in: Server.__del__ ... Event loop is closed" after
+    the JSON "start-up failed", at every failed start of a pod with a health port (the
+    production overlay sets one on every pod; a deploy probe)."""
+    port, health_port = free_ports(2)
+    done = subprocess.run(
+        [sys.executable, "-m", "hopline", "serve", "tokenizer"],
+        env={
+            **os.environ,
+            "HOPLINE_MODEL_REPO": str(tmp_path / "not-there"),
+            "HOPLINE_TOKENIZER_ADDR": f"127.0.0.1:{port}",
+            "HOPLINE_HEALTH_PORT": str(health_port),
+            "HOPLINE_METRICS_PORT": "0",
+            "HOPLINE_LOG_FORMAT": "json",
+            "OTEL_SDK_DISABLED": "true",
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    lines = (done.stdout + done.stderr).splitlines()
+    failed = [json.loads(line) for line in lines]  # every line one JSON object
+    assert any(
+        line["msg"] == "start-up failed" and "is not a folder" in line["error"]
+        for line in failed
+    ), lines
