@@ -249,3 +249,17 @@ def test_a_file_without_otlp_says_what_it_expects(
     assert said in err
     assert "expected OTLP/JSON TracesData, objects with `resourceSpans`" in err
     assert "no traces to report on" not in err
+
+
+def test_a_report_cut_at_the_limit_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Jaeger answers with at most --limit traces: the report read a sample of the window and
+    said nothing (an observability probe: '2 of 198 traces' where 814 were answered)."""
+    docs = [{"result": otlp_request(f"{i:032x}")} for i in range(1, 4)]
+    _answering(monkeypatch, 200, "\n".join(json.dumps(d) for d in docs).encode())
+    base = ["trace", "report", "--jaeger", "http://127.0.0.1:16686", "--since", "1m"]
+    assert main([*base, "--limit", "3"]) == 0
+    assert "Jaeger gave 3 traces, --limit's most" in capsys.readouterr().err
+    assert main([*base, "--limit", "4"]) == 0
+    assert "--limit's most" not in capsys.readouterr().err
