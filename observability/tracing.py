@@ -14,6 +14,7 @@ import math
 import os
 import random
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from contextvars import Token
 from typing import Any, cast
@@ -206,6 +207,8 @@ def setup_tracing(service: str) -> None:
     exporting = bool(endpoint) and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none"
     # Before anything starts: a TLS setting that cannot work fails the start (ValueError).
     tls = check_export_tls(os.environ, endpoint or "") if exporting else None
+    if exporting:
+        check_export_settings(os.environ)
     sampler = default_sampler(exporting, os.environ, name)
     global _REMOTE
     _REMOTE = remote_sampler(sampler)
@@ -250,6 +253,44 @@ def setup_tracing(service: str) -> None:
             },
         )
     trace.set_tracer_provider(SpanTracerProvider(sampler, processor, exporter))
+
+
+# The batch processor's settings: (variable, integer?, smallest allowed).
+_BSP_SETTINGS = (
+    ("OTEL_BSP_MAX_QUEUE_SIZE", True, 1),
+    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", True, 1),
+    ("OTEL_BSP_SCHEDULE_DELAY", False, 0),
+    ("OTEL_BSP_EXPORT_TIMEOUT", False, 0),
+)
+
+
+def check_export_settings(environ: Mapping[str, str]) -> None:
+    """ValueError naming the variable for an export setting that cannot work: the SDK's own
+    message named none ("could not convert string to float: 'abc'", "max_queue_size must be a
+    positive integer."), and an endpoint's port past 65535 exported to that port modulo
+    65536, another listener's (an observability probe)."""
+    for variable in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        endpoint = environ.get(variable, "").strip()
+        if not endpoint:
+            continue
+        try:  # a port out of range, or not a number, is ValueError here
+            port = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"//{endpoint}").port
+        except ValueError:
+            port = 0
+        if port == 0:
+            raise ValueError(f"{variable}={endpoint!r}: the port must be 1 to 65535")
+        break  # the traces-only variable wins when set
+    for variable, whole, least in _BSP_SETTINGS:
+        raw = environ.get(variable)
+        if raw is None:
+            continue
+        try:
+            value = int(raw) if whole else float(raw)
+        except ValueError:
+            kind = "a whole number" if whole else "a number"
+            raise ValueError(f"{variable}={raw!r}: must be {kind}") from None
+        if value < least:
+            raise ValueError(f"{variable}={raw!r}: must be at least {least}")
 
 
 def shutdown_tracing() -> None:
