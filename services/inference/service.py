@@ -398,9 +398,12 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         # request's spans are written from the batch's timestamps, under its own server span.
         if trace.get_current_span().is_recording():
             attrs = {schema.MODEL: cfg.name, schema.MODEL_VERSION: cfg.version}
-            tracer().start_span(
-                schema.SPAN_INFERENCE_QUEUE, start_time=run.enqueued_ns, attributes=attrs
-            ).end(end_time=run.started_ns)
+            # A request that ran at once waited for nothing: no queue span (a zero-length one
+            # was flagged by Jaeger in every trace, "Negative duration detected").
+            if run.started_ns > run.enqueued_ns:
+                tracer().start_span(
+                    schema.SPAN_INFERENCE_QUEUE, start_time=run.enqueued_ns, attributes=attrs
+                ).end(end_time=run.started_ns)
             tracer().start_span(
                 schema.SPAN_INFERENCE_RUN,
                 start_time=run.started_ns,
