@@ -191,8 +191,10 @@ class PendingWrites:
         """One batched write and what follows it (index, invalidations, bounds); the error
         when Milvus failed it, with the batch left pending to be written again."""
         host = self.host
-        # Off every request's path: a trace of its own, linked to the stores it writes.
-        links = [Link(c) for c in (self._spans.get(k) for k in batch) if c]
+        # Off every request's path: a trace of its own, linked once to each store call it
+        # writes (a StoreBatch's entries share one: 10 entries made 10 links to it).
+        stores = {(c.trace_id, c.span_id): c for c in (self._spans.get(k) for k in batch) if c}
+        links = [Link(c) for c in stores.values()]
         try:
             with tracer().start_as_current_span(
                 schema.SPAN_CACHE_WRITE,
