@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,15 @@ import grpc
 import pytest
 import yaml
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.common.v1 import common_pb2
+from opentelemetry.proto.resource.v1 import resource_pb2
+from opentelemetry.proto.trace.v1 import trace_pb2
 
 from conftest import DEFAULT_MODEL
 from harness import Mesh, fetch_trace, serve_refused
 from hopline.cli.certs import make_certs
 from hopline.gateway.client import predict
-from hopline.observability.jaeger import BINARY
+from hopline.observability.jaeger import BINARY, get_json
 from hopline.runtime.ports import free_ports
 from hopline.runtime.service_table import SERVICES
 
@@ -207,6 +211,80 @@ def _export(port: int, certs: Path, role: str | None) -> grpc.StatusCode:
             code: grpc.StatusCode = err.code()
             return code
     return grpc.StatusCode.OK
+
+
+def _request_trace(trace: int, request_ms: int, store_ms: int) -> Any:
+    """A gateway's request trace as the gateway exports it: its server span, and the cache
+    store's client span under it, which ends after the reply (its linger)."""
+    start = time.time_ns() - 10**9
+    attributes = [
+        common_pb2.KeyValue(
+            key="rpc.service",
+            value=common_pb2.AnyValue(string_value="hopline.gateway.v1.GatewayService"),
+        )
+    ]
+    root = trace_pb2.Span(
+        trace_id=trace.to_bytes(16, "big"),
+        span_id=(1).to_bytes(8, "big"),
+        name="hopline.gateway.v1.GatewayService/Predict",
+        kind=trace_pb2.Span.SPAN_KIND_SERVER,
+        start_time_unix_nano=start,
+        end_time_unix_nano=start + request_ms * 10**6,
+        attributes=attributes,
+    )
+    store = trace_pb2.Span(
+        trace_id=root.trace_id,
+        span_id=(2).to_bytes(8, "big"),
+        parent_span_id=root.span_id,
+        name="cache_store",
+        kind=trace_pb2.Span.SPAN_KIND_CLIENT,
+        start_time_unix_nano=start + 10**6,
+        end_time_unix_nano=start + store_ms * 10**6,
+    )
+    resource = resource_pb2.Resource(
+        attributes=[
+            common_pb2.KeyValue(
+                key="service.name", value=common_pb2.AnyValue(string_value="gateway")
+            )
+        ]
+    )
+    return trace_pb2.ResourceSpans(
+        resource=resource, scope_spans=[trace_pb2.ScopeSpans(spans=[root, store])]
+    )
+
+
+def test_the_slow_policy_judges_the_request_not_the_store_after_it(
+    pipeline: dict[str, Any], certs: Path
+) -> None:
+    """The tail sampler's "slow" policy measured the trace's extent, which the cache store
+    stretches to its linger (500 ms) after the reply: every stored miss was kept as slow (an
+    observability probe: 45 of 100 misses of under 50 ms). It now judges the request's own
+    span. 20 fast stored requests (the 5% baseline, by trace id, may keep one or two) and one
+    slow one, sent as the gateway exports them."""
+    fast = [0xFA57 << 64 | i for i in range(20)]
+    slow = 0x5104 << 64
+    request = trace_service_pb2.ExportTraceServiceRequest(
+        resource_spans=[*(_request_trace(t, 5, 600) for t in fast), _request_trace(slow, 80, 600)]
+    )
+    key, chain = ((certs / f"gateway.{k}").read_bytes() for k in ("key", "crt"))
+    credentials = grpc.ssl_channel_credentials((certs / "ca.crt").read_bytes(), key, chain)
+    with grpc.secure_channel(f"127.0.0.1:{pipeline['sampling'].port}", credentials) as channel:
+        stub = trace_service_pb2_grpc.TraceServiceStub(channel)  # type: ignore[no-untyped-call]
+        stub.Export(request, timeout=10)
+    fetch_trace(pipeline["query"], f"{slow:032x}", want_services=1, timeout_s=60)
+    time.sleep(2)  # the fast ones were decided with it; their spans, if kept, stored too
+    kept = [t for t in fast if _in_jaeger(pipeline["query"], f"{t:032x}")]
+    assert len(kept) <= 5, f"{len(kept)} of 20 fast requests kept as slow"
+
+
+def _in_jaeger(query: str, trace_id: str) -> bool:
+    try:
+        get_json(f"{query}/api/v3/traces/{trace_id}")
+    except urllib.error.HTTPError as err:
+        if err.code != 404:
+            raise
+        return False
+    return True
 
 
 def test_each_tier_takes_only_clients_with_a_certificate_from_the_ca(
