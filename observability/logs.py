@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable, Hashable
@@ -91,6 +92,10 @@ def setup_logging(
     grpc_server = logging.getLogger(GRPC_AIO_SERVER_LOGGER)
     if not any(isinstance(f, RepliesAfterTheCallEnded) for f in grpc_server.filters):
         grpc_server.addFilter(RepliesAfterTheCallEnded())
+    for name in EXPORT_LOGGERS:
+        export = logging.getLogger(name)
+        if not any(isinstance(f, ExportTrouble) for f in export.filters):
+            export.addFilter(ExportTrouble())
 
 
 GRPC_AIO_SERVER_LOGGER = "grpc._cython.cygrpc"
@@ -132,6 +137,37 @@ class RepliesAfterTheCallEnded(logging.Filter):
         record.args = None
         record.exc_info, record.exc_text = None, None
         record.method = method
+        return True
+
+
+# The OpenTelemetry SDK's loggers that speak of a failing export, each a line a batch.
+EXPORT_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",  # failed, transient error, retrying
+    "opentelemetry.sdk._shared_internal",  # the batch processor's queue full, spans dropped
+)
+EXPORT_TROUBLE_EVERY_S = 60.0
+
+
+class ExportTrouble(logging.Filter):
+    """The SDK's lines about a collector that cannot be reached, at most one a minute of each
+    kind, saying how many were left out: with the collector away every batch logged (an
+    observability probe: 17 lines in 40 s, about 1,000 an hour a process), while requests
+    went on unaffected and spans resumed once it was back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._said: dict[str, tuple[float, int]] = {}  # message template -> when, left out since
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = str(record.msg)
+        now = time.monotonic()
+        last, held = self._said.get(key, (-math.inf, 0))
+        if now - last < EXPORT_TROUBLE_EVERY_S:
+            self._said[key] = (last, held + 1)
+            return False
+        self._said[key] = (now, 0)
+        if held:
+            record.left_out = held  # lines like it in the last minute, not logged
         return True
 
 
