@@ -5,10 +5,10 @@ line or two (an observability probe: 17 lines in 40 s, about 1,000 an hour a pro
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
-from hopline.observability import logs
 from hopline.observability.logs import EXPORT_LOGGERS, ExportTrouble, LogFormat, setup_logging
 
 FAILED = "Failed to export %s to %s, error code: %s, error details: %s"
@@ -23,7 +23,7 @@ def test_one_line_a_minute_of_each_kind_saying_how_many_were_left_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     now = [1000.0]
-    monkeypatch.setattr(logs.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
     trouble = ExportTrouble()
     said = [
         trouble.filter(_record(FAILED, "traces", "x:4317", "UNAVAILABLE", "")) for _ in range(5)
