@@ -106,11 +106,19 @@ def _colocated_store_file(config: object) -> str:
     return uri if is_local(uri) else ""
 
 
-def no_gateway_hint(address: str, flag: str) -> str:
+def no_gateway_hint(address: str, flag: str, details: str = "") -> str:
     """What to say when nothing answers at `address` (`hopline predict`'s and `hopline
-    bench`'s words): how the mesh starts, and `flag`, the command's way to name another."""
+    bench`'s words): how the mesh starts, and `flag`, the command's way to name another.
+    `details`, gRPC's, tell a plaintext call that a TLS server closed from a refusal."""
     from hopline.runtime.tls import CA_ENV
 
+    if not os.environ.get(CA_ENV) and "Socket closed" in details:
+        # A TLS server closes a plaintext connection before HTTP/2 begins; "no gateway
+        # answered" sent the user looking for a mesh that was running (a security probe).
+        return (
+            f"something at {address} closed the plaintext connection before HTTP/2 began, as "
+            f"a TLS gateway does: set {CA_ENV} to its CA file"
+        )
     over = "TLS (HOPLINE_TLS_CA is set)" if os.environ.get(CA_ENV) else "plaintext"
     return (
         f"no gateway answered at {address} over {over}: `make run` starts the mesh; "
@@ -148,7 +156,7 @@ def _predict(args: argparse.Namespace) -> int:
             sys.stderr.write(f"(give your key with --api-key or {API_KEY_ENV})\n")
         elif code == grpc.StatusCode.UNAVAILABLE and not trailing:
             # A gateway's own UNAVAILABLE (an upstream down) carries its trailers.
-            hint = no_gateway_hint(gateway_address(args.gateway), "--gateway")
+            hint = no_gateway_hint(gateway_address(args.gateway), "--gateway", err.details() or "")
             sys.stderr.write(f"({hint})\n")
         return 1
     doc = to_json(response)

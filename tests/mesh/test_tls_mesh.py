@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from conftest import DEFAULT_MODEL
 from harness import NOT_SERVING, SERVING, Mesh, answer_scope, health, serve_refused
 from hopline.cli.certs import ROLES, env_for, make_certs
+from hopline.cli.main import main as cli_main
 from hopline.gateway.client import predict as cli_predict
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -247,7 +248,7 @@ def test_handshakes_naming_another_server_write_nothing_to_the_log(tmesh: TlsMes
 
 
 def test_hopline_predict_dials_tls_from_the_environment(
-    tmesh: TlsMesh, monkeypatch: pytest.MonkeyPatch
+    tmesh: TlsMesh, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`hopline predict` (gateway/client.py) with HOPLINE_TLS_* set: the handshake works (the
     gateway answers, UNAUTHENTICATED since the client sends no API key); unset, plaintext
@@ -257,6 +258,13 @@ def test_hopline_predict_dials_tls_from_the_environment(
         cli_predict(TEXT, gateway=tmesh.gateway)
 
     assert refused(ask) == UNAVAILABLE
+    # The command says a TLS server closed the plaintext call, not "no gateway answered" (a
+    # security probe: that sent the user looking for a mesh that was running).
+    monkeypatch.delenv("HOPLINE_TLS_CA", raising=False)
+    assert cli_main(["predict", TEXT, "--gateway", tmesh.gateway]) == 1
+    said = capsys.readouterr().err
+    assert "closed the plaintext connection before HTTP/2 began" in said, said
+    assert "set HOPLINE_TLS_CA to its CA file" in said, said
     for key, value in env_for(tmesh.tls).items():
         monkeypatch.setenv(key, value)
     assert refused(ask) == grpc.StatusCode.UNAUTHENTICATED
