@@ -76,11 +76,12 @@ def die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def spread_metrics_ports(env: Mapping[str, str]) -> dict[str, int]:
-    """HOPLINE_METRICS_PORT=P for the whole mesh: P for the gateway, the next ports for the
-    rest in the table's order. One variable reached every process, so the first to bind
-    took P and the others logged that they could not (a scrape of P got whichever won)."""
-    raw = env.get("HOPLINE_METRICS_PORT", "").strip()
+def spread_ports(env: Mapping[str, str], variable: str) -> dict[str, int]:
+    """`variable`=P (HOPLINE_METRICS_PORT, HOPLINE_HEALTH_PORT) for the whole mesh: P for the
+    gateway, the next ports for the rest in the table's order. One variable reached every
+    process, so the first to bind took P and the others logged that they could not (a
+    scrape of P got whichever won; a health port failed every start but the first)."""
+    raw = env.get(variable, "").strip()
     if not raw.isdigit() or int(raw) == 0:  # 0 (off) holds for all; a bad value is refused
         return {}  # by each service, naming it
     base = int(raw)
@@ -89,6 +90,8 @@ def spread_metrics_ports(env: Mapping[str, str]) -> dict[str, int]:
     order = sorted(ALL, key=lambda name: spec(name).metrics_port)
     return {str(name): base + i for i, name in enumerate(order)}
 
+
+METRICS_PORT, HEALTH_PORT = "HOPLINE_METRICS_PORT", "HOPLINE_HEALTH_PORT"
 
 # What the launcher's own calls to the gateway cannot outwait, and what sets it.
 REFUSED = {
@@ -130,7 +133,8 @@ class Mesh:
         self.service_env = {name: dict(values) for name, values in (service_env or {}).items()}
         self.env = {**os.environ, **(env or {}), "HOPLINE_MODEL_REPO": str(model_repo.resolve())}
         self.addrs = {s.name: s.address(self.env) for s in SERVICES} | dict(addrs or {})
-        self.metrics_ports = dict(metrics_ports or {}) or spread_metrics_ports(self.env)
+        self.metrics_ports = dict(metrics_ports or {}) or spread_ports(self.env, METRICS_PORT)
+        self.health_ports = spread_ports(self.env, HEALTH_PORT)
         for name, addr in self.addrs.items():
             self.env[spec(name).addr_env] = addr
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -184,7 +188,9 @@ class Mesh:
                 continue
             env = dict(self.env)
             if name in self.metrics_ports:
-                env["HOPLINE_METRICS_PORT"] = str(self.metrics_ports[name])
+                env[METRICS_PORT] = str(self.metrics_ports[name])
+            if name in self.health_ports:
+                env[HEALTH_PORT] = str(self.health_ports[name])
             env |= self.service_env.get(name, {})
             out: IO[bytes] | None = None
             if self.log_dir is not None:

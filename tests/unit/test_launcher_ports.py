@@ -160,6 +160,23 @@ def test_one_metrics_port_for_the_whole_mesh_is_spread_over_its_processes(
     )
 
 
+def test_one_health_port_for_the_whole_mesh_is_spread_as_the_metrics_port(
+    tmp_path: Path,
+) -> None:
+    """`HOPLINE_HEALTH_PORT=21160 hopline run` gave every process 21160: the gateway bound it
+    and every other service failed its start ("cannot bind the health port"), and the mesh
+    never came up (a security probe)."""
+    mesh = Mesh(tmp_path, env={"HOPLINE_HEALTH_PORT": "21160"})
+    assert mesh.health_ports == {
+        "gateway": 21160,
+        "tokenizer": 21161,
+        "cache": 21162,
+        "inference": 21163,
+        "postprocess": 21164,
+    }
+    assert Mesh(tmp_path).health_ports == {}  # unset: none, as each service's default
+
+
 class StuckProcess:
     """A stand-in child (no process is started here): `wait` records its timeout and, for a
     child that does not drain, times out."""
