@@ -31,6 +31,7 @@ from hopline.cache.config import (
 )
 from hopline.cache.milvus_lite import is_local
 from hopline.cache.store import CacheStoreError
+from hopline.observability.logs import without_passwords
 
 # Milvus's rule for database names (it refuses others only when asked to create one).
 DATABASE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
@@ -59,6 +60,12 @@ def uri_problem(uri: str) -> str | None:
             return None
         return f"{said} is not a milvus-lite database file nor a URI: set {URI_FORMS}"
     parts = urlsplit(uri)
+    if parts.password is not None:  # said without it: this message is logged
+        shown = without_passwords(uri)
+        return (
+            f"HOPLINE_CACHE_URI {shown!r} carries a password: put 'user:password' in the file "
+            "HOPLINE_CACHE_MILVUS_TOKEN_FILE names (a URI is logged, a token file is not)"
+        )
     scheme = parts.scheme.lower()
     if scheme not in SERVER_SCHEMES:
         return f"{said}: a Milvus server's URI starts http://, https://, tcp:// or unix://"

@@ -30,7 +30,7 @@ LIMIT_FLAGS = {
 
 
 def _serve(name: str, argv: Sequence[str]) -> int:
-    from hopline.observability.logs import setup_logging
+    from hopline.observability.logs import setup_logging, without_passwords
     from hopline.observability.tracing import setup_tracing
     from hopline.runtime import event_loop
     from hopline.runtime.cpu_quota import (
@@ -69,7 +69,8 @@ def _serve(name: str, argv: Sequence[str]) -> int:
     except ValueError as exc:  # a sampler or export TLS setting that cannot work: do not start
         logging.getLogger("hopline").error("cannot set up tracing", extra={"error": str(exc)})
         return 2
-    logging.getLogger("hopline").info("config", extra={"config": vars(config)})
+    shown = without_passwords(vars(config))
+    logging.getLogger("hopline").info("config", extra={"config": shown})
     # `pools`: what this process set; `pool_env`: the sizes in effect, also those a gateway
     # worker inherits from its supervisor or the operator set (it sets none of them itself).
     pool_env = {name: os.environ[name] for name in POOL_VARIABLES if name in os.environ}

@@ -7,6 +7,7 @@ import enum
 import json
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Hashable
@@ -78,6 +79,21 @@ class TextFormatter(logging.Formatter):
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
+
+
+# user:password@ in a URI (a Milvus server's, an endpoint's): the password is never logged.
+_URI_PASSWORD = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@")
+
+
+def without_passwords(value: object) -> object:
+    """`value` with the password of any URI in it (a string, or a mapping's strings) shown as
+    `***`: HOPLINE_CACHE_URI with user:password in it was logged whole in the start-up
+    "config" line (a security probe)."""
+    if isinstance(value, str):
+        return _URI_PASSWORD.sub(r"\1***@", value)
+    if isinstance(value, dict):
+        return {key: without_passwords(v) for key, v in value.items()}
+    return value
 
 
 def setup_logging(

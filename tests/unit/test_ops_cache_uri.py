@@ -22,6 +22,7 @@ from hopline.cache.milvus_access import (
 )
 from hopline.cache.milvus_store import MilvusStore
 from hopline.cache.store import CacheStoreError
+from hopline.observability.logs import without_passwords
 
 REFUSED = {
     "milvus:19530": f"HOPLINE_CACHE_URI 'milvus:19530' is not a milvus-lite database file "
@@ -112,3 +113,24 @@ def test_a_work_dir_the_encoder_cannot_be_built_in_is_refused_at_start(tmp_path:
     for fine in (str(tmp_path), str(tmp_path / "new" / "deeper"), ""):
         assert work_dir_problem(fine) is None
     assert not (tmp_path / "new").exists()  # only checked: the embedder makes it
+
+
+def test_a_password_in_the_uri_is_refused_and_never_shown() -> None:
+    """A security probe: HOPLINE_CACHE_URI='http://admin:S3cretPW@host:19530' was logged
+    whole, in the start-up "config" line and in "cannot open Milvus at ...". It is refused
+    for the token file, saying so without the password, and the config line masks it."""
+    uri = "http://admin:S3cretPW@127.0.0.1:19530"
+    said = uri_problem(uri)
+    assert said is not None
+    assert "S3cretPW" not in said
+    assert "http://admin:***@127.0.0.1:19530" in said
+    assert "HOPLINE_CACHE_MILVUS_TOKEN_FILE" in said
+    config = {"uri": uri, "collection": "c", "flush_ms": 5}
+    assert without_passwords(config) == {
+        "uri": "http://admin:***@127.0.0.1:19530",
+        "collection": "c",
+        "flush_ms": 5,
+    }
+    assert without_passwords("http://user@host:1 /a/b.db tcp://h:2") == (
+        "http://user@host:1 /a/b.db tcp://h:2"
+    )
