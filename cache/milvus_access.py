@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -101,6 +102,25 @@ def work_dir_problem(work_dir: str) -> str | None:
     return None
 
 
+def home_problem(uri: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """What stops milvus-lite where HOME cannot be written, or None: it keeps its files under
+    $HOME/.cache/milvus, and an unwritable HOME (a platform's arbitrary uid with HOME=/)
+    failed the start with 'Assert "init_flag_ == true" => Mmap manager has not been init'
+    (a deploy probe). A Milvus server's cache writes nothing there."""
+    if not is_local(uri):
+        return None
+    home = environ.get("HOME") or "/"
+    path = Path(home) / ".cache" / "milvus"
+    while not os.path.lexists(path):
+        path = path.parent
+    if path.is_dir() and os.access(path, os.W_OK | os.X_OK):
+        return None
+    return (
+        f"milvus-lite keeps its files under $HOME/.cache and HOME={home!r} cannot be written "
+        f"there ({path} is not a writable folder): give the cache a writable HOME"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class MilvusAccess:
     token: str = dataclasses.field(default="", repr=False)
@@ -116,7 +136,10 @@ class MilvusAccess:
         CacheStoreError with what to change."""
         # The cache's start checks its settings here first: so its encoder's folder, though
         # no Milvus setting, is refused before the store spends a load on a start that fails.
-        if problem := uri_problem(config.uri) or work_dir_problem(config.work_dir):
+        problem = (
+            uri_problem(config.uri) or work_dir_problem(config.work_dir) or home_problem(config.uri)
+        )
+        if problem:
             raise CacheStoreError(problem)
         named = {
             MILVUS_TOKEN_ENV: config.milvus_token_file,

@@ -53,7 +53,7 @@ class GatewayConfig(ServerConfig):
     key_mirror_keys: int = env_field(
         "HOPLINE_GATEWAY_KEY_MIRROR",
         2_000_000,
-        "exact keys the gateway mirrors from the cache (about 70 bytes each), so a miss of an "
+        "exact keys the gateway mirrors from the cache (about 90 bytes each), so a miss of an "
         "exact-only model skips the Lookup (0: always look up)",
     )
     # 1 against 2, five processes on 2 cores, alternated 10 s rounds (stop 52): c=32 better in 9

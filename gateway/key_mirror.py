@@ -19,7 +19,7 @@ Errors cost speed, never answers:
   so a repeat that comes before the store returns is looked up (the cache's pending writes
   answer it), never vouched a miss.
 
-Keys are kept as their first 64 bits (about 70 bytes an entry with the dict's slot, against
+Keys are kept as their first 64 bits (about 90 bytes an entry with the dict's slot, against
 about 180 for the hex string): two keys sharing them make one look held, which is the safe
 side. Past `capacity` keys the mirror stops answering until the stream starts over.
 

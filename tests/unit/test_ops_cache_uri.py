@@ -8,6 +8,7 @@ bare FileNotFoundError once Milvus had loaded."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from hopline.cache.milvus_access import (
     NO_ACCESS,
     URI_FORMS,
     MilvusAccess,
+    home_problem,
     uri_problem,
     work_dir_problem,
 )
@@ -134,3 +136,22 @@ def test_a_password_in_the_uri_is_refused_and_never_shown() -> None:
     assert without_passwords("http://user@host:1 /a/b.db tcp://h:2") == (
         "http://user@host:1 /a/b.db tcp://h:2"
     )
+
+
+def test_milvus_lite_needs_a_writable_home_said_before_it_starts(tmp_path: Path) -> None:
+    """milvus-lite keeps its files under $HOME/.cache: with HOME unwritable the start failed
+    with 'Assert "init_flag_ == true" => Mmap manager has not been init' (a deploy probe,
+    uid 10001 with HOME not writable). Said first, naming HOME; a server URI needs none. (A
+    HOME that is a file stands for one that cannot be written: root writes any folder.)"""
+    db = str(tmp_path / "cache.db")
+    not_a_folder = tmp_path / "home"
+    not_a_folder.write_text("")
+    said = home_problem(db, {"HOME": str(not_a_folder)})
+    assert said is not None
+    assert f"HOME={str(not_a_folder)!r} cannot be written" in said
+    assert home_problem("http://milvus:19530", {"HOME": str(not_a_folder)}) is None
+    assert home_problem(db, {"HOME": str(tmp_path)}) is None
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if not os.access(locked, os.W_OK):  # not root: a folder without write permission
+        assert home_problem(db, {"HOME": str(locked)}) is not None
