@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
+
+log = logging.getLogger("hopline.gateway")
 
 T = TypeVar("T")
 
@@ -47,6 +50,7 @@ class CircuitBreaker:
         self._probing = False
         self._probe_started = 0.0
         self.opened = 0  # times the circuit opened, for stats
+        self._opened_at = 0.0
 
     @property
     def state(self) -> CircuitState:
@@ -80,6 +84,14 @@ class CircuitBreaker:
             self._open_until = min(self._open_until, self.clock())
 
     def success(self) -> None:
+        if self._state != CLOSED:
+            # Said, as its opening is: the fail-open log's episode counts only the lookups
+            # that failed, not the ones the open circuit skipped (an observability probe:
+            # 8 said, 734 answered FAIL_OPEN).
+            log.info(
+                "cache circuit closed",
+                extra={"open_s": round(self.clock() - self._opened_at, 3)},
+            )
         self._consecutive, self._state, self._probing = 0, CLOSED, False
 
     def failure(self) -> None:
@@ -87,6 +99,12 @@ class CircuitBreaker:
         if self._state == HALF_OPEN or self._consecutive >= self.failures:
             if self._state != OPEN:
                 self.opened += 1
+            if self._state == CLOSED:
+                self._opened_at = self.clock()
+                log.warning(
+                    "cache circuit opened: lookups skipped (FAIL_OPEN) until a probe answers",
+                    extra={"failures": self._consecutive, "cooldown_s": self.cooldown_s},
+                )
             self._state, self._probing = OPEN, False
             self._open_until = self.clock() + self.cooldown_s
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -49,6 +50,30 @@ def open_breaker(failures: int = 3, cooldown_s: float = 5.0) -> tuple[CircuitBre
         breaker.failure()
     assert breaker.state == OPEN
     return breaker, clock
+
+
+def test_the_circuit_says_when_it_opens_and_when_it_closes_not_each_probe(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The fail-open log counted only the lookups that failed (an observability probe: 8 said
+    where clients got 734 FAIL_OPEN, the rest skipped by the open circuit), and nothing said
+    the circuit opened or closed."""
+    with caplog.at_level(logging.INFO, logger="hopline.gateway"):
+        breaker, clock = open_breaker(failures=3, cooldown_s=5.0)
+        for _ in range(3):  # probes that fail: still one episode
+            clock.advance(5.0)
+            assert breaker.allow()
+            breaker.failure()
+        clock.advance(5.0)
+        assert breaker.allow()
+        breaker.success()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said == [
+        ("WARNING", "cache circuit opened: lookups skipped (FAIL_OPEN) until a probe answers"),
+        ("INFO", "cache circuit closed"),
+    ]
+    assert caplog.records[1].open_s == 20.0  # type: ignore[attr-defined]
+    assert breaker.opened == 4  # the counter as before: each failed probe opens it again
 
 
 def test_breaker_stays_closed_below_the_threshold_and_success_resets_the_count() -> None:
