@@ -236,6 +236,5 @@ def test_a_start_that_fails_with_a_health_port_logs_only_json(tmp_path: Path) ->
     lines = (done.stdout + done.stderr).splitlines()
     failed = [json.loads(line) for line in lines]  # every line one JSON object
     assert any(
-        line["msg"] == "start-up failed" and "is not a folder" in line["error"]
-        for line in failed
+        line["msg"] == "start-up failed" and "is not a folder" in line["error"] for line in failed
     ), lines
