@@ -173,7 +173,8 @@ def _predict(args: argparse.Namespace) -> int:
         f"tenant       {doc['tenant']}",
         f"cache        {doc['cache']}{similarity}",
         f"timings ms   {hops}",
-        f"trace id     {doc['trace_id']}",
+        # A gateway with OTEL_SDK_DISABLED makes no trace ids: an empty line read as lost.
+        f"trace id     {doc['trace_id'] or '(none: the gateway runs with tracing off)'}",
     ]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
