@@ -249,7 +249,10 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
                 raise Undecodable(refusals.count(exc)) from None
             yield request
 
-    if kind == "unary_unary":
+    # A stream handler that writes its replies with context.write (health's Watch) is a
+    # coroutine, awaited as a unary one is, and stays one.
+    writes = kind == "unary_stream" and not inspect.isasyncgenfunction(behaviour)
+    if kind == "unary_unary" or writes:
 
         async def unary_unary(data: bytes, context: Context) -> Any:
             try:
@@ -259,16 +262,6 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
             return await behaviour(request, context)
 
         return unary_unary
-    if kind == "unary_stream" and not inspect.isasyncgenfunction(behaviour):
-        # A handler that writes its replies with context.write (health's Watch) stays one.
-        async def unary_writing(data: bytes, context: Context) -> Any:
-            try:
-                request = deserializer(data)
-            except Exception as exc:
-                await refuse(context, exc)
-            return await behaviour(request, context)
-
-        return unary_writing
     if kind == "unary_stream":
 
         async def unary_stream(data: bytes, context: Context) -> AsyncIterator[Any]:

@@ -6,10 +6,11 @@ gRPC, is tests/mesh/test_batching_service.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -380,6 +381,26 @@ def _small_runs(backend: OnnxRuntimeBackend, rows: int, queue: int) -> None:
     backend.config = dataclasses.replace(backend.config, batching=batching)
 
 
+@contextlib.asynccontextmanager
+async def _recorded(
+    backend: OnnxRuntimeBackend, slots: int = 1
+) -> AsyncIterator[tuple[BatchedModel, list[int]]]:
+    """`backend` as a served model with `slots` run slots, and the rows of each run it makes."""
+    with ThreadPoolExecutor(max_workers=slots) as executor:
+        model = BatchedModel(backend, executor, max_in_flight=slots)
+        sizes: list[int] = []
+        model.batcher._on_batch = sizes.append
+        try:
+            yield model, sizes
+        finally:
+            await model.close()
+
+
+def _first_rows(request: ModelRequest, rows: int) -> ModelRequest:
+    inputs = {name: a[:rows] for name, a in request.inputs.items()}
+    return dataclasses.replace(request, inputs=inputs, rows=rows)
+
+
 def test_a_request_larger_than_a_run_runs_in_parts_with_the_same_answers(
     default_repo: Path,
 ) -> None:
@@ -391,14 +412,8 @@ def test_a_request_larger_than_a_run_runs_in_parts_with_the_same_answers(
     _small_runs(backend, rows=4, queue=64)
 
     async def in_parts() -> tuple[dict[str, Any], BatchInfo, list[int]]:
-        with ThreadPoolExecutor(max_workers=3) as executor:
-            model = BatchedModel(backend, executor, max_in_flight=3)
-            sizes: list[int] = []
-            model.batcher._on_batch = sizes.append
-            try:
-                outputs, info = await model.infer(request)
-            finally:
-                await model.close()
+        async with _recorded(backend, slots=3) as (model, sizes):
+            outputs, info = await model.infer(request)
         return outputs, info, sizes
 
     outputs, info, sizes = asyncio.run(in_parts())
@@ -416,26 +431,18 @@ def test_a_request_whose_part_is_refused_leaves_no_part_queued(default_repo: Pat
     service) and its parts still waiting never run."""
     backend, _ = _requests(default_repo)
     request = _ten_rows(backend)
-    lone = dataclasses.replace(
-        request, inputs={name: a[:2] for name, a in request.inputs.items()}, rows=2
-    )
+    lone = _first_rows(request, 2)
     _small_runs(backend, rows=4, queue=6)
 
     async def refused() -> tuple[int, list[int]]:
-        with ThreadPoolExecutor(max_workers=1) as executor:
-            model = BatchedModel(backend, executor, max_in_flight=1)
-            sizes: list[int] = []
-            model.batcher._on_batch = sizes.append
-            try:
-                first = asyncio.ensure_future(model.infer(lone))
-                await asyncio.sleep(0)  # it takes the one run slot
-                with pytest.raises(QueueFullError):
-                    await model.infer(request)
-                await first
-                await asyncio.sleep(0.1)  # the scheduler lets go of the cancelled parts
-                return model.batcher.waiting_rows, sizes
-            finally:
-                await model.close()
+        async with _recorded(backend) as (model, sizes):
+            first = asyncio.ensure_future(model.infer(lone))
+            await asyncio.sleep(0)  # it takes the one run slot
+            with pytest.raises(QueueFullError):
+                await model.infer(request)
+            await first
+            await asyncio.sleep(0.1)  # the scheduler lets go of the cancelled parts
+            return model.batcher.waiting_rows, sizes
 
     waiting, sizes = asyncio.run(refused())
     assert waiting == 0
@@ -453,21 +460,12 @@ def test_a_request_the_model_never_holds_at_once_is_the_clients_to_split(
     _small_runs(backend, rows=4, queue=4)
 
     async def refused() -> tuple[str, list[int]]:
-        with ThreadPoolExecutor(max_workers=1) as executor:
-            model = BatchedModel(backend, executor, max_in_flight=1)
-            sizes: list[int] = []
-            model.batcher._on_batch = sizes.append
-            try:
-                with pytest.raises(NeverFitsError) as refusal:
-                    await model.infer(request)
-                fits = dataclasses.replace(
-                    request, inputs={n: a[:8] for n, a in request.inputs.items()}, rows=8
-                )
-                outputs, _ = await model.infer(fits)  # 8 rows: one run, 4 waiting
-                assert next(iter(outputs.values())).shape[0] == 8
-                return str(refusal.value), sizes
-            finally:
-                await model.close()
+        async with _recorded(backend) as (model, sizes):
+            with pytest.raises(NeverFitsError) as refusal:
+                await model.infer(request)
+            outputs, _ = await model.infer(_first_rows(request, 8))  # one run, 4 waiting
+            assert next(iter(outputs.values())).shape[0] == 8
+            return str(refusal.value), sizes
 
     said, sizes = asyncio.run(refused())
     assert "10 rows in one request" in said

@@ -138,20 +138,20 @@ def test_a_port_another_process_chose_is_not_handed_out_until_it_exits(
     assert claim(window[0]), "the claim outlived the process that held it"
 
 
+def _spread(base: int) -> dict[str, int]:
+    """`base` for the gateway, the next ports for the others in the order of their default
+    ports (8002, 8021-8024), as the README's table says."""
+    names = ("gateway", "tokenizer", "cache", "inference", "postprocess")
+    return {name: base + i for i, name in enumerate(names)}
+
+
 def test_one_metrics_port_for_the_whole_mesh_is_spread_over_its_processes(
     tmp_path: Path,
 ) -> None:
     """`HOPLINE_METRICS_PORT=21463 hopline run` gave every process 21463: the first to bind
     served it, the others logged that they could not, and a scrape got whichever won."""
     mesh = Mesh(tmp_path, env={"HOPLINE_METRICS_PORT": "21463"})
-    # In the order of the default ports (8002, 8021-8024), as the README's table says.
-    assert mesh.metrics_ports == {
-        "gateway": 21463,
-        "tokenizer": 21464,
-        "cache": 21465,
-        "inference": 21466,
-        "postprocess": 21467,
-    }
+    assert mesh.metrics_ports == _spread(21463)
     assert Mesh(tmp_path, env={"HOPLINE_METRICS_PORT": "0"}).metrics_ports == {}  # all off
     chosen = {"gateway": 1, "cache": 2}
     assert (
@@ -167,13 +167,7 @@ def test_one_health_port_for_the_whole_mesh_is_spread_as_the_metrics_port(
     and every other service failed its start ("cannot bind the health port"), and the mesh
     never came up (a security probe)."""
     mesh = Mesh(tmp_path, env={"HOPLINE_HEALTH_PORT": "21160"})
-    assert mesh.health_ports == {
-        "gateway": 21160,
-        "tokenizer": 21161,
-        "cache": 21162,
-        "inference": 21163,
-        "postprocess": 21164,
-    }
+    assert mesh.health_ports == _spread(21160)
     assert Mesh(tmp_path).health_ports == {}  # unset: none, as each service's default
 
 
