@@ -56,6 +56,7 @@ from hopline.runtime import event_loop
 from hopline.runtime.api_keys import API_KEY_ENV, caller_metadata
 from hopline.runtime.cpu_quota import usable_cpus
 from hopline.runtime.event_loop import EventLoop
+from hopline.runtime.ports import dial_problem
 from hopline.runtime.tls import channel, operator_tls
 
 # A gateway that is up answers a health check in milliseconds; this only bounds a black hole.
@@ -230,9 +231,21 @@ def bench_once(*argv: str) -> dict[str, Any]:
     return {"argv": list(argv), **result, "ratios": ratios(result["targets"])}
 
 
+def _address_problems(args: argparse.Namespace) -> list[str]:
+    """The target's and peers' addresses that would dial another server or none."""
+    dialled = [(peer.partition("=")[2], f"--peer {peer.partition('=')[0]}") for peer in args.peer]
+    if args.target != "none":
+        named_by = "--target" if args.target else "HOPLINE_GATEWAY_ADDR"
+        dialled.insert(0, (gateway_address(args.target), named_by))
+    return [p for address, named_by in dialled if (p := dial_problem(address, named_by))]
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.concurrency is None and args.rps is None:
         args.concurrency = 1
+    if problems := _address_problems(args):
+        sys.stderr.write("".join(f"hopline bench: error: {p}\n" for p in problems))
+        return 2
     try:
         runs, result = event_loop.run(lambda: run_targets(args), EventLoop(args.loop))
     except PrimeError as exc:

@@ -64,6 +64,7 @@ def invalidate(args: argparse.Namespace) -> int:
     import grpc
 
     from hopline.protos.hopline.cache.v1 import cache_pb2_grpc
+    from hopline.runtime.ports import dial_problem
     from hopline.runtime.tls import channel, operator_tls
 
     request = request_of(args)
@@ -71,6 +72,10 @@ def invalidate(args: argparse.Namespace) -> int:
         sys.stderr.write(f"hopline cache invalidate: error: {request}\n")
         return 2
     address = args.cache or spec("cache").address()
+    named_by = "--cache" if args.cache else "HOPLINE_CACHE_ADDR"
+    if problem := dial_problem(address, named_by):
+        sys.stderr.write(f"hopline cache invalidate: error: {problem}\n")
+        return 2
     with channel(address, operator_tls("cache")) as chan:
         try:
             reply = cache_pb2_grpc.CacheServiceStub(chan).Invalidate(request, timeout=TIMEOUT_S)

@@ -39,9 +39,14 @@ def show_stats(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
     from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+    from hopline.runtime.ports import dial_problem
     from hopline.runtime.tls import channel, operator_tls
 
     address = args.cache or spec("cache").address()
+    named_by = "--cache" if args.cache else "HOPLINE_CACHE_ADDR"
+    if problem := dial_problem(address, named_by):
+        sys.stderr.write(f"hopline cache stats: error: {problem}\n")
+        return 2
     with channel(address, operator_tls("cache")) as chan:
         try:
             reply = cache_pb2_grpc.CacheServiceStub(chan).GetStats(

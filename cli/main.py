@@ -130,7 +130,13 @@ def no_gateway_hint(address: str, flag: str, details: str = "") -> str:
 def _predict(args: argparse.Namespace) -> int:
     from hopline.gateway.client import gateway_address, predict, to_json
     from hopline.runtime.errors import TRACE_ID_METADATA
+    from hopline.runtime.ports import dial_problem
+    from hopline.runtime.tls import TlsConfigError
 
+    named_by = "--gateway" if args.gateway else "HOPLINE_GATEWAY_ADDR"
+    if problem := dial_problem(gateway_address(args.gateway), named_by):
+        sys.stderr.write(f"hopline predict: error: {problem}\n")
+        return 2
     try:
         response = predict(
             args.text,
@@ -143,7 +149,7 @@ def _predict(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             api_key=args.api_key,
         )
-    except UnsendableKey as err:
+    except (UnsendableKey, TlsConfigError) as err:  # said before anything is sent
         sys.stderr.write(f"hopline predict: error: {err}\n")
         return 2
     except grpc.RpcError as err:

@@ -173,3 +173,17 @@ def port_problem(address: str, *, listen: bool = False) -> str | None:
     if not port.isdigit() or int(port) > 65535:
         return f"{address!r}: the port must be a number from 0 to 65535"
     return None
+
+
+def dial_problem(address: str, named_by: str) -> str | None:
+    """What is wrong with an address a command dials (`hopline predict --gateway`, `bench
+    --target`, `cache stats --cache`, ...), naming where it came from (`named_by`: the flag
+    or the variable), or None. Left to gRPC, 127.0.0.1:87137 dialled port 21601, another
+    server (a newcomer's probe: predict answered from it, and `cache invalidate` removed
+    entries from the wrong cache), and `127.0.0.1:` port 443. A port of 0 is no server's."""
+    problem = port_problem(address)
+    plain = not address.lower().startswith(tuple(f"{scheme}:" for scheme in GRPC_SCHEMES))
+    port = address.rpartition(":")[2]
+    if plain and ":" in address and not (port.isdigit() and 0 < int(port) < 65536):
+        problem = f"{address!r}: the port must be a number from 1 to 65535"
+    return None if problem is None else f"{named_by} {problem}"
