@@ -80,48 +80,75 @@ class RpcWrapper:
 
 
 class StreamCap(RpcWrapper):
-    """At most `limit` response streams of the methods it wraps open at once, then
-    RESOURCE_EXHAUSTED. Health's Watch and reflection's stream answer callers without a key
-    (health any caller at all), and each open stream holds 14-20 KB of the server's memory:
-    one client opened 8,000-14,000 watches in seconds (a security probe: a gateway 80 ->
-    239 MB, its Kubernetes limit 512 Mi). A service's real watchers are a few per client
-    channel."""
+    """At most `per_client` response streams of the methods it wraps open at once from one
+    client address, then RESOURCE_EXHAUSTED; callers `exempt` says are the port's own (its
+    TLS peers) are not counted. Health's Watch and reflection's stream answer callers without
+    a key (health any caller at all), and each open stream holds 14-20 KB of the server's
+    memory: one client opened 8,000-14,000 watches in seconds (a security probe: a gateway
+    80 -> 239 MB, its Kubernetes limit 512 Mi). Counted per client, not for the whole port: a
+    bound shared by every caller let anyone who filled it fail the health watch of every
+    gateway that connected meanwhile, which took the service for down (an operator's probe:
+    688 misses UNAVAILABLE in a minute after a gateway restart). A service's real watchers
+    are a few per client channel."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.open = 0
+    def __init__(self, per_client: int, exempt: Callable[[Context], bool] | None = None) -> None:
+        self.per_client = per_client
+        self.exempt = exempt
+        self.open: dict[str, int] = {}  # client address -> streams open; none kept at 0
 
     def wrap_stream(self, method: str, inner: StreamBehaviour) -> StreamBehaviour:
         if not inspect.isasyncgenfunction(inner):  # it writes with context.write
             writing: Behaviour = inner  # type: ignore[assignment]
 
             async def capped_writing(request: Any, context: Context) -> Any:
-                await self._admit(context)
+                client = await self._admit(context)
                 try:
                     return await writing(request, context)
                 finally:
-                    self.open -= 1
+                    self._release(client)
 
             return capped_writing  # type: ignore[return-value]
 
         async def capped(request: Any, context: Context) -> AsyncIterator[Any]:
-            await self._admit(context)
+            client = await self._admit(context)
             try:
                 async for reply in inner(request, context):
                     yield reply
             finally:
-                self.open -= 1
+                self._release(client)
 
         return capped
 
-    async def _admit(self, context: Context) -> None:
-        if self.open >= self.limit:
+    async def _admit(self, context: Context) -> str | None:
+        if self.exempt is not None and self.exempt(context):
+            return None
+        client = client_address(context.peer() or "")
+        held = self.open.get(client, 0)
+        if held >= self.per_client:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.open} health watches and reflection streams are open on this "
-                f"server, the most it keeps ({self.limit}): close the ones not in use",
+                f"{held} health watches and reflection streams are open from your address, "
+                f"the most one client keeps ({self.per_client}): close the ones not in use",
             )
-        self.open += 1
+        self.open[client] = held + 1
+        return client
+
+    def _release(self, client: str | None) -> None:
+        if client is None:
+            return
+        left = self.open[client] - 1
+        if left:
+            self.open[client] = left
+        else:
+            del self.open[client]
+
+
+def client_address(peer: str) -> str:
+    """A caller's address without its port: `ipv4:10.0.0.7:51234` -> `ipv4:10.0.0.7`,
+    `ipv6:%5B::1%5D:51234` -> `ipv6:%5B::1%5D`; a Unix socket's peer as it is."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rpartition(":")[0]
+    return peer
 
 
 _KINDS: tuple[tuple[str, bool, Any], ...] = (

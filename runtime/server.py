@@ -74,9 +74,10 @@ CUT = (
     "shutting down: this call outlived the drain's grace (HOPLINE_DRAIN_GRACE_S) and was "
     "ended; retry on another replica"
 )
-# Health watches and reflection streams open at once in one process (each 14-20 KB): a
-# service's real watchers are a few per client channel.
-MAX_INFRA_STREAMS = 1000
+# Health watches and reflection streams open at once from one client address on one port
+# (each 14-20 KB of memory): a gateway keeps one a connection; a flood from one address stops
+# at this, and fails no one else's.
+MAX_INFRA_STREAMS = 64
 CUT_WAIT_S = 1.0  # for the calls ended at the grace's end to send their status
 REPLY_FLUSH_S = 0.05
 
@@ -341,7 +342,7 @@ def _port_to_ourselves(listen: str) -> bool:
     return not others
 
 
-async def _serve_probes(config: ServerConfig, health: HealthServicer, streams: StreamCap) -> bool:
+async def _serve_probes(config: ServerConfig, health: HealthServicer) -> bool:
     """grpc.health.v1 alone, in plaintext, on `HOPLINE_HEALTH_PORT` of the listen address's
     host (loopback for a Unix socket), when set: Kubernetes' gRPC probes cannot speak TLS,
     and a service with a certificate serves only TLS on its own port. It answers from the
@@ -355,7 +356,13 @@ async def _serve_probes(config: ServerConfig, health: HealthServicer, streams: S
         options=server_options(config.max_message_bytes, reuse_port=worker_index() is not None)
     )
     health_pb2_grpc.add_HealthServicer_to_server(
-        health, cast(grpc.aio.Server, WrappingRegistrar(probes, (), infra=(streams,)))
+        # Its own bound: a flood of watches here (anyone reaches this port) leaves the
+        # service's own port's watchers be.
+        health,
+        cast(
+            grpc.aio.Server,
+            WrappingRegistrar(probes, (), infra=(StreamCap(MAX_INFRA_STREAMS),)),
+        ),
     )
     try:
         probes.add_insecure_port(address)
@@ -394,16 +401,17 @@ async def serve(service: Service, config: ServerConfig) -> int:
         )
     )
     health = HealthServicer()
+    # The peer check comes first: a caller the service does not serve learns nothing more,
+    # reflection and the KServe probes included.
+    peers = peer_check(tls, config.tls_peers, setting_of(config, "tls_peers"))
     # Health answers any caller (decoded as every method is, so bytes that do not parse are
-    # INVALID_ARGUMENT, not UNKNOWN with a traceback in the log); its watches are bounded.
-    streams = StreamCap(MAX_INFRA_STREAMS)
+    # INVALID_ARGUMENT, not UNKNOWN with a traceback in the log); its watches are bounded per
+    # client, the port's peers (the gateways, over mTLS) not counted.
+    streams = StreamCap(MAX_INFRA_STREAMS, exempt=peers.permits if peers else None)
     health_pb2_grpc.add_HealthServicer_to_server(
         health, cast(grpc.aio.Server, WrappingRegistrar(server, (), infra=(streams,)))
     )
     # Each method's handler is wrapped once here, not per call (see hopline.runtime.interceptors).
-    # The peer check comes first: a caller the service does not serve learns nothing more,
-    # reflection and the KServe probes included.
-    peers = peer_check(tls, config.tls_peers, setting_of(config, "tls_peers"))
     wrappers: list[RpcWrapper] = [gate, ServerTracing(config.test_delay_ms)]
     if config.test_fault:
         wrappers.append(FaultInjection(config.test_fault))
@@ -436,7 +444,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
     late_bind = index is not None
     if not late_bind and not await _listen(server, config, tls, peers):
         return 2
-    if not late_bind and not await _serve_probes(config, health, streams):
+    if not late_bind and not await _serve_probes(config, health):
         await server.stop(0)
         return 2
     if index is None:
@@ -461,7 +469,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
         if late_bind and not (
             await _listen(server, config, tls, peers)
             and _port_to_ourselves(config.listen)
-            and await _serve_probes(config, health, streams)
+            and await _serve_probes(config, health)
         ):
             await service.stop()
             await _stop_servers(server)
