@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import shutil
 import signal
+import subprocess
 import time
 import uuid
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import DEFAULT_MODEL
 from harness import NOT_SERVING, Mesh, free_port, health, served_ok, spawn_replica
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.server import MAX_INFRA_STREAMS
 
 REQUESTS = 60
 LEAN = {"HOPLINE_INFERENCE_THREADS": "1"}
@@ -82,3 +85,46 @@ def test_a_replica_that_says_not_serving_gets_no_calls(default_repo: Path, tmp_p
         mesh.stop()
         second.kill()
         second.wait()
+
+
+def test_a_flood_of_health_watches_fails_no_gateways_watch(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """Health answers any caller. A bound on open watches that every caller shared (this
+    stop's first one, 1,000 a process) let anyone who filled it, here on the tokenizer's
+    health port, fail the watch of every gateway that connected meanwhile: gRPC took the
+    tokenizer for down and every miss through a gateway started then was UNAVAILABLE (an
+    operator's upgrade probe: 688 in a minute). Now a port counts watches per client address,
+    the health port on its own: a new gateway is served while 1,100 watches are asked for."""
+    repo = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    probe_port = free_port()
+    mesh = Mesh(repo, tmp_path, service_env={"tokenizer": {"HOPLINE_HEALTH_PORT": str(probe_port)}})
+    late: subprocess.Popen[bytes] | None = None
+    try:
+        mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
+        with grpc.insecure_channel(f"127.0.0.1:{probe_port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            asked = health_pb2.HealthCheckRequest()
+            watches = [stub.Watch(asked, timeout=120) for _ in range(1100)]
+            codes = []
+            for watch in watches:
+                try:
+                    next(watch)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as err:
+                    codes.append(err.code())
+            refused = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            assert codes.count(grpc.StatusCode.OK) + refused == 1100, set(codes)
+            assert refused == 1100 - MAX_INFRA_STREAMS
+            port, metrics = free_port(), free_port()
+            late = spawn_replica(mesh, "gateway", port, metrics, {}, "late")
+            labels = predict_all(f"127.0.0.1:{port}", 5)
+            assert all(labels)
+            for watch in watches:
+                watch.cancel()
+    finally:
+        if late is not None:
+            late.terminate()
+            late.wait(timeout=30)
+        mesh.stop()
