@@ -82,14 +82,12 @@ class RpcWrapper:
 class StreamCap(RpcWrapper):
     """At most `per_client` response streams of the methods it wraps open at once from one
     client address, then RESOURCE_EXHAUSTED; callers `exempt` says are the port's own (its
-    TLS peers) are not counted. Health's Watch and reflection's stream answer callers without
-    a key (health any caller at all), and each open stream holds 14-20 KB of the server's
-    memory: one client opened 8,000-14,000 watches in seconds (a security probe: a gateway
-    80 -> 239 MB, its Kubernetes limit 512 Mi). Counted per client, not for the whole port: a
-    bound shared by every caller let anyone who filled it fail the health watch of every
-    gateway that connected meanwhile, which took the service for down (an operator's probe:
-    688 misses UNAVAILABLE in a minute after a gateway restart). A service's real watchers
-    are a few per client channel."""
+    TLS peers) are not counted. Reflection's stream answers callers without a key, and the
+    health port's watches any caller at all; each open stream holds 14-20 KB of the server's
+    memory (a security probe: one client's 8,000-14,000 watches took a gateway from 80 to
+    239 MB). Counted per client: a bound shared by every caller let anyone who filled it
+    refuse everyone else. Never on a port's health watches, which gateways keep (runtime/
+    server.py says why)."""
 
     def __init__(self, per_client: int, exempt: Callable[[Context], bool] | None = None) -> None:
         self.per_client = per_client

@@ -74,9 +74,9 @@ CUT = (
     "shutting down: this call outlived the drain's grace (HOPLINE_DRAIN_GRACE_S) and was "
     "ended; retry on another replica"
 )
-# Health watches and reflection streams open at once from one client address on one port
-# (each 14-20 KB of memory): a gateway keeps one a connection; a flood from one address stops
-# at this, and fails no one else's.
+# Reflection streams open at once from one client address on a service's port, and health
+# watches on its plaintext health port (each 14-20 KB of memory; no gateway watches there:
+# probes ask Check): a flood from one address stops at this, and fails no one else's.
 MAX_INFRA_STREAMS = 64
 CUT_WAIT_S = 1.0  # for the calls ended at the grace's end to send their status
 REPLY_FLUSH_S = 0.05
@@ -405,11 +405,15 @@ async def serve(service: Service, config: ServerConfig) -> int:
     # reflection and the KServe probes included.
     peers = peer_check(tls, config.tls_peers, setting_of(config, "tls_peers"))
     # Health answers any caller (decoded as every method is, so bytes that do not parse are
-    # INVALID_ARGUMENT, not UNKNOWN with a traceback in the log); its watches are bounded per
-    # client, the port's peers (the gateways, over mTLS) not counted.
+    # INVALID_ARGUMENT, not UNKNOWN with a traceback in the log). Its watches on this port are
+    # not bounded: every gateway's channel keeps one (gRPC's client-side health checking),
+    # and a refused one takes the service for down, so any bound was a way to take it down
+    # (reviewer's and operator's probes: 64 watches held from the gateway's own address, a
+    # plaintext mesh's loopback, and a new gateway answered every miss UNAVAILABLE).
+    # Reflection's streams are bounded per client, the port's peers not counted.
     streams = StreamCap(MAX_INFRA_STREAMS, exempt=peers.permits if peers else None)
     health_pb2_grpc.add_HealthServicer_to_server(
-        health, cast(grpc.aio.Server, WrappingRegistrar(server, (), infra=(streams,)))
+        health, cast(grpc.aio.Server, WrappingRegistrar(server, ()))
     )
     # Each method's handler is wrapped once here, not per call (see hopline.runtime.interceptors).
     wrappers: list[RpcWrapper] = [gate, ServerTracing(config.test_delay_ms)]

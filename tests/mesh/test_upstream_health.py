@@ -87,15 +87,32 @@ def test_a_replica_that_says_not_serving_gets_no_calls(default_repo: Path, tmp_p
         second.wait()
 
 
+def _watch_all(channel: grpc.Channel, count: int) -> list[grpc.StatusCode]:
+    """`count` health watches held open on `channel` (until it closes): how each began."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    asked = health_pb2.HealthCheckRequest()
+    codes = []
+    for watch in [stub.Watch(asked, timeout=120) for _ in range(count)]:
+        try:
+            next(watch)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as err:
+            codes.append(err.code())
+    return codes
+
+
 def test_a_flood_of_health_watches_fails_no_gateways_watch(
     default_repo: Path, tmp_path: Path
 ) -> None:
-    """Health answers any caller. A bound on open watches that every caller shared (this
-    stop's first one, 1,000 a process) let anyone who filled it, here on the tokenizer's
-    health port, fail the watch of every gateway that connected meanwhile: gRPC took the
-    tokenizer for down and every miss through a gateway started then was UNAVAILABLE (an
-    operator's upgrade probe: 688 in a minute). Now a port counts watches per client address,
-    the health port on its own: a new gateway is served while 1,100 watches are asked for."""
+    """Health answers any caller, and every gateway's channel keeps a watch on each upstream
+    (gRPC's client-side health checking): a refused watch takes the upstream for down. This
+    stop's bounds on open watches, first 1,000 a process shared by every caller, then 64 from
+    one address, let anyone who filled them (on the health port, or from the gateway's own
+    address: a plaintext mesh's loopback) fail the watch of every gateway that connected
+    meanwhile, which then answered every miss UNAVAILABLE (an operator's and a reviewer's
+    probes). A service's own port bounds no watch now; its health port, where no gateway
+    watches, bounds them per client. Here 1,100 watches are held on each port of the
+    tokenizer from the address a new gateway then dials from: it is served."""
     repo = tmp_path / "models"
     shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
     probe_port = free_port()
@@ -103,26 +120,19 @@ def test_a_flood_of_health_watches_fails_no_gateways_watch(
     late: subprocess.Popen[bytes] | None = None
     try:
         mesh.start(("tokenizer", "inference", "postprocess", "gateway"))
-        with grpc.insecure_channel(f"127.0.0.1:{probe_port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            asked = health_pb2.HealthCheckRequest()
-            watches = [stub.Watch(asked, timeout=120) for _ in range(1100)]
-            codes = []
-            for watch in watches:
-                try:
-                    next(watch)
-                    codes.append(grpc.StatusCode.OK)
-                except grpc.RpcError as err:
-                    codes.append(err.code())
-            refused = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
-            assert codes.count(grpc.StatusCode.OK) + refused == 1100, set(codes)
+        with (
+            grpc.insecure_channel(mesh.addrs["tokenizer"]) as own,
+            grpc.insecure_channel(f"127.0.0.1:{probe_port}") as probes,
+        ):
+            on_port, on_probe_port = _watch_all(own, 1100), _watch_all(probes, 1100)
+            assert set(on_port) == {grpc.StatusCode.OK}
+            assert on_probe_port.count(grpc.StatusCode.OK) == MAX_INFRA_STREAMS
+            refused = on_probe_port.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
             assert refused == 1100 - MAX_INFRA_STREAMS
             port, metrics = free_port(), free_port()
             late = spawn_replica(mesh, "gateway", port, metrics, {}, "late")
-            labels = predict_all(f"127.0.0.1:{port}", 5)
+            labels = predict_all(f"127.0.0.1:{port}", 5)  # every watch still held
             assert all(labels)
-            for watch in watches:
-                watch.cancel()
     finally:
         if late is not None:
             late.terminate()
