@@ -32,7 +32,7 @@ from hopline.cache.config import (
 )
 from hopline.cache.milvus_lite import is_local
 from hopline.cache.store import CacheStoreError
-from hopline.observability.logs import without_passwords
+from hopline.observability.logs import has_password, without_passwords
 
 # Milvus's rule for database names (it refuses others only when asked to create one).
 DATABASE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
@@ -61,7 +61,7 @@ def uri_problem(uri: str) -> str | None:
             return None
         return f"{said} is not a milvus-lite database file nor a URI: set {URI_FORMS}"
     parts = urlsplit(uri)
-    if parts.password is not None:  # said without it: this message is logged
+    if has_password(uri):  # said without it: this message is logged
         shown = without_passwords(uri)
         return (
             f"HOPLINE_CACHE_URI {shown!r} carries a password: put 'user:password' in the file "
@@ -109,7 +109,12 @@ def home_problem(uri: str, environ: Mapping[str, str] = os.environ) -> str | Non
     (a deploy probe). A Milvus server's cache writes nothing there."""
     if not is_local(uri):
         return None
-    home = environ.get("HOME") or "/"
+    home = environ.get("HOME")
+    if not home:  # milvus-lite's server reads it with no fallback and aborts
+        return (
+            "milvus-lite keeps its files under $HOME/.cache and HOME is not set: set it to a "
+            "writable folder"
+        )
     path = Path(home) / ".cache" / "milvus"
     while not os.path.lexists(path):
         path = path.parent

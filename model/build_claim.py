@@ -9,7 +9,7 @@ number. The lock is the kernel's (flock), so a build killed by any signal lets g
 
 A build killed before its own clean-up could run (SIGKILL, a machine's crash) leaves its
 `.staging-<version>-<pid>` folder behind; the next build of that model removes the ones whose
-process is gone. Services never read dot-folders, so a leftover costs only disk.
+version no build holds. Services never read dot-folders, so a leftover costs only disk.
 """
 
 from __future__ import annotations
@@ -89,18 +89,20 @@ def _try_lock(path: Path) -> IO[bytes] | None:
 
 
 def _remove_orphans(model_dir: Path) -> None:
-    """Staging folders of builds whose process is gone."""
+    """Staging folders of builds that are gone: no build holds their version's lock. Judged
+    by the lock, not by the process id in the name: a build in another container sharing the
+    repository has a pid this one cannot see, and its live folder was removed (a reviewer's
+    probe, with a build in another pid namespace)."""
     for path in model_dir.glob(f"{STAGING_PREFIX}*"):
-        pid = path.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        version = path.name.removeprefix(STAGING_PREFIX).rpartition("-")[0]
+        if not is_version(version):
+            continue
+        lock = model_dir / f".build-{version}.lock"
+        held = _try_lock(lock)
+        if held is None:
+            continue  # a build of that version is running
+        try:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+        finally:
+            lock.unlink(missing_ok=True)
+            held.close()

@@ -255,13 +255,15 @@ def setup_tracing(service: str) -> None:
     trace.set_tracer_provider(SpanTracerProvider(sampler, processor, exporter))
 
 
-# The batch processor's settings: (variable, integer?, smallest allowed).
+# The batch processor's settings: (variable, integer?, the value must be above this). The
+# SDK refused a delay of 0 too, naming nothing (a reviewer's probe).
 _BSP_SETTINGS = (
-    ("OTEL_BSP_MAX_QUEUE_SIZE", True, 1),
-    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", True, 1),
+    ("OTEL_BSP_MAX_QUEUE_SIZE", True, 0),
+    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", True, 0),
     ("OTEL_BSP_SCHEDULE_DELAY", False, 0),
-    ("OTEL_BSP_EXPORT_TIMEOUT", False, 0),
+    ("OTEL_BSP_EXPORT_TIMEOUT", False, -1),
 )
+SDK_QUEUE_SIZE = 2048  # the SDK's OTEL_BSP_MAX_QUEUE_SIZE when unset
 
 
 def check_export_settings(environ: Mapping[str, str]) -> None:
@@ -280,17 +282,26 @@ def check_export_settings(environ: Mapping[str, str]) -> None:
         if port == 0:
             raise ValueError(f"{variable}={endpoint!r}: the port must be 1 to 65535")
         break  # the traces-only variable wins when set
-    for variable, whole, least in _BSP_SETTINGS:
+    values: dict[str, float] = {}
+    for variable, whole, above in _BSP_SETTINGS:
         raw = environ.get(variable)
         if raw is None:
             continue
         try:
-            value = int(raw) if whole else float(raw)
+            values[variable] = int(raw) if whole else float(raw)
         except ValueError:
             kind = "a whole number" if whole else "a number"
             raise ValueError(f"{variable}={raw!r}: must be {kind}") from None
-        if value < least:
-            raise ValueError(f"{variable}={raw!r}: must be at least {least}")
+        if values[variable] <= above:
+            least = "positive" if above == 0 else f"above {above}"
+            raise ValueError(f"{variable}={raw!r}: must be {least}")
+    batch = values.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE")
+    queue = values.get("OTEL_BSP_MAX_QUEUE_SIZE", SDK_QUEUE_SIZE)
+    if batch is not None and batch > queue:
+        raise ValueError(
+            f"OTEL_BSP_MAX_EXPORT_BATCH_SIZE={int(batch)} is above OTEL_BSP_MAX_QUEUE_SIZE "
+            f"({int(queue)}): a batch is taken from the queue"
+        )
 
 
 def shutdown_tracing() -> None:

@@ -46,15 +46,20 @@ def test_a_version_the_services_would_never_serve_is_refused(tmp_path: Path) -> 
 
 
 def test_a_dead_builds_staging_folder_is_removed_a_live_ones_kept(tmp_path: Path) -> None:
-    # No process has the number pid_max (numbers run below it): a build that is gone.
-    gone = int(Path("/proc/sys/kernel/pid_max").read_text())
+    """A build's folder is live while its version's lock is held, whichever pid namespace
+    the build runs in: judged by process id, a build in another container sharing the
+    repository lost its folder to the next build's sweep (a reviewer's probe)."""
     model = tmp_path / "m"
-    dead = model / f".staging-4-{gone}"
-    (dead / "sub").mkdir(parents=True)
-    live = staging_dir(model, "5")
-    live.mkdir()
+    gone = model / ".staging-4-999999999"  # its build was killed: nothing holds version 4
+    (gone / "sub").mkdir(parents=True)
+    with claimed(tmp_path, "m", "5") as live_version:
+        live = staging_dir(model, live_version)
+        live.mkdir()
+        foreign = model / ".staging-5-1"  # a pid this process cannot see, its lock held
+        foreign.mkdir()
+        with claimed(tmp_path, "m", None):
+            pass
+        assert not gone.exists()
+        assert live.exists()
+        assert foreign.exists()
     assert live.name == f".staging-5-{os.getpid()}"
-    with claimed(tmp_path, "m", None):
-        pass
-    assert not dead.exists()
-    assert live.exists()

@@ -17,7 +17,9 @@ from hopline.observability.tracing import check_export_settings
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:0"}, "port must be 1 to 65535"),
         ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "collector:x"}, "port must be 1 to 65535"),
         ({"OTEL_BSP_SCHEDULE_DELAY": "abc"}, "OTEL_BSP_SCHEDULE_DELAY='abc': must be a number"),
-        ({"OTEL_BSP_MAX_QUEUE_SIZE": "0"}, "OTEL_BSP_MAX_QUEUE_SIZE='0': must be at least 1"),
+        ({"OTEL_BSP_MAX_QUEUE_SIZE": "0"}, "OTEL_BSP_MAX_QUEUE_SIZE='0': must be positive"),
+        ({"OTEL_BSP_SCHEDULE_DELAY": "0"}, "OTEL_BSP_SCHEDULE_DELAY='0': must be positive"),
+        ({"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096"}, "is above OTEL_BSP_MAX_QUEUE_SIZE .2048."),
         ({"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "1.5"}, "must be a whole number"),
     ],
 )
@@ -38,7 +40,8 @@ def test_a_setting_that_cannot_work_is_named(environ: dict[str, str], said: str)
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://a:4317",
             "OTEL_EXPORTER_OTLP_ENDPOINT": "x:1x",
         },
-        {"OTEL_BSP_SCHEDULE_DELAY": "0", "OTEL_BSP_MAX_QUEUE_SIZE": "2048"},
+        {"OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_BSP_MAX_QUEUE_SIZE": "2048"},
+        {"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096", "OTEL_BSP_MAX_QUEUE_SIZE": "8192"},
     ],
 )
 def test_settings_that_work_pass(environ: dict[str, str]) -> None:

@@ -136,6 +136,17 @@ def test_a_password_in_the_uri_is_refused_and_never_shown() -> None:
     assert without_passwords("http://user@host:1 /a/b.db tcp://h:2") == (
         "http://user@host:1 /a/b.db tcp://h:2"
     )
+    # A password may hold / or @ unescaped: it was logged whole, or after its first @, and the
+    # URI refused for its "port" (a reviewer's probe). A path holding @ is no password.
+    for secret in ("Ab/cd+ef", "p@ss"):
+        uri = f"http://root:{secret}@127.0.0.1:19530"
+        said = uri_problem(uri)
+        assert said is not None
+        assert "carries a password" in said
+        assert secret not in said
+        assert without_passwords(uri) == "http://root:***@127.0.0.1:19530"
+    assert uri_problem("http://milvus:19530/a@b") is None
+    assert without_passwords("http://milvus:19530/a@b") == "http://milvus:19530/a@b"
 
 
 def test_milvus_lite_needs_a_writable_home_said_before_it_starts(tmp_path: Path) -> None:
@@ -151,6 +162,10 @@ def test_milvus_lite_needs_a_writable_home_said_before_it_starts(tmp_path: Path)
     assert f"HOME={str(not_a_folder)!r} cannot be written" in said
     assert home_problem("http://milvus:19530", {"HOME": str(not_a_folder)}) is None
     assert home_problem(db, {"HOME": str(tmp_path)}) is None
+    # milvus-lite's server reads HOME with no fallback and aborts where it is unset.
+    said = home_problem(db, {})
+    assert said is not None
+    assert "HOME is not set" in said
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     if not os.access(locked, os.W_OK):  # not root: a folder without write permission
