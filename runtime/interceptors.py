@@ -10,9 +10,9 @@ Health, reflection and the KServe v2 liveness/readiness probes (`INFRA_METHOD_PR
 none of the service's wrappers: probes must answer while a service is starting or draining,
 and tracing them would drown the traces that matter. They get the registrar's `infra`
 wrappers instead: the peer check for reflection and the KServe probes (a caller the service
-does not serve learns nothing), and a bound on open health watches and reflection streams,
-which any caller can open (`StreamCap`). Health itself answers any caller, as Kubernetes'
-probes and other services' health checks need.
+does not serve learns nothing), and a bound per client on reflection's streams, which any
+caller can open (`StreamCap`; the health port bounds its watches the same way). Health
+itself answers any caller, as Kubernetes' probes and the gateways' health checks need.
 
 Responses that are a single message (unary and client-streaming RPCs) go through `wrap`;
 response streams (server and bidirectional streaming) through `wrap_stream`, whose
