@@ -228,8 +228,8 @@ class DynamicBatcher(Generic[In, Out]):
         said = f"{self._waiting_rows} rows already waiting (max_queue_size {bound})"
         if rows > bound:
             said += (
-                f"; a request of {rows} rows, more than may wait, is taken only when the model "
-                f"can run it at once: retry, or send at most {bound} rows a request"
+                f"; a request of {rows} rows, more than may wait, is taken only while the "
+                f"model is free: send at most {bound} rows a request to be queued"
             )
         return said
 

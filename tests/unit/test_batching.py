@@ -495,7 +495,7 @@ def test_a_request_more_than_the_queue_bound_runs_when_the_model_is_free() -> No
 
     output, said = asyncio.run(scenario())
     assert output == "big"
-    assert "send at most 1 rows a request" in said
+    assert "send at most 1 rows a request to be queued" in said
 
 
 def test_a_retired_batcher_closes_once_idle_and_still_answers_a_late_request() -> None:
