@@ -55,8 +55,7 @@ def claimed(repo_root: Path, name: str, version: str | None) -> Iterator[str]:
         if held is not None and not (model_dir / picked).exists():
             break
         if held is not None:
-            lock.unlink(missing_ok=True)
-            held.close()
+            _release(lock, held)
         if version is not None and held is None:
             raise VersionBusyError(
                 f"version {version} of {name} is being built by another process: wait for it, "
@@ -74,8 +73,7 @@ def claimed(repo_root: Path, name: str, version: str | None) -> Iterator[str]:
         # then locks a file no one else can: once this build published, it finds the
         # version (above); after a failed one, a third build of the same version at the same
         # moment could take the number too, and one of them fails at the rename as before.
-        lock.unlink(missing_ok=True)
-        held.close()
+        _release(lock, held)
 
 
 def _try_lock(path: Path) -> IO[bytes] | None:
@@ -86,6 +84,12 @@ def _try_lock(path: Path) -> IO[bytes] | None:
         handle.close()
         return None
     return handle
+
+
+def _release(lock: Path, held: IO[bytes]) -> None:
+    """Unlinked while held (no lock file left behind), then let go."""
+    lock.unlink(missing_ok=True)
+    held.close()
 
 
 def _remove_orphans(model_dir: Path) -> None:
@@ -104,5 +108,4 @@ def _remove_orphans(model_dir: Path) -> None:
         try:
             shutil.rmtree(path, ignore_errors=True)
         finally:
-            lock.unlink(missing_ok=True)
-            held.close()
+            _release(lock, held)

@@ -128,6 +128,26 @@ def setup_logging(
             export.addFilter(ExportTrouble())
 
 
+class OncePer:
+    """At most one line per key every `every_s`, counting the ones left out between: the
+    rule of the filters below."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._said: dict[str, tuple[float, int]] = {}  # key -> when said, left out since
+
+    def due(self, key: str) -> int | None:
+        """How many lines of `key` were left out since the last, when one is due now; None
+        when it is not."""
+        now = time.monotonic()
+        last, held = self._said.get(key, (-math.inf, 0))
+        if now - last < self.every_s:
+            self._said[key] = (last, held + 1)
+            return None
+        self._said[key] = (now, 0)
+        return held
+
+
 GRPC_AIO_SERVER_LOGGER = "grpc._cython.cygrpc"
 # What grpc.aio's server logs, with a traceback at ERROR, when a servicer's reply cannot be
 # handed to gRPC core: the call has ended before it (grpc 1.85).
@@ -145,7 +165,7 @@ class RepliesAfterTheCallEnded(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        self._said: dict[str, float] = {}  # method -> when; bounded by the methods served
+        self._once = OncePer(REPLIES_AFTER_END_EVERY_S)  # per method: bounded by those served
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -154,11 +174,8 @@ class RepliesAfterTheCallEnded(logging.Filter):
         if not logging.getLogger().isEnabledFor(logging.INFO):
             return False
         method = message.removeprefix(EXECUTE_BATCH_ERROR).strip("[]")
-        now = time.monotonic()
-        last = self._said.get(method)
-        if last is not None and now - last < REPLIES_AFTER_END_EVERY_S:
+        if self._once.due(method) is None:
             return False
-        self._said[method] = now
         record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
         record.msg = (
             "a reply was not sent: its call had ended first (the client's deadline passed or "
@@ -186,16 +203,12 @@ class ExportTrouble(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        self._said: dict[str, tuple[float, int]] = {}  # message template -> when, left out since
+        self._once = OncePer(EXPORT_TROUBLE_EVERY_S)  # per message template
 
     def filter(self, record: logging.LogRecord) -> bool:
-        key = str(record.msg)
-        now = time.monotonic()
-        last, held = self._said.get(key, (-math.inf, 0))
-        if now - last < EXPORT_TROUBLE_EVERY_S:
-            self._said[key] = (last, held + 1)
+        held = self._once.due(str(record.msg))
+        if held is None:
             return False
-        self._said[key] = (now, 0)
         if held:
             record.left_out = held  # lines like it in the last minute, not logged
         return True

@@ -163,7 +163,7 @@ def port_problem(address: str, *, listen: bool = False) -> str | None:
         return "an empty address: set host:port, unix:PATH or, for an upstream, inproc"
     if address != address.strip():
         return f"{address!r}: whitespace around the address (gRPC looks it up as part of the host)"
-    if address.lower().startswith(tuple(f"{scheme}:" for scheme in GRPC_SCHEMES)):
+    if _named_by_scheme(address):
         return None
     if url := _URL_SCHEME.match(address):
         return f"{address!r}: {_GRPC_FORMS}; {url[1]}:// is no scheme gRPC resolves"
@@ -182,8 +182,13 @@ def dial_problem(address: str, named_by: str) -> str | None:
     server (a newcomer's probe: predict answered from it, and `cache invalidate` removed
     entries from the wrong cache), and `127.0.0.1:` port 443. A port of 0 is no server's."""
     problem = port_problem(address)
-    plain = not address.lower().startswith(tuple(f"{scheme}:" for scheme in GRPC_SCHEMES))
     port = address.rpartition(":")[2]
-    if plain and ":" in address and not (port.isdigit() and 0 < int(port) < 65536):
+    host_port = not _named_by_scheme(address) and ":" in address
+    if host_port and not (port.isdigit() and 0 < int(port) < 65536):
         problem = f"{address!r}: the port must be a number from 1 to 65535"
     return None if problem is None else f"{named_by} {problem}"
+
+
+def _named_by_scheme(address: str) -> bool:
+    """Whether `address` is in one of gRPC's own schemes' forms (not host:port)."""
+    return address.lower().startswith(tuple(f"{scheme}:" for scheme in GRPC_SCHEMES))
