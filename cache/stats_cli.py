@@ -56,7 +56,12 @@ def show_stats(args: argparse.Namespace) -> int:
             sys.stderr.write(f"error: {err.code().name}: {err.details()} (cache at {address})\n")
             return 1
     if args.json:
-        sys.stdout.write(json_format.MessageToJson(reply, preserving_proto_field_name=True) + "\n")
+        sys.stdout.write(
+            json_format.MessageToJson(
+                reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            )
+            + "\n"
+        )
     else:
         sys.stdout.write("".join(f"{line}\n" for line in report(address, reply)))
     return 0

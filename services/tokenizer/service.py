@@ -92,7 +92,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         if len(texts) > self.config.max_batch:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(texts)} texts in one request; the limit is {self.config.max_batch}",
+                f"{len(texts)} texts in one request; the limit is {self.config.max_batch}, the "
+                "tokenizer's HOPLINE_TOKENIZER_MAX_BATCH: send fewer at a time",
             )
         for i, text in enumerate(texts):
             if len(text.encode("utf-8")) > self.config.max_text_bytes:

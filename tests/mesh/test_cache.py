@@ -176,7 +176,7 @@ def test_hopline_cache_invalidate_drops_a_tenants_answers_everywhere(cmesh: Mesh
 
 def test_hopline_cache_stats_shows_what_the_cache_holds(cmesh: Mesh) -> None:
     """The operator's view of GetStats (cache/stats_cli.py): the same figures as the RPC, as
-    lines and as JSON; an address with no cache is said, exit 1."""
+    lines and as JSON (every counter, zeros too); an address with no cache is said, exit 1."""
     ask(cmesh, "what are your opening hours", tenant="cli-stats")
     cmesh.settle()
     held = cmesh.cache_stats()
@@ -197,6 +197,8 @@ def test_hopline_cache_stats_shows_what_the_cache_holds(cmesh: Mesh) -> None:
     figures = json.loads(as_json.stdout)
     assert int(figures["entries"]) == held.entries
     assert int(figures["lookups"]) >= held.lookups
+    # Every counter is printed, a zero one too: `jq .store_errors` reads 0, not null.
+    assert figures["store_errors"] == str(held.store_errors) == "0", figures
     nobody = stats("--cache", "127.0.0.1:9")
     assert nobody.returncode == 1
     assert nobody.stderr.startswith("error: UNAVAILABLE: "), nobody.stderr

@@ -174,3 +174,30 @@ def test_a_callers_tenant_reaches_the_co_located_models_batcher(
     assert all(r.outputs for r in replies)
     assert queued, "nothing queued: every call ran alone"
     assert set(queued) <= {"tenant-0", "tenant-1", "tenant-2"}
+
+
+def test_too_many_texts_name_the_setting_that_bounds_them(
+    default_repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator reading the refusal learns which knob it is (it named only the number)."""
+    service = _service(
+        ServiceName.TOKENIZER, default_repo, monkeypatch, HOPLINE_TOKENIZER_MAX_BATCH="3"
+    )
+    stub = tokenizer_pb2_grpc.TokenizerServiceStub(cast(grpc.aio.Channel, service.channel))
+
+    async def scenario() -> grpc.aio.AioRpcError:
+        await service.start()
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Tokenize(
+                    tokenizer_pb2.TokenizeRequest(model=DEFAULT_MODEL, texts=["hi"] * 4),
+                    timeout=5,
+                )
+            return refused.value
+        finally:
+            await service.stop()
+
+    refused = asyncio.run(scenario())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "4 texts in one request; the limit is 3" in (refused.details() or "")
+    assert "HOPLINE_TOKENIZER_MAX_BATCH" in (refused.details() or "")
