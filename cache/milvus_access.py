@@ -31,7 +31,7 @@ from hopline.cache.config import (
     CacheConfig,
 )
 from hopline.cache.milvus_lite import is_local
-from hopline.cache.store import CacheStoreError
+from hopline.cache.store import CacheSettingError, CacheStoreError
 from hopline.observability.logs import has_password, without_passwords
 
 # Milvus's rule for database names (it refuses others only when asked to create one).
@@ -145,7 +145,7 @@ class MilvusAccess:
             uri_problem(config.uri) or work_dir_problem(config.work_dir) or home_problem(config.uri)
         )
         if problem:
-            raise CacheStoreError(problem)
+            raise CacheSettingError(problem)
         named = {
             MILVUS_TOKEN_ENV: config.milvus_token_file,
             MILVUS_CA_ENV: config.milvus_ca,
@@ -210,7 +210,7 @@ class MilvusAccess:
         if self.token_file:
             token = _readable(self.token_file, MILVUS_TOKEN_ENV).strip()
             if not token:
-                raise CacheStoreError(f"{MILVUS_TOKEN_ENV} {self.token_file!r} is empty")
+                raise CacheSettingError(f"{MILVUS_TOKEN_ENV} {self.token_file!r} is empty")
         return dataclasses.replace(self, token=token)
 
     def client_kwargs(self) -> dict[str, str]:
@@ -257,6 +257,6 @@ def _readable(path: str, env: str) -> str:
     try:
         return Path(path).read_text()
     except OSError as exc:
-        raise CacheStoreError(f"cannot read {env} {path!r}: {exc.strerror or exc}") from None
+        raise CacheSettingError(f"cannot read {env} {path!r}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
-        raise CacheStoreError(f"{env} {path!r} is not text (PEM, or a token)") from None
+        raise CacheSettingError(f"{env} {path!r} is not text (PEM, or a token)") from None

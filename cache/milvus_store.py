@@ -57,6 +57,7 @@ from hopline.cache.milvus_rows import (
 from hopline.cache.store import (
     LIVE_PAGE,
     LOAD_TIMEOUT_S,
+    CacheSettingError,
     CacheStoreError,
     Entry,
     LookupConsistency,
@@ -134,7 +135,7 @@ class MilvusStore:
         # Before anything is made or dialled: the cache checks it at its start already
         # (MilvusAccess.of), the commands that open a store only here.
         if problem := uri_problem(uri):
-            raise CacheStoreError(problem)
+            raise CacheSettingError(problem)
         self.uri = uri
         self.load_timeout_s = load_timeout_s
         self.access = access  # a Milvus server's token and TLS

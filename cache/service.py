@@ -47,7 +47,7 @@ from hopline.cache.milvus_store import MilvusStore
 from hopline.cache.semantic_search import SemanticSearch
 from hopline.cache.shared_evidence import SharedEvidence
 from hopline.cache.shared_invalidations import SharedInvalidations, follow
-from hopline.cache.store import CacheStore, CacheStoreError, ScopeFilter
+from hopline.cache.store import CacheSettingError, CacheStore, CacheStoreError, ScopeFilter
 from hopline.cache.tombstones import Tombstones
 from hopline.cache.vector_index import (
     VectorIndex,
@@ -129,7 +129,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             index_room=self.index.max_entries if self.index is not None else None,
             batch=WRITE_ROWS,
         ):
-            raise CacheStoreError(problem)
+            raise CacheSettingError(problem)
         loop = asyncio.get_running_loop()
         model = await loop.run_in_executor(None, embedding_model, _weights_dir())
         self.embedder, self.store = await self._open(model, access)

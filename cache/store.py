@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from hopline.cache.generations import Reclaimed
 from hopline.cache.keys import digest, scope_matches
+from hopline.runtime.config import SettingError
 
 Vector = npt.NDArray[np.float32]
 Scope = tuple[str, str, str, str]  # tenant, model, version, canonical parameters
@@ -33,6 +34,11 @@ LIVE_PAGE = 16_384
 
 class CacheStoreError(RuntimeError):
     """The store cannot be opened or used; the message says what to fix."""
+
+
+class CacheSettingError(CacheStoreError, SettingError):
+    """A cache setting the store cannot work with (a URI, a file, a bound): a typo, not an
+    outage, so the service refuses to start with exit status 2, as for every setting."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -62,6 +62,7 @@ from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.protos.hopline.inference.v1 import inference_pb2
+from hopline.runtime.config import SettingError
 from hopline.runtime.errors import ECHO_CHARS, StatusError, clip
 from hopline.runtime.interceptors import RpcWrapper
 from hopline.runtime.service_table import ServiceName
@@ -193,7 +194,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     async def start(self) -> None:
         problems = self.config.address_problems()
         if problems:
-            raise ValueError("; ".join(problems))
+            raise SettingError("; ".join(problems))
         # Not SERVING until co-located services are, and inference has said which models exist.
         await self.upstreams.start()
         said_at = -math.inf

@@ -92,14 +92,16 @@ def operators_experiments(environ: Mapping[str, str]) -> str:
 
 
 def check(environ: Mapping[str, str] = os.environ) -> None:
-    """Exit with a message naming the variable when HOPLINE_GRPC_IO is not a mode."""
+    """Exit with a message naming the variable when HOPLINE_GRPC_IO is not a mode (status 2,
+    as for every setting refused)."""
     raw = environ.get(ENV)
     if raw is None:
         return
     try:
         parse(raw)
     except ValueError as exc:
-        raise SystemExit(f"invalid {ENV}={raw!r}: {exc}") from None
+        sys.stderr.write(f"invalid {ENV}={raw!r}: {exc}\n")
+        raise SystemExit(2) from None
 
 
 VERBOSITY_ENV = "GRPC_VERBOSITY"

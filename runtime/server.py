@@ -469,7 +469,9 @@ async def serve(service: Service, config: ServerConfig) -> int:
         if failure is not None:
             log.error("start-up failed", extra={"error": f"{type(failure).__name__}: {failure}"})
             await _stop_servers(server)
-            return 1
+            # A setting that cannot work is the operator's typo (2, as cli/main.py says at
+            # load); anything else (Milvus down, a model that fails) is an outage (1).
+            return 2 if isinstance(failure, SettingError) else 1
         if late_bind and not (
             await _listen(server, config, tls, peers)
             and _port_to_ourselves(config.listen)

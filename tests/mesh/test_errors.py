@@ -282,8 +282,41 @@ def test_a_port_past_65535_is_refused_not_wrapped(mesh: Mesh) -> None:
         check=False,
     )
     said = gateway.stdout + gateway.stderr
-    assert gateway.returncode == 1, said
+    assert gateway.returncode == 2, said  # a setting refused (it was 1, as for an outage)
     assert f"HOPLINE_POSTPROCESS_ADDR={typo!r}: the port must be" in said, said
+
+
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ({"HOPLINE_CACHE_URI": "ftp://milvus:19530"}, "a Milvus server's URI starts http://"),
+        (
+            {"HOPLINE_CACHE_URI": "http://127.0.0.1:9", "HOPLINE_CACHE_MAX_TOTAL_ENTRIES": "10"},
+            "HOPLINE_CACHE_MAX_TOTAL_ENTRIES bounds a milvus-lite file",
+        ),
+        (
+            {
+                "HOPLINE_CACHE_URI": "http://127.0.0.1:9",
+                "HOPLINE_CACHE_MILVUS_TOKEN_FILE": "/nonexistent",
+            },
+            "cannot read HOPLINE_CACHE_MILVUS_TOKEN_FILE '/nonexistent'",
+        ),
+    ],
+)
+def test_a_cache_setting_that_cannot_work_exits_2(
+    mesh: Mesh, setting: dict[str, str], says: str
+) -> None:
+    """A typo in the cache's settings is refused as every setting is, exit 2 (it was 1, the
+    status of an outage, so an operator's tooling could not tell them apart), in one line."""
+    env = {
+        **mesh.env,
+        "HOPLINE_CACHE_ADDR": f"127.0.0.1:{free_port()}",
+        "HOPLINE_METRICS_PORT": "0",
+        **setting,
+    }
+    said = serve_refused("cache", env)
+    assert says in said, said
+    assert "Traceback" not in said
 
 
 def test_a_failed_prediction_carries_its_trace_id(mesh: Mesh) -> None:

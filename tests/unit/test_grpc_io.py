@@ -4,6 +4,8 @@ tests/mesh/test_process_imports.py checks what a running service does with it.""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from hopline.runtime import grpc_io
@@ -61,9 +63,12 @@ def test_an_operator_who_changes_the_inherited_variable_is_followed() -> None:
     assert child["GRPC_EXPERIMENTS"] == "event_engine_listener,-event_engine_client"
 
 
-def test_a_wrong_value_is_named_with_the_modes() -> None:
-    with pytest.raises(SystemExit, match=r"invalid HOPLINE_GRPC_IO='epoll'.*iomgr, event-engine"):
+def test_a_wrong_value_is_named_with_the_modes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as refused:
         grpc_io.check({"HOPLINE_GRPC_IO": "epoll"})
+    assert refused.value.code == 2  # a setting refused, as every other (it was 1)
+    said = capsys.readouterr().err
+    assert re.search(r"invalid HOPLINE_GRPC_IO='epoll'.*iomgr, event-engine", said), said
     grpc_io.check({"HOPLINE_GRPC_IO": " Event-Engine "})
     grpc_io.check({})
 
