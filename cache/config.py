@@ -232,6 +232,15 @@ class CacheConfig(ServerConfig):
         "and takes their verified-hit evidence (cache/shared_evidence.py); "
         "while on, every exact-index miss reads Milvus (another replica's stores); 0: off",
     )
+    peer_stale_s: float = env_field(
+        "HOPLINE_CACHE_PEER_STALE_S",
+        3.0,
+        "with a Milvus server, how long the other replicas' invalidations may go unread (Milvus "
+        "not answering the poll) before this replica stops answering from memory: lookups read "
+        "Milvus and the gateways' watch streams end, so their local exact tiers stop too "
+        "(cache/peer_sync.py); above HOPLINE_CACHE_PEER_POLL_MS",
+        valid=POSITIVE,
+    )
     search_batch_rows: int = env_field(
         "HOPLINE_CACHE_SEARCH_BATCH_ROWS",
         64,

@@ -6,15 +6,20 @@ index (no lookup is answered from memory after that), then the tombstones (nor f
 Milvus that lags the delete); then Milvus itself, the index once more (a store written while
 the delete ran is gone from Milvus too), and only then the event for the gateways' watches
 and the other replicas (a lookup that starts after the event cannot read the entry any more).
+
+Another replica's event is applied the same way but for Milvus, which that replica already
+deleted from: only what this replica wrote too late for that delete is deleted again
+(cache/peer_sync.py says why).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from hopline.cache.exact_index import ExactIndex
+from hopline.cache.peer_sync import PeerSync
 from hopline.cache.store import CacheStoreError, ScopeFilter
 from hopline.cache.tombstones import Tombstones
 from hopline.cache.watch_feed import WatchFeed
@@ -30,6 +35,8 @@ class NotShared(CacheStoreError):
 
 class Drops(Protocol):
     def drop(self, ids: list[str], scope: ScopeFilter | None) -> list[str]: ...
+
+    def delete_again(self, keys: list[str]) -> None: ...
 
 
 class Deletes(Protocol):
@@ -60,6 +67,9 @@ class InvalidationHost(Protocol):
     @property
     def feed(self) -> WatchFeed: ...
 
+    @property
+    def peer_sync(self) -> PeerSync | None: ...
+
     def require_store(self) -> Deletes: ...
 
     async def io_call(self, fn: Callable[..., Any], *args: Any) -> Any: ...
@@ -69,7 +79,7 @@ async def invalidate(host: InvalidationHost, ids: list[str], scope: ScopeFilter 
     """Removes the entries `ids` and, with a scope, every entry of it; returns the rows Milvus
     deleted. Raises CacheStoreError when Milvus fails, NotShared when only the replicas'
     notice does."""
-    unwritten = forget(host, ids, scope)
+    unwritten = forget(host, ids, scope).unwritten
     store = host.require_store()
     removed: int = unwritten + await host.io_call(store.delete, ids)
     if scope is not None:
@@ -87,11 +97,16 @@ async def invalidate(host: InvalidationHost, ids: list[str], scope: ScopeFilter 
 
 
 def apply_peer(host: InvalidationHost, event: Event) -> None:
-    """Another replica's invalidation or eviction, applied as if it had come here."""
+    """Another replica's invalidation or eviction, applied as if it had come here. The peer
+    deleted from Milvus before it logged the event; what this replica wrote since, or had
+    pending (a failed write of it may have landed), is deleted again."""
     ids = list(event.entry_ids)
     s = event.scope
     scope = ScopeFilter(s.tenant, s.model, s.model_version) if event.HasField("scope") else None
-    forget(host, ids, scope)
+    late = forget(host, ids, scope).dropped
+    if host.peer_sync is not None:
+        late += host.peer_sync.matching(ids, scope)
+    host.writes.delete_again(late)
     host.feed.publish(event)
 
 
@@ -101,16 +116,30 @@ async def share(host: InvalidationHost, event: Event) -> None:
         await host.io_call(host.peers.append, event)
 
 
-def forget(host: InvalidationHost, ids: list[str], scope: ScopeFilter | None) -> int:
-    """Out of every tier this process answers from, before Milvus is touched; the entries
-    removed that Milvus did not hold yet (pending stores of keys the index does not hold:
-    an Invalidate right after a store said it had removed nothing)."""
+class Forgotten(NamedTuple):
+    dropped: list[str]  # the keys of the pending stores dropped
+    # Of them, those the index did not hold: never in Milvus (an Invalidate right after a
+    # store said it had removed nothing).
+    unwritten: int
+
+
+def forget(host: InvalidationHost, ids: list[str], scope: ScopeFilter | None) -> Forgotten:
+    """Out of every tier this process answers from, before Milvus is touched."""
     dropped = host.writes.drop(ids, scope)
     index = host.index
     unwritten = sum(1 for key in dropped if index is None or key not in index)
     unindex(host, ids, scope)
     host.tombstones.bury(ids, scope, time.monotonic())
-    return unwritten
+    return Forgotten(dropped, unwritten)
+
+
+def forget_all(host: InvalidationHost) -> None:
+    """Everything this process answers from, dropped and hidden (another replica's events
+    may have been lost unread): lookups read Milvus, stores are fenced for the tombstones'
+    time; pending stores are deleted again, as a failed write of them may have landed."""
+    everything = ScopeFilter()
+    host.writes.delete_again(forget(host, [], everything).dropped)
+    host.feed.publish(Event(scope=common_pb2.Scope()))
 
 
 def unindex(host: InvalidationHost, ids: list[str], scope: ScopeFilter | None) -> None:

@@ -29,6 +29,7 @@ from hopline.cache.embedder import Embedder, Vector
 from hopline.cache.exact_index import ExactIndex
 from hopline.cache.keys import normalise_text, normalised_key
 from hopline.cache.milvus_lite import is_local
+from hopline.cache.peer_sync import PeerSync
 from hopline.cache.semantic_search import SemanticSearch
 from hopline.cache.shared_invalidations import SharedInvalidations
 from hopline.cache.store import CacheStore, Entry
@@ -53,6 +54,7 @@ class LookupHost(Protocol):
     config: CacheConfig
     index: ExactIndex | None
     peers: SharedInvalidations | None
+    peer_sync: PeerSync | None
     writes: PendingWrites
     tombstones: Tombstones
     counts: CacheCounts
@@ -89,9 +91,11 @@ class CacheLookup:
         normalised = normalise_text(text)
         key = normalised_key(scope, normalised)
         embedding: asyncio.Task[tuple[Vector, float]] | None = None
+        # Where other replicas' invalidations went unread too long, memory may be stale.
+        memory = host.peer_sync is None or host.peer_sync.current()
         with child_span(schema.SPAN_CACHE_EXACT):
-            entry = host.writes.get(key)
-            if entry is None and host.index is not None:
+            entry = host.writes.get(key) if memory else None
+            if entry is None and memory and host.index is not None:
                 entry = host.index.get(key, now)
                 if entry is not None:
                     host.counts.add(CacheCount.INDEX_HITS)

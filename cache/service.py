@@ -44,9 +44,10 @@ from hopline.cache.milvus_access import MilvusAccess
 from hopline.cache.milvus_lite import is_local
 from hopline.cache.milvus_rows import MAX_TEXT_BYTES, row_problem
 from hopline.cache.milvus_store import MilvusStore
+from hopline.cache.peer_sync import PeerSync, guard_memory
 from hopline.cache.semantic_search import SemanticSearch
 from hopline.cache.shared_evidence import SharedEvidence
-from hopline.cache.shared_invalidations import SharedInvalidations, follow
+from hopline.cache.shared_invalidations import KEEP_S, SKEW_S, SharedInvalidations, follow
 from hopline.cache.store import CacheSettingError, CacheStore, CacheStoreError, ScopeFilter
 from hopline.cache.tombstones import Tombstones
 from hopline.cache.vector_index import (
@@ -95,6 +96,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         )
         self.store: CacheStore | None = None
         self.peers: SharedInvalidations | None = None  # other replicas on one Milvus server
+        self.peer_sync: PeerSync | None = None  # with peers: whether memory may answer
         # Deleted a moment ago: hidden from lookups' reads of Milvus, which may lag it.
         self.tombstones = Tombstones(config.tombstone_s)
         # Each (tenant, model)'s entry count between Milvus counts; on a milvus-lite file,
@@ -130,6 +132,15 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             batch=WRITE_ROWS,
         ):
             raise CacheSettingError(problem)
+        if (
+            self.config.peer_poll_ms > 0
+            and self.config.peer_stale_s * 1e3 <= 2 * self.config.peer_poll_ms
+        ):
+            raise CacheSettingError(
+                f"HOPLINE_CACHE_PEER_STALE_S={self.config.peer_stale_s:g} must exceed two polls "
+                f"of HOPLINE_CACHE_PEER_POLL_MS={self.config.peer_poll_ms:g}: memory would stop "
+                "answering between polls"
+            )
         loop = asyncio.get_running_loop()
         model = await loop.run_in_executor(None, embedding_model, _weights_dir())
         self.embedder, self.store = await self._open(model, access)
@@ -142,6 +153,12 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         )
         if not is_local(self.config.uri) and self.config.peer_poll_ms > 0:
             # Before the rebuild: its first read reaches back past it (SKEW_S).
+            self.peer_sync = PeerSync(
+                self.config.peer_stale_s,
+                # A peer's delete precedes its event by its deletes and the append at most.
+                margin_s=3 * self.config.milvus_timeout_s,
+                history_s=KEEP_S - SKEW_S,
+            )
             self.peers = await self.io_call(
                 SharedInvalidations,
                 self.config.uri,
@@ -174,10 +191,21 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         ]
         if self.peers is not None:
             poll_s = self.config.peer_poll_ms / 1e3
+            assert self.peer_sync is not None  # made with the peers
+            # The index rebuilt from Milvus is as current as a poll would make it, and the
+            # first poll reads back past the rebuild (SKEW_S).
+            self.peer_sync.read_at = time.monotonic()
             follower = follow(
-                self.peers, self.io_call, lambda event: invalidation.apply_peer(self, event), poll_s
+                self.peers,
+                self.io_call,
+                lambda event: invalidation.apply_peer(self, event),
+                self.peer_sync,
+                self._start_over,
+                poll_s,
             )
             self._tasks.append(asyncio.create_task(follower, name="peers"))
+            guard = guard_memory(self.peer_sync, self.feed, poll_s)
+            self._tasks.append(asyncio.create_task(guard, name="peer-guard"))
             evidence = self.verifier.follow(poll_s)
             self._tasks.append(asyncio.create_task(evidence, name="peer-evidence"))
         self._ready = True
@@ -273,6 +301,16 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         return self.store
 
     # -- background work ------------------------------------------------------------------
+
+    def _start_over(self, gap_s: float) -> None:
+        """The peers' log went unread longer than it keeps events: some may be gone unread,
+        so nothing in memory can be trusted (every gateway's watch ended with the outage)."""
+        log.warning(
+            "the other replicas' invalidations went unread longer than their log keeps them: "
+            "memory emptied, lookups read Milvus",
+            extra={"unread_s": round(gap_s, 1)},
+        )
+        invalidation.forget_all(self)
 
     async def _sweep(self) -> None:
         while True:
@@ -443,6 +481,12 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             cache_pb2.WatchInvalidationsRequest, cache_pb2.WatchInvalidationsResponse
         ],
     ) -> AsyncIterator[cache_pb2.WatchInvalidationsResponse]:
+        if self.peer_sync is not None and not self.peer_sync.current():
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "this cache replica cannot read the other replicas' invalidations (Milvus does "
+                "not answer): what it holds may be stale; retry the watch",
+            )
         listing = None
         if request.keys and self._lists_keys():
             if not self._ready:

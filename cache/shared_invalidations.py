@@ -12,9 +12,12 @@ Freshness bound: an Invalidate has returned only after its event is in the log, 
 replica reads the log every `poll_s` with Strong consistency, so another replica stops
 serving the entries within one poll and one log query after the call returned (on a Milvus
 standalone a Strong query waits for the server's next time tick, proxy.timeTickInterval,
-200 ms by default); a gateway's local copy follows one watch-stream message later. Stores
-need no log: an exact lookup that misses a replica's index reads Milvus by key, so a store
-through one replica is served by another as soon as its batched write lands.
+200 ms by default, and the poll's own query waits for one too); a gateway's local copy
+follows one watch-stream message later. While the log cannot be read that bound cannot hold:
+after HOPLINE_CACHE_PEER_STALE_S a replica stops answering from memory (cache/peer_sync.py).
+Stores need no log: an exact lookup that misses a replica's index reads Milvus by key, so a
+store through one replica is served by another as soon as its batched write lands; one that
+landed after a peer's delete is deleted again when the peer's event is read (peer_sync.py).
 
 Clocks: events are stamped with the writer's wall clock and read back with a window
 (`SKEW_S`) below the newest stamp seen, de-duplicated by id, so replicas whose clocks
@@ -24,6 +27,7 @@ process per file), so the log is used with a server URI only.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -33,7 +37,10 @@ from hopline.cache import milvus_log
 from hopline.cache.milvus_access import NO_ACCESS, MilvusAccess
 from hopline.cache.milvus_log import ROW_VECTOR, MilvusLog
 from hopline.cache.milvus_store import CONSISTENCY
+from hopline.cache.peer_sync import PeerSync
 from hopline.protos.hopline.cache.v1 import cache_pb2
+
+log = logging.getLogger("hopline.cache.shared_invalidations")
 
 SKEW_S = 5.0  # clock difference between replicas the log tolerates
 KEEP_S = 600.0  # events older than this are deleted (a replica down longer rebuilds its index)
@@ -130,13 +137,29 @@ async def follow(
     shared: SharedInvalidations,
     run: Callable[[Callable[[], Any]], Awaitable[Any]],
     apply: Callable[[cache_pb2.WatchInvalidationsResponse], None],
+    sync: PeerSync,
+    start_over: Callable[[float], None],
     poll_s: float,
 ) -> None:
-    """Apply the other replicas' events every `poll_s`, for good; `run` runs a blocking call."""
+    """Apply the other replicas' events every `poll_s`, for good; `run` runs a blocking call.
+    Each read is told to `sync`; after a gap the log's history may not cover, `start_over`
+    (with the gap in seconds) empties memory before the events are applied."""
 
     async def poll() -> None:
-        for event in await run(shared.poll):
+        started = time.monotonic()
+        events = await run(shared.poll)
+        gap = started - sync.read_at
+        if sync.outlived_history(gap):
+            start_over(gap)
+        for event in events:
             apply(event)
+        declared = sync.watches_ended  # read() clears it
+        sync.read(started)
+        if declared:
+            log.info(
+                "the other replicas' invalidations read again: memory answers again",
+                extra={"unread_s": round(gap, 1)},
+            )
 
     async def trim() -> None:
         await run(shared.trim)

@@ -10,6 +10,11 @@ Why the listing and the events agree: a watcher is registered, and the listing's
 copied, in one step of the event loop; every change after that step is queued on the stream
 behind the listing. Applying the listing and then the queue in order gives the cache's keys.
 
+A stream that has been quiet for `HEARTBEAT_S` sends an empty message, which the first
+message promises (`heartbeat_ms`): a watcher that hears nothing for a few periods takes the
+stream for lost, where a silent network partition was found by keepalive alone, 15 s later
+(a probe: the local exact tier served an invalidated answer 14 s after the Invalidate).
+
 Held keys are gathered for `HELD_FLUSH_S` and sent as one message (a message per store
 would cost each side a stream message per miss). Any other event sends them first, so the
 stream keeps the order in which things happened.
@@ -31,6 +36,9 @@ Held = list[tuple[str, Scope]]  # (exact key, its scope)
 WATCH_QUEUE = 1024  # events a watcher may fall behind before its stream ends
 LISTING_CHUNK = 4096  # keys per listing message: about 280 KB, well under gRPC's 4 MiB
 HELD_FLUSH_S = 0.02  # how long new keys gather before they go out
+# A stream that has said nothing this long says so with an empty message: the watcher tells
+# a quiet cache from a lost one (gateway/exact_tier.py, HEARTBEATS_MISSED of these).
+HEARTBEAT_S = 1.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -56,12 +64,19 @@ class WatchFeed:
         self._add(watcher)
         keys = listing
         try:
-            yield Event(live=True)
+            yield Event(live=True, heartbeat_ms=round(HEARTBEAT_S * 1e3))
             if keys is not None:
                 for start in range(0, len(keys), LISTING_CHUNK):
                     yield Event(held=_groups(keys[start : start + LISTING_CHUNK]))
                 yield Event(keys_synced=True)
-            while (event := await watcher.queue.get()) is not None:
+            while True:
+                try:
+                    event = await asyncio.wait_for(watcher.queue.get(), HEARTBEAT_S)
+                except TimeoutError:
+                    yield Event()  # nothing happened: said, so silence means a lost stream
+                    continue
+                if event is None:
+                    break
                 yield event
         finally:
             self._discard(watcher)

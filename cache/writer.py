@@ -25,6 +25,7 @@ from hopline.cache.counts import CacheCount, CacheCounts
 from hopline.cache.embedder import Vector
 from hopline.cache.entry_bounds import EntryBounds, Group, eviction_size, fair_shares
 from hopline.cache.exact_index import ExactIndex
+from hopline.cache.peer_sync import PeerSync
 from hopline.cache.shared_invalidations import SharedInvalidations
 from hopline.cache.store import CacheStore, CacheStoreError, Entry, ScopeFilter
 from hopline.cache.tombstones import Tombstones
@@ -66,6 +67,7 @@ class WriteHost(Protocol):
     feed: WatchFeed
     counts: CacheCounts
     peers: SharedInvalidations | None
+    peer_sync: PeerSync | None  # with peers: the keys written, for their late deletes
     placeholder: Vector  # an exact-only store's vector: never put into the vector index
 
     def require_store(self) -> CacheStore: ...
@@ -132,6 +134,13 @@ class PendingWrites:
         for key in dropped:
             self._unpend(key)
         return dropped
+
+    def delete_again(self, keys: list[str]) -> None:
+        """Deletes `keys` from Milvus at the writer's next turn (after a write in flight): a
+        peer's delete may have run before their write landed (cache/peer_sync.py)."""
+        if keys:
+            self._redelete.update(keys)
+            self._wake.set()
 
     async def drain(self, timeout_s: float) -> None:
         """Let the writer land what was accepted: nothing acknowledged is lost on a drain."""
@@ -221,6 +230,8 @@ class PendingWrites:
                 self._failed_again(batch)
             await self._delete_again()
             return str(exc)
+        if host.peer_sync is not None:
+            host.peer_sync.landed((key, entry.scope) for key, (entry, _, _) in batch.items())
         for key, item in batch.items():
             if self._pending.get(key) is item:  # a newer store of the same key stays queued
                 self._unpend(key)

@@ -301,6 +301,10 @@ def test_a_port_past_65535_is_refused_not_wrapped(mesh: Mesh) -> None:
             },
             "cannot read HOPLINE_CACHE_MILVUS_TOKEN_FILE '/nonexistent'",
         ),
+        (
+            {"HOPLINE_CACHE_PEER_STALE_S": "0.1", "HOPLINE_CACHE_PEER_POLL_MS": "100"},
+            "HOPLINE_CACHE_PEER_STALE_S=0.1 must exceed two polls",
+        ),
     ],
 )
 def test_a_cache_setting_that_cannot_work_exits_2(

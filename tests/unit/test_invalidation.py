@@ -20,6 +20,7 @@ import pytest
 
 from hopline.cache import invalidation
 from hopline.cache.exact_index import ExactIndex
+from hopline.cache.peer_sync import PeerSync
 from hopline.cache.store import CacheStoreError, Entry, ScopeFilter
 from hopline.cache.tombstones import Tombstones
 from hopline.cache.watch_feed import WatchFeed
@@ -46,12 +47,21 @@ class Journal:
 
 
 class Writes:
-    def __init__(self, journal: Journal) -> None:
+    def __init__(self, journal: Journal, pending: list[Entry] | None = None) -> None:
         self.journal = journal
+        self.pending = list(pending or [])
 
     def drop(self, ids: list[str], scope: ScopeFilter | None) -> list[str]:
         self.journal.steps.append(f"writes.drop {len(ids)} {scope is not None}")
-        return []
+        dropped = [
+            e.key for e in self.pending if e.key in ids or (scope and scope.matches(e.scope))
+        ]
+        self.pending = [e for e in self.pending if e.key not in dropped]
+        return dropped
+
+    def delete_again(self, keys: list[str]) -> None:
+        if keys:
+            self.journal.steps.append(f"writes.delete_again {sorted(keys)}")
 
 
 class Store:
@@ -88,6 +98,7 @@ class Host:
     index: ExactIndex | None = dataclasses.field(default_factory=lambda: ExactIndex(100))
     tombstones: Tombstones = dataclasses.field(default_factory=lambda: Tombstones(10.0))
     feed: WatchFeed = dataclasses.field(default_factory=WatchFeed)
+    peer_sync: PeerSync | None = None
 
     def require_store(self) -> Any:
         return self.store
@@ -198,5 +209,59 @@ def test_another_replicas_event_is_applied_to_memory_and_passed_on() -> None:
         assert h.tombstones.hides(theirs, time.monotonic())
         assert h.journal.steps == ["writes.drop 1 True"]  # no Milvus call, no re-share
         assert await anext(stream) == event
+
+    asyncio.run(go())
+
+
+def test_what_this_replica_wrote_too_late_for_a_peers_delete_is_deleted_again() -> None:
+    """A peer deletes from Milvus, then logs the event; this replica hears it a poll later.
+    A store it wrote meanwhile, or still holds pending (a failed write may have landed),
+    stayed in Milvus and was served again for its whole TTL once the tombstones expired (a
+    probe of two replicas on one Milvus server): such keys are deleted again, and only they."""
+
+    async def go() -> None:
+        landed, landed_other, pending, old = (
+            entry(1, "acme"),
+            entry(2, "globex"),
+            entry(3, "acme"),
+            entry(4, "acme"),
+        )
+        h = host()
+        h.writes = Writes(h.journal, [pending])
+        h.peer_sync = PeerSync(stale_s=3.0, margin_s=15.0, history_s=595.0)
+        h.peer_sync.landed([(old.key, old.scope)])
+        # A poll that began long after `old` landed: a peer's delete before it was read.
+        h.peer_sync.read(time.monotonic() + 20.0)
+        h.peer_sync.landed((e.key, e.scope) for e in (landed, landed_other))
+        invalidation.apply_peer(h, Event(scope=common_pb2.Scope(tenant="acme")))
+        assert h.journal.steps == [
+            "writes.drop 0 True",
+            f"writes.delete_again {sorted([pending.key, landed.key])}",
+        ]
+        h.journal.steps.clear()
+        invalidation.apply_peer(h, Event(entry_ids=[landed_other.key, "f" * 64]))
+        assert h.journal.steps == [
+            "writes.drop 2 False",
+            f"writes.delete_again {[landed_other.key]}",
+        ]
+
+    asyncio.run(go())
+
+
+def test_everything_in_memory_goes_when_the_peers_log_may_have_lost_events() -> None:
+    async def go() -> None:
+        a, b, pending = entry(1, "acme"), entry(2, "globex"), entry(3, "initech")
+        h = filled(host(), a, b)
+        h.writes = Writes(h.journal, [pending])
+        stream = await watch(h.feed)
+        invalidation.forget_all(h)
+        assert h.index is not None
+        assert len(h.index) == 0
+        now = time.monotonic()
+        assert all(h.tombstones.hides(e, now) for e in (a, b, pending))
+        assert h.journal.steps == ["writes.drop 0 True", f"writes.delete_again {[pending.key]}"]
+        event = await anext(stream)
+        assert event.HasField("scope")
+        assert event.scope == common_pb2.Scope()  # every scope
 
     asyncio.run(go())
