@@ -8,7 +8,10 @@ another tenant, model, version or top_k is another key.
 Coherence with the cache, which stays the source of truth:
 - The copy is served only while a WatchInvalidations stream to the cache is live. The first
   message of a stream clears the copy; a broken or ended stream clears it again and stops
-  serving until a new stream is live. A gateway never serves what it cannot hear about.
+  serving until a new stream is live. A gateway never serves what it cannot hear about:
+  a stream that says nothing for HEARTBEATS_MISSED of the periods the cache promised
+  (`heartbeat_ms`; it sends an empty message when quiet) is taken for lost, as behind a
+  silent network partition, which only gRPC's keepalive found, 15 s later.
 - Invalidations (by ids or by scope) and evictions arrive on the stream and drop entries.
 - Each event bumps a generation. A copy is taken only if no event arrived while the lookup
   or store that produced it was in flight, so a hit read just before an invalidation landed
@@ -57,6 +60,9 @@ class LocalEntry:
 # its own tombstones (HOPLINE_CACHE_TOMBSTONE_S, 10 s).
 FENCE_S = 10.0
 MAX_FENCED_KEYS = 100_000  # evictions arrive as events too: the oldest fences go first
+# Heartbeats a stream may miss before it is taken for lost: a loaded cache's loop can be a
+# period late, and each loss costs the copy (it is cleared and filled again).
+HEARTBEATS_MISSED = 3
 
 
 class LocalExactTier:
@@ -141,8 +147,24 @@ class LocalExactTier:
         keys) only while one is live."""
         retry_s = 0.1
         while True:
+            stream = watch()
+            messages = aiter(stream)
+            silence_s: float | None = None  # until the cache promises heartbeats
             try:
-                async for event in watch():
+                while True:
+                    try:
+                        async with asyncio.timeout(silence_s):
+                            event = await anext(messages)
+                    except StopAsyncIteration:
+                        reason = "stream ended"
+                        break
+                    except TimeoutError:
+                        if isinstance(stream, grpc.aio.Call):
+                            stream.cancel()
+                        reason = f"nothing heard from the cache for {silence_s:g} s"
+                        break
+                    if event.heartbeat_ms:
+                        silence_s = HEARTBEATS_MISSED * event.heartbeat_ms / 1e3
                     if event.live:
                         retry_s = 0.1
                         self.reset(live=True)
@@ -150,10 +172,10 @@ class LocalExactTier:
                         log.info("local exact tier live")
                     elif event.held or event.keys_synced:
                         mirror.apply(event)  # keys the cache holds: nothing here to drop
-                    else:
+                    elif event.entry_ids or event.HasField("scope"):
                         self.apply(event)
                         mirror.apply(event)
-                reason = "stream ended"
+                    # else a heartbeat: the stream is alive
             except grpc.aio.AioRpcError as err:
                 reason = err.code().name
             except asyncio.CancelledError:

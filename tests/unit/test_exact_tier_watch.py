@@ -21,16 +21,18 @@ from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 
 class Watches:
     """The cache's WatchInvalidations alone: says the stream is live, then holds it open, as
-    the cache does between events."""
+    the cache does between events (with `heartbeat_ms`, promising a message that often and
+    then, as behind a silent partition, sending none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, heartbeat_ms: int = 0) -> None:
         self.opened = 0
+        self.heartbeat_ms = heartbeat_ms
 
     async def watch(
         self, request: cache_pb2.WatchInvalidationsRequest, context: Any
     ) -> AsyncIterator[cache_pb2.WatchInvalidationsResponse]:
         self.opened += 1
-        yield cache_pb2.WatchInvalidationsResponse(live=True)
+        yield cache_pb2.WatchInvalidationsResponse(live=True, heartbeat_ms=self.heartbeat_ms)
         await asyncio.Event().wait()
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
@@ -104,3 +106,74 @@ def test_cancelling_the_follow_still_ends_it() -> None:
         return False
 
     assert asyncio.run(main())
+
+
+def test_a_stream_silent_past_its_promised_heartbeats_is_taken_for_lost() -> None:
+    """Behind a silent network partition nothing ends the stream but gRPC's keepalive (15 s):
+    the tier served an answer invalidated 14 s earlier (a probe). The cache promises a
+    message every heartbeat_ms; after HEARTBEATS_MISSED such periods of silence the tier
+    stops serving and opens a new stream. Without the promise (an older cache) it waits."""
+
+    async def main() -> tuple[int, int]:
+        server = grpc.aio.server()
+        watches = Watches(heartbeat_ms=20)
+        server.add_generic_rpc_handlers((watches.handler(),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = cache_pb2_grpc.CacheServiceStub(channel)
+        tier = LocalExactTier(capacity=10)
+        went_off = 0
+
+        def reset(live: bool) -> None:
+            nonlocal went_off
+            went_off += not live
+            LocalExactTier.reset(tier, live)
+
+        tier.reset = reset  # type: ignore[method-assign]
+        task = asyncio.create_task(
+            tier.follow(
+                lambda: stub.WatchInvalidations(cache_pb2.WatchInvalidationsRequest()),
+                KeyMirror(capacity=0),
+                max_retry_s=0.05,
+            )
+        )
+        try:
+            await until(lambda: watches.opened >= 3, "the silent stream given up, twice")
+            return watches.opened, went_off
+        finally:
+            task.cancel()
+            await channel.close(grace=None)
+            await server.stop(grace=None)
+
+    opened, went_off = asyncio.run(main())
+    assert opened >= 3
+    assert went_off >= 2  # the copy stopped serving each time
+
+
+def test_a_cache_that_promises_no_heartbeat_is_not_given_up() -> None:
+    async def main() -> tuple[int, bool]:
+        server = grpc.aio.server()
+        watches = Watches()
+        server.add_generic_rpc_handlers((watches.handler(),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = cache_pb2_grpc.CacheServiceStub(channel)
+        tier = LocalExactTier(capacity=10)
+        task = asyncio.create_task(
+            tier.follow(
+                lambda: stub.WatchInvalidations(cache_pb2.WatchInvalidationsRequest()),
+                KeyMirror(capacity=0),
+            )
+        )
+        try:
+            await until(lambda: tier.live, "live")
+            await asyncio.sleep(0.5)
+            return watches.opened, tier.live
+        finally:
+            task.cancel()
+            await channel.close(grace=None)
+            await server.stop(grace=None)
+
+    assert asyncio.run(main()) == (1, True)
