@@ -73,20 +73,38 @@ class Refusal(enum.StrEnum):
 
 
 ACTIVE_S = 1.0  # a tenant counts as sending this long after a request of its arrived or ended
+# Another tenant seen this recently keeps places free for its next request: one that sends
+# less than once per ACTIVE_S found every place held by a flood, each request the first
+# (a probe: 16 of 20 refused at one request every 2 s). Bounded by REMEMBERED names.
+RESERVE_S = 60.0
+REMEMBERED = 4096
 
 
 class TenantShares:
     """Which tenants are sending now, and each one's requests in flight. Memory follows the
-    tenants of the last ACTIVE_S and those in flight, never every tenant name seen."""
+    tenants of the last RESERVE_S (REMEMBERED names at most) and those in flight, never
+    every tenant name seen."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._recent: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.in_flight: dict[str, int] = {}
 
     def seen(self, tenant: str) -> None:
-        self._seen[tenant] = self._clock()
-        self._seen.move_to_end(tenant)
+        now = self._clock()
+        for seen in (self._seen, self._recent):
+            seen[tenant] = now
+            seen.move_to_end(tenant)
+        if len(self._recent) > REMEMBERED:
+            self._recent.popitem(last=False)
+
+    def others_recently(self, tenant: str) -> bool:
+        """Whether another tenant sent within RESERVE_S."""
+        oldest = self._clock() - RESERVE_S
+        while self._recent and next(iter(self._recent.values())) < oldest:
+            self._recent.popitem(last=False)
+        return len(self._recent) > 1 or (bool(self._recent) and tenant not in self._recent)
 
     def sending(self) -> int:
         """Tenants that sent within ACTIVE_S or have requests in flight."""
@@ -243,12 +261,23 @@ class Admission:
             self._paths_s.append(sum(call.timings[h] for h in INFERENCE_HOPS) / 1e3)
 
     def _check_share(self, shares: TenantShares, tenant: str) -> None:
-        """RequestError when `tenant` holds its share of the places while others send."""
+        """RequestError when `tenant` holds its share of the places while others send, or
+        the places kept for the others that sent within RESERVE_S."""
+        held = shares.in_flight.get(tenant, 0)
+        kept = min(self.tenant_min_in_flight, self.max_in_flight // 2)
+        if held >= self.max_in_flight - kept and shares.others_recently(tenant):
+            raise self._refuse(
+                Refusal.TENANT_SHARE,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this tenant has {held} requests in flight: {kept} of the gateway's "
+                f"{self.max_in_flight} are kept for the other tenants that sent within "
+                f"{RESERVE_S:g} s (HOPLINE_GATEWAY_MAX_IN_FLIGHT, HOPLINE_GATEWAY_TENANT_MIN_"
+                "IN_FLIGHT): retry after a backoff",
+            )
         sending = shares.sending()
         if sending < 2:
             return
         share = max(self.max_in_flight // sending, self.tenant_min_in_flight)
-        held = shares.in_flight.get(tenant, 0)
         if held >= share:
             raise self._refuse(
                 Refusal.TENANT_SHARE,
