@@ -212,10 +212,15 @@ class FaultInjection(RpcWrapper):
 
 
 def server_options(
-    max_message_bytes: int, max_connection_age_s: float = 0.0, *, reuse_port: bool = False
+    max_message_bytes: int,
+    max_connection_age_s: float = 0.0,
+    *,
+    reuse_port: bool = False,
+    front_door: bool = False,
 ) -> list[tuple[str, int]]:
     """`max_connection_age_s`: 0 keeps a connection for as long as its client does.
-    `reuse_port`: the port is shared with the service's other workers (runtime/workers.py)."""
+    `reuse_port`: the port is shared with the service's other workers (runtime/workers.py).
+    `front_door`: the port clients call (the gateway's), whose windows stay fixed."""
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -228,6 +233,14 @@ def server_options(
         # unless this is one of several workers, whose supervisor checked the port was free.
         ("grpc.so_reuseport", int(reuse_port)),
     ]
+    if front_door:
+        # gRPC grows a stream's receive window with the measured bandwidth-delay product, to
+        # megabytes on loopback: a PredictStream whose client wrote and never read had 4.2 MB
+        # of requests buffered in the gateway past the 64 it works on (100 such streams, 425
+        # MB; a probe). With the probe off a stream's window stays 64 KiB, and a client that
+        # writes ahead of what the gateway reads is held back there. The gateway's requests
+        # are texts, far below a window; the hops behind it, which carry tensors, keep it.
+        options.append(("grpc.http2.bdp_probe", 0))
     if max_connection_age_s > 0:
         # A gRPC client resolves a dns:/// name again only when a connection ends, so without
         # this a replica added after the callers connected (a scale-out, a rollout's surge)
@@ -398,6 +411,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
             config.max_message_bytes,
             config.max_connection_age_s,
             reuse_port=worker_index() is not None,
+            front_door=role_of(service) == ServiceName.GATEWAY,
         )
     )
     health = HealthServicer()

@@ -15,6 +15,7 @@ import pytest
 from harness import NOT_SERVING, TOPOLOGIES, Mesh, health
 from hopline.gateway.config import GatewayConfig
 from hopline.gateway.streaming import MAX_ID_BYTES
+from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime import config as cfg
 
@@ -168,6 +169,43 @@ def test_a_client_that_does_not_read_is_held_back_and_loses_nothing(mesh: Mesh) 
         assert answered < 2_000, answered
         ids = [reply.id for reply in call if reply.code == OK]
     assert sorted(ids, key=int) == [str(n) for n in range(sent)]
+
+
+def test_what_a_client_writes_ahead_of_the_gateway_is_held_back_at_its_window(
+    mesh: Mesh,
+) -> None:
+    """A client that writes and never reads: past the requests it works on the gateway stops
+    reading, and gRPC must then stop taking the client's messages at the stream's window.
+    It had grown that window with the measured bandwidth-delay product, and 4.2 MB of
+    requests a stream waited in the gateway's memory (100 such streams: 425 MB; a probe).
+    The client's own receive window is fixed (as in the test above), so what it measures is
+    what the gateway let in: requests taken from the client's iterator."""
+    text = f"tell me about my order {uuid.uuid4().hex} " + "x" * 4_000
+    pulled = 0
+    lock = threading.Lock()
+
+    def requests() -> Iterator[gateway_pb2.PredictStreamRequest]:
+        nonlocal pulled
+        for n in range(100_000):
+            with lock:
+                pulled += 1
+            request = gateway_pb2.PredictRequest(text=text, cache_mode=common_pb2.CACHE_MODE_BYPASS)
+            yield gateway_pb2.PredictStreamRequest(id=str(n), request=request)
+
+    options = [("grpc.http2.bdp_probe", 0)]
+    with grpc.insecure_channel(mesh.gateway, options=options) as channel:
+        call = gateway_pb2_grpc.GatewayServiceStub(channel).PredictStream(requests(), timeout=120)
+        taken, last = 0, -1
+        deadline = time.monotonic() + 60
+        while taken != last or taken < MAX_IN_FLIGHT:  # until the client is held back
+            assert time.monotonic() < deadline, f"still taking requests after 60 s: {taken}"
+            time.sleep(1.0)
+            with lock:
+                last, taken = taken, pulled
+        call.cancel()  # type: ignore[no-untyped-call]  # unannotated in grpc-stubs
+    # The requests worked on, those whose answers the client's 64 KiB window holds, and 64
+    # KiB of requests (16 of these): about 200; with the window grown, over 1,000.
+    assert taken < 600, taken
 
 
 def test_streams_are_refused_until_the_gateway_is_ready(default_repo: Path, tmp_path: Path) -> None:
