@@ -143,9 +143,13 @@ class CachePath:
         if not self.breaker.allow() and not self._cache_back():
             call.cache.outcome = common_pb2.CACHE_OUTCOME_FAIL_OPEN
             call.fail_open_reason = "circuit_open"
+            self.breaker.skipped()
+            retry_s = self.breaker.retry_in()
+            # 0 s left: a probe is on its way, or the cache cannot be reached (the probe goes
+            # once it can); "retrying in 0.0s" read as now for the whole outage (a probe).
+            when = f"in {retry_s:.1f}s" if retry_s > 0 else "once a probe lookup answers"
             call.cache.detail = (
-                f"cache circuit open after repeated failures; retrying the cache in "
-                f"{self.breaker.retry_in():.1f}s"
+                f"cache circuit open after repeated failures; retrying the cache {when}"
             )
             return None
         if self.admission.skip_lookup(call):

@@ -51,6 +51,7 @@ class CircuitBreaker:
         self._probe_started = 0.0
         self.opened = 0  # times the circuit opened, for stats
         self._opened_at = 0.0
+        self._skipped = 0  # lookups the open circuit skipped, said when it closes
 
     @property
     def state(self) -> CircuitState:
@@ -74,6 +75,10 @@ class CircuitBreaker:
             return True
         return False
 
+    def skipped(self) -> None:
+        """A lookup not sent because the circuit is open (answered FAIL_OPEN)."""
+        self._skipped += 1
+
     def retry_in(self) -> float:
         return max(0.0, self._open_until - self.clock())
 
@@ -90,7 +95,10 @@ class CircuitBreaker:
             # 8 said, 734 answered FAIL_OPEN).
             log.info(
                 "cache circuit closed",
-                extra={"open_s": round(self.clock() - self._opened_at, 3)},
+                extra={
+                    "open_s": round(self.clock() - self._opened_at, 3),
+                    "lookups_skipped": self._skipped,
+                },
             )
         self._consecutive, self._state, self._probing = 0, CLOSED, False
 
@@ -101,6 +109,7 @@ class CircuitBreaker:
                 self.opened += 1
             if self._state == CLOSED:
                 self._opened_at = self.clock()
+                self._skipped = 0
                 log.warning(
                     "cache circuit opened: lookups skipped (FAIL_OPEN) until a probe answers",
                     extra={"failures": self._consecutive, "cooldown_s": self.cooldown_s},

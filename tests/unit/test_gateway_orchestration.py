@@ -7,6 +7,7 @@ policy.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any, cast
 
 import grpc
@@ -168,6 +169,7 @@ def test_a_slow_cache_fails_open_to_inference_and_the_breaker_counts_it() -> Non
         third = await m.predict("is my order very late")
         assert third.cache.outcome == FAIL_OPEN
         assert third.cache.detail.startswith("cache circuit open after repeated failures")
+        assert re.search(r"retrying the cache in \d+\.\ds$", third.cache.detail), third.cache
         assert len(m.cache.lookups) == 2  # the open circuit skipped the third lookup
         assert len(m.inference.requests) == 3
         after = await m.counters()
@@ -180,6 +182,13 @@ def test_a_slow_cache_fails_open_to_inference_and_the_breaker_counts_it() -> Non
             "stores": 1,
         }
         assert metrics.count(metrics.CACHE_FAIL_OPEN, reason="deadline_exceeded") == overruns + 2
+        # In half-open, with its probe on its way, no countdown is left ("in 0.0s" read as
+        # now for a whole outage): the detail says what the retry waits for.
+        m.gateway.breaker._open_until = 0.0  # the cool-down over
+        assert m.gateway.breaker.allow()  # the probe, now on its way
+        fourth = await m.predict("is my order very late indeed")
+        assert fourth.cache.detail.endswith("retrying the cache once a probe lookup answers")
+        m.gateway.breaker.success()
 
     run(scenario)
 

@@ -61,6 +61,8 @@ def test_the_circuit_says_when_it_opens_and_when_it_closes_not_each_probe(
     with caplog.at_level(logging.INFO, logger="hopline.gateway"):
         breaker, clock = open_breaker(failures=3, cooldown_s=5.0)
         for _ in range(3):  # probes that fail: still one episode
+            assert not breaker.allow()
+            breaker.skipped()  # as the cache path does for each lookup the circuit skips
             clock.advance(5.0)
             assert breaker.allow()
             breaker.failure()
@@ -73,6 +75,7 @@ def test_the_circuit_says_when_it_opens_and_when_it_closes_not_each_probe(
         ("INFO", "cache circuit closed"),
     ]
     assert caplog.records[1].open_s == 20.0  # type: ignore[attr-defined]
+    assert caplog.records[1].lookups_skipped == 3  # type: ignore[attr-defined]
     assert breaker.opened == 4  # the counter as before: each failed probe opens it again
 
 
