@@ -132,6 +132,7 @@ class Hedging(Generic[Rep]):
         self._timer: asyncio.TimerHandle | None = None
         self._logged = 0.0
         self._unlogged = [0, 0]  # hedges sent, hedges that answered first, since the last log
+        self._unlogged_since = 0.0  # when the first of them was sent
 
     def delay_s(self) -> float | None:
         """How long an attempt is given before the next is sent; None before MIN_SAMPLES."""
@@ -228,6 +229,8 @@ class Hedging(Generic[Rep]):
         call.attempts += 1
         call.span.set_attribute(schema.HEDGE_ATTEMPTS, call.attempts)
         metrics.hedges(self.hop, HedgeResult.SENT).inc()
+        if not self._unlogged[0]:
+            self._unlogged_since = now
         self._unlogged[0] += 1
         replica, send = self._pick(call, now)
         hedge = asyncio.ensure_future(self._hedge(call, replica, send))
@@ -280,6 +283,7 @@ class Hedging(Generic[Rep]):
         self._suspect_until = time.monotonic() + SUSPECT_S
         metrics.hedges(self.hop, HedgeResult.ANSWERED).inc()
         self._unlogged[1] += 1
+        self._log(time.monotonic(), self._delay_s or self._min_delay_s)
         return call.reply  # type: ignore[no-any-return]
 
     async def _hedges_answer(self, call: _Call, failure: grpc.aio.AioRpcError) -> Rep:
@@ -294,11 +298,26 @@ class Hedging(Generic[Rep]):
         sent, answered = self._unlogged
         if not sent or now - self._logged < LOG_EVERY_S:
             return
+        if self._replicas is not None and not answered and now - self._unlogged_since < 1.0:
+            return  # a hedge's answer, soon, names the replicas that answer
         self._logged, self._unlogged = now, [0, 0]
+
+        def recent(seen: dict[str, float]) -> list[str]:
+            return sorted(a for a, at in seen.items() if now - at < REPLICA_MEMORY_S)
+
+        # Which replica holds the first attempts is round_robin's secret; those that answered
+        # hedges, and those whose hedges were not answered either, say which one to look at
+        # (the line named none: an SRE could not tell which replica to drain; a probe).
         log.warning(
             f"{self.hop} calls unanswered after {delay * 1e3:.0f} ms were sent again on the "
             "next replica: is one hung?",
-            extra={"hop": self.hop, "hedges": sent, "answered_by_hedge": answered},
+            extra={
+                "hop": self.hop,
+                "hedges": sent,
+                "answered_by_hedge": answered,
+                "hedges_answered_by": recent(self._answered_at),
+                "hedges_unanswered_by": recent(self._unanswered_at),
+            },
         )
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -323,11 +324,24 @@ async def one_channel_each(
         await channel.close(None)
 
 
-def test_many_callers_and_a_hung_replica_every_call_answered_by_a_named_replica() -> None:
-    asyncio.run(_many_callers_and_a_hung_replica_every_call_answered_by_a_named_replica())
+def test_many_callers_and_a_hung_replica_every_call_answered_by_a_named_replica(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="hopline.gateway"):
+        a, _hung = asyncio.run(
+            _many_callers_and_a_hung_replica_every_call_answered_by_a_named_replica()
+        )
+    # The warning names the replicas the hedges found answering (it named none: which one to
+    # drain, an SRE could not tell; a network-fault probe).
+    said = [r for r in caplog.records if "is one hung?" in r.getMessage()]
+    assert said, [r.getMessage() for r in caplog.records]
+    answering = {address for r in said for address in r.hedges_answered_by}  # type: ignore[attr-defined]
+    assert answering == {a}, answering
 
 
-async def _many_callers_and_a_hung_replica_every_call_answered_by_a_named_replica() -> None:
+async def _many_callers_and_a_hung_replica_every_call_answered_by_a_named_replica() -> tuple[
+    str, str
+]:
     """Eight callers, two replicas, one hung. A hedge sent on round_robin's next pick, with
     the other callers' picks between, reached the hung replica about half the time, and a
     call whose three attempts all did waited for the connection to drop (every caller 5 s in
@@ -346,6 +360,7 @@ async def _many_callers_and_a_hung_replica_every_call_answered_by_a_named_replic
         replies = await asyncio.gather(*(caller(n) for n in range(8)))
         assert [r for rs in replies for r in rs if not r.startswith(b"a:")] == []
         assert b.calls - before_b >= 10, "few calls reached the hung replica: nothing proven"
+        return a.address, b.address
 
 
 def test_a_hedge_never_goes_where_the_calls_hedges_went() -> None:
