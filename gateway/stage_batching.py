@@ -1,10 +1,14 @@
 """Gateway batching: misses waiting for the same stage at the same moment share one RPC.
 
 Each stage (tokenize, inference, postprocess) keeps at most `in_flight` RPCs on their way
-per batch key (model, version, and for postprocess top_k). A request that finds a free slot
-is sent at once, alone: a lone request waits for nothing. Requests that arrive while every
-slot is taken queue, and go together, up to `max_rows`, in the RPC that the next free slot sends
-(a lone request is sent from its caller's task: no task, future or shield of its own). The
+per batch key (model, version, and for postprocess top_k) for each replica its address names:
+with one slot for two inference replicas, every miss queued behind the RPC the slower one
+held (300 ms added to one of two: the inference hop's p50 from 57 to 320 ms, the other
+replica idle; a network-fault probe), and the two never ran at once. A request that finds
+a free slot is sent at once, alone: a lone request waits for nothing. Requests that arrive
+while every slot is taken queue, and go together, up to `max_rows`, in the RPC that the next
+free slot sends (a lone request is sent from its caller's task: no task, future or shield of
+its own). The
 queue is in fair order (runtime/fairness.py): while several tenants' rows wait, each gets an
 equal share of the rows sent, so a flood does not queue the others behind all of its own.
 So under load the per-RPC cost (serialisation, a round trip, a server's per-call work) is paid
@@ -88,8 +92,11 @@ class BatchedStage(Generic[Req, Rep]):
         company: Callable[[], bool] | None = None,
         linger_s: float = 0.0,
         hedging: Hedging[Rep] | None = None,
+        replicas: Callable[[], int] | None = None,
     ) -> None:
+        """`replicas()`: how many servers the upstream names now; `in_flight` slots each."""
         self.hop = hop
+        self._replicas = replicas
         # With `company`, a request that finds a free slot while company() says other requests
         # are in the gateway waits up to `linger_s` (0: one turn of the event loop) for those
         # that reach the stage meanwhile (GatewayStages.over says why).
@@ -117,7 +124,7 @@ class BatchedStage(Generic[Req, Rep]):
         **_: Any,
     ) -> Rep:
         key = self._codec.key(request)
-        free = key not in self._queues and self._busy.get(key, 0) < self._in_flight
+        free = key not in self._queues and self._busy.get(key, 0) < self._slots()
         if free and not self._gathers(request):
             return await self._send_alone(key, request, timeout, tuple(metadata))
         row: _Row[Req, Rep] = _Row(
@@ -159,6 +166,9 @@ class BatchedStage(Generic[Req, Rep]):
         finally:
             self.release(key)
 
+    def _slots(self) -> int:
+        return self._in_flight * (1 if self._replicas is None else self._replicas())
+
     def release(self, key: Hashable) -> None:
         """A call that held a slot of `key` ended: the rows queued meanwhile may go."""
         self._busy[key] -= 1
@@ -190,7 +200,8 @@ class BatchedStage(Generic[Req, Rep]):
         if key in self._gathering:
             return
         queue = self._queues.get(key)
-        while queue and self._busy.get(key, 0) < self._in_flight:
+        slots = self._slots()
+        while queue and self._busy.get(key, 0) < slots:
             queue.prune(lambda r: r.reply.done())  # a waiter may have given up
             if not queue:
                 break
@@ -375,8 +386,9 @@ class GatewayStages:
             if hedge_attempts > 1 and not one_endpoint(pool.target):
                 per_replica = replicas if isinstance(pool, Upstream) else None
                 hedging = Hedging[Rep](hop, send, hedge_attempts, hedge_min_s, per_replica)
+            count = pool.replica_count if isinstance(pool, Upstream) else None
             return BatchedStage(
-                hop, send, codec, in_flight, max_rows_of, company, linger_s, hedging
+                hop, send, codec, in_flight, max_rows_of, company, linger_s, hedging, count
             )
 
         def infer_rows(request: inference_pb2.InferRequest) -> int:

@@ -306,6 +306,14 @@ class Upstream(Generic[StubT]):
         old, self._replicas = self._replicas, {}
         self._close_later([channel for channel, _ in old.values()])
 
+    def replica_count(self) -> int:
+        """How many servers the target names now: 1 for one address, or a host name not yet
+        resolved (resolved every REPLICAS_RESOLVE_S, in the background)."""
+        if self._replica_targets is not None:
+            return max(1, len(self._replica_targets))
+        self._resolve_later()
+        return max(1, len(self._resolved))
+
     def replica_stubs(self) -> list[tuple[str, StubT]]:
         """A stub per replica, each on its own channel to that one address, keyed by it: a
         hedge must reach another replica than the attempt it backs up, and round_robin's next

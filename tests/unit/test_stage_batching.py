@@ -290,6 +290,38 @@ def test_a_stage_keeps_its_slots_busy_and_queues_the_rest() -> None:
     asyncio.run(scenario())
 
 
+def test_each_replica_the_upstream_names_gets_its_own_slots() -> None:
+    """One slot for two inference replicas kept one RPC on its way at a time: the replicas
+    never ran at once, and with one of them slowed every miss queued behind its RPC (a
+    probe: the hop's p50 from 57 to 320 ms). Slots are per replica, and follow the count."""
+
+    async def scenario() -> None:
+        upstream = Tokenizer()
+        upstream.gate = gate = asyncio.Event()
+        replicas = 2
+        stage = BatchedStage(
+            "tokenize",
+            lambda: upstream.Tokenize,
+            TokenizeCodec(),
+            1,
+            lambda _: 32,
+            replicas=lambda: replicas,
+        )
+        first = [_ask(stage, f"first {i}") for i in range(2)]
+        await until(lambda: len(upstream.calls) == 2)  # both at once, alone
+        replicas = 3  # a host name that resolves to one more
+        third = _ask(stage, "third")
+        await until(lambda: len(upstream.calls) == 3)
+        later = [_ask(stage, "later one"), _ask(stage, "later two")]
+        await asyncio.sleep(0.01)
+        assert len(upstream.calls) == 3  # every slot busy: they wait, together
+        gate.set()
+        await asyncio.gather(*first, third, *later)
+        assert upstream.calls[3:] == [["later one", "later two"]]
+
+    asyncio.run(scenario())
+
+
 def test_a_bad_row_fails_only_its_own_request() -> None:
     async def scenario() -> None:
         upstream, gate, stage, first = await _busy()
