@@ -179,6 +179,7 @@ class CacheConfig(ServerConfig):
         0,
         "ONNX Runtime threads per embedder run (0: every core for a run alone, one core each "
         "for runs side by side)",
+        valid=Range(high=1024),  # as HOPLINE_INFERENCE_THREADS
     )
     embed_workers: int = env_field(
         "HOPLINE_CACHE_EMBED_WORKERS",

@@ -40,6 +40,7 @@ class GatewayConfig(ServerConfig):
         "gateway processes sharing its port (SO_REUSEPORT, Linux), each with its own event "
         "loop: for machines with cores to spare, where one loop is the limit; the supervisor "
         "serves every worker's /metrics merged on HOPLINE_METRICS_PORT",
+        valid=Range(high=256),  # 2**63 forked workers without end
     )
     default_model: str = env_field(
         "HOPLINE_DEFAULT_MODEL", "support-intents", "model used when a request names none"
@@ -67,7 +68,7 @@ class GatewayConfig(ServerConfig):
         1,
         "connections the gateway keeps to each upstream address (more for an upstream behind "
         "one virtual IP, where each connection reaches one replica)",
-        valid=AT_LEAST_ONE,
+        valid=Range(1.0, high=64),  # 2**63 hung the start making channels
     )
     # Measured through the gateway on 2 cores, full CLINC150 eval (15k entries, a store after
     # every miss): semantic lookups p99 25 ms, p50 17 ms. 40 ms leaves room for a busier
@@ -273,8 +274,17 @@ class GatewayConfig(ServerConfig):
             "inference": self.inference_addr,
             "postprocess": self.postprocess_addr,
         }
-        return [
+        problems = [
             f"{spec(name).addr_env}={problem}"
             for name, addr in addrs.items()
             if (problem := port_problem(addr)) is not None
         ]
+        # Its own address: a gateway that waited for itself for ever, or answered every
+        # request INTERNAL "tokenize failed with UNIMPLEMENTED" (a settings probe).
+        problems += [
+            f"{spec(name).addr_env}={addr!r} is the gateway's own address (HOPLINE_GATEWAY_"
+            f"ADDR): give the {name} service's"
+            for name, addr in addrs.items()
+            if addr.strip() == self.listen.strip() and not self.listen.endswith(":0")
+        ]
+        return problems

@@ -67,6 +67,7 @@ from hopline.model.repository import (
     ModelRepository,
     load_config,
 )
+from hopline.runtime.config import SettingError
 
 T = TypeVar("T")
 Key = tuple[str, str]
@@ -158,10 +159,13 @@ class ModelRegistry(Generic[T]):
         fresh install makes the models' volume before anything is published, and the
         services exited 1 there and crash-looped until Kubernetes' restart backoff let them
         see the first model, up to 5 minutes later (a deploy probe). RuntimeError, saying
-        why, when the repository is not a folder or its versions all failed to load."""
+        why, when its versions all failed to load; SettingError (exit 2) when the repository is
+        not a folder."""
         root = self._repo.root
         if not root.is_dir():
-            raise RuntimeError(f"model repository {str(root)!r} is not a folder")
+            raise SettingError(
+                f"model repository {str(root)!r} (HOPLINE_MODEL_REPO) is not a folder"
+            )
         if self._repo.names():
             broken = "; ".join(f"{n}/{v}: {e}" for (n, v), e in sorted(self.broken().items()))
             raise RuntimeError(

@@ -44,10 +44,15 @@ class Range:
         if math.isinf(value):  # "1e400" and "inf" parse: a grace or interval never ending
             return "must be a finite number"
         if self.low is not None and (value <= self.low if self.open_low else value < self.low):
-            return f"must be {'above' if self.open_low else 'at least'} {self.low:g}"
+            return f"must be {'above' if self.open_low else 'at least'} {_said(self.low)}"
         if self.high is not None and value > self.high:
-            return f"must be at most {self.high:g}"
+            return f"must be at most {_said(self.high)}"
         return None
+
+
+def _said(bound: float) -> str:
+    """A bound as a person writes it: 2147483647, not 2.14748e+09."""
+    return str(int(bound)) if float(bound).is_integer() and abs(bound) < 1e12 else f"{bound:g}"
 
 
 NON_NEGATIVE = Range()  # every count, size, time and rate unless its field says otherwise
@@ -61,13 +66,19 @@ def env_field(env: str, default: Any, help: str, valid: Range = NON_NEGATIVE) ->
     return dataclasses.field(default=default, metadata={"env": env, "help": help, "valid": valid})
 
 
+class _Invalid(argparse.ArgumentTypeError, ValueError):
+    """A value a setting cannot take: argparse says its message for a flag (it said
+    "invalid _parse_bool value: 'maybe'"), the env reader for a variable."""
+
+
 def _parse_bool(raw: str) -> bool:
     value = raw.strip().lower()
     if value in {"1", "true", "yes", "on"}:
         return True
-    if value in {"0", "false", "no", "off", ""}:
+    if value in {"0", "false", "no", "off"}:
         return False
-    raise ValueError(f"not a boolean: {raw!r} (use true/false)")
+    # Empty is refused, not false: HOPLINE_REFLECTION= turned a default-on feature off.
+    raise _Invalid(f"not a boolean: {raw!r} (use true/false)")
 
 
 def _enum_parser(kind: type[enum.Enum]) -> Any:
@@ -76,7 +87,7 @@ def _enum_parser(kind: type[enum.Enum]) -> Any:
             return kind(raw.strip().lower())
         except ValueError:
             names = ", ".join(str(m.value) for m in kind)
-            raise ValueError(f"{raw!r} is not one of: {names}") from None
+            raise _Invalid(f"{raw!r} is not one of: {names}") from None
 
     parse.__name__ = kind.__name__  # argparse names the type in its error
     return parse
@@ -130,10 +141,21 @@ def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
     return cls(**values)
 
 
+# What no numeric setting means past, whatever its own range: gRPC takes its integers as C
+# ints (HOPLINE_MAX_MESSAGE_BYTES=2147483648 was an OverflowError traceback), and a time of
+# 1e300 s overflowed where it was converted (a drain that never ended, a Milvus call that
+# failed at once). About 31 years of seconds.
+MOST_INT = 2**31 - 1
+MOST_FLOAT = 1e9
+MAX_CONNECTION_AGE_S = 24 * 86_400  # gRPC's age is a C int of milliseconds: 24.8 days at most
+
+
 def _check_range(f: dataclasses.Field[Any], kind: Any, value: Any, given: str) -> None:
     if kind not in (int, float):
         return
     problem = f.metadata["valid"].problem(value)
+    if problem is None:
+        problem = Range(low=None, high=MOST_INT if kind is int else MOST_FLOAT).problem(value)
     if problem is not None:
         _refuse(f"invalid {given}: {problem}")
 
@@ -213,9 +235,13 @@ class ServerConfig:
         "HOPLINE_DRAIN_DELAY_S",
         0.5,
         "on SIGTERM, seconds to report NOT_SERVING while still accepting, so balancers move away",
+        valid=Range(high=3600),
     )
     drain_grace_s: float = env_field(
-        "HOPLINE_DRAIN_GRACE_S", 8.0, "seconds in-flight RPCs get to finish after accepting stops"
+        "HOPLINE_DRAIN_GRACE_S",
+        8.0,
+        "seconds in-flight RPCs get to finish after accepting stops",
+        valid=Range(high=3600),
     )
     max_message_bytes: int = env_field(
         "HOPLINE_MAX_MESSAGE_BYTES",
@@ -228,6 +254,7 @@ class ServerConfig:
         60.0,
         "seconds before a client connection is asked to reconnect (GOAWAY; its streams finish "
         "first), so callers resolve DNS again and find replicas added since (0: never)",
+        valid=Range(high=MAX_CONNECTION_AGE_S),  # gRPC takes it in ms, as a C int
     )
     event_loop: EventLoop = env_field(  # noqa: RUF009 (an enum default, read once)
         "HOPLINE_EVENT_LOOP",

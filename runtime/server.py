@@ -404,6 +404,13 @@ async def serve(service: Service, config: ServerConfig) -> int:
     """Run `service` until SIGTERM/SIGINT, then drain and end the process (exit code 0).
 
     Returns an exit code only when the service could not start."""
+    if 0 < config.max_connection_age_s < 1:
+        # gRPC takes whole milliseconds, and under 1 s every connection was sent GOAWAY before
+        # its calls could finish (health checks DEADLINE_EXCEEDED; a settings probe).
+        raise SettingError(
+            f"HOPLINE_MAX_CONNECTION_AGE_S={config.max_connection_age_s:g}: 0 (never) or at "
+            "least 1 s"
+        )
     gate = ReadinessGate()
     tls = TlsFiles.of(config, role_of(service))
     server = grpc.aio.server(

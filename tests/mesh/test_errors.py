@@ -323,6 +323,21 @@ def test_a_cache_setting_that_cannot_work_exits_2(
     assert "Traceback" not in said
 
 
+def test_a_connection_age_under_a_second_is_refused(mesh: Mesh) -> None:
+    """gRPC takes the age in whole milliseconds: 0.0001 s became 0 ms, and every connection
+    was sent GOAWAY before its calls could finish (health checks DEADLINE_EXCEEDED after 10-25
+    s; a settings probe)."""
+    env = {
+        **mesh.env,
+        "HOPLINE_POSTPROCESS_ADDR": f"127.0.0.1:{free_port()}",
+        "HOPLINE_METRICS_PORT": "0",
+        "HOPLINE_MAX_CONNECTION_AGE_S": "0.0001",
+    }
+    said = serve_refused("postprocess", env)
+    assert "HOPLINE_MAX_CONNECTION_AGE_S=0.0001: 0 (never) or at least 1 s" in said, said
+    assert "Traceback" not in said
+
+
 def test_a_failed_prediction_carries_its_trace_id(mesh: Mesh) -> None:
     """A failure has no reply to carry `trace_id` in, and the failed requests are the ones a
     user wants to find: its trailing metadata carries it, and `hopline predict` prints it."""

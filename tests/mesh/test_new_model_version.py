@@ -232,7 +232,7 @@ def test_a_start_that_fails_with_a_health_port_logs_only_json(tmp_path: Path) ->
         timeout=120,
         check=False,
     )
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 2, done.stderr  # a setting refused
     lines = (done.stdout + done.stderr).splitlines()
     failed = [json.loads(line) for line in lines]  # every line one JSON object
     assert any(

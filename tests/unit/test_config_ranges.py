@@ -34,6 +34,16 @@ from hopline.services.inference.service import InferenceConfig
         ("HOPLINE_METRICS_PORT", "70000", "must be at most 65535"),
         ("HOPLINE_UPSTREAM_RETRY_ATTEMPTS", "6", "must be at most 5"),  # gRPC would clamp it
         ("HOPLINE_UPSTREAM_RETRY_TOKENS", "5000", "must be at most 1000"),  # and this one
+        # No bound of their own: OverflowError tracebacks, a drain that never ended, a fork
+        # of workers without end, a start hung making channels (a settings probe).
+        ("HOPLINE_MAX_MESSAGE_BYTES", "2147483648", "must be at most 2147483647"),
+        ("HOPLINE_MAX_CONNECTION_AGE_S", "1e300", "must be at most 2073600"),
+        ("HOPLINE_DRAIN_DELAY_S", "1e300", "must be at most 3600"),
+        ("HOPLINE_GATEWAY_WORKERS", str(2**63), "must be at most 256"),
+        ("HOPLINE_CHANNELS_PER_UPSTREAM", str(2**63), "must be at most 64"),
+        ("HOPLINE_MODEL_REFRESH_S", "1e300", "must be at most 1000000000"),
+        # Empty is not false: it turned a default-on feature off.
+        ("HOPLINE_REFLECTION", "", "not a boolean: '' (use true/false)"),
     ],
 )
 def test_the_gateway_refuses_a_setting_outside_its_range(
@@ -115,3 +125,26 @@ def test_every_services_defaults_are_in_range() -> None:
             if isinstance(f.default, int | float) and not isinstance(f.default, bool):
                 problem = f.metadata["valid"].problem(f.default)
                 assert problem is None, (service.name, f.metadata["env"], problem)
+
+
+def test_a_flag_of_words_says_the_words_it_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse named the parser's function: "invalid _parse_bool value: 'maybe'"."""
+    with pytest.raises(SystemExit) as refused:
+        cfg.load(GatewayConfig, ["--reflection", "maybe"])
+    assert refused.value.code == 2
+    said = capsys.readouterr().err
+    assert "argument --reflection: not a boolean: 'maybe' (use true/false)" in said, said
+    with pytest.raises(SystemExit):
+        cfg.load(GatewayConfig, ["--event-loop", "bogus"])
+    said = capsys.readouterr().err
+    assert "argument --event-loop: 'bogus' is not one of: uvloop, asyncio" in said, said
+
+
+def test_the_cache_bounds_its_timeouts_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOPLINE_CACHE_LOAD_TIMEOUT_S", "1e300")
+    with pytest.raises(SystemExit, match=r"LOAD_TIMEOUT_S='1e300': must be at most 1000000000"):
+        cfg.load(CacheConfig, [])
+    monkeypatch.delenv("HOPLINE_CACHE_LOAD_TIMEOUT_S")
+    monkeypatch.setenv("HOPLINE_CACHE_EMBED_THREADS", str(2**63))
+    with pytest.raises(SystemExit, match="must be at most 1024"):
+        cfg.load(CacheConfig, [])

@@ -30,6 +30,7 @@ from hopline.model.repository import (
     ModelRepository,
     version_digest,
 )
+from hopline.runtime.config import SettingError
 
 BROKEN = b"broken"
 
@@ -660,7 +661,7 @@ def test_a_start_with_no_model_yet_serves_but_a_broken_repository_does_not(
     ]
     missing = ModelRegistry(ModelRepository(tmp_path / "typo"), Loader())
     assert missing.load_all() == []
-    with pytest.raises(RuntimeError, match="is not a folder"):
+    with pytest.raises(SettingError, match="is not a folder"):  # exit 2
         missing.check_start()
     broken = tmp_path / "broken"
     publish(default_repo, broken, "1", broken=True)

@@ -67,3 +67,16 @@ def test_the_gateway_names_the_setting_of_a_url_or_spaced_upstream() -> None:
     assert len(problems) == 2
     assert problems[0].startswith("HOPLINE_CACHE_ADDR='http://127.0.0.1:21312': gRPC addresses")
     assert problems[1].startswith("HOPLINE_INFERENCE_ADDR=' 127.0.0.1:8013': whitespace")
+
+
+def test_an_upstream_at_the_gateways_own_address_is_refused() -> None:
+    """A gateway told to find its tokenizer at its own address answered every request
+    INTERNAL "tokenize failed with UNIMPLEMENTED", and one told the same of inference waited
+    for itself for ever (a settings probe)."""
+    config = dataclasses.replace(
+        GatewayConfig(), listen="127.0.0.1:21400", inference_addr="127.0.0.1:21400"
+    )
+    assert config.address_problems() == [
+        "HOPLINE_INFERENCE_ADDR='127.0.0.1:21400' is the gateway's own address "
+        "(HOPLINE_GATEWAY_ADDR): give the inference service's"
+    ]
