@@ -235,7 +235,7 @@ def _address_problems(args: argparse.Namespace) -> list[str]:
     """The target's and peers' addresses that would dial another server or none."""
     dialled = [(peer.partition("=")[2], f"--peer {peer.partition('=')[0]}") for peer in args.peer]
     if args.target != "none":
-        named_by = "--target" if args.target else "HOPLINE_GATEWAY_ADDR"
+        named_by = "--target" if args.target is not None else "HOPLINE_GATEWAY_ADDR"
         dialled.insert(0, (gateway_address(args.target), named_by))
     return [p for address, named_by in dialled if (p := dial_problem(address, named_by))]
 

@@ -316,7 +316,7 @@ def _eval(args: argparse.Namespace) -> int:
         report = run(
             args.clinc,
             gateway=gateway_address(args.gateway),
-            cache=args.cache or spec("cache").address(),
+            cache=args.cache if args.cache is not None else spec("cache").address(),
             model=args.model,
             model_version=resolved.version,
             policy=policy,

@@ -71,8 +71,8 @@ def invalidate(args: argparse.Namespace) -> int:
     if isinstance(request, str):
         sys.stderr.write(f"hopline cache invalidate: error: {request}\n")
         return 2
-    address = args.cache or spec("cache").address()
-    named_by = "--cache" if args.cache else "HOPLINE_CACHE_ADDR"
+    address = args.cache if args.cache is not None else spec("cache").address()
+    named_by = "--cache" if args.cache is not None else "HOPLINE_CACHE_ADDR"
     if problem := dial_problem(address, named_by):
         sys.stderr.write(f"hopline cache invalidate: error: {problem}\n")
         return 2

@@ -87,6 +87,8 @@ def work_dir_problem(work_dir: str) -> str | None:
     FileNotFoundError or NotADirectoryError, only once the load had finished: minutes on a
     large collection. Only checked: a folder made read-only with the encoder already built
     in it is fine."""
+    if not work_dir.strip():  # Path("") is the working folder: the encoder was built there
+        return "HOPLINE_CACHE_DIR is empty: give the folder for the built embedding encoder"
     path = Path(work_dir)
     if path.is_dir():
         return None

@@ -42,8 +42,8 @@ def show_stats(args: argparse.Namespace) -> int:
     from hopline.runtime.ports import dial_problem
     from hopline.runtime.tls import channel, operator_tls
 
-    address = args.cache or spec("cache").address()
-    named_by = "--cache" if args.cache else "HOPLINE_CACHE_ADDR"
+    address = args.cache if args.cache is not None else spec("cache").address()
+    named_by = "--cache" if args.cache is not None else "HOPLINE_CACHE_ADDR"
     if problem := dial_problem(address, named_by):
         sys.stderr.write(f"hopline cache stats: error: {problem}\n")
         return 2

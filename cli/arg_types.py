@@ -4,6 +4,7 @@ own error line (the flag named, exit 2) before anything starts."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 
@@ -14,6 +15,8 @@ def positive(kind: Callable[[str], float]) -> Callable[[str], float]:
         value = kind(raw)
         if not value > 0:  # NaN too
             raise argparse.ArgumentTypeError(f"must be above 0, got {raw}")
+        if not math.isfinite(value):  # inf: a timeout of none, a bench that never ends
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {raw}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
@@ -24,6 +27,8 @@ def at_least_zero(raw: str) -> float:
     value = float(raw)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {raw}")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {raw}")
     return value
 
 

@@ -133,7 +133,7 @@ def _predict(args: argparse.Namespace) -> int:
     from hopline.runtime.ports import dial_problem
     from hopline.runtime.tls import TlsConfigError
 
-    named_by = "--gateway" if args.gateway else "HOPLINE_GATEWAY_ADDR"
+    named_by = "--gateway" if args.gateway is not None else "HOPLINE_GATEWAY_ADDR"
     if problem := dial_problem(gateway_address(args.gateway), named_by):
         sys.stderr.write(f"hopline predict: error: {problem}\n")
         return 2

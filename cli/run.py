@@ -24,6 +24,7 @@ from pathlib import Path
 from types import FrameType
 
 from hopline.runtime.launcher import ALL, Mesh, MeshError, StartInterrupted
+from hopline.runtime.ports import port_problem
 from hopline.runtime.service_table import Topology, spec
 
 log = logging.getLogger("hopline.run")
@@ -147,6 +148,16 @@ def run_mesh(
         die_with_parent=True,
     )
     mesh.stop_timeout_s = STOP_TIMEOUT_S
+    # Before any probe of the addresses: 127.0.0.1:99999 was an OverflowError traceback.
+    wrong = [
+        f"{spec(name).addr_env}={problem}"
+        for name in ALL
+        if not mesh.colocated(name)
+        and (problem := port_problem(mesh.addrs[name], listen=True)) is not None
+    ]
+    if wrong:
+        log.error("cannot start", extra={"error": "; ".join(wrong)})
+        return 2
     try:
         mesh.start(ALL, ready_timeout_s, stopping=lambda: stopping)
     except StartInterrupted:

@@ -18,7 +18,9 @@ CACHE_MODES = {
 
 
 def gateway_address(explicit: str | None = None) -> str:
-    return explicit or spec("gateway").address()
+    """The flag's address where given (empty too: refused by its caller, not replaced by the
+    default, which may be another mesh's gateway), else HOPLINE_GATEWAY_ADDR's."""
+    return explicit if explicit is not None else spec("gateway").address()
 
 
 def outcome_name(outcome: int) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 from hopline.model.providers import ProviderSpec, parse_providers
 from hopline.model.quantize import Precision
 from hopline.runtime.batching import BatchingPolicy
+from hopline.runtime.config import SettingError
 from hopline.runtime.tensors import DTYPE_NAMES
 
 CONFIG_FILE = "config.json"
@@ -398,6 +399,15 @@ def _present(folder: Path) -> bool:
 class ModelRepository:
     def __init__(self, root: Path) -> None:
         self.root = root
+
+    @classmethod
+    def setting(cls, raw: str) -> ModelRepository:
+        """The repository HOPLINE_MODEL_REPO names; SettingError (exit 2) when it is empty,
+        which Path() reads as the working folder: a service served from wherever it was
+        started (a settings probe)."""
+        if not raw.strip():
+            raise SettingError("HOPLINE_MODEL_REPO is empty: give the model repository's folder")
+        return cls(Path(raw))
 
     def names(self) -> list[str]:
         if not self.root.is_dir():

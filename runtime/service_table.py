@@ -42,7 +42,10 @@ class ServiceSpec:
         return f"HOPLINE_{self.name.upper()}_ADDR"
 
     def address(self, environ: Mapping[str, str] = os.environ) -> str:
-        return environ.get(self.addr_env) or self.default_addr
+        """The variable's address where set (empty too: a command refuses it, where the
+        default dialled another mesh's service, and `cache invalidate` could reach the wrong
+        cache; a settings probe), else the table's default."""
+        return environ.get(self.addr_env, self.default_addr)
 
     def colocated(self, environ: Mapping[str, str] = os.environ) -> bool:
         """Whether callers run this service in their own process (its address is `inproc`)."""

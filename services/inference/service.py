@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import math
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -286,7 +285,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(self, config: InferenceConfig) -> None:
         self.config = config
         self.models: ModelRegistry[BatchedModel] = ModelRegistry(
-            ModelRepository(Path(config.model_repo)),
+            ModelRepository.setting(config.model_repo),
             self._load,
             on_retire=self._retired,
             linger_s=LINGER_REFRESHES * config.model_refresh_s,

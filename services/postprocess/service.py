@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import cast
 
 import grpc
@@ -50,7 +49,7 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
         # keeps per version is the digest of the files it read them from.
         # Rescanned every few seconds from requests: a removed or replaced version is let go.
         self.models: ModelRegistry[str] = ModelRegistry(
-            ModelRepository(Path(config.model_repo)),
+            ModelRepository.setting(config.model_repo),
             lambda cfg: version_digest(cfg.path),
             rescan_s=config.model_refresh_s,
             linger_s=LINGER_REFRESHES * config.model_refresh_s,

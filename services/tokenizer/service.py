@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import grpc
 from opentelemetry import trace
@@ -60,7 +59,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self.config = config
         # Rescanned every few seconds from requests: a removed or replaced version is let go.
         self.models = ModelRegistry(
-            ModelRepository(Path(config.model_repo)),
+            ModelRepository.setting(config.model_repo),
             _load,
             rescan_s=config.model_refresh_s,
             linger_s=LINGER_REFRESHES * config.model_refresh_s,

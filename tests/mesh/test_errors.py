@@ -301,6 +301,8 @@ def test_a_port_past_65535_is_refused_not_wrapped(mesh: Mesh) -> None:
             },
             "cannot read HOPLINE_CACHE_MILVUS_TOKEN_FILE '/nonexistent'",
         ),
+        # Path("") is the working folder: the encoder was built wherever the cache started.
+        ({"HOPLINE_CACHE_DIR": ""}, "HOPLINE_CACHE_DIR is empty"),
         (
             {"HOPLINE_CACHE_PEER_STALE_S": "0.1", "HOPLINE_CACHE_PEER_POLL_MS": "100"},
             "HOPLINE_CACHE_PEER_STALE_S=0.1 must exceed two polls",
@@ -323,6 +325,18 @@ def test_a_cache_setting_that_cannot_work_exits_2(
     assert "Traceback" not in said
 
 
+def test_an_empty_model_repository_is_refused_not_the_working_folder(mesh: Mesh) -> None:
+    """HOPLINE_MODEL_REPO= served models from wherever the service was started."""
+    env = {
+        **mesh.env,
+        "HOPLINE_TOKENIZER_ADDR": f"127.0.0.1:{free_port()}",
+        "HOPLINE_METRICS_PORT": "0",
+        "HOPLINE_MODEL_REPO": "",
+    }
+    said = serve_refused("tokenizer", env)
+    assert "HOPLINE_MODEL_REPO is empty" in said, said
+
+
 def test_a_connection_age_under_a_second_is_refused(mesh: Mesh) -> None:
     """gRPC takes the age in whole milliseconds: 0.0001 s became 0 ms, and every connection
     was sent GOAWAY before its calls could finish (health checks DEADLINE_EXCEEDED after 10-25
@@ -335,6 +349,19 @@ def test_a_connection_age_under_a_second_is_refused(mesh: Mesh) -> None:
     }
     said = serve_refused("postprocess", env)
     assert "HOPLINE_MAX_CONNECTION_AGE_S=0.0001: 0 (never) or at least 1 s" in said, said
+    assert "Traceback" not in said
+
+
+def test_hopline_run_refuses_a_port_past_65535_naming_it(mesh: Mesh) -> None:
+    """`hopline run` probed the address before checking it: an OverflowError traceback."""
+    env = {**mesh.env, "HOPLINE_GATEWAY_ADDR": "127.0.0.1:99999", "HOPLINE_METRICS_PORT": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "hopline", "run", "--model-repo", env["HOPLINE_MODEL_REPO"]],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said
+    assert "HOPLINE_GATEWAY_ADDR='127.0.0.1:99999': the port must be a number" in said, said
     assert "Traceback" not in said
 
 

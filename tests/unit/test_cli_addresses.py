@@ -45,6 +45,38 @@ def test_the_variable_is_named_when_it_gave_the_address(
     assert "HOPLINE_GATEWAY_ADDR '127.0.0.1:99999'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "env", "said"),
+    [
+        (["predict", "hi", "--gateway", ""], {}, "hopline predict: error: --gateway"),
+        (["predict", "hi"], {"HOPLINE_GATEWAY_ADDR": ""}, "error: HOPLINE_GATEWAY_ADDR"),
+        (["cache", "stats", "--cache", ""], {}, "hopline cache stats: error: --cache"),
+        (
+            ["cache", "invalidate", "--id", ID],
+            {"HOPLINE_CACHE_ADDR": ""},
+            "hopline cache invalidate: error: HOPLINE_CACHE_ADDR",
+        ),
+        (["bench", "--target", ""], {}, "hopline bench: error: --target"),
+    ],
+)
+def test_an_empty_address_is_refused_not_replaced_by_the_default(
+    argv: list[str],
+    env: dict[str, str],
+    said: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An empty flag or variable dialled the built-in default, 127.0.0.1:8001 or :8012,
+    which on a shared machine may be another mesh's: `cache invalidate` could remove another
+    cache's entries (a settings probe)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err, err
+    assert "an empty address" in err, err
+
+
 def test_a_ca_that_cannot_be_read_is_a_usage_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

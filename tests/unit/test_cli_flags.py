@@ -32,6 +32,10 @@ from hopline.cli.main import build_parser
         ("bench", "--connections", "0", "must be above 0"),
         ("bench", "--warmup", "-1", "must be 0 or more"),
         ("bench", "--idle-ms", "-0.5", "must be 0 or more"),
+        # inf: a prediction that failed at once DEADLINE_EXCEEDED, a bench's traceback.
+        ("predict", "--timeout", "inf", "must be a finite number"),
+        ("bench", "--duration", "inf", "must be a finite number"),
+        ("bench", "--warmup", "1e400", "must be a finite number"),
     ],
 )
 def test_a_value_that_cannot_work_is_refused(

@@ -112,8 +112,13 @@ def test_a_work_dir_the_encoder_cannot_be_built_in_is_refused_at_start(tmp_path:
         with pytest.raises(CacheStoreError) as refused:
             MilvusAccess.of(_config(uri=str(tmp_path / "cache.db"), work_dir=work_dir))
         assert str(refused.value) == problem
-    for fine in (str(tmp_path), str(tmp_path / "new" / "deeper"), ""):
+    for fine in (str(tmp_path), str(tmp_path / "new" / "deeper")):
         assert work_dir_problem(fine) is None
+    # Empty is Path(""), the working folder: refused (a settings probe), "." said on purpose not.
+    assert work_dir_problem("") == (
+        "HOPLINE_CACHE_DIR is empty: give the folder for the built embedding encoder"
+    )
+    assert work_dir_problem(".") is None
     assert not (tmp_path / "new").exists()  # only checked: the embedder makes it
 
 
