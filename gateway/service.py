@@ -54,6 +54,7 @@ from hopline.gateway.speculation import Speculation
 from hopline.gateway.stage_batching import GatewayStages
 from hopline.gateway.streaming import predict_stream
 from hopline.gateway.upstream import GatewayUpstreams, HopError
+from hopline.model.repository import validate_name
 from hopline.observability import metrics, schema
 from hopline.observability.logs import Episodes
 from hopline.observability.loop_metrics import LoopCounter
@@ -193,6 +194,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def start(self) -> None:
         problems = self.config.address_problems()
+        try:  # every request naming no model got NOT_FOUND "unknown model ''" (a settings probe)
+            validate_name(self.config.default_model)
+        except ValueError as exc:
+            problems.append(f"HOPLINE_DEFAULT_MODEL: {exc}")
         if problems:
             raise SettingError("; ".join(problems))
         # Not SERVING until co-located services are, and inference has said which models exist.

@@ -337,6 +337,19 @@ def test_an_empty_model_repository_is_refused_not_the_working_folder(mesh: Mesh)
     assert "HOPLINE_MODEL_REPO is empty" in said, said
 
 
+@pytest.mark.parametrize("name", ["", "Support-Intents"])
+def test_a_default_model_no_model_can_be_named_is_refused(mesh: Mesh, name: str) -> None:
+    """Every request naming no model got NOT_FOUND "unknown model ''" (a settings probe)."""
+    env = {
+        **mesh.env,
+        "HOPLINE_GATEWAY_ADDR": f"127.0.0.1:{free_port()}",
+        "HOPLINE_METRICS_PORT": "0",
+        "HOPLINE_DEFAULT_MODEL": name,
+    }
+    said = serve_refused("gateway", env)
+    assert f"HOPLINE_DEFAULT_MODEL: model name {name!r} must be 1-63 chars" in said, said
+
+
 def test_a_connection_age_under_a_second_is_refused(mesh: Mesh) -> None:
     """gRPC takes the age in whole milliseconds: 0.0001 s became 0 ms, and every connection
     was sent GOAWAY before its calls could finish (health checks DEADLINE_EXCEEDED after 10-25
