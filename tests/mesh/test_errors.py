@@ -20,6 +20,7 @@ from harness import NOT_SERVING, SERVING, Mesh, eventually, free_port, health, s
 from hopline.gateway.upstream import MAX_RECONNECT_BACKOFF_MS, RECONNECT_JITTER
 from hopline.observability.logs import QUIET_S, SUMMARY_S
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from hopline.runtime.service_table import spec
 
 
 @pytest.fixture(scope="module")
@@ -325,43 +326,44 @@ def test_a_cache_setting_that_cannot_work_exits_2(
     assert "Traceback" not in said
 
 
-def test_an_empty_model_repository_is_refused_not_the_working_folder(mesh: Mesh) -> None:
-    """HOPLINE_MODEL_REPO= served models from wherever the service was started."""
+@pytest.mark.parametrize(
+    ("service", "setting", "says"),
+    [
+        # Path("") is the working folder: models served from wherever the service started.
+        ("tokenizer", {"HOPLINE_MODEL_REPO": ""}, "HOPLINE_MODEL_REPO is empty"),
+        # Every request naming no model got NOT_FOUND "unknown model ''".
+        (
+            "gateway",
+            {"HOPLINE_DEFAULT_MODEL": ""},
+            "HOPLINE_DEFAULT_MODEL: model name '' must be 1-63 chars",
+        ),
+        (
+            "gateway",
+            {"HOPLINE_DEFAULT_MODEL": "Support-Intents"},
+            "HOPLINE_DEFAULT_MODEL: model name 'Support-Intents' must be 1-63 chars",
+        ),
+        # gRPC takes the age in whole milliseconds: 0.0001 s became 0 ms, and every
+        # connection was sent GOAWAY before its calls could finish (health checks
+        # DEADLINE_EXCEEDED after 10-25 s).
+        (
+            "postprocess",
+            {"HOPLINE_MAX_CONNECTION_AGE_S": "0.0001"},
+            "HOPLINE_MAX_CONNECTION_AGE_S=0.0001: 0 (never) or at least 1 s",
+        ),
+    ],
+)
+def test_a_setting_no_service_can_run_on_is_refused_in_one_line(
+    mesh: Mesh, service: str, setting: dict[str, str], says: str
+) -> None:
+    """Each of these started and served on it (a settings probe); exit 2 now, naming it."""
     env = {
         **mesh.env,
-        "HOPLINE_TOKENIZER_ADDR": f"127.0.0.1:{free_port()}",
+        spec(service).addr_env: f"127.0.0.1:{free_port()}",
         "HOPLINE_METRICS_PORT": "0",
-        "HOPLINE_MODEL_REPO": "",
+        **setting,
     }
-    said = serve_refused("tokenizer", env)
-    assert "HOPLINE_MODEL_REPO is empty" in said, said
-
-
-@pytest.mark.parametrize("name", ["", "Support-Intents"])
-def test_a_default_model_no_model_can_be_named_is_refused(mesh: Mesh, name: str) -> None:
-    """Every request naming no model got NOT_FOUND "unknown model ''" (a settings probe)."""
-    env = {
-        **mesh.env,
-        "HOPLINE_GATEWAY_ADDR": f"127.0.0.1:{free_port()}",
-        "HOPLINE_METRICS_PORT": "0",
-        "HOPLINE_DEFAULT_MODEL": name,
-    }
-    said = serve_refused("gateway", env)
-    assert f"HOPLINE_DEFAULT_MODEL: model name {name!r} must be 1-63 chars" in said, said
-
-
-def test_a_connection_age_under_a_second_is_refused(mesh: Mesh) -> None:
-    """gRPC takes the age in whole milliseconds: 0.0001 s became 0 ms, and every connection
-    was sent GOAWAY before its calls could finish (health checks DEADLINE_EXCEEDED after 10-25
-    s; a settings probe)."""
-    env = {
-        **mesh.env,
-        "HOPLINE_POSTPROCESS_ADDR": f"127.0.0.1:{free_port()}",
-        "HOPLINE_METRICS_PORT": "0",
-        "HOPLINE_MAX_CONNECTION_AGE_S": "0.0001",
-    }
-    said = serve_refused("postprocess", env)
-    assert "HOPLINE_MAX_CONNECTION_AGE_S=0.0001: 0 (never) or at least 1 s" in said, said
+    said = serve_refused(service, env)
+    assert says in said, said
     assert "Traceback" not in said
 
 

@@ -8,6 +8,7 @@ Invalidate, then the old answer EXACT minutes later). A real gRPC server and cha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -108,6 +109,32 @@ def test_cancelling_the_follow_still_ends_it() -> None:
     assert asyncio.run(main())
 
 
+@contextlib.asynccontextmanager
+async def following(
+    watches: Watches, tier: LocalExactTier, max_retry_s: float = 2.0
+) -> AsyncIterator[None]:
+    """`tier` following `watches` over a real server and channel, for the block's length."""
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((watches.handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = cache_pb2_grpc.CacheServiceStub(channel)
+    task = asyncio.create_task(
+        tier.follow(
+            lambda: stub.WatchInvalidations(cache_pb2.WatchInvalidationsRequest()),
+            KeyMirror(capacity=0),
+            max_retry_s=max_retry_s,
+        )
+    )
+    try:
+        yield
+    finally:
+        task.cancel()
+        await channel.close(grace=None)
+        await server.stop(grace=None)
+
+
 def test_a_stream_silent_past_its_promised_heartbeats_is_taken_for_lost() -> None:
     """Behind a silent network partition nothing ends the stream but gRPC's keepalive (15 s):
     the tier served an answer invalidated 14 s earlier (a probe). The cache promises a
@@ -115,13 +142,7 @@ def test_a_stream_silent_past_its_promised_heartbeats_is_taken_for_lost() -> Non
     stops serving and opens a new stream. Without the promise (an older cache) it waits."""
 
     async def main() -> tuple[int, int]:
-        server = grpc.aio.server()
         watches = Watches(heartbeat_ms=20)
-        server.add_generic_rpc_handlers((watches.handler(),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        stub = cache_pb2_grpc.CacheServiceStub(channel)
         tier = LocalExactTier(capacity=10)
         went_off = 0
 
@@ -131,20 +152,9 @@ def test_a_stream_silent_past_its_promised_heartbeats_is_taken_for_lost() -> Non
             LocalExactTier.reset(tier, live)
 
         tier.reset = reset  # type: ignore[method-assign]
-        task = asyncio.create_task(
-            tier.follow(
-                lambda: stub.WatchInvalidations(cache_pb2.WatchInvalidationsRequest()),
-                KeyMirror(capacity=0),
-                max_retry_s=0.05,
-            )
-        )
-        try:
+        async with following(watches, tier, max_retry_s=0.05):
             await until(lambda: watches.opened >= 3, "the silent stream given up, twice")
             return watches.opened, went_off
-        finally:
-            task.cancel()
-            await channel.close(grace=None)
-            await server.stop(grace=None)
 
     opened, went_off = asyncio.run(main())
     assert opened >= 3
@@ -153,27 +163,11 @@ def test_a_stream_silent_past_its_promised_heartbeats_is_taken_for_lost() -> Non
 
 def test_a_cache_that_promises_no_heartbeat_is_not_given_up() -> None:
     async def main() -> tuple[int, bool]:
-        server = grpc.aio.server()
         watches = Watches()
-        server.add_generic_rpc_handlers((watches.handler(),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        stub = cache_pb2_grpc.CacheServiceStub(channel)
         tier = LocalExactTier(capacity=10)
-        task = asyncio.create_task(
-            tier.follow(
-                lambda: stub.WatchInvalidations(cache_pb2.WatchInvalidationsRequest()),
-                KeyMirror(capacity=0),
-            )
-        )
-        try:
+        async with following(watches, tier):
             await until(lambda: tier.live, "live")
             await asyncio.sleep(0.5)
             return watches.opened, tier.live
-        finally:
-            task.cancel()
-            await channel.close(grace=None)
-            await server.stop(grace=None)
 
     assert asyncio.run(main()) == (1, True)
