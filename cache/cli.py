@@ -246,7 +246,7 @@ def _milvus_user(args: argparse.Namespace) -> int:
     from hopline.cache.config import CacheConfig
     from hopline.cache.milvus_access import MilvusAccess
     from hopline.cache.milvus_user import admin_client, ensure_cache_user
-    from hopline.cache.store import CacheStoreError
+    from hopline.cache.store import CacheSettingError, CacheStoreError
     from hopline.runtime import config as cfg
 
     config = cfg.load(CacheConfig, [], prog="hopline cache milvus-user")
@@ -260,7 +260,7 @@ def _milvus_user(args: argparse.Namespace) -> int:
             client.close()
     except CacheStoreError as exc:
         sys.stderr.write(f"error: {exc}\n")
-        return 1
+        return 2 if isinstance(exc, CacheSettingError) else 1  # a typo, not an outage
     except Exception as exc:  # pymilvus's many kinds: a refused token, a missing privilege
         sys.stderr.write(f"error: Milvus at {config.uri} refused: {exc}\n")
         return 1

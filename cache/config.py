@@ -235,11 +235,12 @@ class CacheConfig(ServerConfig):
     )
     peer_stale_s: float = env_field(
         "HOPLINE_CACHE_PEER_STALE_S",
-        3.0,
+        10.0,
         "with a Milvus server, how long the other replicas' invalidations may go unread (Milvus "
         "not answering the poll) before this replica stops answering from memory: lookups read "
         "Milvus and the gateways' watch streams end, so their local exact tiers stop too "
-        "(cache/peer_sync.py); above HOPLINE_CACHE_PEER_POLL_MS",
+        "(cache/peer_sync.py); more than two polls of HOPLINE_CACHE_PEER_POLL_MS; keep it above "
+        "HOPLINE_CACHE_MILVUS_TIMEOUT_S so a slow poll that succeeds does not count",
         valid=POSITIVE,
     )
     search_batch_rows: int = env_field(

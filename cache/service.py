@@ -133,7 +133,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         ):
             raise CacheSettingError(problem)
         if (
-            self.config.peer_poll_ms > 0
+            not is_local(self.config.uri)  # a milvus-lite file has no peers to poll
+            and self.config.peer_poll_ms > 0
             and self.config.peer_stale_s * 1e3 <= 2 * self.config.peer_poll_ms
         ):
             raise CacheSettingError(
@@ -495,7 +496,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                     "the cache is still loading its exact index; retry the watch",
                 )
             listing = self._held_keys()
-        async for event in self.feed.stream(listing):
+        async for event in self.feed.stream(listing, request.heartbeats):
             yield event
 
     def _lists_keys(self) -> bool:

@@ -10,10 +10,12 @@ Why the listing and the events agree: a watcher is registered, and the listing's
 copied, in one step of the event loop; every change after that step is queued on the stream
 behind the listing. Applying the listing and then the queue in order gives the cache's keys.
 
-A stream that has been quiet for `HEARTBEAT_S` sends an empty message, which the first
-message promises (`heartbeat_ms`): a watcher that hears nothing for a few periods takes the
-stream for lost, where a silent network partition was found by keepalive alone, 15 s later
-(a probe: the local exact tier served an invalidated answer 14 s after the Invalidate).
+A stream that asked for heartbeats and has been quiet for `HEARTBEAT_S` sends an empty
+message, which the first message promises (`heartbeat_ms`; asked for, since a gateway of an
+earlier release took every message for an invalidation and let go of copies in flight): a
+watcher that hears nothing for a few periods takes the stream for lost, where a silent
+network partition was found by keepalive alone, 15 s later (a probe: the local exact tier
+served an invalidated answer 14 s after the Invalidate).
 
 Held keys are gathered for `HELD_FLUSH_S` and sent as one message (a message per store
 would cost each side a stream message per miss). Any other event sends them first, so the
@@ -55,23 +57,25 @@ class WatchFeed:
         self._held: dict[Scope, list[str]] = {}  # stored since the last flush
         self._flush: asyncio.TimerHandle | None = None
 
-    async def stream(self, listing: Held | None) -> AsyncIterator[Event]:
+    async def stream(self, listing: Held | None, heartbeats: bool = False) -> AsyncIterator[Event]:
         """One watcher's messages: `live`, the listing when given (None: the watcher gets
-        no keys), then every event, until the feed ends it. The caller copies the listing
-        in the loop step that starts this stream (no await between the two)."""
+        no keys), then every event, until the feed ends it; with `heartbeats`, an empty one
+        after HEARTBEAT_S of quiet. The caller copies the listing in the loop step that
+        starts this stream (no await between the two)."""
         watcher = _Watcher(asyncio.Queue(self.queue_size), keys=listing is not None)
         self._flush_held()  # stores before this point are in the listing, not in its queue
         self._add(watcher)
         keys = listing
         try:
-            yield Event(live=True, heartbeat_ms=round(HEARTBEAT_S * 1e3))
+            beat_s = HEARTBEAT_S if heartbeats else None
+            yield Event(live=True, heartbeat_ms=round(HEARTBEAT_S * 1e3) if heartbeats else 0)
             if keys is not None:
                 for start in range(0, len(keys), LISTING_CHUNK):
                     yield Event(held=_groups(keys[start : start + LISTING_CHUNK]))
                 yield Event(keys_synced=True)
             while True:
                 try:
-                    event = await asyncio.wait_for(watcher.queue.get(), HEARTBEAT_S)
+                    event = await asyncio.wait_for(watcher.queue.get(), beat_s)
                 except TimeoutError:
                     yield Event()  # nothing happened: said, so silence means a lost stream
                     continue

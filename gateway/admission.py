@@ -9,9 +9,10 @@
   `tenant_min_in_flight`; past it, its new ones get RESOURCE_EXHAUSTED. Without it one
   tenant's flood took every place: a helper's probe, 300 callers of one tenant, made the other
   tenants' requests fail RESOURCE_EXHAUSTED (48 of 75, 106 of 130) and wait 1.0-1.8 s at the
-  median behind the flood's queue (18-35 ms alone). A tenant alone gets every place. An
-  admitted request runs as its tenant's flow (`runtime/fairness.py:FLOW`): the stage queues
-  and the model's batcher serve the tenants waiting there in equal shares.
+  median behind the flood's queue (18-35 ms alone). A tenant alone for RESERVE_S gets every
+  place; while another has sent within it, a flood leaves the minimum free for that one's
+  next request. An admitted request runs as its tenant's flow (`runtime/fairness.py:FLOW`):
+  the stage queues and the model's batcher serve the tenants waiting there in equal shares.
 - **Deadline**: when the deadline left is shorter than the fastest recent inference path
   (tokenize, inference, postprocess: the 10th percentile of the last `WINDOW` misses), the
   request gets DEADLINE_EXCEEDED at once rather than running a model whose answer could not

@@ -147,7 +147,7 @@ class CachePath:
             retry_s = self.breaker.retry_in()
             # 0 s left: a probe is on its way, or the cache cannot be reached (the probe goes
             # once it can); "retrying in 0.0s" read as now for the whole outage (a probe).
-            when = f"in {retry_s:.1f}s" if retry_s > 0 else "once a probe lookup answers"
+            when = f"in {retry_s:.1f}s" if retry_s >= 0.05 else "once a probe lookup answers"
             call.cache.detail = (
                 f"cache circuit open after repeated failures; retrying the cache {when}"
             )

@@ -167,7 +167,8 @@ class GatewayConfig(ServerConfig):
     batch_in_flight: int = env_field(
         "HOPLINE_GATEWAY_BATCH_IN_FLIGHT",
         1,
-        "RPCs per stage and model on their way before further misses queue into one batch",
+        "RPCs per stage, model and replica the stage's address names on their way before "
+        "further misses queue into one batch",
         valid=AT_LEAST_ONE,
     )
     batch_gather: bool = env_field(
@@ -235,7 +236,8 @@ class GatewayConfig(ServerConfig):
         "HOPLINE_GATEWAY_TENANT_MIN_IN_FLIGHT",
         32,
         "while several tenants send, each may hold HOPLINE_GATEWAY_MAX_IN_FLIGHT / tenants "
-        "requests in flight, at least this many (0: no tenant's share)",
+        "requests in flight, at least this many, and while another tenant has sent within a "
+        "minute no tenant holds the last this-many places (0: no tenant's share)",
     )
     cache_adaptive: bool = env_field(
         "HOPLINE_CACHE_ADAPTIVE",

@@ -231,7 +231,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
 
     def _watch_cache(self) -> AsyncIterable[cache_pb2.WatchInvalidationsResponse]:
         return self.upstreams.cache.stub().WatchInvalidations(
-            cache_pb2.WatchInvalidationsRequest(keys=self.key_mirror.capacity > 0)
+            cache_pb2.WatchInvalidationsRequest(keys=self.key_mirror.capacity > 0, heartbeats=True)
         )
 
     async def drain(self) -> None:

@@ -305,7 +305,11 @@ def test_a_port_past_65535_is_refused_not_wrapped(mesh: Mesh) -> None:
         # Path("") is the working folder: the encoder was built wherever the cache started.
         ({"HOPLINE_CACHE_DIR": ""}, "HOPLINE_CACHE_DIR is empty"),
         (
-            {"HOPLINE_CACHE_PEER_STALE_S": "0.1", "HOPLINE_CACHE_PEER_POLL_MS": "100"},
+            {
+                "HOPLINE_CACHE_URI": "http://127.0.0.1:9",  # a server's: peers are polled
+                "HOPLINE_CACHE_PEER_STALE_S": "0.1",
+                "HOPLINE_CACHE_PEER_POLL_MS": "100",
+            },
             "HOPLINE_CACHE_PEER_STALE_S=0.1 must exceed two polls",
         ),
     ],

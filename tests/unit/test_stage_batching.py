@@ -437,3 +437,26 @@ def test_the_batch_span_is_linked_to_every_request_span(monkeypatch: pytest.Monk
     assert batch.attributes is not None
     assert batch.attributes["hopline.batch_size"] == 2
     assert batch.attributes["hopline.hop"] == "tokenize"
+
+
+def test_a_stage_over_a_list_of_replicas_gets_slots_for_each() -> None:
+    """GatewayStages.over hands the stage its upstream's replica count (a list of two here;
+    one address, one), so the per-replica slots above are what a gateway runs with."""
+    from hopline.gateway.upstream import GatewayUpstreams, Upstream
+
+    async def scenario() -> tuple[int, int]:
+        two: Any = Upstream(
+            "inference", "ipv4:127.0.0.1:8013,127.0.0.1:8023", lambda c: c, 1, 1 << 20
+        )
+        one: Any = Upstream("tokenize", "127.0.0.1:8011", lambda c: c, 1, 1 << 20)
+        try:
+            upstreams = GatewayUpstreams(tokenizer=one, cache=one, inference=two, postprocess=one)
+            stages = GatewayStages.over(upstreams, 3, 32, lambda m, v: 0)
+            assert stages.infer is not None
+            assert stages.tokenize is not None
+            return stages.infer._slots(), stages.tokenize._slots()
+        finally:
+            await two.close()
+            await one.close()
+
+    assert asyncio.run(scenario()) == (6, 3)
