@@ -9,10 +9,11 @@
   `tenant_min_in_flight`; past it, its new ones get RESOURCE_EXHAUSTED. Without it one
   tenant's flood took every place: a helper's probe, 300 callers of one tenant, made the other
   tenants' requests fail RESOURCE_EXHAUSTED (48 of 75, 106 of 130) and wait 1.0-1.8 s at the
-  median behind the flood's queue (18-35 ms alone). A tenant alone for RESERVE_S gets every
-  place; while another has sent within it, a flood leaves the minimum free for that one's
-  next request. An admitted request runs as its tenant's flow (`runtime/fairness.py:FLOW`):
-  the stage queues and the model's batcher serve the tenants waiting there in equal shares.
+  median behind the flood's queue (18-35 ms alone). A gateway that has only ever served one
+  tenant lets it take every place; once a second tenant has sent, no tenant holds the last
+  minimum, so any other's next request finds one. An admitted request runs as its tenant's
+  flow (`runtime/fairness.py:FLOW`): the stage queues and the model's batcher serve the
+  tenants waiting there in equal shares.
 - **Deadline**: when the deadline left is shorter than the fastest recent inference path
   (tokenize, inference, postprocess: the 10th percentile of the last `WINDOW` misses), the
   request gets DEADLINE_EXCEEDED at once rather than running a model whose answer could not
@@ -74,38 +75,31 @@ class Refusal(enum.StrEnum):
 
 
 ACTIVE_S = 1.0  # a tenant counts as sending this long after a request of its arrived or ended
-# Another tenant seen this recently keeps places free for its next request: one that sends
-# less than once per ACTIVE_S found every place held by a flood, each request the first
-# (a probe: 16 of 20 refused at one request every 2 s). Bounded by REMEMBERED names.
-RESERVE_S = 60.0
-REMEMBERED = 4096
 
 
 class TenantShares:
     """Which tenants are sending now, and each one's requests in flight. Memory follows the
-    tenants of the last RESERVE_S (REMEMBERED names at most) and those in flight, never
-    every tenant name seen."""
+    tenants of the last ACTIVE_S and those in flight, never every tenant name seen; and
+    whether more than one tenant has ever sent (`shared`)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self._recent: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # A tenant that sends less than once per ACTIVE_S found every place held by a flood,
+        # each of its requests the first (a probe: 16 of 20 refused at one every 2 s; one a
+        # minute, every one): once the gateway is shared, places are kept for such a tenant.
+        self._first: str | None = None
+        self.shared = False
         self.in_flight: dict[str, int] = {}
 
     def seen(self, tenant: str) -> None:
         now = self._clock()
-        for seen in (self._seen, self._recent):
-            seen[tenant] = now
-            seen.move_to_end(tenant)
-        if len(self._recent) > REMEMBERED:
-            self._recent.popitem(last=False)
-
-    def others_recently(self, tenant: str) -> bool:
-        """Whether another tenant sent within RESERVE_S."""
-        oldest = self._clock() - RESERVE_S
-        while self._recent and next(iter(self._recent.values())) < oldest:
-            self._recent.popitem(last=False)
-        return len(self._recent) > 1 or (bool(self._recent) and tenant not in self._recent)
+        self._seen[tenant] = now
+        self._seen.move_to_end(tenant)
+        if self._first is None:
+            self._first = tenant
+        elif tenant != self._first:
+            self.shared = True
 
     def sending(self) -> int:
         """Tenants that sent within ACTIVE_S or have requests in flight."""
@@ -263,17 +257,16 @@ class Admission:
 
     def _check_share(self, shares: TenantShares, tenant: str) -> None:
         """RequestError when `tenant` holds its share of the places while others send, or
-        the places kept for the others that sent within RESERVE_S."""
+        the places kept for the other tenants of a shared gateway."""
         held = shares.in_flight.get(tenant, 0)
         kept = min(self.tenant_min_in_flight, self.max_in_flight // 2)
-        if held >= self.max_in_flight - kept and shares.others_recently(tenant):
+        if held >= self.max_in_flight - kept and shares.shared:
             raise self._refuse(
                 Refusal.TENANT_SHARE,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"this tenant has {held} requests in flight: {kept} of the gateway's "
-                f"{self.max_in_flight} are kept for the other tenants that sent within "
-                f"{RESERVE_S:g} s (HOPLINE_GATEWAY_MAX_IN_FLIGHT, HOPLINE_GATEWAY_TENANT_MIN_"
-                "IN_FLIGHT): retry after a backoff",
+                f"{self.max_in_flight} are kept for its other tenants (HOPLINE_GATEWAY_MAX_IN_"
+                "FLIGHT, HOPLINE_GATEWAY_TENANT_MIN_IN_FLIGHT): retry after a backoff",
             )
         sending = shares.sending()
         if sending < 2:

@@ -236,8 +236,8 @@ class GatewayConfig(ServerConfig):
         "HOPLINE_GATEWAY_TENANT_MIN_IN_FLIGHT",
         32,
         "while several tenants send, each may hold HOPLINE_GATEWAY_MAX_IN_FLIGHT / tenants "
-        "requests in flight, at least this many, and while another tenant has sent within a "
-        "minute no tenant holds the last this-many places (0: no tenant's share)",
+        "requests in flight, at least this many, and once a second tenant has sent no tenant "
+        "holds the last this-many places (0: no tenant's share)",
     )
     cache_adaptive: bool = env_field(
         "HOPLINE_CACHE_ADAPTIVE",

@@ -300,10 +300,13 @@ class Hedging(Generic[Rep]):
             return
         if self._replicas is not None and not answered and now - self._unlogged_since < 1.0:
             return  # a hedge's answer, soon, names the replicas that answer
+        # The replicas seen since the hedges this line counts began (REPLICA_MEMORY_S is
+        # shorter than LOG_EVERY_S: answers counted, their replicas forgotten; a re-run).
+        since = min(self._unlogged_since, now - REPLICA_MEMORY_S)
         self._logged, self._unlogged = now, [0, 0]
 
         def recent(seen: dict[str, float]) -> list[str]:
-            return sorted(a for a, at in seen.items() if now - at < REPLICA_MEMORY_S)
+            return sorted(a for a, at in seen.items() if at >= since)
 
         # Which replica holds the first attempts is round_robin's secret; those that answered
         # hedges, and those whose hedges were not answered either, say which one to look at
