@@ -145,6 +145,14 @@ def server_credentials(files: TlsFiles, peers: str) -> grpc.ServerCredentials | 
     if not files.cert:
         if files.key:
             raise TlsConfigError(f"{KEY_ENV} is set without {CERT_ENV}: set both, or neither")
+        if files.ca:
+            # A CA alone is a client's setting; a port opened with it served plaintext with
+            # no word, to an operator who had set TLS up (a settings probe).
+            raise TlsConfigError(
+                f"{CA_ENV} is set without {CERT_ENV} and {KEY_ENV}: this service would serve "
+                f"plaintext; set its certificate and key (make certs creates a local set), or "
+                f"unset {CA_ENV}"
+            )
         return None
     if not files.key:
         raise TlsConfigError(f"{CERT_ENV} is set without {KEY_ENV}: set both")

@@ -336,6 +336,17 @@ def test_a_key_that_is_not_the_certificates_is_named(tmesh: TlsMesh) -> None:
     assert "gateway.key" in said
 
 
+def test_a_ca_without_a_certificate_is_refused(tmesh: TlsMesh) -> None:
+    """HOPLINE_TLS_CA alone (the certificate's variable forgotten) served plaintext without a
+    word, to an operator who had set TLS up: the service names what is missing and exits."""
+    env = {k: v for k, v in tmesh.env.items() if k not in ("HOPLINE_TLS_CERT", "HOPLINE_TLS_KEY")}
+    env["HOPLINE_POSTPROCESS_ADDR"] = f"127.0.0.1:{free_ports(1)[0]}"
+    env["HOPLINE_METRICS_PORT"] = "0"
+    said = serve_refused("postprocess", env)
+    assert "cannot serve TLS" in said, said
+    assert "HOPLINE_TLS_CA is set without HOPLINE_TLS_CERT" in said, said
+
+
 def test_peers_asked_for_on_a_port_without_a_certificate_are_refused(tmesh: TlsMesh) -> None:
     """HOPLINE_GATEWAY_TLS_PEERS=operator with no certificate served plaintext Predict to
     anyone, without a word: the operator asked for client certificates."""

@@ -43,6 +43,8 @@ def test_name_in_a_path_becomes_the_role() -> None:
         (TlsFiles(cert="a.crt"), "", "HOPLINE_TLS_KEY"),
         (TlsFiles(key="a.key"), "", "HOPLINE_TLS_CERT"),
         (TlsFiles("a.crt", "a.key"), "gateway", "HOPLINE_TLS_CA"),
+        (TlsFiles(ca="ca.crt"), "gateway,operator", "would serve plaintext"),
+        (TlsFiles(ca="ca.crt"), "", "would serve plaintext"),
     ],
 )
 def test_a_server_with_settings_that_cannot_work_is_refused(
