@@ -50,6 +50,7 @@ from hopline.bench.targets import (
     Target,
 )
 from hopline.cli.main import no_gateway_hint
+from hopline.cli.outputs import output_problems
 from hopline.gateway.client import CACHE_MODES, gateway_address
 from hopline.model.repository import ModelNotFoundError
 from hopline.runtime import event_loop
@@ -243,7 +244,9 @@ def _address_problems(args: argparse.Namespace) -> list[str]:
 def run_bench(args: argparse.Namespace) -> int:
     if args.concurrency is None and args.rps is None:
         args.concurrency = 1
-    if problems := _address_problems(args):
+    problems = _address_problems(args)
+    problems += output_problems((args.json, "--json"), (args.png, "--png"))
+    if problems:
         sys.stderr.write("".join(f"hopline bench: error: {p}\n" for p in problems))
         return 2
     try:

@@ -42,6 +42,7 @@ import grpc
 from hopline.bench.load import closed_loop, open_loop, percentiles_ms
 from hopline.bench.mixes import make_mix
 from hopline.bench.targets import PredictTarget
+from hopline.cli.outputs import output_problem
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.runtime.launcher import Mesh
@@ -300,6 +301,9 @@ def summarise(rows: list[dict[str, Any]], rps: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.json is not None and (problem := output_problem(args.json, "--json")) is not None:
+        sys.stderr.write(f"hopline soak: error: {problem}\n")
+        return 2
     work = Path(tempfile.mkdtemp(prefix="hopline-soak-"))
     env = {"HOPLINE_LOG_LEVEL": "warning", "HOPLINE_CACHE_MAX_ENTRIES": str(args.max_entries)}
     mesh = Mesh.on_free_ports(args.model_repo, work, env=env)

@@ -67,6 +67,7 @@ from hopline.bench.report import ratios
 from hopline.bench.shared_embedding import shared_embedding_scenario
 from hopline.bench.suite_report import COLOCATED, ONE_PROCESS, check_targets, markdown
 from hopline.bench.tracing import tracing_scenario
+from hopline.cli.outputs import output_problem
 from hopline.model.build import DEFAULT_CHECK_SENTENCES
 from hopline.runtime.cpu_quota import usable_cpus
 from hopline.runtime.launcher import Mesh, MeshError
@@ -321,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ghz", type=Path, default=GHZ_DEFAULT)
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip Ray Serve")
     args = p.parse_args(argv)
+    if (problem := output_problem(args.out, "--out", directory=True)) is not None:
+        p.error(problem)
     if args.peer and importlib.util.find_spec("ray") is None:
         raise SystemExit("the Ray Serve peer needs the bench extra: pip install -e '.[bench]'")
     doc = run_suite(args)

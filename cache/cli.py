@@ -18,6 +18,7 @@ import grpc
 
 from hopline.cache.invalidate_cli import add_invalidate
 from hopline.cache.stats_cli import add_stats
+from hopline.cli.outputs import output_problem
 
 if TYPE_CHECKING:
     from hopline.cache.cross_validation import CrossValidation
@@ -439,21 +440,8 @@ def _check_out(path: Path, flag: str, *, directory: bool) -> None:
     """Refuse an output path that cannot be written before any work: `eval --out` and
     `pairs --out` were checked only after the whole run (27 minutes on the full data set),
     which then ended in 'File exists' with nothing written or printed (a helper's probe)."""
-    if directory:
-        if path.exists() and not path.is_dir():
-            raise UsageError(f"{flag} {path}: is a file; it names a directory to write into")
-        folder = path
-    else:
-        if path.is_dir():
-            raise UsageError(f"{flag} {path}: is a directory; it names the file to write")
-        folder = path.parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"{flag} {path}: cannot create {folder}: {exc.strerror or exc}") from exc
-    target = path if path.exists() else folder
-    if not os.access(target, os.W_OK):
-        raise UsageError(f"{flag} {path}: {target} is not writable")
+    if (problem := output_problem(path, flag, directory=directory)) is not None:
+        raise UsageError(problem)
 
 
 def _one_source_flags(args: argparse.Namespace) -> None:
@@ -546,6 +534,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     target = args.target_false_hit_rate
     if not 0.0 < target < 1.0:
         raise ValueError(f"the target false-hit rate must be in (0, 1), got {target}")
+    for path, flag in ((args.png, "--png"), (args.json, "--json")):
+        if path is not None:
+            _check_out(path, flag, directory=False)
     pairs = _read_pairs(args.pairs)
     folds = args.folds
     if folds > max(2, len(pairs)):

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hopline.cli.outputs import output_problems
+
 GATEWAY_SERVICE = "gateway"
 # Admin calls (GetStats, Invalidate) are traced too but say nothing about request latency.
 PREDICT_OPERATION = "hopline.gateway.v1.GatewayService/Predict"
@@ -95,6 +97,9 @@ def _report(args: argparse.Namespace) -> int:
         table,
     )
 
+    if problems := output_problems((args.png, "--png"), (args.json, "--json")):
+        sys.stderr.write("".join(f"hopline trace report: error: {p}\n" for p in problems))
+        return 2
     operation = None if args.operation == "any" else args.operation
     if args.jaeger:
         docs = fetch_jaeger(args.jaeger, args.service, args.since, args.limit, operation)
