@@ -23,7 +23,14 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from hopline.runtime.launcher import ALL, Mesh, MeshError, StartInterrupted
+from hopline.runtime.launcher import (
+    ALL,
+    HEALTH_PORT,
+    METRICS_PORT,
+    Mesh,
+    MeshError,
+    StartInterrupted,
+)
 from hopline.runtime.ports import port_problem
 from hopline.runtime.service_table import Topology, spec
 
@@ -155,6 +162,7 @@ def run_mesh(
         if not mesh.colocated(name)
         and (problem := port_problem(mesh.addrs[name], listen=True)) is not None
     ]
+    wrong += spread_port_problems(mesh)
     if wrong:
         log.error("cannot start", extra={"error": "; ".join(wrong)})
         return 2
@@ -215,3 +223,22 @@ def _command() -> str:
     if invoked.name == "hopline":
         return shlex.quote(str(invoked))
     return f"{shlex.quote(sys.executable)} -m hopline"
+
+
+def spread_port_problems(mesh: Mesh) -> list[str]:
+    """HOPLINE_METRICS_PORT or HOPLINE_HEALTH_PORT too high for the ports `hopline run` spreads
+    from it (the gateway's, then one more a service): each service refused the port it was
+    given, one the user never wrote (HOPLINE_METRICS_PORT=65534 ended the start with
+    "HOPLINE_METRICS_PORT=65536 ... at most 65535")."""
+    problems = []
+    for variable, ports in ((METRICS_PORT, mesh.metrics_ports), (HEALTH_PORT, mesh.health_ports)):
+        over = {n: p for n, p in ports.items() if p > 65535 and not mesh.colocated(n)}
+        if over:
+            base = min(ports.values())
+            highest = max(p - base for n, p in ports.items() if not mesh.colocated(n))
+            problems.append(
+                f"{variable}={base}: `hopline run` gives the gateway this port and each other "
+                f"process the next ones in turn ({', '.join(f'{n} {p}' for n, p in over.items())}"
+                f"): set at most {65535 - highest}"
+            )
+    return problems

@@ -384,6 +384,29 @@ def test_hopline_run_refuses_a_port_past_65535_naming_it(mesh: Mesh) -> None:
     assert "Traceback" not in said
 
 
+@pytest.mark.parametrize(
+    ("variable", "port", "says"),
+    [
+        ("HOPLINE_METRICS_PORT", "65534", "(cache 65536): set at most 65533"),
+        ("HOPLINE_HEALTH_PORT", "65535", "(cache 65537): set at most 65533"),
+    ],
+)
+def test_hopline_run_refuses_a_spread_port_past_65535_naming_its_variable(
+    mesh: Mesh, variable: str, port: str, says: str
+) -> None:
+    """`hopline run` spreads the metrics and health ports from the one given; near the top
+    the cache was handed 65536 and refused it, naming a port the user never wrote."""
+    env = {**mesh.env, "HOPLINE_METRICS_PORT": "0", variable: port}
+    done = subprocess.run(
+        [sys.executable, "-m", "hopline", "run", "--model-repo", env["HOPLINE_MODEL_REPO"]],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said
+    assert f"{variable}={port}: `hopline run` gives the gateway this port" in said, said
+    assert says in said, said
+
+
 def test_a_failed_prediction_carries_its_trace_id(mesh: Mesh) -> None:
     """A failure has no reply to carry `trace_id` in, and the failed requests are the ones a
     user wants to find: its trailing metadata carries it, and `hopline predict` prints it."""
