@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+from hopline.cache.store import CacheSettingError
 from hopline.cache.verify import SCOPE_WINDOW, Observation
 from hopline.cache.verify_ids import key_due, keys_retired
 
@@ -106,6 +107,14 @@ class EvidenceLog:
         the schema is moved aside (`<name>.v<version>`, never deleted) and a new one begun:
         evidence is what verification has learnt, so starting over only verifies more until
         it is learnt again, while reading columns that mean something else would misjudge."""
+        if others := self._foreign_tables(path):
+            # Another program's database (the milvus-lite file itself, named by mistake): our
+            # table written into it beside a running server's own, never set aside.
+            raise CacheSettingError(
+                f"HOPLINE_CACHE_VERIFY_STATE {path} is another SQLite database (tables "
+                f"{', '.join(others[:5])}): name a file of its own (default: beside the "
+                "milvus-lite file, <name>.verify.sqlite)"
+            )
         db = self._connect(path)
         found = self._schema(db)
         if found not in (None, SCHEMA_VERSION):
@@ -149,6 +158,19 @@ class EvidenceLog:
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         db.execute("PRAGMA journal_mode=WAL")
         return db
+
+    @staticmethod
+    def _foreign_tables(path: Path) -> list[str]:
+        """Tables no schema of this file ever had, read without writing: switching a file to
+        WAL rewrites its header."""
+        if not path.is_file() or path.stat().st_size == 0:
+            return []
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            rows = db.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+        finally:
+            db.close()
+        return sorted(name for (name,) in rows if name != "observations")
 
     @staticmethod
     def _schema(db: sqlite3.Connection) -> int | None:

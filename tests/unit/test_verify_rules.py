@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hopline.cache.evidence import SCHEMA_VERSION, EvidenceLog, Noted
+from hopline.cache.store import CacheSettingError
 from hopline.cache.verify import (
     Decision,
     Observation,
@@ -166,6 +167,23 @@ def test_a_file_sqlite_cannot_read_is_set_aside_and_learning_starts_over(tmp_pat
     log.append([Noted("", SCOPE, "a", Observation(0.9, True, 1.0))])
     assert into(Rules(seed=1), log.replay()) == 1
     log.close()
+
+
+def test_another_programs_database_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """HOPLINE_CACHE_VERIFY_STATE naming the milvus-lite file itself (a SQLite database of
+    milvus-lite's tables, as here) was taken: the observations table and its schema version
+    were written into the running server's database."""
+    path = tmp_path / "cache.db"
+    other = sqlite3.connect(path)
+    other.execute("CREATE TABLE collection_meta (name TEXT)")
+    other.execute("CREATE TABLE hopline_cache_all_minilm (pk TEXT)")
+    other.commit()
+    other.close()
+    before = path.read_bytes()
+    with pytest.raises(CacheSettingError, match=r"HOPLINE_CACHE_VERIFY_STATE .*cache\.db is "):
+        EvidenceLog(path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.db"]  # nothing set aside
 
 
 def test_damaged_pages_found_at_replay_set_the_file_aside_too(tmp_path: Path) -> None:
