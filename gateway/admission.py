@@ -72,6 +72,7 @@ class Refusal(enum.StrEnum):
     IN_FLIGHT = "in_flight"
     TENANT_SHARE = "tenant_share"
     DEADLINE = "deadline"
+    STREAMS = "streams"  # a PredictStream past HOPLINE_GATEWAY_MAX_STREAMS or its tenant's half
 
 
 ACTIVE_S = 1.0  # a tenant counts as sending this long after a request of its arrived or ended

@@ -106,6 +106,13 @@ class GatewayConfig(ServerConfig):
         "requests of one PredictStream answered at once; past it the gateway stops reading",
         valid=AT_LEAST_ONE,
     )
+    max_streams: int = env_field(
+        "HOPLINE_GATEWAY_MAX_STREAMS",
+        4096,
+        "PredictStreams held open at once; past it a new one is refused RESOURCE_EXHAUSTED, "
+        "and once a second tenant has opened one no tenant holds more than half (0: no limit)",
+        valid=Range(high=1_000_000),
+    )
     model_refresh_s: float = model_refresh_field(
         "how often the model list is re-read from inference"
     )

@@ -49,6 +49,7 @@ from hopline.gateway.exact_tier import LocalExactTier
 from hopline.gateway.identity import IdentityError, KeyFirst, TenantResolver
 from hopline.gateway.key_mirror import KeyMirror
 from hopline.gateway.model_path import ModelPath
+from hopline.gateway.open_streams import OpenStreams
 from hopline.gateway.resilience import CircuitBreaker, Coalescer
 from hopline.gateway.speculation import Speculation
 from hopline.gateway.stage_batching import GatewayStages
@@ -152,6 +153,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             config.cache_adaptive,
             tenant_min_in_flight=config.tenant_min_in_flight,
         )
+        self.streams = OpenStreams(config.max_streams)
         self.exact_tier = LocalExactTier(config.local_exact_entries)
         self.key_mirror = KeyMirror(config.key_mirror_keys)
         self._loops: set[asyncio.Task[None]] = set()  # run for the life of the process

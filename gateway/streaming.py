@@ -62,8 +62,23 @@ async def predict_stream(
         # A caller without a valid key is refused the stream itself, not each message: it
         # would otherwise hold a stream, and its memory, open as long as it liked.
         gateway.tenants.require_key(metadata)
+        tenant = gateway.tenants.resolve("", metadata)
+        gateway.streams.open(tenant)  # before a message is read: HOPLINE_GATEWAY_MAX_STREAMS
     except StatusError as err:
         await context.abort(err.code, err.message)
+    try:
+        async for reply in _serve(gateway, requests, context, metadata):
+            yield reply
+    finally:
+        gateway.streams.close(tenant)
+
+
+async def _serve(
+    gateway: GatewayService,
+    requests: AsyncIterator[gateway_pb2.PredictStreamRequest],
+    context: grpc.aio.ServicerContext[Any, Any],
+    metadata: tuple[tuple[str, str | bytes], ...],
+) -> AsyncIterator[gateway_pb2.PredictStreamResponse]:
     replies: asyncio.Queue[Any] = asyncio.Queue()
     slots = asyncio.Semaphore(gateway.config.stream_max_in_flight)
     running: set[asyncio.Task[None]] = set()

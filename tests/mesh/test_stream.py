@@ -8,6 +8,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -228,6 +229,53 @@ def test_streams_are_refused_until_the_gateway_is_ready(default_repo: Path, tmp_
         assert "not ready" in (info.value.details() or "")
     finally:
         alone.stop()
+
+
+def test_streams_past_the_gateways_limit_are_refused_and_the_open_ones_served(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """One client could open any number of PredictStreams (5,000 in a probe, about 30 KB of
+    the gateway's memory each, idle). Past HOPLINE_GATEWAY_MAX_STREAMS a new one is refused
+    RESOURCE_EXHAUSTED before it reads a message; the open ones still answer, and a closed
+    one's place is taken again."""
+    limited = Mesh(default_repo, tmp_path, HOPLINE_GATEWAY_MAX_STREAMS="2")
+    limited.start()
+    request = gateway_pb2.PredictRequest(text="where is my parcel")
+    sends: list[threading.Event] = []
+
+    def held(stub: gateway_pb2_grpc.GatewayServiceStub) -> tuple[Any, threading.Event]:
+        """A stream that sends one request now and a second when its event is set."""
+        more = threading.Event()
+        sends.append(more)
+
+        def requests() -> Iterator[gateway_pb2.PredictStreamRequest]:
+            yield gateway_pb2.PredictStreamRequest(id="first", request=request)
+            more.wait(60)
+            yield gateway_pb2.PredictStreamRequest(id="second", request=request)
+
+        call = stub.PredictStream(requests(), timeout=60)
+        assert next(iter(call)).id == "first"  # open, read and answered
+        return call, more
+
+    try:
+        with grpc.insecure_channel(limited.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            first, more_first = held(stub)
+            second, more_second = held(stub)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.PredictStream(stream_of(("a", request)), timeout=30))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "HOPLINE_GATEWAY_MAX_STREAMS" in (info.value.details() or "")
+            more_first.set()  # the open streams are served on, and end cleanly
+            assert [r.id for r in first] == ["second"]
+            third = list(stub.PredictStream(stream_of(("a", request)), timeout=30))
+            assert [r.code for r in third] == [OK]  # the closed stream's place
+            more_second.set()
+            assert [r.id for r in second] == ["second"]
+    finally:
+        for event in sends:
+            event.set()
+        limited.stop()
 
 
 def test_a_drain_answers_what_a_stream_read_and_ends_it_unavailable(
