@@ -191,6 +191,17 @@ class Admission:
 
     # -- requests ---------------------------------------------------------------------------
 
+    def batch_width(self) -> int | None:
+        """How many texts of one request (a ModelInfer batch) go in flight at once, the rest
+        following as they finish: no more than the places a tenant is always left, so a
+        batch within the advertised `max_texts_per_request` is never refused by its own
+        texts' share (a batch of 64 beside five tenants sending once a second was refused
+        RESOURCE_EXHAUSTED at every try, "this tenant has 42 requests in flight"). None
+        without tenants' shares."""
+        if not (self.max_in_flight and self.tenant_min_in_flight):
+            return None
+        return max(1, min(self.tenant_min_in_flight, self.max_in_flight // 2))
+
     def path_estimate_s(self, q: float) -> float | None:
         """The q-quantile of recent inference paths, or the newest path where it is faster;
         None before there are enough. The newest: after a burst the window is the burst's

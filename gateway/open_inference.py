@@ -525,15 +525,23 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         started: float,
     ) -> list[gateway_pb2.PredictResponse]:
         failure: StatusError | None = None
+        width = self.gateway.admission.batch_width()
+        turns = asyncio.Semaphore(width) if width is not None and width < len(texts) else None
+
+        async def one(i: int, text: str) -> gateway_pb2.PredictResponse:
+            if turns is None:
+                return await self._predict_one(
+                    i, text, info, tenant, top_k, mode, timeout_s, started
+                )
+            async with turns:
+                return await self._predict_one(
+                    i, text, info, tenant, top_k, mode, timeout_s, started
+                )
+
         try:
             # A TaskGroup cancels the other texts as soon as one fails: the request fails anyway.
             async with asyncio.TaskGroup() as group:
-                tasks = [
-                    group.create_task(
-                        self._predict_one(i, text, info, tenant, top_k, mode, timeout_s, started)
-                    )
-                    for i, text in enumerate(texts)
-                ]
+                tasks = [group.create_task(one(i, text)) for i, text in enumerate(texts)]
         # A failed hop, or the gateway's admission refusing a text (gateway/admission.py).
         except* StatusError as failed:
             # Not raised here: an exception raised inside except* is wrapped in a group again.

@@ -14,6 +14,8 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -328,6 +330,49 @@ def test_tenant_parameter_scopes_the_cache(
     # refresh recomputes instead of reading.
     refreshed = ask(parameters={"tenant": "acme", "cache_mode": "refresh"})
     assert strings(refreshed.as_numpy("cache")) == ["SKIPPED"]
+
+
+def test_a_batch_within_the_limit_is_not_refused_by_its_own_tenants_share(
+    omesh: Mesh, client: triton.InferenceServerClient
+) -> None:
+    """Each text of a batch takes a place in flight, and beside eight tenants sending a
+    tenant's share is 32 places: a 64-text batch, within the advertised
+    max_texts_per_request, was refused RESOURCE_EXHAUSTED "this tenant has 32 requests in
+    flight" at every try (a Triton client's retries never got through). Its texts now go in
+    flight 32 at a time."""
+    stop = threading.Event()
+    sent = threading.Barrier(9)
+
+    def another_tenant(tenant: str) -> None:
+        request = gateway_pb2.PredictRequest(
+            text="where is my parcel", tenant=tenant, cache_mode=common_pb2.CACHE_MODE_BYPASS
+        )
+        with grpc.insecure_channel(omesh.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            stub.Predict(request, timeout=60)
+            sent.wait(60)
+            while not stop.is_set():  # each counts as sending for a second after a request
+                stub.Predict(request, timeout=60)
+
+    others = [threading.Thread(target=another_tenant, args=(f"t{n}",)) for n in range(8)]
+    for thread in others:
+        thread.start()
+    try:
+        sent.wait(60)
+        salt = uuid.uuid4().hex[:8]
+        texts = [f"where is my parcel number {n} {salt}" for n in range(64)]
+        result = client.infer(
+            DEFAULT_MODEL,
+            [text_input(texts)],
+            outputs=[triton.InferRequestedOutput("label")],
+            parameters={"tenant": "bulk"},
+            client_timeout=120,
+        )
+        assert len(strings(result.as_numpy("label"))) == 64
+    finally:
+        stop.set()
+        for thread in others:
+            thread.join(60)
 
 
 # -- errors ---------------------------------------------------------------------------------

@@ -294,3 +294,29 @@ def test_an_admitted_request_runs_as_its_tenants_flow() -> None:
     assert FLOW.get() is None
     with admission.admit(call(tenant="tenant-a"), free=True):
         assert FLOW.get() is None
+
+
+@pytest.mark.parametrize(("limit", "minimum"), [(256, 32), (64, 32), (8, 2), (3, 32), (1, 1)])
+def test_a_batch_of_batch_width_texts_is_never_refused_by_its_own_share(
+    limit: int, minimum: int
+) -> None:
+    """A ModelInfer batch's texts go in flight batch_width() at a time: that many of one
+    tenant are admitted whatever the other tenants do (a 64-text batch beside five tenants
+    was refused at every try, by its own texts)."""
+    clock = FakeClock(1000.0)
+    admission = Admission(
+        max_in_flight=limit, cache_budget_ms=40, clock=clock, tenant_min_in_flight=minimum
+    )
+    width = admission.batch_width()
+    assert width is not None
+    for n in range(10_000):  # every other tenant sending: shares at their smallest
+        with admission.admit(call(tenant=f"t{n}")):
+            pass
+    with contextlib.ExitStack() as held:
+        for _ in range(width):
+            held.enter_context(admission.admit(call(tenant="bulk")))
+    assert (
+        Admission(max_in_flight=0, cache_budget_ms=40, tenant_min_in_flight=32).batch_width()
+        is None
+    )
+    assert Admission(max_in_flight=64, cache_budget_ms=40).batch_width() is None
