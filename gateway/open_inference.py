@@ -19,6 +19,10 @@ handles hopline's errors unchanged:
   hop its own status.
 ModelReady answers ready=false for an unknown model, as Triton does: it is a question, not a
 mistake. ModelConfig, Triton's extension, reports what runs a version (gateway/model_config.py).
+ModelStreamInfer, Triton's streaming extension (tritonclient's start_stream and
+async_stream_infer), answers each request on a stream as ModelInfer would, up to
+HOPLINE_STREAM_MAX_IN_FLIGHT at once, as PredictStream does (gateway/streaming.py); a request
+that fails gets its status and message in `error_message` and the stream goes on.
 
 Triton's request parameters are read as Triton reads them: `timeout` (tritonclient's
 `infer(timeout=)`, microseconds) caps the request's time as a shorter gRPC deadline would;
@@ -35,7 +39,7 @@ import dataclasses
 import importlib.metadata
 import struct
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import grpc
@@ -49,7 +53,12 @@ from hopline.gateway.errors import RequestError, abort
 from hopline.gateway.identity import IdentityError
 from hopline.gateway.model_config import Tensor, triton_config
 from hopline.gateway.service import GatewayService
-from hopline.gateway.streaming import MAX_ID_BYTES
+from hopline.gateway.streaming import (
+    MAX_ID_BYTES,
+    message_failed,
+    serve_stream,
+    stream_message_span,
+)
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import child_span, current_trace_id
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -61,9 +70,9 @@ from hopline.runtime.errors import StatusError, clip
 
 SERVER_NAME = "hopline"
 PLATFORM = "hopline"
-# Request parameters (tenant, cache_mode; Triton's timeout, priority) and Triton's
-# classification of an output.
-EXTENSIONS = ("parameters", "classification")
+# Request parameters (tenant, cache_mode; Triton's timeout, priority), Triton's
+# classification of an output, and its ModelConfig (named as Triton names them).
+EXTENSIONS = ("parameters", "classification", "model_configuration")
 CLASSIFICATION = "classification"
 CLASSIFIED = "scores"  # the one output with a score per class
 TIMEOUT = "timeout"  # microseconds, as tritonclient's infer(timeout=) sends it
@@ -475,44 +484,82 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ModelInferRequest,
         context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelInferResponse],
     ) -> pb.ModelInferResponse:
-        started = time.perf_counter()
-        gateway = self.gateway
         metrics.GATEWAY_CALLS.labels("ModelInfer").inc()
         try:
-            # Identity first, as Predict does: an unauthenticated caller learns nothing else.
-            metadata = context.invocation_metadata() or ()
-            try:
-                claimed = string_parameter(request.parameters, "tenant")
-            except RequestError:
-                gateway.tenants.require_key(metadata)  # a caller without a key learns no more
-                raise
-            tenant = gateway.tenants.resolve(claimed, metadata)
-            check_id(request.id)
-            mode = cache_mode(request.parameters)
-            deadline_s = gateway.timeout_for(context)
-            asked_s = timeout_s(request.parameters)
-            if asked_s is not None:
-                deadline_s = min(deadline_s, asked_s)
-            info = await gateway.resolve_model(
-                request.model_name, request.model_version, deadline_s
-            )
-            refuse_sequence(request.parameters, info.name)
-            limit = BatchLimit.of(info, gateway.admission.max_in_flight)
-            texts = decode_texts(request, info.name, limit)
-            for i, text in enumerate(texts):
-                where = f"element {i} of input '{TEXT_INPUT}'"
-                gateway.check_text(text, where=where)
-                if not normalise_text(text):
-                    raise unreadable(where)
-            outputs = requested_outputs(request, info.name)
-            # All scores only when asked for: label and score alone share Predict's cache
-            # entries (top_k is part of the cache scope).
-            top_k = len(info.labels) if any(o.name == CLASSIFIED for o in outputs) else 1
-            metrics.GATEWAY_REQUESTS.inc(len(texts))
-            answers = await self._predict_all(texts, info, tenant, top_k, mode, deadline_s, started)
-            return self._response(request, info, tenant, outputs, answers)
+            metadata = tuple(context.invocation_metadata() or ())
+            return await self.infer(request, metadata, self.gateway.timeout_for(context))
         except StatusError as err:
             await abort(context, err)
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[pb.ModelInferRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        metadata = tuple(context.invocation_metadata() or ())
+
+        async def answer(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
+            with stream_message_span(request.id) as span:
+                try:
+                    return pb.ModelStreamInferResponse(
+                        infer_response=await self.infer(
+                            request, metadata, self.gateway.timeout_for(context)
+                        )
+                    )
+                except Exception as exc:  # one request's failure must not end the others
+                    failed = message_failed(span, exc, request.id)
+                    # Its id, to match it by (clipped as a PredictStream id is).
+                    rid = request.id.encode()[:MAX_ID_BYTES].decode("utf-8", "ignore")
+                    return pb.ModelStreamInferResponse(
+                        error_message=f"{failed.code.name}: {failed.message}",
+                        infer_response=pb.ModelInferResponse(
+                            model_name=request.model_name,
+                            model_version=request.model_version,
+                            id=rid,
+                        ),
+                    )
+
+        stream = serve_stream(self.gateway, request_iterator, context, "ModelStreamInfer", answer)
+        async for reply in stream:
+            yield reply
+
+    async def infer(
+        self,
+        request: pb.ModelInferRequest,
+        metadata: Sequence[tuple[str, str | bytes]],
+        deadline_s: float,
+    ) -> pb.ModelInferResponse:
+        """One inference request, alone or on a stream; raises a StatusError."""
+        started = time.perf_counter()
+        gateway = self.gateway
+        # Identity first, as Predict does: an unauthenticated caller learns nothing else.
+        try:
+            claimed = string_parameter(request.parameters, "tenant")
+        except RequestError:
+            gateway.tenants.require_key(metadata)  # a caller without a key learns no more
+            raise
+        tenant = gateway.tenants.resolve(claimed, metadata)
+        check_id(request.id)
+        mode = cache_mode(request.parameters)
+        asked_s = timeout_s(request.parameters)
+        if asked_s is not None:
+            deadline_s = min(deadline_s, asked_s)
+        info = await gateway.resolve_model(request.model_name, request.model_version, deadline_s)
+        refuse_sequence(request.parameters, info.name)
+        limit = BatchLimit.of(info, gateway.admission.max_in_flight)
+        texts = decode_texts(request, info.name, limit)
+        for i, text in enumerate(texts):
+            where = f"element {i} of input '{TEXT_INPUT}'"
+            gateway.check_text(text, where=where)
+            if not normalise_text(text):
+                raise unreadable(where)
+        outputs = requested_outputs(request, info.name)
+        # All scores only when asked for: label and score alone share Predict's cache
+        # entries (top_k is part of the cache scope).
+        top_k = len(info.labels) if any(o.name == CLASSIFIED for o in outputs) else 1
+        metrics.GATEWAY_REQUESTS.inc(len(texts))
+        answers = await self._predict_all(texts, info, tenant, top_k, mode, deadline_s, started)
+        return self._response(request, info, tenant, outputs, answers)
 
     async def _predict_all(
         self,

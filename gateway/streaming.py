@@ -23,11 +23,13 @@ stream is one trace and each request in it is a subtree.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from hopline.observability import metrics, schema
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
     from hopline.gateway.service import GatewayService
 
 log = logging.getLogger("hopline.gateway.stream")
+M = TypeVar("M")  # a stream's request message
+R = TypeVar("R")  # its reply
 
 # An id is echoed in its reply, put on its span and in logs: one near the message size limit
 # made its reply too large to send, and gRPC ended the whole stream RESOURCE_EXHAUSTED.
@@ -58,6 +62,61 @@ async def predict_stream(
     context: grpc.aio.ServicerContext[Any, Any],
 ) -> AsyncIterator[gateway_pb2.PredictStreamResponse]:
     metadata = tuple(context.invocation_metadata() or ())
+
+    async def answer(
+        message: gateway_pb2.PredictStreamRequest,
+    ) -> gateway_pb2.PredictStreamResponse:
+        if len(message.id) > MAX_ID_BYTES // 4 and len(message.id.encode()) > MAX_ID_BYTES:
+            return _id_too_long(message.id)
+        with stream_message_span(message.id) as span:
+            reply = gateway_pb2.PredictStreamResponse(id=message.id, trace_id=current_trace_id())
+            try:
+                reply.response.CopyFrom(
+                    await gateway.answer(message.request, metadata, gateway.timeout_for(context))
+                )
+            except Exception as exc:  # one request's failure, or bug, must not end the others
+                failed = message_failed(span, exc, message.id)
+                reply.code, reply.message = failed.code.value[0], failed.message
+            return reply
+
+    async for reply in serve_stream(gateway, requests, context, "PredictStream", answer):
+        yield reply
+
+
+@contextlib.contextmanager
+def stream_message_span(rid: str) -> Iterator[trace.Span]:
+    """A stream message's span: the request's hops hang under it."""
+    with child_span(
+        schema.SPAN_STREAM_MESSAGE, attributes={schema.STREAM_MESSAGE_ID: rid}, quiet=True
+    ) as span:
+        yield span
+
+
+def message_failed(span: trace.Span, exc: Exception, rid: str) -> StatusError:
+    """One stream message's failure as the status its reply carries, on its span; a bug
+    (anything not a StatusError) is logged and answered INTERNAL."""
+    if isinstance(exc, StatusError):
+        span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
+        if server_failed(exc.code):
+            span.set_status(Status(StatusCode.ERROR, exc.code.name))
+        return exc
+    log.exception("stream request failed", extra={"id": rid}, exc_info=exc)
+    span.set_status(Status(StatusCode.ERROR, "INTERNAL"))
+    return StatusError(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+async def serve_stream(
+    gateway: GatewayService,
+    requests: AsyncIterator[M],
+    context: grpc.aio.ServicerContext[Any, Any],
+    method: str,
+    answer: Callable[[M], Awaitable[R]],
+) -> AsyncIterator[R]:
+    """A bidirectional stream of requests each answered by `answer` (which turns a failure
+    into its reply): the caller's key and a place among the gateway's open streams first
+    (HOPLINE_GATEWAY_MAX_STREAMS), then up to HOPLINE_STREAM_MAX_IN_FLIGHT answered at once,
+    replies in the order they complete, and the drain described above."""
+    metadata = tuple(context.invocation_metadata() or ())
     try:
         # A caller without a valid key is refused the stream itself, not each message: it
         # would otherwise hold a stream, and its memory, open as long as it liked.
@@ -67,7 +126,7 @@ async def predict_stream(
     except StatusError as err:
         await context.abort(err.code, err.message)
     try:
-        async for reply in _serve(gateway, requests, context, metadata):
+        async for reply in _serve(gateway, requests, context, method, answer):
             yield reply
     finally:
         gateway.streams.close(tenant)
@@ -75,46 +134,20 @@ async def predict_stream(
 
 async def _serve(
     gateway: GatewayService,
-    requests: AsyncIterator[gateway_pb2.PredictStreamRequest],
+    requests: AsyncIterator[M],
     context: grpc.aio.ServicerContext[Any, Any],
-    metadata: tuple[tuple[str, str | bytes], ...],
-) -> AsyncIterator[gateway_pb2.PredictStreamResponse]:
+    method: str,
+    answer_one: Callable[[M], Awaitable[R]],
+) -> AsyncIterator[R]:
     replies: asyncio.Queue[Any] = asyncio.Queue()
     slots = asyncio.Semaphore(gateway.config.stream_max_in_flight)
     running: set[asyncio.Task[None]] = set()
-    metrics.GATEWAY_CALLS.labels("PredictStream").inc()
+    metrics.GATEWAY_CALLS.labels(method).inc()
 
-    async def answer(message: gateway_pb2.PredictStreamRequest) -> None:
-        if len(message.id) > MAX_ID_BYTES // 4 and len(message.id.encode()) > MAX_ID_BYTES:
-            replies.put_nowait(_id_too_long(message.id))  # its slot is freed once written
-            return
+    async def answer(message: M) -> None:
         try:
-            with child_span(
-                schema.SPAN_STREAM_MESSAGE,
-                attributes={schema.STREAM_MESSAGE_ID: message.id},
-                quiet=True,
-            ) as span:
-                reply = gateway_pb2.PredictStreamResponse(
-                    id=message.id, trace_id=current_trace_id()
-                )
-                try:
-                    reply.response.CopyFrom(
-                        await gateway.answer(
-                            message.request, metadata, gateway.timeout_for(context)
-                        )
-                    )
-                except StatusError as err:
-                    span.set_attribute("rpc.grpc.status_code", err.code.value[0])
-                    if server_failed(err.code):
-                        span.set_status(Status(StatusCode.ERROR, err.code.name))
-                    reply.code, reply.message = err.code.value[0], err.message
-                except Exception as exc:  # one request's bug must not end the others
-                    log.exception("stream request failed", extra={"id": message.id})
-                    span.set_status(Status(StatusCode.ERROR, "INTERNAL"))
-                    reply.code = grpc.StatusCode.INTERNAL.value[0]
-                    reply.message = f"internal error: {type(exc).__name__}"
             # Its slot is freed once the reply is written (below), not here.
-            replies.put_nowait(reply)
+            replies.put_nowait(await answer_one(message))
         except BaseException:
             slots.release()  # cancelled before its reply was queued
             raise
