@@ -68,6 +68,7 @@ from hopline.model.repository import (
     load_config,
 )
 from hopline.runtime.config import SettingError
+from hopline.runtime.errors import clip
 
 T = TypeVar("T")
 Key = tuple[str, str]
@@ -457,7 +458,7 @@ class ModelRegistry(Generic[T]):
             reasons = "; ".join(f"{v}: {error}" for v, error in failed)
             raise ModelNotFoundError(f"no version of model {name!r} loads ({reasons})")
         self._repo.resolve(name, version)  # raises with the repository's own message
-        raise ModelNotFoundError(f"model {name!r} version {version!r} is not loaded")
+        raise ModelNotFoundError(f"model {name!r} version {clip(version)!r} is not loaded")
 
     def broken(self) -> dict[Key, str]:
         """Versions left out, with why."""

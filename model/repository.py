@@ -22,6 +22,7 @@ from hopline.model.providers import ProviderSpec, parse_providers
 from hopline.model.quantize import Precision
 from hopline.runtime.batching import BatchingPolicy
 from hopline.runtime.config import SettingError
+from hopline.runtime.errors import clip
 from hopline.runtime.tensors import DTYPE_NAMES
 
 CONFIG_FILE = "config.json"
@@ -456,15 +457,20 @@ class ModelRepository:
         return str(max(taken, default=0) + 1)
 
     def resolve(self, name: str, version: str = "") -> ModelConfig:
-        versions = self.versions(name)
+        try:
+            versions = self.versions(name)
+        except OSError:
+            # A name no folder can have (past the file system's 255 bytes: an internal
+            # service answered UNKNOWN with the repository's path, a fuzzing probe).
+            versions = []
         if not versions:
             known = ", ".join(self.names()) or "none"
-            raise ModelNotFoundError(f"unknown model {name!r} (repository has: {known})")
+            raise ModelNotFoundError(f"unknown model {clip(name)!r} (repository has: {known})")
         if not version:
             version = versions[-1]
         if version not in versions:
             raise ModelNotFoundError(
-                f"model {name!r} has no version {version!r} (has: {', '.join(versions)})"
+                f"model {name!r} has no version {clip(version)!r} (has: {', '.join(versions)})"
             )
         return load_config(self.root / name / version)
 

@@ -45,6 +45,18 @@ def status_code(number: int) -> grpc.StatusCode:
     return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
 
 
+# A whole status message's most. The internal services' messages quote what a caller sent
+# (input and output names, model names and versions): one quoting a 20,000-character name
+# broke gRPC's 16 KiB limit on a trailer, and the caller got RESOURCE_EXHAUSTED "Stream
+# removed" in place of its status (a fuzzing probe).
+STATUS_CHARS = 2048
+
+
+def status_text(text: str) -> str:
+    """`text` as a status message: at most STATUS_CHARS characters."""
+    return clip(text, STATUS_CHARS)
+
+
 def clip(text: str, limit: int = ECHO_CHARS) -> str:
     """`text` as an error message may echo it: at most `limit` characters, `…` marking a cut."""
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"

@@ -38,6 +38,7 @@ from hopline.runtime.config import (
     metrics_port_field,
     model_refresh_field,
 )
+from hopline.runtime.errors import status_text
 from hopline.runtime.memory import release_freed_memory
 from hopline.runtime.priority import nicer_executor, on_nicer_thread
 from hopline.runtime.tensors import (
@@ -225,9 +226,13 @@ def _run_failure(cfg: ModelConfig, exc: Exception) -> tuple[grpc.StatusCode, str
     """A failed model run as a status: ONNX Runtime's INVALID_ARGUMENT is about the inputs it
     was given (something `_validate` does not check), anything else is this service's."""
     if isinstance(exc, OrtInvalidArgument):
-        return grpc.StatusCode.INVALID_ARGUMENT, f"{cfg.key} cannot run these inputs: {exc}"
+        return grpc.StatusCode.INVALID_ARGUMENT, status_text(
+            f"{cfg.key} cannot run these inputs: {exc}"
+        )
     RUN_FAILURES.failed(cfg.key, type(exc).__name__, exc, model=cfg.key)
-    return grpc.StatusCode.INTERNAL, f"{cfg.key}'s run failed: {type(exc).__name__}: {exc}"
+    return grpc.StatusCode.INTERNAL, status_text(
+        f"{cfg.key}'s run failed: {type(exc).__name__}: {exc}"
+    )
 
 
 def _model_info(cfg: ModelConfig, model: BatchedModel) -> inference_pb2.ModelInfo:
@@ -360,30 +365,30 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
                 request.model, request.model_version, request.model_digest
             )
         except ModelNotFoundError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            await context.abort(grpc.StatusCode.NOT_FOUND, status_text(str(exc)))
         known = [o.name for o in cfg.outputs]
         missing = [name for name in request.outputs if name not in known]
         if missing:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"{cfg.key} has no output(s) {missing}; has {known}",
+                status_text(f"{cfg.key} has no output(s) {missing}; has {known}"),
             )
         if [t.name for t in request.inputs] == [EmbeddingHead.INPUT]:
             try:
                 return self._infer_from_embedding(cfg, model, request)
             except TensorError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_text(str(exc)))
         try:
             inputs = _validate(cfg, request, model.vocab)
         except TensorError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_text(str(exc)))
         batch, seq = next(iter(inputs.values())).shape[:2]
         try:
             outputs, run = await model.infer(
                 ModelRequest(inputs, tuple(request.outputs), int(batch), int(seq))
             )
         except NeverFitsError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_text(str(exc)))
         except QueueFullError as exc:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -26,6 +26,7 @@ from hopline.runtime.config import (
     metrics_port_field,
     model_refresh_field,
 )
+from hopline.runtime.errors import status_text
 from hopline.runtime.tensors import TensorError, from_tensor
 from hopline.services.postprocess.logic import predictions
 
@@ -80,7 +81,7 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
                 request.model, request.model_version, request.model_digest
             )
         except ModelNotFoundError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            await context.abort(grpc.StatusCode.NOT_FOUND, status_text(str(exc)))
         top_k = request.top_k or 1
         if not 1 <= top_k <= len(cfg.labels):
             await context.abort(
@@ -98,6 +99,10 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
                     raise TensorError(
                         f"{name} must be FP32 [batch, n], got {array.dtype} {list(array.shape)}"
                     )
+            if logits is not None and not np.isfinite(logits).all():
+                # A softmax of them is NaN: answered OK with score nan and a label of no
+                # meaning (a fuzzing probe).
+                raise TensorError("logits hold NaN or infinity: a model's output never does")
             if logits is not None and logits.shape[1] != len(cfg.labels):
                 raise TensorError(
                     f"logits have {logits.shape[1]} classes, {cfg.key} has {len(cfg.labels)} labels"
@@ -106,7 +111,7 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
             if logits is not None and embeddings is not None and len(logits) != len(embeddings):
                 raise TensorError("logits and sentence_embedding differ in batch size")
         except TensorError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_text(str(exc)))
         return postprocess_pb2.PostprocessResponse(
             predictions=predictions(
                 cast("F32 | None", logits),

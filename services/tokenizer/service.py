@@ -26,6 +26,7 @@ from hopline.runtime.config import (
     metrics_port_field,
     model_refresh_field,
 )
+from hopline.runtime.errors import status_text
 from hopline.runtime.tensors import to_tensor
 
 
@@ -106,7 +107,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 request.model, request.model_version, request.model_digest
             )
         except ModelNotFoundError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            await context.abort(grpc.StatusCode.NOT_FOUND, status_text(str(exc)))
         batch = encode(tokenizer, texts)
         span = trace.get_current_span()
         if span.is_recording():

@@ -214,3 +214,43 @@ def test_the_cache_refuses_endless_lifetimes_and_texts_no_entry_holds(mesh: Mesh
         )
         details = invalid(lambda: stub.Lookup(lookup, timeout=10))
         assert details == "text is over 65535 bytes, more than any cache entry holds"
+
+
+def test_names_no_model_has_are_not_found_and_echoes_are_bounded(
+    mesh: Mesh, infer: Callable[[Any], Any]
+) -> None:
+    """A model name past the file system's 255 bytes answered UNKNOWN with an OSError and
+    the repository's path, a traceback in the log; a 20,000-character output name was echoed
+    whole, past gRPC's 16 KiB trailer limit, and the caller got RESOURCE_EXHAUSTED "Stream
+    removed" instead of its status; NaN logits were answered OK with score nan (a fuzzing
+    probe)."""
+    long_name = "s" * 300
+    ids = np.array([[101, 2054, 102]], np.int64)
+    request = ids_request(ids)
+    request.model = long_name
+    with pytest.raises(grpc.RpcError) as info:
+        infer(request)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    details = info.value.details() or ""
+    assert "unknown model 'sss" in details
+    assert "File name too long" not in details
+    assert str(mesh.repo) not in details
+    assert len(details) < 300
+    request = ids_request(ids)
+    request.outputs.append("o" * 20_000)
+    assert "has no output(s)" in invalid(lambda: infer(request))
+    with grpc.insecure_channel(mesh.addrs["postprocess"]) as channel:
+        stub = postprocess_pb2_grpc.PostprocessServiceStub(channel)
+        logits = to_tensor("logits", np.full((1, 26), np.nan, np.float32))
+        assert "NaN or infinity" in invalid(
+            lambda: stub.Postprocess(
+                postprocess_pb2.PostprocessRequest(model=DEFAULT_MODEL, outputs=[logits]),
+                timeout=10,
+            )
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Postprocess(
+                postprocess_pb2.PostprocessRequest(model=long_name, outputs=[logits]), timeout=10
+            )
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "OSError" not in mesh.log("inference") + mesh.log("postprocess")
