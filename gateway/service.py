@@ -393,26 +393,35 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         prediction = cache.local_answer(call)
         # Refused at once (a RequestError) past the in-flight limit or the deadline's reach.
         with self.admission.admit(call, free=prediction is not None):
-            if prediction is None and not cache.known_miss(call):
-                if call.use_cache and not cache.expects_embedding(call):
-                    model.tokenize_early(call)  # beside the lookup
-                speculative = model.speculate(call)
-                prediction = await cache.look_up(call)
-            cache.record_outcome(call)
-            if prediction is None:
-                prediction, ran_here = await (speculative or model.infer_once(call))
-                if ran_here and call.may_store:
-                    cache.store_later(call, prediction)
-                elif ran_here and call.wants_store:  # its stages' files differ
-                    metrics.CACHE_STORES.labels("skipped_files_differ").inc()
-                self.writes.report(call, prediction)
-            elif call.verify_id:  # the cache wants the model's answer too, after this reply
-                self.writes.spawn(self._verify(call, speculative))
-            else:
+            try:
+                if prediction is None and not cache.known_miss(call):
+                    if call.use_cache and not cache.expects_embedding(call):
+                        model.tokenize_early(call)  # beside the lookup
+                    speculative = model.speculate(call)
+                    prediction = await cache.look_up(call)
+                cache.record_outcome(call)
+                if prediction is None:
+                    prediction, ran_here = await (speculative or model.infer_once(call))
+                    if ran_here and call.may_store:
+                        cache.store_later(call, prediction)
+                    elif ran_here and call.wants_store:  # its stages' files differ
+                        metrics.CACHE_STORES.labels("skipped_files_differ").inc()
+                    self.writes.report(call, prediction)
+                elif call.verify_id:  # the cache wants the model's answer too, after the reply
+                    self.writes.spawn(self._verify(call, speculative))
+                else:
+                    call.drop_tokens()
+                    if speculative is not None:
+                        discard(speculative)
+                        metrics.SPECULATIVE.labels("wasted").inc()
+            except BaseException:
+                # Cancelled (the caller went) or failed: the early tokenize and a speculative
+                # run go too. Left, they ran on for nobody, and their failures were logged
+                # "Task exception was never retrieved" (a fuzzing probe: 486 in a run).
                 call.drop_tokens()
                 if speculative is not None:
                     discard(speculative)
-                    metrics.SPECULATIVE.labels("wasted").inc()
+                raise
         return self._finish(call, prediction)
 
     async def _verify(
