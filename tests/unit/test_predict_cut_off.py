@@ -13,7 +13,7 @@ import time
 from typing import Any, cast
 
 import pytest
-from test_request_decoding import Models, Pool
+from gateway_fakes import Models, Pool
 
 from hopline.gateway.call import PredictCall
 from hopline.gateway.config import GatewayConfig

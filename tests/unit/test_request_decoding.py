@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import grpc
 import pytest
+from gateway_fakes import Models, Pool
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -36,7 +37,6 @@ from hopline.observability import metrics, tracing
 from hopline.observability.logs import Episodes
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
-from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.runtime.errors import ECHO_CHARS, clip
 from hopline.runtime.interceptors import (
     Behaviour,
@@ -362,27 +362,6 @@ def test_caller_details_hide_addresses_and_stay_short() -> None:
     assert "/run/x.sock" not in scrubbed
     assert caller_details("Expected [-1], got [2]", "t:1") == "Expected [-1], got [2]"
     assert len(caller_details("x" * 10_000, "t:1")) <= 300
-
-
-class Models:
-    async def ListModels(
-        self, request: inference_pb2.ListModelsRequest, **_: Any
-    ) -> inference_pb2.ListModelsResponse:
-        return inference_pb2.ListModelsResponse(
-            models=[inference_pb2.ModelInfo(name="intents", version="1", labels=["a"])]
-        )
-
-
-class Pool:
-    def __init__(self, stub: object) -> None:
-        self.target = "inference.test:1"
-        self._stub = stub
-
-    def stub(self) -> Any:
-        return self._stub
-
-    async def close(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize(
