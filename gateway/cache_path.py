@@ -156,6 +156,7 @@ class CachePath:
             return None  # no time for it, or an overloaded cache: the reply says which
         generation = self.exact_tier.generation
         cache = self.cache
+        budget_s = self.admission.lookup_budget_s(call)
         try:
             found: cache_pb2.LookupResponse = await call_hop(
                 schema.SPAN_CACHE_LOOKUP,
@@ -169,12 +170,19 @@ class CachePath:
                     verify_target=info.cache.verify_target,
                     verify_confidence=info.cache.verify_confidence,
                 ),
-                self.admission.lookup_budget_s(call),
+                budget_s,
                 call.timings,
             )
         except HopError as err:
-            self.admission.lookup_finished(overran=err.code == grpc.StatusCode.DEADLINE_EXCEEDED)
-            self.breaker.failure()
+            overran = err.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            # Out of a budget the caller's deadline had cut, a lookup says nothing of the
+            # cache's health: counted, one client's tight deadlines opened the circuit and
+            # every tenant's lookups were skipped (a fuzzing probe).
+            if overran and budget_s < self.admission.cache_budget_s:
+                self.breaker.inconclusive()
+            else:
+                self.admission.lookup_finished(overran=overran)
+                self.breaker.failure()
             self._unreachable = (
                 err.code == grpc.StatusCode.UNAVAILABLE
                 and isinstance(self.cache, Upstream)

@@ -23,7 +23,7 @@ from hopline.gateway.call import PredictCall
 from hopline.gateway.config import GatewayConfig
 from hopline.gateway.exact_tier import LocalExactTier
 from hopline.gateway.key_mirror import KeyMirror
-from hopline.gateway.resilience import CircuitBreaker
+from hopline.gateway.resilience import CircuitBreaker, CircuitState
 from hopline.gateway.speculation import Speculation, SpeculationMode
 from hopline.gateway.upstream import Upstream
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
@@ -38,14 +38,16 @@ COOLDOWN_S = 60.0  # longer than the test: a probe before it is the reconnection
 class Cache:
     """The cache service's Lookup, nothing else (the gateway's lookup is all this sends)."""
 
-    def __init__(self, failing: bool) -> None:
+    def __init__(self, failing: bool, delay_s: float = 0.0) -> None:
         self.failing = failing
+        self.delay_s = delay_s
         self.lookups = 0
 
     async def Lookup(
         self, request: cache_pb2.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cache_pb2.LookupResponse:
         self.lookups += 1
+        await asyncio.sleep(self.delay_s)
         if self.failing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the Milvus server is not answering")
         return cache_pb2.LookupResponse(outcome=MISS)
@@ -66,7 +68,9 @@ async def serve(cache: Cache, port: int = 0) -> tuple[grpc.aio.Server, int]:
     return server, port
 
 
-def cache_path(port: int) -> tuple[CachePath, CircuitBreaker, Upstream[Any]]:
+def cache_path(
+    port: int, budget_ms: float = 2000
+) -> tuple[CachePath, CircuitBreaker, Upstream[Any]]:
     upstream: Upstream[Any] = Upstream(
         "cache_lookup", f"127.0.0.1:{port}", cache_pb2_grpc.CacheServiceStub, 1, 4 << 20
     )
@@ -74,7 +78,7 @@ def cache_path(port: int) -> tuple[CachePath, CircuitBreaker, Upstream[Any]]:
     path = CachePath(
         GatewayConfig(),
         upstream,
-        Admission(max_in_flight=0, cache_budget_ms=2000, adaptive_cache=False),
+        Admission(max_in_flight=0, cache_budget_ms=budget_ms, adaptive_cache=False),
         breaker,
         LocalExactTier(100),
         KeyMirror(100),
@@ -140,6 +144,37 @@ def test_an_unreachable_cache_is_probed_once_the_gateway_connects_again() -> Non
             assert answered.cache.outcome == MISS
             assert back.lookups == 1
             assert breaker.retry_in() == pytest.approx(0.0)
+        finally:
+            await upstream.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())
+
+
+def state_of(breaker: CircuitBreaker) -> CircuitState:
+    return breaker.state  # read through a call: mypy keeps an asserted state for the next
+
+
+def test_lookups_out_of_a_budget_their_deadline_cut_never_open_the_circuit() -> None:
+    """A lookup's budget is cut to what its caller's deadline leaves: one client's tight
+    deadlines ran its lookups out of time, each counted a cache failure, and the circuit
+    opened for every tenant (a fuzzing probe). Out of the whole budget, they still count."""
+
+    async def scenario() -> None:
+        server, port = await serve(Cache(failing=False, delay_s=0.3))
+        path, breaker, upstream = cache_path(port, budget_ms=100)
+        try:
+            path.admission.lookup_budget_s = lambda call: 0.02  # type: ignore[method-assign]
+            for n in range(5):
+                cut = await look_up(path, n)
+                assert cut.cache.outcome == FAIL_OPEN
+                assert "DEADLINE" in cut.fail_open_reason.upper()
+            assert state_of(breaker) == CircuitState.CLOSED
+            assert not path.admission.overloaded()
+            path.admission.lookup_budget_s = lambda call: 0.1  # type: ignore[method-assign]
+            for n in range(2):
+                assert (await look_up(path, 10 + n)).cache.outcome == FAIL_OPEN
+            assert state_of(breaker) == CircuitState.OPEN  # two failures: the whole budget ran out
         finally:
             await upstream.close()
             await server.stop(None)
