@@ -159,6 +159,10 @@ def _validate(
     against its vocabulary: an id outside it fails the run (a negative one wraps round to
     another token), and with it every request sharing the run."""
     given = {t.name: t for t in request.inputs}
+    if len(given) < len(request.inputs):  # one would be run, the other never looked at
+        names = [t.name for t in request.inputs]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise TensorError(f"input(s) {twice} given more than once: send each once")
     unknown = set(given) - {s.name for s in cfg.inputs}
     if unknown:
         raise TensorError(f"{cfg.key} has no input(s) {sorted(unknown)}")

@@ -90,6 +90,10 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
             )
         try:
             tensors = {t.name: from_tensor(t) for t in request.outputs}
+            if len(tensors) < len(request.outputs):
+                names = [t.name for t in request.outputs]
+                twice = sorted({n for n in names if names.count(n) > 1})
+                raise TensorError(f"output(s) {twice} given more than once: send each once")
             logits = tensors.get("logits")
             embeddings = tensors.get(SENTENCE_EMBEDDING) if request.include_embedding else None
             if logits is None and embeddings is None:

@@ -239,8 +239,18 @@ def test_names_no_model_has_are_not_found_and_echoes_are_bounded(
     request = ids_request(ids)
     request.outputs.append("o" * 20_000)
     assert "has no output(s)" in invalid(lambda: infer(request))
+    twice = ids_request(ids)
+    twice.inputs.append(twice.inputs[0])  # the second was run, the first never looked at
+    assert "['input_ids'] given more than once" in invalid(lambda: infer(twice))
     with grpc.insecure_channel(mesh.addrs["postprocess"]) as channel:
         stub = postprocess_pb2_grpc.PostprocessServiceStub(channel)
+        finite = to_tensor("logits", np.zeros((1, 26), np.float32))
+        assert "given more than once" in invalid(
+            lambda: stub.Postprocess(
+                postprocess_pb2.PostprocessRequest(model=DEFAULT_MODEL, outputs=[finite, finite]),
+                timeout=10,
+            )
+        )
         logits = to_tensor("logits", np.full((1, 26), np.nan, np.float32))
         assert "NaN or infinity" in invalid(
             lambda: stub.Postprocess(
