@@ -19,7 +19,7 @@ import pytest
 
 from hopline.gateway import hedging
 from hopline.gateway.addresses import one_endpoint, replica_targets, resolve_replicas
-from hopline.gateway.hedging import Hedging
+from hopline.gateway.hedging import LOG_EVERY_S, Hedging
 from hopline.gateway.stage_batching import GatewayStages
 from hopline.gateway.upstream import GatewayUpstreams, Upstream
 
@@ -414,3 +414,24 @@ def test_an_upstream_dials_each_replica_of_its_list_for_hedges() -> None:
             await upstream.close()
 
     assert asyncio.run(scenario()) == ["ipv4:127.0.0.1:8011", "ipv4:127.0.0.1:8012"]
+
+
+def test_the_warning_names_the_replicas_of_the_hedges_it_counts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A line every LOG_EVERY_S counts the hedges since the last, and the replicas were those
+    of the last REPLICA_MEMORY_S only: hedges answered 5-10 s before the line were counted
+    with no replica named (a re-run of the network-fault probe). The line names every
+    replica seen since the first hedge it counts, and none from before it."""
+    hedging: Hedging[Any] = Hedging("infer", lambda: None, attempts=3, min_delay_s=0.1)  # type: ignore[arg-type,return-value]
+    t0 = 1000.0
+    hedging._logged = t0  # the last line
+    hedging._answered_at = {"10.0.0.1:9": t0 - 1, "10.0.0.2:9": t0 + 1}  # before it, and after
+    hedging._unanswered_at = {"10.0.0.3:9": t0 + 2}
+    hedging._unlogged, hedging._unlogged_since = [3, 2], t0 + 0.5
+    with caplog.at_level(logging.WARNING, logger="hopline.gateway"):
+        hedging._log(t0 + LOG_EVERY_S + 0.1, 0.1)  # the answer at t0 + 1 is 9 s old by now
+    (line,) = [r for r in caplog.records if "is one hung?" in r.getMessage()]
+    assert line.hedges_answered_by == ["10.0.0.2:9"]  # type: ignore[attr-defined]
+    assert line.hedges_unanswered_by == ["10.0.0.3:9"]  # type: ignore[attr-defined]
+    assert line.hedges == 3  # type: ignore[attr-defined]
