@@ -1,6 +1,7 @@
 """PredictStream: many Predicts over one bidirectional stream.
 
-Requests are answered concurrently, up to `HOPLINE_STREAM_MAX_IN_FLIGHT` per stream, counting
+Requests are answered concurrently, up to `HOPLINE_STREAM_MAX_IN_FLIGHT` per stream (and no
+more than `HOPLINE_GATEWAY_TENANT_MIN_IN_FLIGHT` while tenants have shares), counting
 a request from when it is read until its response has been handed to gRPC; past that the
 gateway stops reading, so HTTP/2 flow control pushes back on the client instead of the gateway
 buffering without bound. A client that sends but does not read its responses is held the same
@@ -125,29 +126,21 @@ async def serve_stream(
         gateway.streams.open(tenant)  # before a message is read: HOPLINE_GATEWAY_MAX_STREAMS
     except StatusError as err:
         await context.abort(err.code, err.message)
-    try:
-        async for reply in _serve(gateway, requests, context, method, answer):
-            yield reply
-    finally:
-        gateway.streams.close(tenant)
-
-
-async def _serve(
-    gateway: GatewayService,
-    requests: AsyncIterator[M],
-    context: grpc.aio.ServicerContext[Any, Any],
-    method: str,
-    answer_one: Callable[[M], Awaitable[R]],
-) -> AsyncIterator[R]:
+    # Nothing awaits from here to the `try` that closes the stream's place at the end.
     replies: asyncio.Queue[Any] = asyncio.Queue()
-    slots = asyncio.Semaphore(gateway.config.stream_max_in_flight)
+    # No more than the places its tenant is always left (as a ModelInfer batch's texts), so
+    # its own requests are never refused by the tenant's share: beside nine tenants sending,
+    # a stream's requests past 32 of its 64 were (a test run's, tritonclient's aio stream).
+    width = gateway.admission.batch_width()
+    limit = gateway.config.stream_max_in_flight
+    slots = asyncio.Semaphore(limit if width is None else min(limit, width))
     running: set[asyncio.Task[None]] = set()
     metrics.GATEWAY_CALLS.labels(method).inc()
 
-    async def answer(message: M) -> None:
+    async def answer_one(message: M) -> None:
         try:
             # Its slot is freed once the reply is written (below), not here.
-            replies.put_nowait(await answer_one(message))
+            replies.put_nowait(await answer(message))
         except BaseException:
             slots.release()  # cancelled before its reply was queued
             raise
@@ -160,7 +153,7 @@ async def _serve(
             try:
                 async for message in requests:
                     await slots.acquire()
-                    task = asyncio.create_task(answer(message))
+                    task = asyncio.create_task(answer_one(message))
                     running.add(task)
                     task.add_done_callback(running.discard)
             except Undecodable:
@@ -203,6 +196,7 @@ async def _serve(
         reader.cancel()
         for task in list(running):
             task.cancel()
+        gateway.streams.close(tenant)
 
 
 def _id_too_long(rid: str) -> gateway_pb2.PredictStreamResponse:

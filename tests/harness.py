@@ -64,6 +64,12 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 TEST_DEFAULTS = {"HOPLINE_LOG_FORMAT": "text", "HOPLINE_DRAIN_DELAY_S": "0.2"}
 
 
+def _home(workdir: Path) -> Path:
+    home = workdir / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
 def free_port() -> int:
     """A loopback port free now and never handed out before in this test session."""
     return free_ports(1)[0]
@@ -121,7 +127,16 @@ class Mesh(launcher.Mesh):
             # Each service's /metrics on its own port: the defaults would collide with a
             # `make run` on this machine and with the test session's other meshes.
             metrics_ports={name: next(ports) for name in ALL},
-            env={**TEST_DEFAULTS, "HOPLINE_CACHE_URI": str(workdir / "cache.db"), **env},
+            env={
+                **TEST_DEFAULTS,
+                "HOPLINE_CACHE_URI": str(workdir / "cache.db"),
+                # milvus-lite keeps files under $HOME/.cache/milvus and creates that folder
+                # at start: meshes of one test run starting and stopping at once shared it,
+                # and a start lost the race ('create dir:/root/.cache/milvus failed', then
+                # "Mmap manager has not been init"). Each mesh has its own.
+                "HOME": str(_home(workdir)),
+                **env,
+            },
             service_env=service_env,
             log_dir=workdir,
         )

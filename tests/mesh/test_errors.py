@@ -371,17 +371,23 @@ def test_a_setting_no_service_can_run_on_is_refused_in_one_line(
     assert "Traceback" not in said
 
 
-def test_hopline_run_refuses_a_port_past_65535_naming_it(mesh: Mesh) -> None:
-    """`hopline run` probed the address before checking it: an OverflowError traceback."""
-    env = {**mesh.env, "HOPLINE_GATEWAY_ADDR": "127.0.0.1:99999", "HOPLINE_METRICS_PORT": "0"}
+def run_refused(env: dict[str, str]) -> str:
+    """What `hopline run` says refusing `env`'s settings (exit 2, checked here)."""
     done = subprocess.run(
         [sys.executable, "-m", "hopline", "run", "--model-repo", env["HOPLINE_MODEL_REPO"]],
         env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     said = done.stdout + done.stderr
     assert done.returncode == 2, said
-    assert "HOPLINE_GATEWAY_ADDR='127.0.0.1:99999': the port must be a number" in said, said
     assert "Traceback" not in said
+    return said
+
+
+def test_hopline_run_refuses_a_port_past_65535_naming_it(mesh: Mesh) -> None:
+    """`hopline run` probed the address before checking it: an OverflowError traceback."""
+    env = {**mesh.env, "HOPLINE_GATEWAY_ADDR": "127.0.0.1:99999", "HOPLINE_METRICS_PORT": "0"}
+    said = run_refused(env)
+    assert "HOPLINE_GATEWAY_ADDR='127.0.0.1:99999': the port must be a number" in said, said
 
 
 @pytest.mark.parametrize(
@@ -396,13 +402,7 @@ def test_hopline_run_refuses_a_spread_port_past_65535_naming_its_variable(
 ) -> None:
     """`hopline run` spreads the metrics and health ports from the one given; near the top
     the cache was handed 65536 and refused it, naming a port the user never wrote."""
-    env = {**mesh.env, "HOPLINE_METRICS_PORT": "0", variable: port}
-    done = subprocess.run(
-        [sys.executable, "-m", "hopline", "run", "--model-repo", env["HOPLINE_MODEL_REPO"]],
-        env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    said = done.stdout + done.stderr
-    assert done.returncode == 2, said
+    said = run_refused({**mesh.env, "HOPLINE_METRICS_PORT": "0", variable: port})
     assert f"{variable}={port}: `hopline run` gives the gateway this port" in said, said
     assert says in said, said
 

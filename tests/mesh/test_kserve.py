@@ -341,7 +341,7 @@ def test_a_batch_within_the_limit_is_not_refused_by_its_own_tenants_share(
     tenant's share is 32 places: a 64-text batch, within the advertised
     max_texts_per_request, was refused RESOURCE_EXHAUSTED "this tenant has 32 requests in
     flight" at every try (a Triton client's retries never got through). Its texts now go in
-    flight 32 at a time."""
+    flight 32 at a time, as a stream's requests do."""
     stop = threading.Event()
     sent = threading.Barrier(9)
 
@@ -371,6 +371,20 @@ def test_a_batch_within_the_limit_is_not_refused_by_its_own_tenants_share(
             client_timeout=120,
         )
         assert len(strings(result.as_numpy("label"))) == 64
+        # A stream's 64 requests likewise: past 32 in flight they were refused one by one.
+        with grpc.insecure_channel(omesh.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            messages = (
+                gateway_pb2.PredictStreamRequest(
+                    id=str(n), request=gateway_pb2.PredictRequest(text=f"{text} again")
+                )
+                for n, text in enumerate(texts)
+            )
+            replies = list(
+                stub.PredictStream(messages, timeout=120, metadata=(("x-hopline-tenant", "bulk"),))
+            )
+        assert [r.message for r in replies if r.code] == []
+        assert len(replies) == 64
     finally:
         stop.set()
         for thread in others:
@@ -424,7 +438,7 @@ def test_aio_stream_infer_answers_many_requests(omesh: Mesh) -> None:
         ids: list[str] = []
         try:
             async for result, error in client.stream_infer(requests(), stream_timeout=120):
-                assert error is None, error
+                assert error is None, (error.status(), error.message(), error.debug_details())
                 ids.append(result.get_response().id)
                 if len(ids) == 50:
                     break
