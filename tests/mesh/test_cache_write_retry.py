@@ -251,6 +251,47 @@ def test_a_store_waits_out_a_milvus_that_answers_nothing(tmp_path: Path) -> None
     run(body)
 
 
+@pytest.mark.usefixtures("quick_retries")
+@pytest.mark.parametrize(
+    "shortage",
+    [
+        " (the disk holding x has 168 KiB free: probably full; free space there ...)",
+        ": [Errno 24] Too many open files",
+    ],
+)
+def test_a_store_waits_out_a_shortage_of_the_hosts_own(tmp_path: Path, shortage: str) -> None:
+    """A disk nearly full or no file descriptor left fails every write while Milvus still
+    answers reads: acknowledged stores were dropped after five writes, 25 s in (a
+    resource-exhaustion probe). They wait, and are written once the shortage is over."""
+
+    async def body() -> None:
+        async with cache(tmp_path / "cache.db") as (service, stub):
+            assert isinstance(service.store, MilvusStore)
+            real = service.store.upsert
+            short = [True]
+
+            def upsert(rows: Sequence[tuple[Entry, Any]]) -> None:
+                if short[0]:
+                    raise CacheStoreError(f"Milvus at test: Unexpected error{shortage}")
+                real(rows)
+
+            service.store.upsert = upsert  # type: ignore[method-assign]
+            await store(stub, "kept through the shortage", scope=scope(tenant="short"))
+            await until(
+                lambda: service.counts[CacheCount.WRITE_RETRIES] > 2 * MAX_WRITE_ATTEMPTS,
+                "the writes never failed",
+            )
+            short[0] = False
+            await written(stub)
+            stats = await stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+            assert stats.store_errors == 0
+            found = await lookup(stub, "kept through the shortage", scope=scope(tenant="short"))
+            assert found.outcome == EXACT
+            assert await milvus_count(service, "short") == 1
+
+    run(body)
+
+
 def test_a_store_milvus_keeps_refusing_is_dropped_and_holds_nothing_back(tmp_path: Path) -> None:
     async def body() -> None:
         async with cache(tmp_path / "cache.db") as (service, stub):
