@@ -23,6 +23,7 @@ import concurrent.futures
 import hashlib
 import logging
 import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,11 +89,53 @@ def encoder_file(
     path = work_dir / "embedders" / f"minilm-{model.digest[:16]}-f{ENCODER_FORMAT}.onnx"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
+        _forget_dead_builds(path)
         staging = path.with_suffix(f".tmp{os.getpid()}")
         log.info("building the embedding encoder", extra={"path": str(path)})
-        build_encoder(weights_dir, staging)
+        try:
+            build_encoder(weights_dir, staging)
+        except Exception as exc:
+            # A failed build's half-written file went nowhere: each restart on a full disk
+            # left another 63 MB (a resource-exhaustion probe), and the error said
+            # "Protobuf serialization failed", not that the disk was full.
+            staging.unlink(missing_ok=True)
+            free = shutil.disk_usage(path.parent).free
+            if free < ENCODER_ROOM_BYTES:
+                raise EncoderBuildError(
+                    f"building the embedding encoder into {path.parent} failed ({exc}): the "
+                    f"disk there has {free >> 20} MiB free and the encoder takes about "
+                    f"{ENCODER_ROOM_BYTES >> 20} MiB: free space or point HOPLINE_CACHE_DIR at "
+                    "a larger disk"
+                ) from exc
+            raise
         staging.replace(path)  # atomic: a concurrent reader sees a whole file or none
     return path, model
+
+
+class EncoderBuildError(RuntimeError):
+    """The embedding encoder could not be built where HOPLINE_CACHE_DIR says."""
+
+
+# What building the encoder needs free beside it (the file is about 87 MB).
+ENCODER_ROOM_BYTES = 128 << 20
+
+
+def _forget_dead_builds(path: Path) -> None:
+    """Half-written encoders of processes no longer running (killed mid-build)."""
+    for staging in path.parent.glob(f"{path.stem}.tmp*"):
+        pid = staging.suffix.removeprefix(".tmp")
+        if pid.isdigit() and not _alive(int(pid)):
+            staging.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 class Embedder:

@@ -172,6 +172,10 @@ def start_failure(db: Path, reason: str, waited_s: float) -> str:
     """Why opening `db` failed, for the operator: call before `stop_server`."""
     if "Open local milvus failed" in reason:
         # milvus-lite's own start check: its server exited within 0.5 s or the lock is held.
+        # On a full disk too, which it says only in its own log: the first cause to look at
+        # there, before one that invites deleting a healthy file (a resource-exhaustion probe).
+        if disk := disk_note(db):
+            return f"milvus-lite's server could not open it{disk}"
         return (
             "another process holds it (milvus-lite allows one process per database file: "
             "is a second cache service running?) or it is damaged"

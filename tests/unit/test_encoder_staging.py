@@ -1,0 +1,80 @@
+"""The cache on a disk that cannot take it. Its embedding encoder's build
+(cache/embedder.py:encoder_file) left a failed build's half-written file, one more each
+restart (63 MB each on a full disk, a resource-exhaustion probe), and said "Protobuf
+serialization failed", not that the disk was full; a milvus-lite file that would not open
+there was said to be held by another process or damaged. The build is replaced here by one
+that writes part of a file and fails as ONNX's serializer did, and the disk's free space is
+given: a real full disk is not made in the unit lane."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from hopline.cache import embedder
+from hopline.cache.embedder import EmbeddingModel, EncoderBuildError, encoder_file
+from hopline.cache.milvus_lite import start_failure
+
+MODEL = EmbeddingModel("minilm", "ab" * 32, 384)
+Usage = namedtuple("Usage", "total used free")
+
+
+def _failing_build(weights_dir: Path, staging: Path) -> None:
+    staging.write_bytes(b"\0" * 4096)
+    raise RuntimeError("[ONNXRuntimeError] : 7 : INVALID_PROTOBUF : Protobuf serialization failed.")
+
+
+def test_a_failed_build_leaves_nothing_and_a_full_disk_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(embedder, "build_encoder", _failing_build)
+    folder = tmp_path / "embedders"
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(1 << 30, 1 << 30, 60 << 20))
+    with pytest.raises(EncoderBuildError) as info:
+        encoder_file(tmp_path / "weights", tmp_path, MODEL)
+    assert "has 60 MiB free" in str(info.value)
+    assert "HOPLINE_CACHE_DIR" in str(info.value)
+    assert list(folder.iterdir()) == []
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(1 << 40, 0, 1 << 40))
+    with pytest.raises(RuntimeError, match="INVALID_PROTOBUF"):  # room enough: its own error
+        encoder_file(tmp_path / "weights", tmp_path, MODEL)
+    assert list(folder.iterdir()) == []
+
+
+def test_a_killed_builds_file_goes_and_a_running_ones_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "embedders"
+    folder.mkdir()
+    stem = f"minilm-{MODEL.digest[:16]}-f{embedder.ENCODER_FORMAT}"
+    dead = folder / f"{stem}.tmp{2**22 + 12345}"  # past the kernel's pid_max default
+    running = folder / f"{stem}.tmp{os.getppid()}"
+    for staging in (dead, running):
+        staging.write_bytes(b"\0" * 16)
+
+    def build(weights_dir: Path, staging: Path) -> None:
+        staging.write_bytes(b"onnx")
+
+    monkeypatch.setattr(embedder, "build_encoder", build)
+    path, _ = encoder_file(tmp_path / "weights", tmp_path, MODEL)
+    assert path.read_bytes() == b"onnx"
+    assert sorted(p.name for p in folder.iterdir()) == sorted([path.name, running.name])
+
+
+def test_a_lite_file_that_will_not_open_on_a_full_disk_says_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """milvus-lite refuses a fresh file on a full disk with "Open local milvus failed", which
+    hopline read as another process holding it or damage, inviting a healthy file's deletion
+    (a resource-exhaustion probe): on a disk with little room the disk is named first."""
+    db = tmp_path / "cache.db"
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(1 << 30, 1 << 30, 0))
+    said = start_failure(db, "Open local milvus failed", 0.5)
+    assert "has 0 KiB free: probably full" in said
+    assert "another process" not in said
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(1 << 40, 0, 1 << 40))
+    assert "another process holds it" in start_failure(db, "Open local milvus failed", 0.5)
