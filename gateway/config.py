@@ -109,7 +109,8 @@ class GatewayConfig(ServerConfig):
     max_streams: int = env_field(
         "HOPLINE_GATEWAY_MAX_STREAMS",
         4096,
-        "PredictStreams held open at once; past it a new one is refused RESOURCE_EXHAUSTED, "
+        "streams (PredictStream, ModelStreamInfer) held open at once; past it a new one is "
+        "refused RESOURCE_EXHAUSTED, "
         "and once a second tenant has opened one no tenant holds more than half (0: no limit)",
         valid=Range(high=1_000_000),
     )

@@ -35,6 +35,7 @@ on `scores` returns its k best classes instead, as Triton does: BYTES of shape [
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib.metadata
 import struct
@@ -576,11 +577,7 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         turns = asyncio.Semaphore(width) if width is not None and width < len(texts) else None
 
         async def one(i: int, text: str) -> gateway_pb2.PredictResponse:
-            if turns is None:
-                return await self._predict_one(
-                    i, text, info, tenant, top_k, mode, timeout_s, started
-                )
-            async with turns:
+            async with turns or contextlib.nullcontext():
                 return await self._predict_one(
                     i, text, info, tenant, top_k, mode, timeout_s, started
                 )

@@ -1,4 +1,5 @@
-"""How many PredictStreams a gateway holds open, in all and by tenant.
+"""How many streams (PredictStream, ModelStreamInfer) a gateway holds open, in all and by
+tenant.
 
 An open stream costs the gateway memory whether or not it sends (about 30 KB idle, a helper's
 probe), and a stream is not a request in flight, so admission's limits never saw one: a
@@ -51,7 +52,7 @@ class OpenStreams:
             return
         if self.total >= self.max_streams:
             raise _refused(
-                f"the gateway holds {self.total} open PredictStreams, its limit "
+                f"the gateway holds {self.total} open streams, its limit "
                 f"({MAX_STREAMS_ENV}): close streams you do not use, send requests on the "
                 "ones you hold, or retry after a backoff"
             )
@@ -59,7 +60,7 @@ class OpenStreams:
         share = max(1, self.max_streams // 2)
         if self.shared and held >= share:
             raise _refused(
-                f"this tenant holds {held} open PredictStreams, half the gateway's "
+                f"this tenant holds {held} open streams, half the gateway's "
                 f"{self.max_streams} ({MAX_STREAMS_ENV}), the rest kept for its other "
                 "tenants: send requests on the streams you hold, or close some"
             )

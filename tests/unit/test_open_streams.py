@@ -23,9 +23,7 @@ def test_past_the_limit_a_stream_is_refused_until_one_closes() -> None:
     streams = OpenStreams(3)
     for _ in range(3):
         streams.open("a")  # one tenant alone may hold every place
-    assert "holds 3 open PredictStreams, its limit (HOPLINE_GATEWAY_MAX_STREAMS)" in _refused(
-        streams, "a"
-    )
+    assert "holds 3 open streams, its limit (HOPLINE_GATEWAY_MAX_STREAMS)" in _refused(streams, "a")
     streams.close("a")
     streams.open("a")
     assert streams.total == 3
@@ -36,7 +34,7 @@ def test_once_shared_no_tenant_holds_more_than_half() -> None:
     for _ in range(6):
         streams.open("flood")
     streams.open("other")
-    assert "holds 6 open PredictStreams, half the gateway's 12" in _refused(streams, "flood")
+    assert "holds 6 open streams, half the gateway's 12" in _refused(streams, "flood")
     for _ in range(3):
         streams.close("flood")
     for _ in range(5):
