@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,11 +121,20 @@ class EncoderBuildError(RuntimeError):
 ENCODER_ROOM_BYTES = 128 << 20
 
 
+# A staging file untouched this long is no build's in progress (one takes seconds), whatever
+# its pid: a process of another container sharing the folder is not seen by `_alive`.
+STALE_BUILD_S = 600.0
+
+
 def _forget_dead_builds(path: Path) -> None:
     """Half-written encoders of processes no longer running (killed mid-build)."""
     for staging in path.parent.glob(f"{path.stem}.tmp*"):
         pid = staging.suffix.removeprefix(".tmp")
-        if pid.isdigit() and not _alive(int(pid)):
+        try:
+            stale = time.time() - staging.stat().st_mtime > STALE_BUILD_S
+        except OSError:
+            continue  # gone meanwhile
+        if pid.isdigit() and stale and not _alive(int(pid)):
             staging.unlink(missing_ok=True)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -53,8 +54,12 @@ def test_a_killed_builds_file_goes_and_a_running_ones_stays(
     stem = f"minilm-{MODEL.digest[:16]}-f{embedder.ENCODER_FORMAT}"
     dead = folder / f"{stem}.tmp{2**22 + 12345}"  # past the kernel's pid_max default
     running = folder / f"{stem}.tmp{os.getppid()}"
-    for staging in (dead, running):
+    recent = folder / f"{stem}.tmp{2**22 + 12346}"  # another container's, building now
+    for staging in (dead, running, recent):
         staging.write_bytes(b"\0" * 16)
+    an_hour_ago = time.time() - 3600
+    for staging in (dead, running):
+        os.utime(staging, (an_hour_ago, an_hour_ago))
 
     def build(weights_dir: Path, staging: Path) -> None:
         staging.write_bytes(b"onnx")
@@ -62,7 +67,9 @@ def test_a_killed_builds_file_goes_and_a_running_ones_stays(
     monkeypatch.setattr(embedder, "build_encoder", build)
     path, _ = encoder_file(tmp_path / "weights", tmp_path, MODEL)
     assert path.read_bytes() == b"onnx"
-    assert sorted(p.name for p in folder.iterdir()) == sorted([path.name, running.name])
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [path.name, running.name, recent.name]
+    )
 
 
 def test_a_lite_file_that_will_not_open_on_a_full_disk_says_the_disk(
