@@ -86,9 +86,19 @@ class ModelPath:
         call.tokenizing = asyncio.ensure_future(self._tokenize_hop(call))
 
     async def _tokens(self, call: PredictCall) -> tokenizer_pb2.TokenizeResponse:
-        """The text's token ids: the early request's, else asked for now."""
-        if call.tokenizing is not None:
-            return await call.tokenizing
+        """The text's token ids: the early request's, else asked for now. The early request
+        belongs to `call`'s request, which drops it once it needs it no more (a cache hit, or
+        its caller gone); a run shared with other requests (the coalescer's) then asks again
+        rather than end for all of them (a reviewer: a joined request was cancelled, its own
+        caller still waiting)."""
+        early = call.tokenizing
+        if early is not None:
+            try:
+                return await asyncio.shield(early)
+            except asyncio.CancelledError:
+                this = asyncio.current_task()
+                if not early.cancelled() or (this is not None and this.cancelling()):
+                    raise  # this run itself was cancelled
         return await self._tokenize_hop(call)
 
     def _tokenize_hop(
