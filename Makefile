@@ -349,8 +349,9 @@ $(BASE_TAR):
 
 # Each build leaves nothing behind but the new image: no cached step images (the source is
 # copied first, so a changed clone rebuilds every step anyway), the working containers of a
-# failed build removed, and the image the tag named before deleted once the tag moves. CI
-# builds on one machine run after run; kept, they filled its disk (2.4 GB a build).
+# failed build removed, and the image the tag named before deleted once the tag moves, unless
+# another name still holds it (an operator's rollback tag) or a container uses it. CI builds
+# on one machine run after run; kept, they filled its disk (2.4 GB a build).
 image: image-tools $(BASE_TAR)
 	podman image exists $(BASE_IMAGE) || podman import $(BASE_TAR) $(BASE_IMAGE)
 	@old=$$(podman image inspect --format '{{.Id}}' $(IMAGE) 2>/dev/null || true); \
@@ -358,8 +359,9 @@ image: image-tools $(BASE_TAR)
 		--build-arg PIP_CERT=$(CA_BUNDLE) -f deploy/image/Containerfile -t $(IMAGE) . || exit 1; \
 	{ set +x; } 2>/dev/null; \
 	new=$$(podman image inspect --format '{{.Id}}' $(IMAGE)); \
-	if [ -n "$$old" ] && [ "$$old" != "$$new" ]; then \
-		podman rmi "$$old" >/dev/null 2>&1 || echo "kept the previous image $$old: a container uses it"; \
+	if [ -n "$$old" ] && [ "$$old" != "$$new" ] && \
+		[ "$$(podman image inspect --format '{{len .RepoTags}}' "$$old" 2>/dev/null)" = 0 ]; then \
+		podman rmi "$$old" >/dev/null || echo "kept the previous image $$old (podman's reason above)"; \
 	fi
 
 # Each service from the image reaches SERVING, five containers answer a Predict (in plaintext,

@@ -23,6 +23,7 @@ import concurrent.futures
 import hashlib
 import logging
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Sequence
@@ -91,7 +92,8 @@ def encoder_file(
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         _forget_dead_builds(path)
-        staging = path.with_suffix(f".tmp{os.getpid()}")
+        # Its own name: containers sharing the folder are each pid 1.
+        staging = path.with_suffix(f".tmp{os.getpid()}-{secrets.token_hex(4)}")
         log.info("building the embedding encoder", extra={"path": str(path)})
         try:
             build_encoder(weights_dir, staging)
@@ -121,31 +123,19 @@ class EncoderBuildError(RuntimeError):
 ENCODER_ROOM_BYTES = 128 << 20
 
 
-# A staging file untouched this long is no build's in progress (one takes seconds), whatever
-# its pid: a process of another container sharing the folder is not seen by `_alive`.
+# A staging file untouched this long is no build's in progress (a build writes for seconds):
+# one a killed build left, whichever process or container it was.
 STALE_BUILD_S = 600.0
 
 
 def _forget_dead_builds(path: Path) -> None:
-    """Half-written encoders of processes no longer running (killed mid-build)."""
+    """Half-written encoders of builds killed mid-way."""
     for staging in path.parent.glob(f"{path.stem}.tmp*"):
-        pid = staging.suffix.removeprefix(".tmp")
         try:
-            stale = time.time() - staging.stat().st_mtime > STALE_BUILD_S
+            if time.time() - staging.stat().st_mtime > STALE_BUILD_S:
+                staging.unlink(missing_ok=True)
         except OSError:
             continue  # gone meanwhile
-        if pid.isdigit() and stale and not _alive(int(pid)):
-            staging.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's
-    return True
 
 
 class Embedder:

@@ -161,8 +161,9 @@ class EvidenceLog:
 
     @staticmethod
     def _foreign_tables(path: Path) -> list[str]:
-        """Tables no schema of this file ever had, read without writing: switching a file to
-        WAL rewrites its header."""
+        """Tables no schema of this file ever had, read without changing the file (switching
+        it to WAL, as `_connect` does, rewrites its header; a read may make its -wal and -shm
+        files)."""
         if not path.is_file() or path.stat().st_size == 0:
             return []
         db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)

@@ -72,7 +72,7 @@ class Refusal(enum.StrEnum):
     IN_FLIGHT = "in_flight"
     TENANT_SHARE = "tenant_share"
     DEADLINE = "deadline"
-    STREAMS = "streams"  # a PredictStream past HOPLINE_GATEWAY_MAX_STREAMS or its tenant's half
+    STREAMS = "streams"  # a stream past HOPLINE_GATEWAY_MAX_STREAMS or its tenant's half
 
 
 ACTIVE_S = 1.0  # a tenant counts as sending this long after a request of its arrived or ended
@@ -197,8 +197,9 @@ class Admission:
         batch within the advertised `max_texts_per_request` is never refused by its own
         texts' share (a batch of 64 beside five tenants sending once a second was refused
         RESOURCE_EXHAUSTED at every try, "this tenant has 42 requests in flight"). None
-        without tenants' shares."""
-        if not (self.max_in_flight and self.tenant_min_in_flight):
+        without tenants' shares, or before a second tenant has sent: a gateway one tenant
+        has to itself refuses no share."""
+        if not (self.max_in_flight and self.tenant_min_in_flight and self.tenants.shared):
             return None
         return max(1, min(self.tenant_min_in_flight, self.max_in_flight // 2))
 

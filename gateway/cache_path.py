@@ -152,6 +152,7 @@ class CachePath:
                 f"cache circuit open after repeated failures; retrying the cache {when}"
             )
             return None
+        probe = self.breaker.state == CircuitState.HALF_OPEN  # allowed: this is the probe
         if self.admission.skip_lookup(call):
             return None  # no time for it, or an overloaded cache: the reply says which
         generation = self.exact_tier.generation
@@ -175,11 +176,14 @@ class CachePath:
             )
         except HopError as err:
             overran = err.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            # Out of a budget the caller's deadline had cut, a lookup says nothing of the
-            # cache's health: counted, one client's tight deadlines opened the circuit and
-            # every tenant's lookups were skipped (a fuzzing probe).
-            if overran and budget_s < self.admission.cache_budget_s:
-                self.breaker.inconclusive()
+            # Out of a budget the caller's deadline had cut to under half, a lookup says
+            # nothing of the cache's health: counted, one client's tight deadlines opened the
+            # circuit and every tenant's lookups were skipped (a fuzzing probe). A cache that
+            # takes longer than half the budget still opens it (a reviewer: not counting any
+            # cut lookup left a hung cache open to latency-bound callers for ever).
+            if overran and budget_s < self.admission.cache_budget_s / 2:
+                if probe:
+                    self.breaker.inconclusive()
             else:
                 self.admission.lookup_finished(overran=overran)
                 self.breaker.failure()

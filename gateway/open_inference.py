@@ -390,6 +390,28 @@ def classified(answers: Answers, labels: Sequence[str], classes: int) -> bytes:
     )
 
 
+# tritonclient's start_stream(..., enable_empty_final_response=True) asks every response to
+# say whether it is its request's last (Triton's decoupled models answer a request many
+# times); hopline answers each request once, so each response is the last.
+ENABLE_FINAL = "triton_enable_empty_final_response"
+FINAL = "triton_final_response"
+
+
+def final(
+    request: pb.ModelInferRequest, reply: pb.ModelStreamInferResponse
+) -> pb.ModelStreamInferResponse:
+    """`reply`, marked as its request's last where the request asks for the mark (a client
+    waiting for it waited for ever)."""
+    asked = request.parameters.get(ENABLE_FINAL)
+    if (
+        asked is not None
+        and asked.WhichOneof("parameter_choice") == "bool_param"
+        and asked.bool_param
+    ):
+        reply.infer_response.parameters[FINAL].bool_param = True
+    return reply
+
+
 def _first_leaf(group: BaseExceptionGroup[StatusError]) -> StatusError:
     first = group.exceptions[0]
     return first if isinstance(first, StatusError) else _first_leaf(first)
@@ -498,25 +520,36 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         metadata = tuple(context.invocation_metadata() or ())
+        # The stream's texts, whatever requests carry them, go in flight as one batch's would:
+        # counted by requests, 32 requests of 16 texts put 512 of one stream in flight
+        # against a limit of 256 (a reviewer's reproduction).
+        width = self.gateway.admission.batch_width()
+        turns = asyncio.Semaphore(width) if width is not None else None
 
         async def answer(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
             with stream_message_span(request.id) as span:
                 try:
-                    return pb.ModelStreamInferResponse(
-                        infer_response=await self.infer(
-                            request, metadata, self.gateway.timeout_for(context)
-                        )
+                    return final(
+                        request,
+                        pb.ModelStreamInferResponse(
+                            infer_response=await self.infer(
+                                request, metadata, self.gateway.timeout_for(context), turns
+                            )
+                        ),
                     )
                 except Exception as exc:  # one request's failure must not end the others
                     failed = message_failed(span, exc, request.id)
                     # Its id, to match it by (clipped as a PredictStream id is).
                     rid = request.id.encode()[:MAX_ID_BYTES].decode("utf-8", "ignore")
-                    return pb.ModelStreamInferResponse(
-                        error_message=f"{failed.code.name}: {failed.message}",
-                        infer_response=pb.ModelInferResponse(
-                            model_name=request.model_name,
-                            model_version=request.model_version,
-                            id=rid,
+                    return final(
+                        request,
+                        pb.ModelStreamInferResponse(
+                            error_message=f"{failed.code.name}: {failed.message}",
+                            infer_response=pb.ModelInferResponse(
+                                model_name=request.model_name,
+                                model_version=request.model_version,
+                                id=rid,
+                            ),
                         ),
                     )
 
@@ -529,8 +562,10 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ModelInferRequest,
         metadata: Sequence[tuple[str, str | bytes]],
         deadline_s: float,
+        turns: asyncio.Semaphore | None = None,
     ) -> pb.ModelInferResponse:
-        """One inference request, alone or on a stream; raises a StatusError."""
+        """One inference request, alone or on a stream; raises a StatusError. `turns`: the
+        stream's own, shared by its requests' texts (else the request's, when needed)."""
         started = time.perf_counter()
         gateway = self.gateway
         # Identity first, as Predict does: an unauthenticated caller learns nothing else.
@@ -559,7 +594,11 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         # entries (top_k is part of the cache scope).
         top_k = len(info.labels) if any(o.name == CLASSIFIED for o in outputs) else 1
         metrics.GATEWAY_REQUESTS.inc(len(texts))
-        answers = await self._predict_all(texts, info, tenant, top_k, mode, deadline_s, started)
+        if turns is None and (width := gateway.admission.batch_width()) and width < len(texts):
+            turns = asyncio.Semaphore(width)
+        answers = await self._predict_all(
+            texts, info, tenant, top_k, mode, deadline_s, started, turns
+        )
         return self._response(request, info, tenant, outputs, answers)
 
     async def _predict_all(
@@ -571,10 +610,10 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         mode: common_pb2.CacheMode.ValueType,
         timeout_s: float,
         started: float,
+        turns: asyncio.Semaphore | None,
     ) -> list[gateway_pb2.PredictResponse]:
+        """Every text at once, or as `turns` lets them (gateway/admission.py:batch_width)."""
         failure: StatusError | None = None
-        width = self.gateway.admission.batch_width()
-        turns = asyncio.Semaphore(width) if width is not None and width < len(texts) else None
 
         async def one(i: int, text: str) -> gateway_pb2.PredictResponse:
             async with turns or contextlib.nullcontext():

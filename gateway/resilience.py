@@ -103,9 +103,9 @@ class CircuitBreaker:
         self._consecutive, self._state, self._probing = 0, CLOSED, False
 
     def inconclusive(self) -> None:
-        """A lookup that said nothing of the cache's health (its caller's deadline cut its
-        budget): neither a failure nor a success, and a half-open circuit's next lookup
-        probes at once rather than after a lost probe's cool-down."""
+        """The half-open circuit's probe said nothing of the cache's health (its caller's
+        deadline cut its budget): neither a failure nor a success, and the next lookup probes
+        at once rather than after a lost probe's cool-down. Called for the probe only."""
         self._probing = False
 
     def failure(self) -> None:

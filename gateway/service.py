@@ -86,6 +86,7 @@ COUNTS: dict[str, tuple[Counter | LoopCounter, dict[str, str]]] = {
     "requests": (metrics.GATEWAY_REQUESTS, {}),
     "kserve_infer_requests": (metrics.GATEWAY_CALLS, {"method": "ModelInfer"}),
     "streams": (metrics.GATEWAY_CALLS, {"method": "PredictStream"}),
+    "kserve_streams": (metrics.GATEWAY_CALLS, {"method": "ModelStreamInfer"}),
     "inferences": (metrics.INFERENCES, {}),
     "coalesced": (metrics.COALESCED, {}),
     "coalesced_reruns": (metrics.COALESCED_RERUN, {}),

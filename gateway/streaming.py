@@ -1,7 +1,7 @@
 """PredictStream: many Predicts over one bidirectional stream.
 
 Requests are answered concurrently, up to `HOPLINE_STREAM_MAX_IN_FLIGHT` per stream (and no
-more than `HOPLINE_GATEWAY_TENANT_MIN_IN_FLIGHT` while tenants have shares), counting
+more than `HOPLINE_GATEWAY_TENANT_MIN_IN_FLIGHT` once a second tenant has sent), counting
 a request from when it is read until its response has been handed to gRPC; past that the
 gateway stops reading, so HTTP/2 flow control pushes back on the client instead of the gateway
 buffering without bound. A client that sends but does not read its responses is held the same

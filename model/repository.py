@@ -8,6 +8,7 @@ reads them from here, as Triton's model repository works.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -459,9 +460,12 @@ class ModelRepository:
     def resolve(self, name: str, version: str = "") -> ModelConfig:
         try:
             versions = self.versions(name)
-        except OSError:
+        except OSError as exc:
             # A name no folder can have (past the file system's 255 bytes: an internal
-            # service answered UNKNOWN with the repository's path, a fuzzing probe).
+            # service answered UNKNOWN with the repository's path, a fuzzing probe). Any
+            # other error is the repository's, not the name's.
+            if exc.errno != errno.ENAMETOOLONG:
+                raise
             versions = []
         if not versions:
             known = ", ".join(self.names()) or "none"

@@ -44,6 +44,7 @@ STATS_KEYS = {
     "requests",
     "kserve_infer_requests",
     "streams",
+    "kserve_streams",
     "inferences",
     "coalesced",
     "coalesced_reruns",

@@ -103,10 +103,6 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
                     raise TensorError(
                         f"{name} must be FP32 [batch, n], got {array.dtype} {list(array.shape)}"
                     )
-            if logits is not None and not np.isfinite(logits).all():
-                # A softmax of them is NaN: answered OK with score nan and a label of no
-                # meaning (a fuzzing probe).
-                raise TensorError("logits hold NaN or infinity: a model's output never does")
             if logits is not None and logits.shape[1] != len(cfg.labels):
                 raise TensorError(
                     f"logits have {logits.shape[1]} classes, {cfg.key} has {len(cfg.labels)} labels"
@@ -116,6 +112,13 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
                 raise TensorError("logits and sentence_embedding differ in batch size")
         except TensorError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_text(str(exc)))
+        if logits is not None and not np.isfinite(logits).all():
+            # A softmax of them is NaN: answered OK with score nan and a label of no meaning
+            # (a fuzzing probe). The model's fault (an fp16 overflow, say), not the caller's.
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"{cfg.key}'s logits hold NaN or infinity: its output cannot be classified",
+            )
         return postprocess_pb2.PostprocessResponse(
             predictions=predictions(
                 cast("F32 | None", logits),

@@ -385,6 +385,30 @@ def test_a_batch_within_the_limit_is_not_refused_by_its_own_tenants_share(
             )
         assert [r.message for r in replies if r.code] == []
         assert len(replies) == 64
+        # And a ModelStreamInfer stream of 20 batches of 16: counted by requests, its 320
+        # texts went in flight at once, past the gateway's own limit of 256.
+        streamed: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        streamer = triton.InferenceServerClient(url=omesh.gateway)
+        streamer.start_stream(callback=lambda result, error: streamed.put((result, error)))
+        try:
+            for n in range(20):
+                streamer.async_stream_infer(
+                    DEFAULT_MODEL,
+                    [text_input([f"{t} batch {n}" for t in texts[:16]])],
+                    request_id=f"b{n}",
+                    outputs=[triton.InferRequestedOutput("label")],
+                    parameters={"tenant": "bulk"},
+                    enable_empty_final_response=True,
+                )
+            got = [streamed.get(timeout=120) for _ in range(20)]
+        finally:
+            streamer.stop_stream()
+            streamer.close()
+        assert [str(e.message()) for _, e in got if e is not None] == []
+        for result, _ in got:
+            assert len(strings(result.as_numpy("label"))) == 16
+            # Each response is its request's last: a client asking for the mark waited for ever.
+            assert result.get_response().parameters["triton_final_response"].bool_param
     finally:
         stop.set()
         for thread in others:

@@ -223,7 +223,7 @@ def test_names_no_model_has_are_not_found_and_echoes_are_bounded(
     the repository's path, a traceback in the log; a 20,000-character output name was echoed
     whole, past gRPC's 16 KiB trailer limit, and the caller got RESOURCE_EXHAUSTED "Stream
     removed" instead of its status; NaN logits were answered OK with score nan (a fuzzing
-    probe)."""
+    probe): INTERNAL now, the model's fault."""
     long_name = "s" * 300
     ids = np.array([[101, 2054, 102]], np.int64)
     request = ids_request(ids)
@@ -252,12 +252,13 @@ def test_names_no_model_has_are_not_found_and_echoes_are_bounded(
             )
         )
         logits = to_tensor("logits", np.full((1, 26), np.nan, np.float32))
-        assert "NaN or infinity" in invalid(
-            lambda: stub.Postprocess(
+        with pytest.raises(grpc.RpcError) as info:  # the model's fault, not the caller's
+            stub.Postprocess(
                 postprocess_pb2.PostprocessRequest(model=DEFAULT_MODEL, outputs=[logits]),
                 timeout=10,
             )
-        )
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert "logits hold NaN or infinity" in (info.value.details() or "")
         with pytest.raises(grpc.RpcError) as info:
             stub.Postprocess(
                 postprocess_pb2.PostprocessRequest(model=long_name, outputs=[logits]), timeout=10

@@ -307,16 +307,18 @@ def test_a_batch_of_batch_width_texts_is_never_refused_by_its_own_share(
     admission = Admission(
         max_in_flight=limit, cache_budget_ms=40, clock=clock, tenant_min_in_flight=minimum
     )
-    width = admission.batch_width()
-    assert width is not None
+    with admission.admit(call(tenant="bulk")):
+        pass
+    # A gateway one tenant has had to itself refuses no share: its batches run whole.
+    assert admission.batch_width() is None
     for n in range(10_000):  # every other tenant sending: shares at their smallest
         with admission.admit(call(tenant=f"t{n}")):
             pass
+    width = admission.batch_width()
+    assert width is not None
     with contextlib.ExitStack() as held:
         for _ in range(width):
             held.enter_context(admission.admit(call(tenant="bulk")))
-    assert (
-        Admission(max_in_flight=0, cache_budget_ms=40, tenant_min_in_flight=32).batch_width()
-        is None
-    )
+    no_shares = Admission(max_in_flight=0, cache_budget_ms=40, tenant_min_in_flight=32)
+    assert no_shares.batch_width() is None
     assert Admission(max_in_flight=64, cache_budget_ms=40).batch_width() is None

@@ -158,7 +158,8 @@ def state_of(breaker: CircuitBreaker) -> CircuitState:
 def test_lookups_out_of_a_budget_their_deadline_cut_never_open_the_circuit() -> None:
     """A lookup's budget is cut to what its caller's deadline leaves: one client's tight
     deadlines ran its lookups out of time, each counted a cache failure, and the circuit
-    opened for every tenant (a fuzzing probe). Out of the whole budget, they still count."""
+    opened for every tenant (a fuzzing probe). Out of more than half the budget, they still
+    count."""
 
     async def scenario() -> None:
         server, port = await serve(Cache(failing=False, delay_s=0.3))
@@ -171,10 +172,12 @@ def test_lookups_out_of_a_budget_their_deadline_cut_never_open_the_circuit() -> 
                 assert "DEADLINE" in cut.fail_open_reason.upper()
             assert state_of(breaker) == CircuitState.CLOSED
             assert not path.admission.overloaded()
-            path.admission.lookup_budget_s = lambda call: 0.1  # type: ignore[method-assign]
+            # Cut, but to more than half the budget: a cache that slow is taken for failing
+            # (not counting any cut lookup left a hung cache's circuit closed for ever).
+            path.admission.lookup_budget_s = lambda call: 0.07  # type: ignore[method-assign]
             for n in range(2):
                 assert (await look_up(path, 10 + n)).cache.outcome == FAIL_OPEN
-            assert state_of(breaker) == CircuitState.OPEN  # two failures: the whole budget ran out
+            assert state_of(breaker) == CircuitState.OPEN
         finally:
             await upstream.close()
             await server.stop(None)

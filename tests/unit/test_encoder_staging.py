@@ -49,27 +49,27 @@ def test_a_failed_build_leaves_nothing_and_a_full_disk_is_named(
 def test_a_killed_builds_file_goes_and_a_running_ones_stays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A build killed mid-way (a kill -9, an OOM) leaves its file: gone at the next start
+    once untouched for STALE_BUILD_S; one written recently may be another container's build
+    in progress (containers sharing the folder are each pid 1) and stays."""
     folder = tmp_path / "embedders"
     folder.mkdir()
     stem = f"minilm-{MODEL.digest[:16]}-f{embedder.ENCODER_FORMAT}"
-    dead = folder / f"{stem}.tmp{2**22 + 12345}"  # past the kernel's pid_max default
-    running = folder / f"{stem}.tmp{os.getppid()}"
-    recent = folder / f"{stem}.tmp{2**22 + 12346}"  # another container's, building now
-    for staging in (dead, running, recent):
+    killed = folder / f"{stem}.tmp1-0a1b2c3d"
+    building = folder / f"{stem}.tmp1-4e5f6a7b"
+    for staging in (killed, building):
         staging.write_bytes(b"\0" * 16)
     an_hour_ago = time.time() - 3600
-    for staging in (dead, running):
-        os.utime(staging, (an_hour_ago, an_hour_ago))
+    os.utime(killed, (an_hour_ago, an_hour_ago))
 
     def build(weights_dir: Path, staging: Path) -> None:
+        assert staging.name.startswith(f"{stem}.tmp{os.getpid()}-")  # a name of its own
         staging.write_bytes(b"onnx")
 
     monkeypatch.setattr(embedder, "build_encoder", build)
     path, _ = encoder_file(tmp_path / "weights", tmp_path, MODEL)
     assert path.read_bytes() == b"onnx"
-    assert sorted(p.name for p in folder.iterdir()) == sorted(
-        [path.name, running.name, recent.name]
-    )
+    assert sorted(p.name for p in folder.iterdir()) == sorted([path.name, building.name])
 
 
 def test_a_lite_file_that_will_not_open_on_a_full_disk_says_the_disk(
