@@ -102,6 +102,10 @@ class TenantShares:
         elif tenant != self._first:
             self.shared = True
 
+    def shared_with(self, tenant: str) -> bool:
+        """Whether another tenant than `tenant` has sent (`shared` once `tenant` sends)."""
+        return self.shared or (self._first is not None and tenant != self._first)
+
     def sending(self) -> int:
         """Tenants that sent within ACTIVE_S or have requests in flight."""
         oldest = self._clock() - ACTIVE_S
@@ -191,15 +195,17 @@ class Admission:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def batch_width(self) -> int | None:
+    def batch_width(self, tenant: str) -> int | None:
         """How many texts of one request (a ModelInfer batch) go in flight at once, the rest
         following as they finish: no more than the places a tenant is always left, so a
         batch within the advertised `max_texts_per_request` is never refused by its own
         texts' share (a batch of 64 beside five tenants sending once a second was refused
         RESOURCE_EXHAUSTED at every try, "this tenant has 42 requests in flight"). None
-        without tenants' shares, or before a second tenant has sent: a gateway one tenant
-        has to itself refuses no share."""
-        if not (self.max_in_flight and self.tenant_min_in_flight and self.tenants.shared):
+        without tenants' shares, or while `tenant` has the gateway to itself: a gateway one
+        tenant has had to itself refuses it no share."""
+        if not (self.max_in_flight and self.tenant_min_in_flight):
+            return None
+        if not self.tenants.shared_with(tenant):
             return None
         return max(1, min(self.tenant_min_in_flight, self.max_in_flight // 2))
 

@@ -48,6 +48,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from hopline.cache.keys import normalise_text
+from hopline.gateway.admission import Admission
 from hopline.gateway.call import unreadable
 from hopline.gateway.client import CACHE_MODES, outcome_name
 from hopline.gateway.errors import RequestError, abort
@@ -390,6 +391,26 @@ def classified(answers: Answers, labels: Sequence[str], classes: int) -> bytes:
     )
 
 
+class StreamTurns:
+    """The turns a ModelStreamInfer stream's texts take, whatever requests carry them: counted
+    by requests, 32 requests of 16 texts put 512 of one stream in flight against the gateway's
+    limit of 256 (a reviewer's reproduction). Sized by the stream's first request's tenant:
+    its tenant's always-left places once another tenant has sent, else the gateway's limit."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self._turns: asyncio.Semaphore | None = None
+        self._sized = False
+
+    def for_tenant(self, tenant: str) -> asyncio.Semaphore | None:
+        if not self._sized:
+            admission = self._admission
+            width = admission.batch_width(tenant) or admission.max_in_flight
+            self._turns = asyncio.Semaphore(width) if width else None
+            self._sized = True
+        return self._turns
+
+
 # tritonclient's start_stream(..., enable_empty_final_response=True) asks every response to
 # say whether it is its request's last (Triton's decoupled models answer a request many
 # times); hopline answers each request once, so each response is the last.
@@ -520,11 +541,7 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         metadata = tuple(context.invocation_metadata() or ())
-        # The stream's texts, whatever requests carry them, go in flight as one batch's would:
-        # counted by requests, 32 requests of 16 texts put 512 of one stream in flight
-        # against a limit of 256 (a reviewer's reproduction).
-        width = self.gateway.admission.batch_width()
-        turns = asyncio.Semaphore(width) if width is not None else None
+        turns = StreamTurns(self.gateway.admission)
 
         async def answer(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
             with stream_message_span(request.id) as span:
@@ -562,10 +579,10 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ModelInferRequest,
         metadata: Sequence[tuple[str, str | bytes]],
         deadline_s: float,
-        turns: asyncio.Semaphore | None = None,
+        stream: StreamTurns | None = None,
     ) -> pb.ModelInferResponse:
-        """One inference request, alone or on a stream; raises a StatusError. `turns`: the
-        stream's own, shared by its requests' texts (else the request's, when needed)."""
+        """One inference request, alone or on a stream; raises a StatusError. `stream`: the
+        turns its stream's texts share (else the request's own, when it needs them)."""
         started = time.perf_counter()
         gateway = self.gateway
         # Identity first, as Predict does: an unauthenticated caller learns nothing else.
@@ -594,7 +611,10 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         # entries (top_k is part of the cache scope).
         top_k = len(info.labels) if any(o.name == CLASSIFIED for o in outputs) else 1
         metrics.GATEWAY_REQUESTS.inc(len(texts))
-        if turns is None and (width := gateway.admission.batch_width()) and width < len(texts):
+        turns = None
+        if stream is not None:
+            turns = stream.for_tenant(tenant)
+        elif (width := gateway.admission.batch_width(tenant)) and width < len(texts):
             turns = asyncio.Semaphore(width)
         answers = await self._predict_all(
             texts, info, tenant, top_k, mode, deadline_s, started, turns

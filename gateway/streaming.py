@@ -131,7 +131,7 @@ async def serve_stream(
     # No more than the places its tenant is always left (as a ModelInfer batch's texts), so
     # its own requests are never refused by the tenant's share: beside nine tenants sending,
     # a stream's requests past 32 of its 64 were (a test run's, tritonclient's aio stream).
-    width = gateway.admission.batch_width()
+    width = gateway.admission.batch_width(tenant)
     limit = gateway.config.stream_max_in_flight
     slots = asyncio.Semaphore(limit if width is None else min(limit, width))
     running: set[asyncio.Task[None]] = set()

@@ -39,6 +39,7 @@ from harness import TOPOLOGIES, Mesh
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.runtime.service_table import Topology
 
 # Every test here passes with the stateless stages in their own processes and in the gateway.
 MESH_TOPOLOGIES = TOPOLOGIES
@@ -446,6 +447,40 @@ def test_stream_infer_answers_each_request_and_fails_one_in_band(
     for i, text in enumerate(TEXTS):
         assert answered[f"s{i}"] == [predict(omesh, text).prediction.label]
     assert answered["after"] == answered["s0"]
+
+
+def test_a_lone_tenants_stream_of_batches_stays_within_the_gateways_limit(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """A ModelStreamInfer stream's requests were counted, not their texts: 20 requests of
+    16 texts from a gateway's only tenant put 320 texts in flight against a limit of 64 here,
+    and the rest were refused RESOURCE_EXHAUSTED (a reviewer's reproduction). The stream's
+    texts take turns within the limit."""
+    alone = Mesh(
+        default_repo,
+        tmp_path,
+        addrs=Topology.COLOCATED.addrs(),
+        HOPLINE_GATEWAY_MAX_IN_FLIGHT="64",
+    )
+    alone.start()
+    streamed: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    streamer = triton.InferenceServerClient(url=alone.gateway)
+    try:
+        streamer.start_stream(callback=lambda result, error: streamed.put((result, error)))
+        for n in range(20):
+            streamer.async_stream_infer(
+                DEFAULT_MODEL,
+                [text_input([f"where is parcel {n}-{k}" for k in range(16)])],
+                request_id=f"b{n}",
+                outputs=[triton.InferRequestedOutput("label")],
+            )
+        got = [streamed.get(timeout=120) for _ in range(20)]
+    finally:
+        streamer.stop_stream()
+        streamer.close()
+        alone.stop()
+    assert [str(e.message()) for _, e in got if e is not None] == []
+    assert all(len(strings(result.as_numpy("label"))) == 16 for result, _ in got)
 
 
 def test_aio_stream_infer_answers_many_requests(omesh: Mesh) -> None:

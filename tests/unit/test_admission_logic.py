@@ -300,7 +300,7 @@ def test_an_admitted_request_runs_as_its_tenants_flow() -> None:
 def test_a_batch_of_batch_width_texts_is_never_refused_by_its_own_share(
     limit: int, minimum: int
 ) -> None:
-    """A ModelInfer batch's texts go in flight batch_width() at a time: that many of one
+    """A ModelInfer batch's texts go in flight batch_width(tenant) at a time: that many of one
     tenant are admitted whatever the other tenants do (a 64-text batch beside five tenants
     was refused at every try, by its own texts)."""
     clock = FakeClock(1000.0)
@@ -309,16 +309,18 @@ def test_a_batch_of_batch_width_texts_is_never_refused_by_its_own_share(
     )
     with admission.admit(call(tenant="bulk")):
         pass
-    # A gateway one tenant has had to itself refuses no share: its batches run whole.
-    assert admission.batch_width() is None
+    # A gateway one tenant has had to itself refuses it no share: its batches run whole; a
+    # second tenant's first batch already waits its turns (its own first text shares it).
+    assert admission.batch_width("bulk") is None
+    assert admission.batch_width("another") is not None
     for n in range(10_000):  # every other tenant sending: shares at their smallest
         with admission.admit(call(tenant=f"t{n}")):
             pass
-    width = admission.batch_width()
+    width = admission.batch_width("bulk")
     assert width is not None
     with contextlib.ExitStack() as held:
         for _ in range(width):
             held.enter_context(admission.admit(call(tenant="bulk")))
     no_shares = Admission(max_in_flight=0, cache_budget_ms=40, tenant_min_in_flight=32)
-    assert no_shares.batch_width() is None
-    assert Admission(max_in_flight=64, cache_budget_ms=40).batch_width() is None
+    assert no_shares.batch_width("bulk") is None
+    assert Admission(max_in_flight=64, cache_budget_ms=40).batch_width("bulk") is None
