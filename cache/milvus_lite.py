@@ -32,7 +32,9 @@ EXIT_CHECK_S = 1.0  # how often the calls look whether the server is still runni
 _SQLITE_HEADER = b"SQLite format 3\x00"  # milvus-lite keeps its data in SQLite
 # milvus-lite answers a write its SQLite refused for want of space with gRPC's "Unexpected
 # error in RPC handling" (the reason, "database or disk is full", is only in its own log), so a
-# failed write says the space left when it is below this: far more than a write needs.
+# failed write says the space left when it is below this: far more than a write needs. Below
+# it nothing is written (cache/milvus_store.py:upsert): on a full disk milvus-lite answered
+# most inserts as written and kept none.
 LOW_DISK_BYTES = 64 << 20
 _GLOG_DIR = "GLOG_log_dir"  # glog's spelling, not upper case
 
@@ -55,6 +57,8 @@ def check_database_file(path: Path) -> None:
         return
     if not path.is_file():
         raise NotADatabase(f"{path} is not a milvus-lite database file")
+    if path.stat().st_size == 0:
+        return  # a new database (SQLite's reading too): a start that failed on a full disk left it
     with path.open("rb") as f:
         header = f.read(len(_SQLITE_HEADER))
     if header != _SQLITE_HEADER:

@@ -194,6 +194,8 @@ class RepliesAfterTheCallEnded(logging.Filter):
 # caller sends, echoing it: any client, before its key is checked, wrote a line a request (a
 # 7 KB member, 7 KB a line; a fuzzing probe, 400 lines for 400 requests).
 BAGGAGE_LOGGER = "opentelemetry.baggage.propagation"
+# A %-format field of a log template, quoted or not ("with length %d" was left in the line).
+_FORMAT_FIELD = re.compile(r"`?%[-#0 +]*\d*(?:\.\d+)?[a-zA-Z]`?")
 CLIENT_BAGGAGE_EVERY_S = 60.0
 
 
@@ -214,7 +216,7 @@ class ClientBaggage(logging.Filter):
         record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
         record.msg = (
             "a caller's baggage header was dropped: "
-            + template.replace("`%s`", "(not logged)").replace("%s", "(not logged)")
+            + _FORMAT_FIELD.sub("(not logged)", template).replace("%%", "%")
             + "; said once a minute"
         )
         record.args = None

@@ -18,7 +18,7 @@ import pytest
 
 from hopline.cache import embedder
 from hopline.cache.embedder import EmbeddingModel, EncoderBuildError, encoder_file
-from hopline.cache.milvus_lite import start_failure
+from hopline.cache.milvus_lite import NotADatabase, check_database_file, start_failure
 
 MODEL = EmbeddingModel("minilm", "ab" * 32, 384)
 Usage = namedtuple("Usage", "total used free")
@@ -85,3 +85,17 @@ def test_a_lite_file_that_will_not_open_on_a_full_disk_says_the_disk(
     assert "another process" not in said
     monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(1 << 40, 0, 1 << 40))
     assert "another process holds it" in start_failure(db, "Open local milvus failed", 0.5)
+
+
+def test_an_empty_database_file_is_a_new_one_not_a_foreign_file(tmp_path: Path) -> None:
+    """A start that failed on a full disk left an empty cache.db, and every later start
+    refused it as "not a milvus-lite database (no SQLite header)": the user had to delete a
+    file hopline made (a re-run of the resource-exhaustion probe). SQLite reads an empty file
+    as a new database; so does the check now, and a file of something else is still refused."""
+    empty = tmp_path / "cache.db"
+    empty.write_bytes(b"")
+    check_database_file(empty)
+    other = tmp_path / "other.db"
+    other.write_text("not a database")
+    with pytest.raises(NotADatabase, match="no SQLite header"):
+        check_database_file(other)
