@@ -33,8 +33,8 @@ _SQLITE_HEADER = b"SQLite format 3\x00"  # milvus-lite keeps its data in SQLite
 # milvus-lite answers a write its SQLite refused for want of space with gRPC's "Unexpected
 # error in RPC handling" (the reason, "database or disk is full", is only in its own log), so a
 # failed write says the space left when it is below this: far more than a write needs. Below
-# it nothing is written (cache/milvus_store.py:upsert): on a full disk milvus-lite answered
-# most inserts as written and kept none.
+# it nothing is written (cache/milvus_store.py:MilvusStore.upsert): on a full disk milvus-lite
+# answered most inserts as written and kept none.
 LOW_DISK_BYTES = 64 << 20
 _GLOG_DIR = "GLOG_log_dir"  # glog's spelling, not upper case
 
