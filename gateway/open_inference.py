@@ -57,6 +57,7 @@ from hopline.gateway.model_config import Tensor, triton_config
 from hopline.gateway.service import GatewayService
 from hopline.gateway.streaming import (
     MAX_ID_BYTES,
+    clipped_id,
     message_failed,
     serve_stream,
     stream_message_span,
@@ -546,29 +547,22 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         async def answer(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
             with stream_message_span(request.id) as span:
                 try:
-                    return final(
-                        request,
-                        pb.ModelStreamInferResponse(
-                            infer_response=await self.infer(
-                                request, metadata, self.gateway.timeout_for(context), turns
-                            )
-                        ),
+                    reply = pb.ModelStreamInferResponse(
+                        infer_response=await self.infer(
+                            request, metadata, self.gateway.timeout_for(context), turns
+                        )
                     )
                 except Exception as exc:  # one request's failure must not end the others
                     failed = message_failed(span, exc, request.id)
-                    # Its id, to match it by (clipped as a PredictStream id is).
-                    rid = request.id.encode()[:MAX_ID_BYTES].decode("utf-8", "ignore")
-                    return final(
-                        request,
-                        pb.ModelStreamInferResponse(
-                            error_message=f"{failed.code.name}: {failed.message}",
-                            infer_response=pb.ModelInferResponse(
-                                model_name=request.model_name,
-                                model_version=request.model_version,
-                                id=rid,
-                            ),
+                    reply = pb.ModelStreamInferResponse(
+                        error_message=f"{failed.code.name}: {failed.message}",
+                        infer_response=pb.ModelInferResponse(
+                            model_name=request.model_name,
+                            model_version=request.model_version,
+                            id=clipped_id(request.id),  # to match it by
                         ),
                     )
+            return final(request, reply)
 
         stream = serve_stream(self.gateway, request_iterator, context, "ModelStreamInfer", answer)
         async for reply in stream:

@@ -204,9 +204,14 @@ def _id_too_long(rid: str) -> gateway_pb2.PredictStreamResponse:
     bytes (whole characters) to match it by."""
     size = len(rid.encode())
     return gateway_pb2.PredictStreamResponse(
-        id=rid.encode()[:MAX_ID_BYTES].decode("utf-8", "ignore"),
+        id=clipped_id(rid),
         code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
         message=f"PredictStreamRequest.id is {size} bytes; the limit is {MAX_ID_BYTES}: "
         "send a shorter id (this reply carries its first bytes)",
         trace_id=current_trace_id(),
     )
+
+
+def clipped_id(rid: str) -> str:
+    """A request id's first MAX_ID_BYTES bytes, whole characters: what a reply echoes."""
+    return rid.encode()[:MAX_ID_BYTES].decode("utf-8", "ignore")

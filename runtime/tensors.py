@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -30,6 +31,17 @@ DTYPE_NAMES = frozenset(DTYPE_CODES)
 
 class TensorError(ValueError):
     """A tensor whose dtype, shape or byte size is inconsistent."""
+
+
+def by_name(tensors: Sequence[common_pb2.Tensor], what: str) -> dict[str, common_pb2.Tensor]:
+    """`tensors` by name; TensorError when one is named twice (the last would be used and the
+    first never looked at: a fuzzing probe)."""
+    named = {t.name: t for t in tensors}
+    if len(named) < len(tensors):
+        names = [t.name for t in tensors]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise TensorError(f"{what}(s) {twice} given more than once: send each once")
+    return named
 
 
 def dtype_name(code: int) -> str:

@@ -44,6 +44,7 @@ from hopline.runtime.priority import nicer_executor, on_nicer_thread
 from hopline.runtime.tensors import (
     DTYPE_CODES,
     TensorError,
+    by_name,
     dtype_name,
     from_tensor,
     to_tensor,
@@ -158,11 +159,7 @@ def _validate(
     """The request's tensors, checked against the model's declared inputs, and token ids
     against its vocabulary: an id outside it fails the run (a negative one wraps round to
     another token), and with it every request sharing the run."""
-    given = {t.name: t for t in request.inputs}
-    if len(given) < len(request.inputs):  # one would be run, the other never looked at
-        names = [t.name for t in request.inputs]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        raise TensorError(f"input(s) {twice} given more than once: send each once")
+    given = by_name(request.inputs, "input")
     unknown = set(given) - {s.name for s in cfg.inputs}
     if unknown:
         raise TensorError(f"{cfg.key} has no input(s) {sorted(unknown)}")

@@ -27,7 +27,7 @@ from hopline.runtime.config import (
     model_refresh_field,
 )
 from hopline.runtime.errors import status_text
-from hopline.runtime.tensors import TensorError, from_tensor
+from hopline.runtime.tensors import TensorError, by_name, from_tensor
 from hopline.services.postprocess.logic import predictions
 
 
@@ -89,11 +89,8 @@ class PostprocessService(postprocess_pb2_grpc.PostprocessServiceServicer):
                 f"top_k must be 1 to {len(cfg.labels)} for {cfg.key}, got {request.top_k}",
             )
         try:
-            tensors = {t.name: from_tensor(t) for t in request.outputs}
-            if len(tensors) < len(request.outputs):
-                names = [t.name for t in request.outputs]
-                twice = sorted({n for n in names if names.count(n) > 1})
-                raise TensorError(f"output(s) {twice} given more than once: send each once")
+            named = by_name(request.outputs, "output")
+            tensors = {name: from_tensor(t) for name, t in named.items()}
             logits = tensors.get("logits")
             embeddings = tensors.get(SENTENCE_EMBEDDING) if request.include_embedding else None
             if logits is None and embeddings is None:
