@@ -78,10 +78,29 @@ class Refusal(enum.StrEnum):
 ACTIVE_S = 1.0  # a tenant counts as sending this long after a request of its arrived or ended
 
 
+class Tenancy:
+    """Whether more than one tenant has ever used the gateway: from then on places are kept
+    for the tenants other than a flood's (requests in flight, open streams)."""
+
+    def __init__(self) -> None:
+        self._first: str | None = None
+        self.shared = False
+
+    def seen(self, tenant: str) -> None:
+        if self._first is None:
+            self._first = tenant
+        elif tenant != self._first:
+            self.shared = True
+
+    def shared_with(self, tenant: str) -> bool:
+        """Whether another tenant than `tenant` has come (`shared` once `tenant` does)."""
+        return self.shared or (self._first is not None and tenant != self._first)
+
+
 class TenantShares:
     """Which tenants are sending now, and each one's requests in flight. Memory follows the
     tenants of the last ACTIVE_S and those in flight, never every tenant name seen; and
-    whether more than one tenant has ever sent (`shared`)."""
+    whether more than one tenant has ever sent (`tenancy`)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
@@ -89,22 +108,14 @@ class TenantShares:
         # A tenant that sends less than once per ACTIVE_S found every place held by a flood,
         # each of its requests the first (a probe: 16 of 20 refused at one every 2 s; one a
         # minute, every one): once the gateway is shared, places are kept for such a tenant.
-        self._first: str | None = None
-        self.shared = False
+        self.tenancy = Tenancy()
         self.in_flight: dict[str, int] = {}
 
     def seen(self, tenant: str) -> None:
         now = self._clock()
         self._seen[tenant] = now
         self._seen.move_to_end(tenant)
-        if self._first is None:
-            self._first = tenant
-        elif tenant != self._first:
-            self.shared = True
-
-    def shared_with(self, tenant: str) -> bool:
-        """Whether another tenant than `tenant` has sent (`shared` once `tenant` sends)."""
-        return self.shared or (self._first is not None and tenant != self._first)
+        self.tenancy.seen(tenant)
 
     def sending(self) -> int:
         """Tenants that sent within ACTIVE_S or have requests in flight."""
@@ -205,7 +216,7 @@ class Admission:
         tenant has had to itself refuses it no share."""
         if not (self.max_in_flight and self.tenant_min_in_flight):
             return None
-        if not self.tenants.shared_with(tenant):
+        if not self.tenants.tenancy.shared_with(tenant):
             return None
         return max(1, min(self.tenant_min_in_flight, self.max_in_flight // 2))
 
@@ -279,7 +290,7 @@ class Admission:
         the places kept for the other tenants of a shared gateway."""
         held = shares.in_flight.get(tenant, 0)
         kept = min(self.tenant_min_in_flight, self.max_in_flight // 2)
-        if held >= self.max_in_flight - kept and shares.shared:
+        if held >= self.max_in_flight - kept and shares.tenancy.shared:
             raise self._refuse(
                 Refusal.TENANT_SHARE,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

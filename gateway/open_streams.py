@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import grpc
 
-from hopline.gateway.admission import Refusal
+from hopline.gateway.admission import Refusal, Tenancy
 from hopline.gateway.errors import RequestError
 from hopline.observability import metrics
 
@@ -26,8 +26,7 @@ class OpenStreams:
         self.max_streams = max_streams  # 0: no limit
         self.open_by_tenant: dict[str, int] = {}
         self.total = 0
-        self._first: str | None = None
-        self.shared = False  # a second tenant has opened a stream here
+        self.tenancy = Tenancy()  # shared once a second tenant has opened a stream here
 
     def open(self, tenant: str) -> None:
         """A place for one stream of `tenant`; RequestError when there is none."""
@@ -44,10 +43,7 @@ class OpenStreams:
             del self.open_by_tenant[tenant]
 
     def _admit(self, tenant: str) -> None:
-        if self._first is None:
-            self._first = tenant
-        elif tenant != self._first:
-            self.shared = True
+        self.tenancy.seen(tenant)
         if not self.max_streams:
             return
         if self.total >= self.max_streams:
@@ -58,7 +54,7 @@ class OpenStreams:
             )
         held = self.open_by_tenant.get(tenant, 0)
         share = max(1, self.max_streams // 2)
-        if self.shared and held >= share:
+        if self.tenancy.shared and held >= share:
             raise _refused(
                 f"this tenant holds {held} open streams, half the gateway's "
                 f"{self.max_streams} ({MAX_STREAMS_ENV}), the rest kept for its other "
