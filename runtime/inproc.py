@@ -30,7 +30,13 @@ import grpc
 
 from hopline.observability.tracing import RpcMeter, ServerTracing
 from hopline.runtime import config as cfg
-from hopline.runtime.interceptors import Context, Handler, RpcWrapper, wrap_behaviour
+from hopline.runtime.interceptors import (
+    Context,
+    Handler,
+    RpcWrapper,
+    shortage_refusal,
+    wrap_behaviour,
+)
 from hopline.runtime.server import ReadinessGate, Service
 from hopline.runtime.service_table import INPROC, ServiceSpec
 
@@ -83,6 +89,8 @@ class _Context:
             return _rpc_error(self._code, self._details)
         if isinstance(exc, TimeoutError):
             return _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        if (shortage := shortage_refusal("in-process", exc)) is not None:
+            return _rpc_error(grpc.StatusCode.UNAVAILABLE, shortage)
         # What grpc's server answers for an exception a servicer let escape.
         log.error("servicer raised", exc_info=exc)
         return _rpc_error(grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)!r}: {exc}")

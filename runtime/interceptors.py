@@ -27,7 +27,9 @@ raw bytes) and `decoding` parses them inside the behaviour, innermost, under the
 message that does not parse ends the RPC with INVALID_ARGUMENT and a short message, counted
 in `hopline_undecodable_requests_total` and logged as one warning without a traceback (at most
 one a second per method; the counter has them all). A request stream is decoded message by
-message, the same way.
+message, the same way. The innermost step also ends a call the host's shortage failed (a
+thread that could not start, memory, file descriptors, disk) with UNAVAILABLE, retryable,
+where grpc would answer UNKNOWN with a traceback (`shortage_refusal`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import grpc
 
 from hopline.observability import metrics
 from hopline.observability.logs import Episodes
-from hopline.runtime.errors import TRACE_ID_METADATA
+from hopline.runtime.errors import TRACE_ID_METADATA, host_shortage, shortage_message
 
 log = logging.getLogger("hopline.runtime.requests")
 
@@ -257,6 +259,28 @@ class Undecodable(Exception):
         self.message = message
 
 
+# The host running short (threads, memory, file descriptors, disk) fails calls while it lasts:
+# said once an episode per method, with what ran out.
+_SHORTAGES = Episodes(log, "call refused UNAVAILABLE: the host is out of a resource")
+
+
+def shortage_refusal(method: str, exc: BaseException) -> str | None:
+    """The status message for a call `exc` ended, when `exc` is the host's shortage
+    (runtime/errors.py:host_shortage), logged once an episode; None for any other failure."""
+    short_of = host_shortage(exc)
+    if short_of is None:
+        return None
+    _SHORTAGES.failed(method, short_of, method=method, short_of=short_of, error=str(exc))
+    return shortage_message(short_of)
+
+
+async def _served(method: str, exc: Exception, context: Context) -> None:
+    """Ends the call UNAVAILABLE when `exc` is the host's shortage; returns otherwise."""
+    message = shortage_refusal(method, exc)
+    if message is not None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, message, trace_trailer())
+
+
 def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str) -> Any:
     """`behaviour` taking raw request bytes: each request is parsed with `deserializer`, and
     one that does not parse is refused with INVALID_ARGUMENT (see the module docstring)."""
@@ -284,7 +308,11 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
                 request = deserializer(data)
             except Exception as exc:
                 await refuse(context, exc)
-            return await behaviour(request, context)
+            try:
+                return await behaviour(request, context)
+            except Exception as exc:
+                await _served(method, exc, context)
+                raise
 
         return unary_unary
     if kind == "unary_stream":
@@ -294,8 +322,12 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
                 request = deserializer(data)
             except Exception as exc:
                 await refuse(context, exc)
-            async for reply in behaviour(request, context):
-                yield reply
+            try:
+                async for reply in behaviour(request, context):
+                    yield reply
+            except Exception as exc:
+                await _served(method, exc, context)
+                raise
 
         return unary_stream
     if kind == "stream_unary":
@@ -305,6 +337,9 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
                 return await behaviour(each(raw, context), context)
             except Undecodable as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message, trace_trailer())
+            except Exception as exc:
+                await _served(method, exc, context)
+                raise
 
         return stream_unary
 
@@ -314,6 +349,9 @@ def decoding(method: str, deserializer: Deserializer, behaviour: Any, kind: str)
                 yield reply
         except Undecodable as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message, trace_trailer())
+        except Exception as exc:
+            await _served(method, exc, context)
+            raise
 
     return stream_stream
 
