@@ -51,6 +51,7 @@ MAX_RESTART_BACKOFF_S = 8.0
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 120.0
 POLL_S = 0.3  # how often the supervisor looks at its services
+NOT_BACK_WARN_S = 60.0  # a restarted service not SERVING after this long is said to be late
 
 
 class Restarts:
@@ -75,6 +76,7 @@ def supervise(mesh: Mesh, stopping: Callable[[], bool]) -> int:
     restarts = Restarts()
     due: dict[str, float] = {}  # exited: when to start it again
     back: dict[str, float] = {}  # started again, not SERVING yet: since when
+    late: set[str] = set()  # of those, the ones said to be late
     while not stopping():
         now = time.monotonic()
         for name, code in mesh.exited().items():
@@ -99,11 +101,20 @@ def supervise(mesh: Mesh, stopping: Callable[[], bool]) -> int:
                 mesh.spawn([name])
                 back[name] = now
         for name, since in list(back.items()):
-            if name not in due and mesh.procs[name].poll() is None and mesh.serving(name):
+            if name in due or mesh.procs[name].poll() is not None:
+                continue
+            if mesh.serving(name):
                 del back[name]
+                late.discard(name)
                 log.info(
                     "service SERVING again",
                     extra={"service": name, "after_s": round(time.monotonic() - since, 1)},
+                )
+            elif now - since > NOT_BACK_WARN_S and name not in late:
+                late.add(name)  # once a restart: it may yet come back, and says so then
+                log.warning(
+                    "service started again but not SERVING yet; its own lines above say why",
+                    extra={"service": name, "after_s": round(now - since, 1)},
                 )
         time.sleep(POLL_S)
     return 0
@@ -153,6 +164,7 @@ def run_mesh(
         addrs=topology.addrs(),
         env={"HOPLINE_LOG_FORMAT": log_format},
         die_with_parent=True,
+        bound_checks=True,
     )
     mesh.stop_timeout_s = STOP_TIMEOUT_S
     # Before any probe of the addresses: 127.0.0.1:99999 was an OverflowError traceback.

@@ -62,6 +62,7 @@ from hopline.gateway.streaming import (
     serve_stream,
     stream_message_span,
 )
+from hopline.gateway.turns import Turns
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import child_span, current_trace_id
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -395,20 +396,20 @@ def classified(answers: Answers, labels: Sequence[str], classes: int) -> bytes:
 class StreamTurns:
     """The turns a ModelStreamInfer stream's texts take, whatever requests carry them: counted
     by requests, 32 requests of 16 texts put 512 of one stream in flight against the gateway's
-    limit of 256 (a reviewer's reproduction). Sized by the stream's first request's tenant:
-    its tenant's always-left places once another tenant has sent, else the gateway's limit."""
+    limit of 256 (a reviewer's reproduction). The tenant is the stream's first request's; the
+    width is read at each turn (gateway/turns.py): its tenant's always-left places once
+    another tenant has sent, else the gateway's limit."""
 
     def __init__(self, admission: Admission) -> None:
         self._admission = admission
-        self._turns: asyncio.Semaphore | None = None
-        self._sized = False
+        self._turns: Turns | None = None
 
-    def for_tenant(self, tenant: str) -> asyncio.Semaphore | None:
-        if not self._sized:
+    def for_tenant(self, tenant: str) -> Turns:
+        if self._turns is None:
             admission = self._admission
-            width = admission.batch_width(tenant) or admission.max_in_flight
-            self._turns = asyncio.Semaphore(width) if width else None
-            self._sized = True
+            self._turns = Turns(
+                lambda: admission.batch_width(tenant) or admission.max_in_flight or None
+            )
         return self._turns
 
 
@@ -609,7 +610,8 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         if stream is not None:
             turns = stream.for_tenant(tenant)
         elif (width := gateway.admission.batch_width(tenant)) and width < len(texts):
-            turns = asyncio.Semaphore(width)
+            admission = gateway.admission
+            turns = Turns(lambda: admission.batch_width(tenant))
         answers = await self._predict_all(
             texts, info, tenant, top_k, mode, deadline_s, started, turns
         )
@@ -624,7 +626,7 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         mode: common_pb2.CacheMode.ValueType,
         timeout_s: float,
         started: float,
-        turns: asyncio.Semaphore | None,
+        turns: Turns | None,
     ) -> list[gateway_pb2.PredictResponse]:
         """Every text at once, or as `turns` lets them (gateway/admission.py:batch_width)."""
         failure: StatusError | None = None

@@ -33,6 +33,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from hopline.gateway.turns import Turns
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import child_span, current_trace_id, server_failed
 from hopline.protos.hopline.gateway.v1 import gateway_pb2
@@ -131,9 +132,9 @@ async def serve_stream(
     # No more than the places its tenant is always left (as a ModelInfer batch's texts), so
     # its own requests are never refused by the tenant's share: beside nine tenants sending,
     # a stream's requests past 32 of its 64 were (a test run's, tritonclient's aio stream).
-    width = gateway.admission.batch_width(tenant)
-    limit = gateway.config.stream_max_in_flight
-    slots = asyncio.Semaphore(limit if width is None else min(limit, width))
+    # Read at each request: the stream may have opened while its tenant was alone.
+    admission, limit = gateway.admission, gateway.config.stream_max_in_flight
+    slots = Turns(lambda: min(limit, admission.batch_width(tenant) or limit))
     running: set[asyncio.Task[None]] = set()
     metrics.GATEWAY_CALLS.labels(method).inc()
 

@@ -18,8 +18,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import IO, Self
 
 import grpc
@@ -109,6 +111,34 @@ class StartInterrupted(Exception):
     """Start-up was called off (Ctrl-C) before the mesh was ready."""
 
 
+CHECK_BOUND_S = 3.0  # `Mesh.bound_checks`: the most one check may take (they ask for 1 s)
+
+
+class _Overdue(Exception):
+    """A check outlived CHECK_BOUND_S (raised by SIGALRM's handler)."""
+
+
+def _raise_overdue(signum: int, frame: FrameType | None) -> None:
+    raise _Overdue
+
+
+@contextmanager
+def _alarm(seconds: float) -> Iterator[None]:
+    """Raises _Overdue in the main thread once `seconds` have passed inside the block; an
+    alarm set before it (pytest-timeout's) is set again after, for what was left of it."""
+    previous = signal.signal(signal.SIGALRM, _raise_overdue)
+    started = time.monotonic()
+    outer, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer > 0:
+            left = outer - (time.monotonic() - started)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), interval)
+
+
 class Mesh:
     """hopline services as child processes, each on the address the table (or `addrs`) gives.
 
@@ -126,10 +156,13 @@ class Mesh:
         service_env: Mapping[str, Mapping[str, str]] | None = None,
         log_dir: Path | None = None,
         die_with_parent: bool = False,
+        bound_checks: bool = False,
     ) -> None:
         self.repo = model_repo
         self.log_dir = log_dir
         self.die_with_parent = die_with_parent
+        self.bound_checks = bound_checks
+        self._overdue_said = False
         self.service_env = {name: dict(values) for name, values in (service_env or {}).items()}
         self.env = {**os.environ, **(env or {}), "HOPLINE_MODEL_REPO": str(model_repo.resolve())}
         self.addrs = {s.name: s.address(self.env) for s in SERVICES} | dict(addrs or {})
@@ -227,7 +260,7 @@ class Mesh:
     ) -> None:
         """Poll `ready` until it holds; MeshError when a service exits or the deadline passes,
         StartInterrupted when `stopping` says so (a Ctrl-C during start-up)."""
-        while not ready():
+        while not self._check(ready):
             if stopping():
                 raise StartInterrupted(what)
             if dead := self.exited():
@@ -254,7 +287,33 @@ class Mesh:
 
     def serving(self, name: str) -> bool:
         """Whether `name` answers its health check SERVING now."""
-        return self._serving(name)()
+        return self._check(self._serving(name))
+
+    def _check(self, check: Callable[[], bool]) -> bool:
+        """`check()`; with `bound_checks`, False once it has taken CHECK_BOUND_S.
+
+        gRPC's deadline bounds a check only while gRPC core can run its timers: under a pids
+        limit reached mid-run it could not start their thread, a health check's 1 s deadline
+        never fired, and `hopline run` waited in it for good, its restarts stopped and Ctrl-C
+        unheard (its handler only sets a flag the loop reads; a resource-exhaustion probe, 2
+        of 2). SIGALRM's handler raises out of gRPC's wait, which runs Python's signal handlers
+        every 0.2 s. Main thread only: so only `hopline run`, single-threaded, turns it on."""
+        if not self.bound_checks:
+            return check()
+        try:
+            with _alarm(CHECK_BOUND_S):
+                answer = check()
+        except _Overdue:
+            if not self._overdue_said:
+                self._overdue_said = True
+                log.warning(
+                    "a health check outlived its deadline: the host may be out of threads "
+                    "(a pids or process limit); checks go on, each given up after its bound",
+                    extra={"bound_s": CHECK_BOUND_S},
+                )
+            return False
+        self._overdue_said = False
+        return answer
 
     def wait_serving(self, name: str, timeout_s: float = 120.0) -> None:
         self.wait_until(f"{name} SERVING", self._serving(name), time.monotonic() + timeout_s)

@@ -1,0 +1,69 @@
+"""Places in flight for one caller's many requests (a stream's messages, a batch's texts), as
+many at once as `width()` says at the moment each is taken.
+
+A semaphore is sized once. A stream lives for hours, and the width it should have changes
+while it is open: a stream opened while its tenant had the gateway to itself may put the
+gateway's whole limit in flight, and once another tenant has come only its tenant's
+always-left places (gateway/admission.py:batch_width), else its own requests past its
+tenant's share are refused by it. Sized at the first request, a stream kept the whole limit
+for good after the second tenant came (stop 101's note). Read at each take, the width only
+stops new turns: the ones taken run to their end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable
+
+
+class Turns:
+    """At most `width()` turns taken at once; None from `width` is no bound. Waiters are
+    served first come, first served: a freed turn goes to the longest waiting."""
+
+    def __init__(self, width: Callable[[], int | None]) -> None:
+        self._width = width
+        self._taken = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def taken(self) -> int:
+        return self._taken
+
+    def _room(self) -> bool:
+        width = self._width()
+        return width is None or self._taken < width
+
+    async def acquire(self) -> None:
+        if not self._waiters and self._room():
+            self._taken += 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter  # `_hand_on` counts the turn as taken before it wakes this
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # handed a turn, then cancelled: it goes to the next
+            else:
+                if waiter in self._waiters:  # `_hand_on` drops a cancelled one it meets
+                    self._waiters.remove(waiter)
+                self._hand_on()
+            raise
+
+    def release(self) -> None:
+        self._taken -= 1
+        self._hand_on()
+
+    def _hand_on(self) -> None:
+        while self._waiters and self._room():
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self._taken += 1
+                waiter.set_result(None)
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *_: object) -> None:
+        self.release()

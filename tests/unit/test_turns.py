@@ -1,0 +1,91 @@
+"""A long-lived stream's turns (gateway/turns.py:Turns) follow the width of the moment: a
+ModelStreamInfer stream opened while its tenant had the gateway to itself puts the gateway's
+limit in flight, and once another tenant has come no more than its tenant's always-left
+places (gateway/admission.py:batch_width); the turns already taken run to their end."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fake_clock import FakeClock
+from test_admission_logic import call
+
+from hopline.gateway.admission import Admission
+from hopline.gateway.open_inference import StreamTurns
+from hopline.gateway.turns import Turns
+
+LIMIT, MINIMUM = 64, 16
+
+
+async def _taken_at_once(turns: Turns, n: int) -> int:
+    """How many of `n` more takes succeed without a release."""
+    takes = [asyncio.ensure_future(turns.acquire()) for _ in range(n)]
+    await asyncio.sleep(0)
+    done = sum(t.done() for t in takes)
+    for t in takes:
+        t.cancel()
+    await asyncio.gather(*takes, return_exceptions=True)
+    return done
+
+
+def test_a_stream_opened_alone_narrows_once_another_tenant_comes() -> None:
+    async def main() -> None:
+        admission = Admission(
+            max_in_flight=LIMIT,
+            cache_budget_ms=40,
+            clock=FakeClock(1000.0),
+            tenant_min_in_flight=MINIMUM,
+        )
+        with admission.admit(call(tenant="bulk")):
+            pass
+        turns = StreamTurns(admission).for_tenant("bulk")
+        for _ in range(40):  # alone: the gateway's whole limit
+            await turns.acquire()
+        with admission.admit(call(tenant="other")):
+            pass
+        # Another tenant has come: no new turn until fewer than its tenant's places are out.
+        assert await _taken_at_once(turns, 1) == 0
+        for _ in range(40 - MINIMUM):
+            turns.release()
+        assert await _taken_at_once(turns, 1) == 0
+        turns.release()
+        assert await _taken_at_once(turns, 2) == 1
+
+    asyncio.run(main())
+
+
+def test_turns_go_first_come_first_served_and_a_cancelled_waiter_gives_its_turn_on() -> None:
+    async def main() -> None:
+        turns = Turns(lambda: 1)
+        await turns.acquire()
+        order: list[str] = []
+
+        async def take(name: str) -> None:
+            await turns.acquire()
+            order.append(name)
+
+        first = asyncio.create_task(take("first"))
+        second = asyncio.create_task(take("second"))
+        third = asyncio.create_task(take("third"))
+        await asyncio.sleep(0)
+        turns.release()  # handed to `first`...
+        first.cancel()  # ...which is cancelled before it runs: the turn goes to `second`
+        await asyncio.gather(first, return_exceptions=True)
+        await asyncio.sleep(0)
+        assert second.done()
+        assert (order, turns.taken) == (["second"], 1)
+        turns.release()
+        await third
+        assert (order, turns.taken) == (["second", "third"], 1)
+        turns.release()
+        assert turns.taken == 0
+
+    asyncio.run(main())
+
+
+def test_no_width_is_no_bound() -> None:
+    async def main() -> None:
+        turns = Turns(lambda: None)
+        assert await _taken_at_once(turns, 500) == 500
+
+    asyncio.run(main())
