@@ -39,6 +39,7 @@ def _serve(name: str, argv: Sequence[str]) -> int:
         quota_cpus,
         usable_cpus,
     )
+    from hopline.runtime.parent import LAUNCHER_ENV, follow_parent
     from hopline.runtime.server import serve
     from hopline.runtime.workers import (
         WorkersConfigError,
@@ -57,6 +58,8 @@ def _serve(name: str, argv: Sequence[str]) -> int:
     workers = getattr(config, "worker_processes", 1)
     if worker_index() is not None:
         follow_supervisor()
+    elif LAUNCHER_ENV in os.environ:  # `hopline run`'s: it stops with it
+        follow_parent(LAUNCHER_ENV, "hopline run")
     elif workers != 1:
         try:
             check(config.listen, workers, "HOPLINE_GATEWAY_WORKERS", _colocated_store_file(config))

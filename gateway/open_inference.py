@@ -48,7 +48,6 @@ import numpy as np
 from google.protobuf import json_format
 
 from hopline.cache.keys import normalise_text
-from hopline.gateway.admission import Admission
 from hopline.gateway.call import unreadable
 from hopline.gateway.client import CACHE_MODES, outcome_name
 from hopline.gateway.errors import RequestError, abort
@@ -62,7 +61,7 @@ from hopline.gateway.streaming import (
     serve_stream,
     stream_message_span,
 )
-from hopline.gateway.turns import Turns
+from hopline.gateway.turns import StreamTurns, Turns
 from hopline.observability import metrics, schema
 from hopline.observability.tracing import child_span, current_trace_id
 from hopline.protos.hopline.common.v1 import common_pb2
@@ -391,26 +390,6 @@ def classified(answers: Answers, labels: Sequence[str], classes: int) -> bytes:
     return encode_bytes(
         [f"{rows[r, i]:f}:{i}:{labels[i]}".encode() for r in range(len(rows)) for i in best[r]]
     )
-
-
-class StreamTurns:
-    """The turns a ModelStreamInfer stream's texts take, whatever requests carry them: counted
-    by requests, 32 requests of 16 texts put 512 of one stream in flight against the gateway's
-    limit of 256 (a reviewer's reproduction). The tenant is the stream's first request's; the
-    width is read at each turn (gateway/turns.py): its tenant's always-left places once
-    another tenant has sent, else the gateway's limit."""
-
-    def __init__(self, admission: Admission) -> None:
-        self._admission = admission
-        self._turns: Turns | None = None
-
-    def for_tenant(self, tenant: str) -> Turns:
-        if self._turns is None:
-            admission = self._admission
-            self._turns = Turns(
-                lambda: admission.batch_width(tenant) or admission.max_in_flight or None
-            )
-        return self._turns
 
 
 # tritonclient's start_stream(..., enable_empty_final_response=True) asks every response to

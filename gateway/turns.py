@@ -15,6 +15,10 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hopline.gateway.admission import Admission
 
 
 class Turns:
@@ -67,3 +71,23 @@ class Turns:
 
     async def __aexit__(self, *_: object) -> None:
         self.release()
+
+
+class StreamTurns:
+    """The turns a ModelStreamInfer stream's texts take, whatever requests carry them: counted
+    by requests, 32 requests of 16 texts put 512 of one stream in flight against the gateway's
+    limit of 256 (a reviewer's reproduction). The tenant is the stream's first request's; the
+    width is read at each turn (gateway/turns.py): its tenant's always-left places once
+    another tenant has sent, else the gateway's limit."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self._turns: Turns | None = None
+
+    def for_tenant(self, tenant: str) -> Turns:
+        if self._turns is None:
+            admission = self._admission
+            self._turns = Turns(
+                lambda: admission.batch_width(tenant) or admission.max_in_flight or None
+            )
+        return self._turns

@@ -2,15 +2,13 @@
 
 Each service is `python -m hopline serve NAME` in its own process group, told where every
 service listens through the HOPLINE_<NAME>_ADDR variables the service table names. With
-`die_with_parent`, children get SIGTERM when the launcher dies without a chance to clean up
-(PR_SET_PDEATHSIG), so a killed `hopline run` never leaves orphans holding the ports; it
-runs code between fork and exec, which is unsafe in a process with threads (a test runner
-with gRPC channels open), so only the single-threaded `hopline run` turns it on.
+`die_with_parent`, children get SIGTERM when the launcher dies without a chance to clean up,
+so a killed `hopline run` never leaves orphans holding the ports (each child asks for it
+after exec: runtime/parent.py says why not before).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -29,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hopline.protos.hopline.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from hopline.runtime.api_keys import operator_metadata
+from hopline.runtime.parent import LAUNCHER_ENV
 from hopline.runtime.ports import address_in_use, free_ports
 from hopline.runtime.service_table import INPROC, SERVICES, ServiceName, spec
 from hopline.runtime.tls import ClientTls, channel, operator_tls
@@ -71,11 +70,6 @@ def rpcs_answered(metrics_port: int, method: str = "", code: str = "", worker: s
         and (not code or f'code="{code}"' in line)
         and (not worker or f'worker="{worker}"' in line)
     )
-
-
-def die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def spread_ports(env: Mapping[str, str], variable: str) -> dict[str, int]:
@@ -225,6 +219,8 @@ class Mesh:
             if name in self.health_ports:
                 env[HEALTH_PORT] = str(self.health_ports[name])
             env |= self.service_env.get(name, {})
+            if self.die_with_parent:
+                env[LAUNCHER_ENV] = str(os.getpid())  # the child follows it (`follow_parent`)
             out: IO[bytes] | None = None
             if self.log_dir is not None:
                 out = (self.log_dir / f"{name}.log").open("ab")
@@ -234,7 +230,6 @@ class Mesh:
                     env=env,
                     stdout=out,
                     stderr=subprocess.STDOUT if out else None,
-                    preexec_fn=die_with_parent if self.die_with_parent else None,
                     process_group=0,  # a Ctrl-C reaches the launcher, which stops them in order
                 )
             finally:

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import resource
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from hopline.observability.metrics import ProcessView, start_metrics_server
 from hopline.observability.tracing import ServerTracing, shutdown_tracing
 from hopline.runtime import collector, event_loop, grpc_io, reflection
 from hopline.runtime.config import ServerConfig, SettingError, setting_of
+from hopline.runtime.fd_limit import FdWatch, raise_soft_limit
 from hopline.runtime.interceptors import (
     Behaviour,
     Context,
@@ -333,6 +335,7 @@ async def _listen(
             "worker": worker_index(),
             "event_loop": event_loop.running(),
             "grpc_io": grpc_io.in_effect(),
+            "fd_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
         },
     )
     return True
@@ -411,6 +414,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
             f"HOPLINE_MAX_CONNECTION_AGE_S={config.max_connection_age_s:g}: 0 (never) or at "
             "least 1 s"
         )
+    raise_soft_limit()  # before milvus-lite or any worker starts: they inherit it
     gate = ReadinessGate()
     tls = TlsFiles.of(config, role_of(service))
     server = grpc.aio.server(
@@ -506,7 +510,9 @@ async def serve(service: Service, config: ServerConfig) -> int:
         for name in ("", *service.service_names):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", extra={"services": list(service.service_names)})
+        watch = asyncio.ensure_future(FdWatch().run())  # referenced until the process ends
         await stopping
+        watch.cancel()
     else:
         starting.cancel()
 

@@ -64,13 +64,10 @@ def worker_index() -> int | None:
 def follow_supervisor() -> None:
     """A worker gets SIGTERM (and drains) when its supervisor dies, even by SIGKILL. Asked
     for here, after exec, rather than between fork and exec in the supervisor, which has
-    threads by then (the gateway's imports start one); a supervisor that died before this
-    call is caught by comparing the parent's pid."""
-    from hopline.runtime.launcher import die_with_parent
+    threads by then (the gateway's imports start one)."""
+    from hopline.runtime.parent import follow_parent
 
-    die_with_parent()
-    if str(os.getppid()) != os.environ.get(SUPERVISOR_ENV):
-        raise SystemExit("the gateway's supervisor exited before this worker started")
+    follow_parent(SUPERVISOR_ENV, "the gateway's supervisor")
 
 
 def check(listen: str, workers: int, setting: str, store_file: str = "") -> None:

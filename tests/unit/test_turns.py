@@ -8,11 +8,9 @@ from __future__ import annotations
 import asyncio
 
 from fake_clock import FakeClock
-from test_admission_logic import call
 
 from hopline.gateway.admission import Admission
-from hopline.gateway.open_inference import StreamTurns
-from hopline.gateway.turns import Turns
+from hopline.gateway.turns import StreamTurns, Turns
 
 LIMIT, MINIMUM = 64, 16
 
@@ -36,13 +34,11 @@ def test_a_stream_opened_alone_narrows_once_another_tenant_comes() -> None:
             clock=FakeClock(1000.0),
             tenant_min_in_flight=MINIMUM,
         )
-        with admission.admit(call(tenant="bulk")):
-            pass
+        admission.tenants.tenancy.seen("bulk")  # its first request
         turns = StreamTurns(admission).for_tenant("bulk")
         for _ in range(40):  # alone: the gateway's whole limit
             await turns.acquire()
-        with admission.admit(call(tenant="other")):
-            pass
+        admission.tenants.tenancy.seen("other")  # another tenant's first request
         # Another tenant has come: no new turn until fewer than its tenant's places are out.
         assert await _taken_at_once(turns, 1) == 0
         for _ in range(40 - MINIMUM):
