@@ -292,6 +292,10 @@ def _usage_error(command: str, said: str) -> int:
 def _run(args: argparse.Namespace) -> int:
     from hopline.cli.run import run_mesh
 
+    if args.log_format not in ("text", "json"):  # argparse checks a flag, not its default
+        return _usage_error(
+            "run", f"HOPLINE_LOG_FORMAT={args.log_format!r}: text or json (or --log-format)"
+        )
     return run_mesh(
         Path(args.model_repo), log_format=args.log_format, topology=Topology(args.topology)
     )
@@ -315,7 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("HOPLINE_MODEL_REPO", "models"),
         help="the model repository, for every service [env HOPLINE_MODEL_REPO; default models]",
     )
-    run.add_argument("--log-format", default="text", choices=("text", "json"))
+    run.add_argument(
+        "--log-format",
+        default=os.environ.get("HOPLINE_LOG_FORMAT", "text"),
+        choices=("text", "json"),
+        help="every service's log, on this terminal [env HOPLINE_LOG_FORMAT; default text]",
+    )
     run.add_argument(
         "--topology",
         default=DEFAULT_TOPOLOGY.value,

@@ -7,10 +7,13 @@ part of what hopline ships, so a machine that cannot build them has not tested t
 
 from __future__ import annotations
 
+import http.server
 import re
 import shutil
 import socket
+import ssl
 import subprocess
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +45,13 @@ UNPARSEABLE = [
     ":8001",
     "::1:8001",
     "gateway",
+    # Not DNS names (grpc-java refused them at once, Go and Node failed resolving them), a
+    # port with six digits (Go took 021100 as 21100), an IPv6 address of one colon.
+    "a..b:8001",
+    "-gateway:8001",
+    "gate_way:8001",
+    "127.0.0.1:018001",
+    "[:]:8001",
 ]
 
 
@@ -130,6 +140,36 @@ def test_example_names_the_address_that_never_answers(lang: str) -> None:
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_example_names_a_port_that_answers_http1(lang: str) -> None:
+    """An HTTP/1 server at the address (a metrics port given by mistake) answers, but not in
+    HTTP/2: a failed call said with the address and that (Java ended INTERNAL with neither,
+    Go hinted at TLS)."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        addr = f"127.0.0.1:{server.server_address[1]}"
+        out = run_example(lang, addr, "where is my order", 5_000)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert out.returncode == 1, out.stdout
+    assert out.stderr.startswith("predict failed: "), out.stderr
+    assert addr in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    if lang != "node":  # grpc-js says "Protocol error", and no hint is added to it
+        assert "not in HTTP/2" in out.stderr, out.stderr
+        assert f"set {CA_ENV}" not in out.stderr, out.stderr
+
+
+def test_go_example_refuses_text_that_is_not_utf8() -> None:
+    """Bytes that are not UTF-8 are a usage error, where grpc-go failed the call INTERNAL
+    "string field contains invalid UTF-8". (Java's and Node's runtimes decode the command line
+    themselves, each such byte becoming U+FFFD before the example sees it: docs/clients.md.)"""
+    out = run_example("go", f"127.0.0.1:{free_port()}", "caf\udce9 order", 10_000)
+    assert_usage_error(out, "-text is not UTF-8 text")
+
+
 @pytest.mark.parametrize("addr", UNPARSEABLE)
 @pytest.mark.parametrize("lang", LANGUAGES)
 def test_example_refuses_an_address_that_does_not_parse(lang: str, addr: str) -> None:
@@ -150,15 +190,19 @@ def test_example_dials_a_name_and_a_bracketed_ipv6_address(lang: str) -> None:
         assert addr in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("content", [None, "not a certificate\n"])
+@pytest.mark.parametrize("content", [None, "not a certificate\n", "der"])
 @pytest.mark.parametrize("lang", LANGUAGES)
 def test_example_refuses_a_ca_file_it_cannot_use(
     lang: str, content: str | None, tmp_path: Path
 ) -> None:
-    """HOPLINE_TLS_CA naming a missing file, or one with no PEM certificate, is a usage error
-    naming the setting and the file, before anything is sent."""
+    """HOPLINE_TLS_CA naming a missing file, or one with no PEM certificate (a DER one too,
+    which Node took and then failed every handshake with, "unable to verify the first
+    certificate"), is a usage error naming the setting and the file, before anything is sent."""
     ca = tmp_path / "ca.crt"
-    if content is not None:
+    if content == "der":
+        pem = (make_certs(tmp_path / "tls", roles=()) / "ca.crt").read_text()
+        ca.write_bytes(ssl.PEM_cert_to_DER_cert(pem))
+    elif content is not None:
         ca.write_text(content)
     addr = f"127.0.0.1:{free_port()}"
     out = run_example(lang, addr, "where is my order", 10_000, tls_ca=str(ca))
@@ -167,11 +211,15 @@ def test_example_refuses_a_ca_file_it_cannot_use(
 
 
 @pytest.mark.parametrize("lang", LANGUAGES)
-def test_example_calls_a_tls_gateway_with_its_ca(tls_mesh: Mesh, lang: str) -> None:
+def test_example_calls_a_tls_gateway_with_its_ca(tls_mesh: Mesh, lang: str, tmp_path: Path) -> None:
     """With HOPLINE_TLS_CA the example dials TLS and verifies the gateway against that CA; and
-    says nothing else (Node's DEP0123 warning about an IP address as the TLS server name)."""
+    says nothing else (Node's DEP0123 warning about an IP address as the TLS server name). The
+    file here has a key before the certificate, which Java refused as no certificate."""
+    ca = tmp_path / "key-then-ca.pem"
+    given = Path(tls_mesh.env[CA_ENV])
+    ca.write_text(given.with_name("ca.key").read_text() + given.read_text())
     text = f"I want a refund for my purchase {uuid.uuid4().hex[:8]}"
-    out = run_example(lang, tls_mesh.gateway, text, 10_000, tls_ca=tls_mesh.env[CA_ENV])
+    out = run_example(lang, tls_mesh.gateway, text, 10_000, tls_ca=str(ca))
     assert out.returncode == 0, out.stderr
     match = OUTPUT.match(out.stdout.strip())
     assert match, out.stdout

@@ -20,6 +20,8 @@ const KEY_RULE =
   "an API key must be printable ASCII with no spaces around it " +
   "(it is sent as 'authorization: Bearer <key>')";
 const CA_ENV = "HOPLINE_TLS_CA";
+const LABEL = "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?";
+const HOST_NAME = new RegExp(`^${LABEL}(\\.${LABEL})*\\.?$`);
 
 /** Says what is wrong with how the command was called, in one line, and exits 2. */
 function usageError(message: string): never {
@@ -54,7 +56,7 @@ function addressProblem(addr: string): string {
       return "no :port after the ']': give [address]:port, as [::1]:8001";
     }
     port = port.slice(1);
-    if (!/^[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9._-]+)?$/.test(host)) {
+    if (!/^[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9._-]+)?$/.test(host)) {
       return `[${host}] is not an IPv6 address`;
     }
   } else {
@@ -70,7 +72,8 @@ function addressProblem(addr: string): string {
     if (host === "") {
       return `no host before the ':': ${give}`;
     }
-    if (!/^[A-Za-z0-9._-]+$/.test(host)) {
+    // An IPv4 address or a DNS name: labels of letters, digits and inner hyphens.
+    if (!HOST_NAME.test(host)) {
       return `host "${host}" is not a name or an IP address`;
     }
   }
@@ -96,8 +99,11 @@ function channelCredentials(ca: string): ChannelCredentials {
     // "ENOENT: no such file or directory", without ", open '<path>'" (named already)
     usageError(`${CA_ENV}="${ca}": cannot read it: ${e.message.split(",")[0]}`);
   }
+  // createSsl takes PEM only, and takes a file without a certificate silently (the handshake
+  // then fails "unable to verify the first certificate"); X509Certificate also parses DER.
+  const first = /-----BEGIN CERTIFICATE-----[^-]+-----END CERTIFICATE-----/.exec(pem.toString("latin1"));
   try {
-    new X509Certificate(pem); // the first certificate; createSsl would take none silently
+    new X509Certificate(first?.[0] ?? "");
   } catch {
     usageError(`${CA_ENV}="${ca}" holds no PEM certificate`);
   }
@@ -125,8 +131,10 @@ const deadline = new Date(Date.now() + ms); // Invalid Date past JavaScript's la
 if (!(ms > 0) || Number.isNaN(deadline.getTime())) {
   usageError(`timeout-ms must be a whole number of milliseconds above 0, got "${timeoutMs}"`);
 }
-// Refused here, not thrown by grpc-js's Metadata as "contains illegal characters".
-const key = (process.env.HOPLINE_API_KEY ?? "").trim();
+// Refused here, not thrown by grpc-js's Metadata as "contains illegal characters". Only
+// ASCII white space is trimmed, as the other clients do: a key ending in a no-break space is
+// not printable ASCII.
+const key = (process.env.HOPLINE_API_KEY ?? "").replace(/^[ \t\r\n]+|[ \t\r\n]+$/g, "");
 if (!/^[\x20-\x7e]*$/.test(key)) {
   usageError(`HOPLINE_API_KEY: ${KEY_RULE}`);
 }

@@ -24,6 +24,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"google.golang.org/genproto/googleapis/rpc/code"
 	"google.golang.org/grpc"
@@ -44,8 +45,11 @@ const keyRule = "an API key must be printable ASCII with no spaces around it " +
 const caEnv = "HOPLINE_TLS_CA"
 
 var (
-	hostName = regexp.MustCompile(`^[A-Za-z0-9._-]+$`)
-	ipv6     = regexp.MustCompile(`^[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9._-]+)?$`)
+	// An IPv4 address or a DNS name: labels of letters, digits and inner hyphens.
+	hostName = regexp.MustCompile(
+		`^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$`)
+	ipv6 = regexp.MustCompile(`^[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9._-]+)?$`)
+	port = regexp.MustCompile(`^[0-9]{1,5}$`)
 )
 
 // addressProblem says what is wrong with addr, or "" for a host:port the example dials: a
@@ -61,17 +65,17 @@ func addressProblem(addr string) string {
 	if strings.Contains(addr, "://") {
 		return "a URL, not an address: " + give
 	}
-	var host, port string
+	var host, portText string
 	if strings.HasPrefix(addr, "[") {
 		end := strings.Index(addr, "]")
 		if end < 0 {
 			return "no ']' closes the IPv6 address: give [address]:port, as [::1]:8001"
 		}
-		host, port = addr[1:end], addr[end+1:]
-		if !strings.HasPrefix(port, ":") {
+		host, portText = addr[1:end], addr[end+1:]
+		if !strings.HasPrefix(portText, ":") {
 			return "no :port after the ']': give [address]:port, as [::1]:8001"
 		}
-		port = port[1:]
+		portText = portText[1:]
 		if !ipv6.MatchString(host) {
 			return fmt.Sprintf("[%s] is not an IPv6 address", host)
 		}
@@ -80,7 +84,7 @@ func addressProblem(addr string) string {
 		if colon < 0 {
 			return "no port: " + give
 		}
-		host, port = addr[:colon], addr[colon+1:]
+		host, portText = addr[:colon], addr[colon+1:]
 		if strings.Contains(host, ":") {
 			return "an IPv6 address goes in brackets, as [::1]:8001"
 		}
@@ -91,12 +95,12 @@ func addressProblem(addr string) string {
 			return fmt.Sprintf("host %q is not a name or an IP address", host)
 		}
 	}
-	if port == "" {
+	if portText == "" {
 		return "no port after the ':': " + give
 	}
-	if n, err := strconv.Atoi(port); err != nil || strings.Trim(port, "0123456789") != "" ||
+	if n, err := strconv.Atoi(portText); err != nil || !port.MatchString(portText) ||
 		n < 1 || n > 65535 {
-		return fmt.Sprintf("port %q is not a number from 1 to 65535", port)
+		return fmt.Sprintf("port %q is not a number from 1 to 65535", portText)
 	}
 	return ""
 }
@@ -162,8 +166,16 @@ func main() {
 	if *timeout <= 0 {
 		usageError("-timeout must be above 0, got %v", *timeout)
 	}
-	// Refused here, not by grpc-go as an INTERNAL "non-printable ASCII characters".
-	key := strings.TrimSpace(os.Getenv("HOPLINE_API_KEY"))
+	// Refused here, not by grpc-go as an INTERNAL "error while marshaling".
+	for _, given := range []struct{ flag, value string }{{"-text", *text}, {"-tenant", *tenant}} {
+		if !utf8.ValidString(given.value) {
+			usageError("%s is not UTF-8 text (the gateway takes UTF-8): convert it, as with iconv", given.flag)
+		}
+	}
+	// Refused here, not by grpc-go as an INTERNAL "non-printable ASCII characters". Only
+	// ASCII white space is trimmed, as the other clients do: a key ending in a no-break space
+	// is not printable ASCII.
+	key := strings.Trim(os.Getenv("HOPLINE_API_KEY"), " \t\r\n")
 	if !sendableKey(key) {
 		usageError("HOPLINE_API_KEY: %s", keyRule)
 	}
@@ -175,8 +187,10 @@ func main() {
 	}
 	creds, over := transport()
 
-	// NewClient connects lazily; a gateway that does not answer fails the call below.
-	conn, err := grpc.NewClient(*addr, grpc.WithTransportCredentials(creds))
+	// NewClient connects lazily; a gateway that does not answer fails the call below. It
+	// reads the address as a URL's: an IPv6 zone's '%' is written %25 there.
+	conn, err := grpc.NewClient(strings.ReplaceAll(*addr, "%", "%25"),
+		grpc.WithTransportCredentials(creds))
 	if err != nil {
 		usageError("address %q: %v", *addr, err)
 	}
@@ -202,8 +216,12 @@ func main() {
 		// waiting for connections to become ready") does not say where it looked.
 		if len(trailer) == 0 && (st.Code() == codes.Unavailable || st.Code() == codes.DeadlineExceeded) {
 			line += fmt.Sprintf(" (gateway address %s over %s", *addr, over)
-			// A TLS server closes a plaintext connection before HTTP/2 starts.
-			if over == "plaintext" && strings.Contains(st.Message(), "server preface") {
+			// An HTTP/1 server answers with a status line, read as a frame far too large; a
+			// TLS server closes a plaintext connection before HTTP/2 starts.
+			if strings.Contains(st.Message(), "frame too large") {
+				line += "; the server there answered, but not in HTTP/2: an HTTP/1 port, " +
+					"such as a metrics one?"
+			} else if over == "plaintext" && strings.Contains(st.Message(), "server preface") {
 				line += "; closed before HTTP/2 began, as a TLS gateway does: set " + caEnv +
 					" to its CA file"
 			}
@@ -213,12 +231,16 @@ func main() {
 		conn.Close()
 		os.Exit(1)
 	}
+	outcome, known := commonv1.CacheOutcome_name[int32(reply.GetCache().GetOutcome())]
+	if !known {
+		outcome = "UNRECOGNIZED" // a newer gateway's outcome, as Java and Node print it
+	}
 	fmt.Printf("label=%s score=%.4f model=%s/%s cache=%s trace_id=%s\n",
 		reply.GetPrediction().GetLabel(),
 		reply.GetPrediction().GetScore(),
 		reply.GetModel(),
 		reply.GetModelVersion(),
-		commonv1.CacheOutcome_name[int32(reply.GetCache().GetOutcome())],
+		outcome,
 		reply.GetTraceId(),
 	)
 }

@@ -14,6 +14,7 @@ import io.grpc.TlsChannelCredentials;
 import io.grpc.stub.MetadataUtils;
 import java.io.ByteArrayInputStream;
 import java.io.IOException;
+import java.nio.charset.StandardCharsets;
 import java.nio.file.Files;
 import java.nio.file.InvalidPathException;
 import java.nio.file.NoSuchFileException;
@@ -23,6 +24,7 @@ import java.security.cert.CertificateFactory;
 import java.util.concurrent.TimeUnit;
 import java.util.logging.Level;
 import java.util.logging.Logger;
+import java.util.regex.Matcher;
 import java.util.regex.Pattern;
 
 /**
@@ -42,9 +44,13 @@ public final class Predict {
       "an API key must be printable ASCII with no spaces around it"
           + " (it is sent as 'authorization: Bearer <key>')";
   private static final String CA_ENV = "HOPLINE_TLS_CA";
-  private static final Pattern HOST_NAME = Pattern.compile("[A-Za-z0-9._-]+");
+  // An IPv4 address or a DNS name: labels of letters, digits and inner hyphens.
+  private static final String LABEL = "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?";
+  private static final Pattern HOST_NAME = Pattern.compile(LABEL + "(\\." + LABEL + ")*\\.?");
   private static final Pattern IPV6 =
-      Pattern.compile("[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9._-]+)?");
+      Pattern.compile("[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9._-]+)?");
+  private static final Pattern PEM_CERTIFICATE =
+      Pattern.compile("-----BEGIN CERTIFICATE-----[^-]+-----END CERTIFICATE-----");
   private static final Pattern PORT = Pattern.compile("[0-9]{1,5}");
   // grpc-java logs a failed name resolution as a WARNING with a stack trace on stderr, before
   // the call fails with the same cause (said in one line below). Held here: java.util.logging
@@ -139,16 +145,25 @@ public final class Predict {
     } catch (IOException | InvalidPathException | SecurityException e) {
       usageError(named + ": cannot read it: " + e);
     }
+    // The certificates alone, in PEM, as the Go and Node clients take them: a key before them
+    // made the parser give up, and it also reads DER, which they refuse.
+    StringBuilder certificates = new StringBuilder();
+    Matcher block = PEM_CERTIFICATE.matcher(new String(pem, StandardCharsets.ISO_8859_1));
+    while (block.find()) {
+      certificates.append(block.group()).append('\n');
+    }
+    byte[] only = certificates.toString().getBytes(StandardCharsets.ISO_8859_1);
     try {
-      if (CertificateFactory.getInstance("X.509")
-          .generateCertificates(new ByteArrayInputStream(pem))
-          .isEmpty()) {
+      if (only.length == 0
+          || CertificateFactory.getInstance("X.509")
+              .generateCertificates(new ByteArrayInputStream(only))
+              .isEmpty()) {
         usageError(named + " holds no PEM certificate");
       }
       // The gateway's certificate must name the host dialled (make certs's name 127.0.0.1 and
       // localhost beside gateway).
       return TlsChannelCredentials.newBuilder()
-          .trustManager(new ByteArrayInputStream(pem))
+          .trustManager(new ByteArrayInputStream(only))
           .build();
     } catch (GeneralSecurityException | IOException e) {
       usageError(named + " holds no PEM certificate");
@@ -188,13 +203,20 @@ public final class Predict {
     // No trailers: no gateway answered (its own errors carry x-hopline-trace-id).
     Metadata trailers = e.getTrailers();
     boolean answered = trailers != null && !trailers.keys().isEmpty();
+    // An HTTP/1 server answers with a status line, which grpc-java reads as a first frame that
+    // is not SETTINGS and ends INTERNAL: no gateway answered that either.
+    String said = String.valueOf(status.getDescription());
+    boolean notHttp2 = line.indexOf("First received frame was not SETTINGS") >= 0;
     if (!answered
-        && (status.getCode() == Status.Code.UNAVAILABLE
+        && (notHttp2
+            || status.getCode() == Status.Code.UNAVAILABLE
             || status.getCode() == Status.Code.DEADLINE_EXCEEDED)) {
       line.append(" (gateway address ").append(addr).append(" over ").append(over);
-      // A TLS server closes a plaintext connection before HTTP/2 starts.
-      String said = String.valueOf(status.getDescription());
-      if (over.equals("plaintext") && said.contains("Network closed for unknown reason")) {
+      if (notHttp2) {
+        line.append("; the server there answered, but not in HTTP/2: an HTTP/1 port, such as a")
+            .append(" metrics one?");
+      } else if (over.equals("plaintext") && said.contains("Network closed for unknown reason")) {
+        // A TLS server closes a plaintext connection before HTTP/2 starts.
         line.append("; closed before HTTP/2 began, as a TLS gateway does: set ")
             .append(CA_ENV)
             .append(" to its CA file");
