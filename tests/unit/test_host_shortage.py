@@ -69,35 +69,8 @@ def _handlers() -> dict[str, Any]:
     }
 
 
-async def _over_grpc(method: str) -> tuple[grpc.StatusCode, str]:
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, _handlers()),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            try:
-                if method == "Stream":
-                    async for _ in channel.unary_stream(f"/{SERVICE}/{method}", None, None)(
-                        b"x", timeout=10
-                    ):
-                        pass
-                else:
-                    await channel.unary_unary(f"/{SERVICE}/{method}", None, None)(b"x", timeout=10)
-            except grpc.aio.AioRpcError as err:
-                return err.code(), err.details() or ""
-            return grpc.StatusCode.OK, ""
-    finally:
-        await server.stop(None)
-
-
-async def _in_process(method: str) -> tuple[grpc.StatusCode, str]:
-    unary = {
-        f"/{SERVICE}/{name}": grpc.unary_unary_rpc_method_handler(behaviour)
-        for name, behaviour in UNARY.items()
-    }
-    unary[f"/{SERVICE}/Stream"] = grpc.unary_stream_rpc_method_handler(_streams_out_of_memory)
-    channel = InProcessChannel(unary, [])
+async def _call(channel: Any, method: str) -> tuple[grpc.StatusCode, str]:
+    """`method` once on `channel` (a grpc.aio channel or the in-process one): its status."""
     try:
         if method == "Stream":
             async for _ in channel.unary_stream(f"/{SERVICE}/{method}", None, None)(
@@ -109,6 +82,27 @@ async def _in_process(method: str) -> tuple[grpc.StatusCode, str]:
     except grpc.aio.AioRpcError as err:
         return err.code(), err.details() or ""
     return grpc.StatusCode.OK, ""
+
+
+async def _over_grpc(method: str) -> tuple[grpc.StatusCode, str]:
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, _handlers()),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            return await _call(channel, method)
+    finally:
+        await server.stop(None)
+
+
+async def _in_process(method: str) -> tuple[grpc.StatusCode, str]:
+    unary = {
+        f"/{SERVICE}/{name}": grpc.unary_unary_rpc_method_handler(behaviour)
+        for name, behaviour in UNARY.items()
+    }
+    unary[f"/{SERVICE}/Stream"] = grpc.unary_stream_rpc_method_handler(_streams_out_of_memory)
+    return await _call(InProcessChannel(unary, []), method)
 
 
 CASES = [
