@@ -197,3 +197,28 @@ def logged(runner: Runner, line: str) -> None:
         f"{line!r} in the runner's log ({runner.log_path})",
         every_s=0.1,
     )
+
+
+def test_services_stop_when_hopline_run_is_killed(runner: Runner) -> None:
+    """`hopline run` killed (SIGKILL: no chance to stop anything) leaves no service holding
+    its port: each asked, after exec, for SIGTERM when its parent dies (runtime/parent.py;
+    asked before exec it hung `hopline run` under a pids limit)."""
+    runner.wait_up(START_TIMEOUT_S)
+    services = [child(runner.proc.pid, "serve", name) for name in ("cache", "gateway")]
+    runner.proc.kill()
+    runner.proc.wait()
+    eventually(
+        lambda: not any(_running(pid) for pid in services),
+        f"the services {services} gone after their runner was killed",
+        every_s=0.2,
+    )
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited and not yet reaped by whoever adopted it, does
+    not)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
