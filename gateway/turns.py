@@ -77,7 +77,7 @@ class StreamTurns:
     """The turns a ModelStreamInfer stream's texts take, whatever requests carry them: counted
     by requests, 32 requests of 16 texts put 512 of one stream in flight against the gateway's
     limit of 256 (a reviewer's reproduction). The tenant is the stream's first request's; the
-    width is read at each turn (gateway/turns.py): its tenant's always-left places once
+    width is read at each turn (`Turns`): its tenant's always-left places once
     another tenant has sent, else the gateway's limit."""
 
     def __init__(self, admission: Admission) -> None:
