@@ -237,14 +237,10 @@ class Admission:
         return RequestError(code, message)
 
     @contextlib.contextmanager
-    def admit(self, call: PredictCall, free: bool = False) -> Iterator[None]:
-        """Holds a place in flight while `call` runs; raises RequestError when it cannot.
-
-        `free`: the answer is already here (a local-tier repeat), so nothing is refused.
-        """
-        if free:
-            yield
-            return
+    def admit(self, call: PredictCall) -> Iterator[None]:
+        """Holds a place in flight while `call` runs; raises RequestError when it cannot. A
+        local-tier repeat is not admitted: its answer is already here, so nothing is refused
+        (gateway/service.py:predict_text)."""
         tenant = call.response.tenant
         shares = self.tenants if self.max_in_flight and self.tenant_min_in_flight else None
         if shares is not None:

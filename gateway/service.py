@@ -392,10 +392,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         cache, model = self.cache_path, self.model_path
         speculative: asyncio.Future[tuple[common_pb2.Prediction, bool]] | None = None
         prediction = cache.local_answer(call)
+        if prediction is not None:  # a repeat this gateway holds: nothing to admit or run
+            cache.record_outcome(call)
+            return self._finish(call, prediction)
         # Refused at once (a RequestError) past the in-flight limit or the deadline's reach.
-        with self.admission.admit(call, free=prediction is not None):
+        with self.admission.admit(call):
             try:
-                if prediction is None and not cache.known_miss(call):
+                if not cache.known_miss(call):
                     if call.use_cache and not cache.expects_embedding(call):
                         model.tokenize_early(call)  # beside the lookup
                     speculative = model.speculate(call)

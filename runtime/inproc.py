@@ -215,7 +215,7 @@ class DirectCall:
         refusal = self._gate.refusal()
         if refusal is not None:
             raise _rpc_error(grpc.StatusCode.UNAVAILABLE, refusal)
-        self._gate.enter()
+        task = self._gate.enter()
         self._meter.enter()
         started = time.perf_counter()
         code = grpc.StatusCode.OK
@@ -232,7 +232,7 @@ class DirectCall:
             raise failure from None
         finally:
             self._meter.leave(code, started)
-            self._gate.leave()
+            self._gate.leave(task)
 
 
 class _UnaryStream:

@@ -108,18 +108,21 @@ class ReadinessGate(RpcWrapper):
             return DRAINING
         return None if self.ready else NOT_READY
 
-    def enter(self) -> None:
-        """An admitted call starts (a drain waits for it); `leave` when it ends."""
+    def enter(self) -> asyncio.Task[Any] | None:
+        """An admitted call starts (a drain waits for it): returns its task, for `leave` when
+        it ends (asked once: on Python 3.11 `current_task` is Python, a visible share of a
+        gateway's exact repeat)."""
         self._in_flight += 1
         self._idle.clear()
         if (task := asyncio.current_task()) is not None:
             self._tasks.add(task)
+        return task
 
-    def leave(self) -> None:
+    def leave(self, task: asyncio.Task[Any] | None) -> None:
         self._in_flight -= 1
         if self._in_flight == 0:
             self._idle.set()
-        if (task := asyncio.current_task()) is not None:
+        if task is not None:
             self._tasks.discard(task)
 
     async def cut(self) -> None:
@@ -154,14 +157,14 @@ class ReadinessGate(RpcWrapper):
             refusal = self.refusal()
             if refusal is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, refusal, trace_trailer())
-            self.enter()
+            task = self.enter()
             try:
                 return await inner(request, context)
             except asyncio.CancelledError:
                 await self.ended(context)
                 raise
             finally:
-                self.leave()
+                self.leave(task)
 
         return gated
 
@@ -170,7 +173,7 @@ class ReadinessGate(RpcWrapper):
             refusal = self.refusal()
             if refusal is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, refusal, trace_trailer())
-            self.enter()
+            task = self.enter()
             try:
                 async for reply in inner(request, context):
                     yield reply
@@ -178,7 +181,7 @@ class ReadinessGate(RpcWrapper):
                 await self.ended(context)
                 raise
             finally:
-                self.leave()
+                self.leave(task)
 
         return gated
 

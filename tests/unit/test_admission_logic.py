@@ -62,8 +62,6 @@ def test_the_in_flight_limit_refuses_the_next_request_and_frees_its_place() -> N
         with pytest.raises(RequestError) as refused, admission.admit(call()):
             pass
         assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        with admission.admit(call(), free=True):  # a local-tier answer is never refused
-            pass
     assert admission.in_flight == 0
     with admission.admit(call()):
         assert admission.in_flight == 1
@@ -282,8 +280,8 @@ def test_no_tenant_share_when_it_is_off(minimum: int, refused: bool) -> None:
 
 def test_an_admitted_request_runs_as_its_tenants_flow() -> None:
     """The stage queues and the model's batcher share their turns by FLOW (runtime/
-    fairness.py): set to the tenant while the request holds its place, unset after, and
-    left alone for a local-tier answer, which queues nowhere."""
+    fairness.py): set to the tenant while the request holds its place, unset after (a
+    local-tier answer is not admitted at all: tests/unit/test_local_tier_answer.py)."""
     admission = Admission(max_in_flight=8, cache_budget_ms=40)
     assert FLOW.get() is None
     with admission.admit(call(tenant="tenant-a")):
@@ -292,8 +290,6 @@ def test_an_admitted_request_runs_as_its_tenants_flow() -> None:
             assert FLOW.get() == "tenant-b"
         assert FLOW.get() == "tenant-a"
     assert FLOW.get() is None
-    with admission.admit(call(tenant="tenant-a"), free=True):
-        assert FLOW.get() is None
 
 
 @pytest.mark.parametrize(("limit", "minimum"), [(256, 32), (64, 32), (8, 2), (3, 32), (1, 1)])
