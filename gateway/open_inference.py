@@ -56,7 +56,9 @@ from hopline.gateway.model_config import Tensor, triton_config
 from hopline.gateway.service import GatewayService
 from hopline.gateway.streaming import (
     MAX_ID_BYTES,
+    MODEL_STREAM_INFER,
     clipped_id,
+    message_answered,
     message_failed,
     serve_stream,
     stream_message_span,
@@ -533,7 +535,7 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
                         )
                     )
                 except Exception as exc:  # one request's failure must not end the others
-                    failed = message_failed(span, exc, request.id)
+                    failed = message_failed(span, exc, request.id, MODEL_STREAM_INFER)
                     reply = pb.ModelStreamInferResponse(
                         error_message=f"{failed.code.name}: {failed.message}",
                         infer_response=pb.ModelInferResponse(
@@ -542,9 +544,11 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
                             id=clipped_id(request.id),  # to match it by
                         ),
                     )
+                else:
+                    message_answered(MODEL_STREAM_INFER)
             return final(request, reply)
 
-        stream = serve_stream(self.gateway, request_iterator, context, "ModelStreamInfer", answer)
+        stream = serve_stream(self.gateway, request_iterator, context, MODEL_STREAM_INFER, answer)
         async for reply in stream:
             yield reply
 
@@ -559,6 +563,9 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         turns its stream's texts share (else the request's own, when it needs them)."""
         started = time.perf_counter()
         gateway = self.gateway
+        # Counted as it comes, as Predict is: a request refused before its texts are accepted is
+        # one (failed ModelInfers were in no count: an SRE's probe); its other texts below.
+        metrics.GATEWAY_REQUESTS.inc()
         # Identity first, as Predict does: an unauthenticated caller learns nothing else.
         try:
             claimed = string_parameter(request.parameters, "tenant")
@@ -584,7 +591,7 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         # All scores only when asked for: label and score alone share Predict's cache
         # entries (top_k is part of the cache scope).
         top_k = len(info.labels) if any(o.name == CLASSIFIED for o in outputs) else 1
-        metrics.GATEWAY_REQUESTS.inc(len(texts))
+        metrics.GATEWAY_REQUESTS.inc(max(len(texts) - 1, 0))
         turns = None
         if stream is not None:
             turns = stream.for_tenant(tenant)

@@ -52,6 +52,7 @@ R = TypeVar("R")  # its reply
 MAX_ID_BYTES = 4096
 _END = object()
 _DRAINED = object()
+PREDICT_STREAM, MODEL_STREAM_INFER = "PredictStream", "ModelStreamInfer"  # metrics' method
 DRAINED = (
     "shutting down: every request this stream answered is answered; send those it did not "
     "(none was read) to another replica"
@@ -69,6 +70,7 @@ async def predict_stream(
         message: gateway_pb2.PredictStreamRequest,
     ) -> gateway_pb2.PredictStreamResponse:
         if len(message.id) > MAX_ID_BYTES // 4 and len(message.id.encode()) > MAX_ID_BYTES:
+            message_answered(PREDICT_STREAM, grpc.StatusCode.INVALID_ARGUMENT)
             return _id_too_long(message.id)
         with stream_message_span(message.id) as span:
             reply = gateway_pb2.PredictStreamResponse(id=message.id, trace_id=current_trace_id())
@@ -77,11 +79,13 @@ async def predict_stream(
                     await gateway.answer(message.request, metadata, gateway.timeout_for(context))
                 )
             except Exception as exc:  # one request's failure, or bug, must not end the others
-                failed = message_failed(span, exc, message.id)
+                failed = message_failed(span, exc, message.id, PREDICT_STREAM)
                 reply.code, reply.message = failed.code.value[0], failed.message
+            else:
+                message_answered(PREDICT_STREAM)
             return reply
 
-    async for reply in serve_stream(gateway, requests, context, "PredictStream", answer):
+    async for reply in serve_stream(gateway, requests, context, PREDICT_STREAM, answer):
         yield reply
 
 
@@ -94,16 +98,25 @@ def stream_message_span(rid: str) -> Iterator[trace.Span]:
         yield span
 
 
-def message_failed(span: trace.Span, exc: Exception, rid: str) -> StatusError:
-    """One stream message's failure as the status its reply carries, on its span; a bug
-    (anything not a StatusError) is logged and answered INTERNAL."""
+def message_answered(method: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> None:
+    """Counts one stream message's reply by its status (`hopline_stream_messages_total`): the
+    stream's own RPC ends OK whatever its messages' replies say, so without this a failing
+    message was in no metric (an SRE's probe: 7 of 10 failed, an error ratio of 0)."""
+    metrics.stream_messages(method, code.name).inc()
+
+
+def message_failed(span: trace.Span, exc: Exception, rid: str, method: str) -> StatusError:
+    """One stream message's failure as the status its reply carries, on its span and counted;
+    a bug (anything not a StatusError) is logged and answered INTERNAL."""
     if isinstance(exc, StatusError):
         span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
         if server_failed(exc.code):
             span.set_status(Status(StatusCode.ERROR, exc.code.name))
+        message_answered(method, exc.code)
         return exc
     log.exception("stream request failed", extra={"id": rid}, exc_info=exc)
     span.set_status(Status(StatusCode.ERROR, "INTERNAL"))
+    message_answered(method, grpc.StatusCode.INTERNAL)
     return StatusError(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
 

@@ -130,10 +130,17 @@ def _labelled(sample: Sample, worker: str) -> Sample:
     return sample._replace(labels={**sample.labels, WORKER_LABEL: worker})
 
 
+def workers_registry(collector: WorkersCollector) -> CollectorRegistry:
+    """The supervisor's registry over its workers' endpoints."""
+    # The workers' names are known only by scraping them: without this, a filtered scrape
+    # (`?name[]=...`) dropped the collector and answered an empty 200 (an SRE's probe).
+    registry = CollectorRegistry(auto_describe=False, support_collectors_without_names=True)
+    registry.register(collector)
+    return registry
+
+
 def serve_workers_metrics(
     host: str, port: int, worker_ports: Callable[[], Sequence[int | None]]
 ) -> int | None:
     """Serve the workers' merged metrics on host:port (0 disables it). Returns the port."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(WorkersCollector(worker_ports))
-    return start_metrics_server(host, port, registry)
+    return start_metrics_server(host, port, workers_registry(WorkersCollector(worker_ports)))

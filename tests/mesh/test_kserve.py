@@ -521,6 +521,21 @@ def test_unknown_model_and_version_are_not_found(client: triton.InferenceServerC
     assert f"{DEFAULT_MODEL}/9" in message
 
 
+def test_every_modelinfer_is_counted_failed_ones_too(
+    omesh: Mesh, client: triton.InferenceServerClient
+) -> None:
+    """hopline_gateway_requests_total counts a ModelInfer refused before its texts are
+    accepted as one, as it counts a refused Predict; an answered one counts its texts (failed
+    ModelInfers were in no count, so an error ratio over it read 0: an SRE's probe)."""
+    before = int(omesh.gateway_counters()["requests"])
+    for _ in range(3):
+        rejection(client.infer, "no-such-model", [text_input(["hi"])])
+    for _ in range(2):
+        rejection(client.infer, DEFAULT_MODEL, [text_input(["where is my parcel", "   "])])
+    client.infer(DEFAULT_MODEL, [text_input([f"parcel {uuid.uuid4().hex}" for _ in range(3)])])
+    assert int(omesh.gateway_counters()["requests"]) - before == 3 + 2 + 3
+
+
 def test_bad_tensors_are_invalid_argument(client: triton.InferenceServerClient) -> None:
     fp32 = triton.InferInput("text", [2], "FP32")
     fp32.set_data_from_numpy(np.zeros(2, dtype=np.float32))

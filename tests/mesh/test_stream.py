@@ -54,6 +54,7 @@ def test_every_request_is_answered_once_by_id_and_failures_stay_per_request(
     requests = [(rid, gateway_pb2.PredictRequest(text=t, tenant="s")) for rid, t in texts.items()]
     requests.insert(3, ("empty", gateway_pb2.PredictRequest(text="  ")))
     requests.insert(7, ("nomodel", gateway_pb2.PredictRequest(text="hi", model="no-such-model")))
+    counted = {code: _messages(mesh, code) for code in ("OK", "INVALID_ARGUMENT", "NOT_FOUND")}
     with grpc.insecure_channel(mesh.gateway) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         replies = list(stub.PredictStream(stream_of(*requests), timeout=60))
@@ -78,6 +79,20 @@ def test_every_request_is_answered_once_by_id_and_failures_stay_per_request(
     stream_trace = by_id["r0"].response.trace_id
     assert len(stream_trace) == 32
     assert {r.trace_id for r in replies} == {stream_trace}
+    # Each message's status is counted: the stream's own RPC is OK, and its failed messages
+    # were in no metric.
+    assert {code: _messages(mesh, code) - n for code, n in counted.items()} == {
+        "OK": len(texts),
+        "INVALID_ARGUMENT": 1,
+        "NOT_FOUND": 1,
+    }
+
+
+def _messages(mesh: Mesh, code: str) -> float:
+    said = gateway_metric(
+        mesh, f'hopline_stream_messages_total{{code="{code}",method="PredictStream"}}'
+    )
+    return said or 0.0
 
 
 def test_an_empty_stream_ends_cleanly(mesh: Mesh) -> None:

@@ -17,6 +17,7 @@ from hopline.observability.worker_metrics import (
     AnnouncedPorts,
     WorkersCollector,
     parse_openmetrics,
+    workers_registry,
 )
 
 
@@ -41,9 +42,7 @@ def merged(registries: dict[int, CollectorRegistry]) -> CollectorRegistry:
             raise ConnectionRefusedError(f"nothing on {port}")
         return parse_openmetrics(openmetrics(registries[port]))
 
-    out = CollectorRegistry(auto_describe=False)
-    out.register(WorkersCollector(lambda: [9101, 9102, 9103, None], read=read))
-    return out
+    return workers_registry(WorkersCollector(lambda: [9101, 9102, 9103, None], read=read))
 
 
 def test_families_merge_with_a_worker_label_and_exemplars() -> None:
@@ -65,6 +64,17 @@ def test_families_merge_with_a_worker_label_and_exemplars() -> None:
     plain = prometheus_text(registry).decode()
     assert 'calls_total{method="Predict",worker="1"} 5.0' in plain
     assert plain.count("# TYPE calls_total counter") == 1
+
+
+def test_a_filtered_scrape_gets_the_families_it_names() -> None:
+    """`?name[]=...` (a Prometheus scrape config's `params`, a dashboard's probe): answered
+    from the workers' families, where it was an empty 200."""
+    registry = merged({9101: worker_registry(3, "a" * 32), 9102: worker_registry(5, "b" * 32)})
+    only = registry.restricted_registry(["calls_total", "hopline_worker_up"])
+    text = prometheus_text(only).decode()
+    assert 'calls_total{method="Predict",worker="1"} 5.0' in text
+    assert 'hopline_worker_up{worker="0"} 1.0' in text
+    assert "latency_seconds" not in text
 
 
 def test_ports_are_read_as_workers_announce_them(tmp_path: Path) -> None:
