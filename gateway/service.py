@@ -50,7 +50,7 @@ from hopline.gateway.identity import IdentityError, KeyFirst, TenantResolver
 from hopline.gateway.key_mirror import KeyMirror
 from hopline.gateway.model_path import ModelPath
 from hopline.gateway.open_streams import OpenStreams
-from hopline.gateway.resilience import CircuitBreaker, Coalescer
+from hopline.gateway.resilience import CircuitBreaker, CircuitState, Coalescer
 from hopline.gateway.speculation import Speculation
 from hopline.gateway.stage_batching import GatewayStages
 from hopline.gateway.streaming import predict_stream
@@ -132,6 +132,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         self.breaker = CircuitBreaker(
             config.cache_breaker_failures, config.cache_breaker_cooldown_s
         )
+        breaker = self.breaker  # read at each scrape: open turns half-open with time alone
+        metrics.CACHE_CIRCUIT_OPEN.set_function(lambda: float(breaker.state != CircuitState.CLOSED))
         self.coalescer: Coalescer[common_pb2.Prediction] = Coalescer()
         self.speculation = Speculation(config.speculate, config.speculate_max_hit_rate)
         self.stages = (

@@ -195,6 +195,11 @@ LOCAL_EXACT_HITS = LoopCounter(
     "Exact hits the gateway's local tier answered, with no hop to the cache",
     (),
 )
+CACHE_CIRCUIT_OPEN = Gauge(
+    "hopline_cache_circuit_open",
+    "1 while the gateway's circuit to the cache is open or half-open (lookups skipped, answers "
+    "failing open and not stored; GetStats' cache_circuit says which), else 0",
+)
 STREAM_MESSAGES = LoopCounter(
     "hopline_stream_messages_total",
     "Messages answered on a PredictStream or ModelStreamInfer stream, by the status each reply "

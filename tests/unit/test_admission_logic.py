@@ -281,7 +281,7 @@ def test_no_tenant_share_when_it_is_off(minimum: int, refused: bool) -> None:
 def test_an_admitted_request_runs_as_its_tenants_flow() -> None:
     """The stage queues and the model's batcher share their turns by FLOW (runtime/
     fairness.py): set to the tenant while the request holds its place, unset after (a
-    local-tier answer is not admitted at all: tests/unit/test_local_tier_answer.py)."""
+    local-tier answer is not admitted at all: tests/unit/test_gateway_own_steps.py)."""
     admission = Admission(max_in_flight=8, cache_budget_ms=40)
     assert FLOW.get() is None
     with admission.admit(call(tenant="tenant-a")):

@@ -1,7 +1,9 @@
-"""A repeat the gateway's local exact tier holds is answered before admission
-(gateway/service.py:GatewayService.predict_text): never refused at the in-flight limit, no
-place taken, no flow set, nothing run. The gateway's own service with its local tier's answer
-given, its upstreams stand-ins: only the gateway's own steps are under test."""
+"""The gateway's own steps, its upstreams stand-ins (only the gateway is under test):
+
+- a repeat its local exact tier holds is answered before admission (gateway/service.py:
+  GatewayService.predict_text): never refused at the in-flight limit, no place taken, no flow
+  set, nothing run;
+- its circuit to the cache is a metric, read at each scrape."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import time
 from typing import Any, cast
 
 from gateway_fakes import Models, Pool
+from prometheus_client import REGISTRY
 
 from hopline.gateway.cache_path import EXACT
 from hopline.gateway.call import PredictCall
@@ -67,3 +70,16 @@ def test_a_local_repeat_is_answered_at_the_in_flight_limit_without_a_place() -> 
         assert flows == [None]  # counted, and as no tenant's flow: it queues nowhere
 
     asyncio.run(scenario())
+
+
+def test_the_cache_circuit_is_a_metric() -> None:
+    """hopline_cache_circuit_open says what GetStats says, read at each scrape (open turns
+    half-open with time alone): an alert on the cache's circuit needed GetStats before."""
+    pools = [Pool(object()), Pool(object()), Pool(Models()), Pool(object())]
+    config = GatewayConfig(cache_breaker_failures=1, cache_breaker_cooldown_s=60.0)
+    gateway = GatewayService(config, GatewayUpstreams(*cast(Any, pools)))
+    assert REGISTRY.get_sample_value("hopline_cache_circuit_open") == 0.0
+    gateway.breaker.failure()
+    assert REGISTRY.get_sample_value("hopline_cache_circuit_open") == 1.0
+    gateway.breaker.success()
+    assert REGISTRY.get_sample_value("hopline_cache_circuit_open") == 0.0
