@@ -207,11 +207,8 @@ STREAM_MESSAGES = LoopCounter(
     ("method", "code"),
 )
 
-
-@functools.cache
-def stream_messages(method: str, code: str) -> Any:
-    """STREAM_MESSAGES' child for one stream method and status code."""
-    return STREAM_MESSAGES.labels(method, code)
+# STREAM_MESSAGES' child for one stream method and status code (a dict lookup, not labels()).
+stream_messages = functools.cache(STREAM_MESSAGES.labels)
 
 
 CACHE_STORES = LoopCounter(
