@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.error
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -199,14 +199,16 @@ def spawn_replica(
     env: dict[str, str],
     label: str,
     host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """Another replica of `name` on `host:port` (any 127.x.y.z is loopback too), with
     `mesh`'s environment plus `env`, returned once its health says SERVING. Its log is
-    `mesh.workdir/<name>-<label>.log`."""
+    `mesh.workdir/<name>-<label>.log`. `prefix`: a command that execs the service (`prlimit
+    ...`)."""
     log_path = mesh.workdir / f"{name}-{label}.log"
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "hopline", "serve", name],
+            [*prefix, sys.executable, "-m", "hopline", "serve", name],
             env={
                 **mesh.env,
                 f"HOPLINE_{name.upper()}_ADDR": f"{host}:{port}",
