@@ -291,10 +291,13 @@ def _usage_error(command: str, said: str) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from hopline.cli.run import run_mesh
+    from hopline.observability.logs import LogFormat
 
-    if args.log_format not in ("text", "json"):  # argparse checks a flag, not its default
+    formats = [f.value for f in LogFormat]
+    if args.log_format not in formats:  # argparse checks a flag, not its default
         return _usage_error(
-            "run", f"HOPLINE_LOG_FORMAT={args.log_format!r}: text or json (or --log-format)"
+            "run",
+            f"HOPLINE_LOG_FORMAT={args.log_format!r}: {' or '.join(formats)} (or --log-format)",
         )
     return run_mesh(
         Path(args.model_repo), log_format=args.log_format, topology=Topology(args.topology)

@@ -37,4 +37,4 @@ def test_run_reads_the_log_format_from_the_environment(
     assert build_parser().parse_args(["run", "--log-format", "text"]).log_format == "text"
     monkeypatch.setenv("HOPLINE_LOG_FORMAT", "xml")
     assert main(["run"]) == 2
-    assert "HOPLINE_LOG_FORMAT='xml': text or json" in capsys.readouterr().err
+    assert "HOPLINE_LOG_FORMAT='xml': json or text" in capsys.readouterr().err
