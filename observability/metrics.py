@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Collection, Iterable, Iterator
-from typing import Any, cast
+from typing import Any
 
 from opentelemetry import trace
 from prometheus_client import (
@@ -20,11 +20,11 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    start_http_server,
 )
 from prometheus_client.metrics_core import Metric
 
 from hopline.observability.loop_metrics import LoopCounter, LoopGauge, LoopHistogram
+from hopline.observability.metrics_server import serve_metrics
 from hopline.runtime.service_table import ServiceName
 
 log = logging.getLogger("hopline.metrics")
@@ -358,16 +358,16 @@ class ProcessView:
 def start_metrics_server(
     host: str, port: int, registry: CollectorRegistry | ProcessView = REGISTRY
 ) -> int | None:
-    """Serve /metrics on host:port from a daemon thread; 0 disables it. Returns the port."""
+    """Serve /metrics on host:port from a daemon thread (`hopline.observability.
+    metrics_server`); 0 disables it. Returns the port."""
     if port <= 0:
         return None
     try:
-        server, _ = start_http_server(port, addr=host, registry=cast(CollectorRegistry, registry))
+        bound = serve_metrics(host, port, registry).port
     except OSError as exc:
         # A taken metrics port must not take the service down with it: say so and go on.
         log.error("cannot serve metrics", extra={"host": host, "port": port, "error": str(exc)})
         return None
-    bound = int(server.server_port)
     shown = f"[{host}]" if ":" in host else host  # an IPv6 address, as a URL writes it
     log.info("metrics", extra={"url": f"http://{shown}:{bound}/metrics"})
     return bound

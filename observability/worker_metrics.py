@@ -22,13 +22,14 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from hopline.observability.metrics import start_metrics_server
+from hopline.observability.metrics_server import serve_metrics
 
 log = logging.getLogger("hopline.observability.worker_metrics")
 
@@ -44,11 +45,10 @@ def serve_worker_metrics(directory: Path, index: int, registry: Any = None) -> i
     kernel picks and announce it in `directory/<index>`; the port, or None when it could not
     bind (said in the log)."""
     try:
-        server, _ = start_http_server(0, addr=LOOPBACK, registry=registry or REGISTRY)
+        port = serve_metrics(LOOPBACK, 0, registry or REGISTRY).port
     except OSError as exc:
         log.error("cannot serve worker metrics", extra={"worker": index, "error": str(exc)})
         return None
-    port = int(server.server_port)
     # Written whole, then renamed: a scrape never reads half a port number.
     partial = directory / f".{index}.partial"
     partial.write_text(str(port))

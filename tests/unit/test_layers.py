@@ -1,8 +1,8 @@
 """The layout's rules, read from the source with `ast` (nothing is imported to check them).
 
-- The base layer (runtime/, and observability's logs, metrics, loop_metrics,
-  worker_metrics, tracing, remote_sampling, spans, otlp, export_tls and schema) imports
-  nothing above it: only itself and the generated stubs in protos/.
+- The base layer (runtime/, and observability's logs, metrics, metrics_server,
+  loop_metrics, worker_metrics, tracing, remote_sampling, spans, otlp, export_tls and
+  schema) imports nothing above it: only itself and the generated stubs in protos/.
 - The service table names real modules and classes, and each service's config binds the
   address and metrics port the table gives (one source for both).
 - `hopline serve NAME` goes straight to the table: cli/main.py imports no tool at the top.
@@ -24,6 +24,7 @@ BASE = ("hopline.runtime", "hopline.protos")
 BASE_OBSERVABILITY = (
     "logs",
     "metrics",
+    "metrics_server",
     "loop_metrics",
     "worker_metrics",
     "tracing",
