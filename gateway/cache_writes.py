@@ -20,7 +20,7 @@ import grpc
 
 from hopline.gateway.call import PredictCall
 from hopline.gateway.store_queue import FENCED, STORE_FAILURES, STORES, StoreQueue
-from hopline.gateway.upstream import HopError, Pool, call_hop
+from hopline.gateway.upstream import HopError, Pool, Upstream, call_hop
 from hopline.observability import metrics, schema
 from hopline.observability.logs import Episodes
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
@@ -55,6 +55,7 @@ class CacheWrites:
                 linger_s=linger_s,
                 in_flight=in_flight,
                 address=cache.target,
+                hurry=cache.none_serving if isinstance(cache, Upstream) else lambda: False,
             )
             if batched
             else None

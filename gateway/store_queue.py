@@ -12,6 +12,8 @@ is counted when the reply comes.
 - A row the cache refuses counts as a store error on its own. A batch refused for its content
   (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND) goes again row by row, so a bad row fails
   only itself; any other failure (UNAVAILABLE, DEADLINE_EXCEEDED) fails the batch's rows.
+- A cache with no replica SERVING (one draining, still accepting for its drain delay) gets
+  every row at once: lingering, they reached it after it stopped accepting.
 - A cache from before StoreBatch answers UNIMPLEMENTED: `unary` stores those rows one by one
   (cache_writes.py then sends Store calls for a while).
 - Traces: a request whose trace is recorded gets a `cache_store` client span from its store to
@@ -80,8 +82,12 @@ class StoreQueue:
         linger_s: float,
         in_flight: int,
         address: str,
+        hurry: Callable[[], bool] = lambda: False,
     ) -> None:
         self._send = send
+        # True while the cache has no replica SERVING (a lone one draining): its rows go now,
+        # lingering none, while it still accepts them (HOPLINE_DRAIN_DELAY_S).
+        self._hurry = hurry
         self._unary = unary  # rows for a cache without StoreBatch
         self._spawn = spawn
         self._linger_s = max(0.0, linger_s)
@@ -98,7 +104,7 @@ class StoreQueue:
     def put(self, request: cache_pb2.StoreRequest) -> None:
         parent = trace.get_current_span()
         self._rows.append(_Row(request, parent, _store_span(parent, self._address)))
-        if not self._linger_s or len(self._rows) >= STORE_BATCH_ROWS:
+        if not self._linger_s or len(self._rows) >= STORE_BATCH_ROWS or self._hurry():
             self._due = True
         elif not self._due and self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._linger_s, self._lingered)

@@ -87,6 +87,41 @@ def test_a_replica_that_says_not_serving_gets_no_calls(default_repo: Path, tmp_p
         second.wait()
 
 
+def test_a_lone_replica_that_drains_is_called_through_its_drain_delay(
+    default_repo: Path, tmp_path: Path
+) -> None:
+    """With no other replica to move to, a draining one that still accepts is called: the
+    delay is there so callers with another replica move away, and a gateway whose only
+    replica said NOT_SERVING failed every call at once (an operator's probe: a graceful
+    SIGTERM of the one cache replica failed the stores of the 0.35 s before it stopped
+    accepting; gateway/upstream.py:Upstream, its last-resort channel)."""
+    repo = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    port, metrics_port = free_port(), free_port()
+    mesh = Mesh(repo, tmp_path, addrs={"inference": f"127.0.0.1:{port}"}, **LEAN)
+    drain = {"HOPLINE_DRAIN_DELAY_S": "60"}
+    lone = spawn_replica(mesh, "inference", port, metrics_port, drain, "lone")
+    try:
+        mesh.start(("tokenizer", "postprocess", "gateway"))
+        assert all(predict_all(mesh.gateway, 5))
+
+        lone.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while health(f"127.0.0.1:{port}") != NOT_SERVING:
+            assert time.monotonic() < deadline, "the replica never said NOT_SERVING"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the gateway's health watch hears it
+        before = served_ok(metrics_port, "Infer")
+        labels = predict_all(mesh.gateway, 10)
+        assert all(labels)
+        assert served_ok(metrics_port, "Infer") > before
+        assert lone.poll() is None, "the replica stopped accepting before the test ended"
+    finally:
+        mesh.stop()
+        lone.kill()
+        lone.wait()
+
+
 def _watch_all(channel: grpc.Channel, count: int) -> list[grpc.StatusCode]:
     """`count` health watches held open on `channel` (until it closes): how each began."""
     stub = health_pb2_grpc.HealthStub(channel)

@@ -61,8 +61,9 @@ class Cache:
 class Queue:
     """A StoreQueue over `Cache`, with its tasks kept to be awaited."""
 
-    def __init__(self, cache: Cache, linger_s: float) -> None:
+    def __init__(self, cache: Cache, linger_s: float, hurry: bool = False) -> None:
         self.tasks: set[asyncio.Task[None]] = set()
+        self.hurry = hurry
         self.queue = StoreQueue(
             cache.StoreBatch,
             cache.Store,
@@ -70,6 +71,7 @@ class Queue:
             linger_s=linger_s,
             in_flight=1,
             address="cache:8023",
+            hurry=lambda: self.hurry,
         )
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -117,6 +119,24 @@ def test_stores_linger_into_one_batch_a_full_one_goes_at_once_and_flush_sends_th
         q.queue.flush()  # as a stopping gateway does
         await asyncio.wait_for(q.settle(), 0.03)  # before the linger
         assert cache.calls[2:] == [["d"]]
+
+    asyncio.run(scenario())
+
+
+def test_rows_linger_none_while_the_cache_has_no_replica_serving() -> None:
+    """A lone cache draining says NOT_SERVING and accepts for its drain delay only: rows left
+    to linger reached it after it stopped accepting (an operator's probe)."""
+
+    async def scenario() -> None:
+        cache = Cache()
+        q = Queue(cache, linger_s=10.0)
+        q.put("lingers")
+        await asyncio.sleep(0.01)
+        assert cache.calls == []
+        q.hurry = True  # the cache's one replica says NOT_SERVING
+        q.put("now")
+        await asyncio.wait_for(q.settle(), 1.0)
+        assert cache.calls == [["lingers", "now"]]
 
     asyncio.run(scenario())
 
