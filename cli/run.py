@@ -31,6 +31,7 @@ from hopline.runtime.launcher import (
     MeshError,
     StartInterrupted,
 )
+from hopline.runtime.parent import STOP_SIGNALS
 from hopline.runtime.ports import port_problem
 from hopline.runtime.service_table import Topology, spec
 
@@ -156,8 +157,8 @@ def run_mesh(
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
     # Children share our stdout: their logs are the mesh's log.
     mesh = Mesh(
         model_repo,

@@ -15,6 +15,11 @@ import ctypes
 import os
 import signal
 
+# What stops a hopline process gracefully (a service drains, `hopline run` and the gateway's
+# supervisor stop their children so): SIGHUP too, which a closed terminal or SSH session sends
+# and which, left to its default, ended a service at once, undrained and unlogged (exit 129;
+# an operator's probe).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 LAUNCHER_ENV = "HOPLINE_LAUNCHER_PID"  # `hopline run`'s pid, given to the services it starts
 PR_SET_PDEATHSIG = 1
 

@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import os
 import resource
-import signal
 import sys
 from collections.abc import AsyncIterator
 from typing import Any, NoReturn, Protocol, cast
@@ -30,6 +29,7 @@ from hopline.runtime.interceptors import (
     WrappingRegistrar,
     trace_trailer,
 )
+from hopline.runtime.parent import STOP_SIGNALS
 from hopline.runtime.ports import port_problem
 from hopline.runtime.service_table import SERVICES, ServiceName
 from hopline.runtime.tls import (
@@ -407,7 +407,7 @@ async def _stop_servers(server: grpc.aio.Server) -> None:
 
 
 async def serve(service: Service, config: ServerConfig) -> int:
-    """Run `service` until SIGTERM/SIGINT, then drain and end the process (exit code 0).
+    """Run `service` until SIGTERM/SIGINT/SIGHUP, then drain and end the process (exit code 0).
 
     Returns an exit code only when the service could not start."""
     if 0 < config.max_connection_age_s < 1:
@@ -486,7 +486,7 @@ async def serve(service: Service, config: ServerConfig) -> int:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
 
     starting = asyncio.ensure_future(service.start())

@@ -190,8 +190,10 @@ def _wait(procs: Sequence[subprocess.Popen[bytes]]) -> int:
         stopping = True
         stop_all()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    from hopline.runtime.parent import STOP_SIGNALS
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
     while True:
         # Every worker polled each pass: `any()` stopped at the first one running, so a worker
         # after it that died was never seen (the gateway served on with fewer, silently).

@@ -4,6 +4,7 @@ UNAVAILABLE (never CANCELLED), exit 0."""
 from __future__ import annotations
 
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -219,3 +220,20 @@ def test_a_call_that_outlives_the_grace_is_ended_unavailable_saying_so(
     assert code == 0, mesh.log("inference")
     unavailable = grpc.StatusCode.UNAVAILABLE
     assert outcome == [(unavailable, CUT), (unavailable, "traced")], outcome
+
+
+def test_sighup_drains_as_sigterm_does(default_repo: Path, tmp_path: Path) -> None:
+    """A closed terminal or SSH session sends SIGHUP: left to its default, it ended a service
+    at once, undrained and unlogged (exit 129; an operator's probe). It drains now, exit 0."""
+    repo = tmp_path / "models"
+    shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
+    mesh = Mesh(repo, tmp_path, HOPLINE_DRAIN_DELAY_S="0.1")
+    mesh.start(("postprocess",))
+    try:
+        proc = mesh.procs["postprocess"]
+        proc.send_signal(signal.SIGHUP)
+        code = proc.wait(timeout=30)
+    finally:
+        mesh.stop()
+    assert code == 0, mesh.log("postprocess")
+    assert " draining " in mesh.log("postprocess")
