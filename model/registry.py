@@ -61,6 +61,7 @@ from stat import S_ISREG
 from typing import Generic, TypeVar
 
 from hopline.model.repository import (
+    CopyUnderWay,
     InvalidModelError,
     ModelConfig,
     ModelNotFoundError,
@@ -141,6 +142,7 @@ class ModelRegistry(Generic[T]):
         self._empty_seen = False  # the last scan found the repository empty (warned once)
         self._latest: dict[str, str] = {}
         self._broken: dict[Key, str] = {}  # versions left out, with why (logged once)
+        self._copying: set[Key] = set()  # of those, the ones seen half copied
         self._unloadable: dict[Key, tuple[Signature, str]] = {}  # the loader failed on these
         self._lock = threading.Lock()
         self._scans_started = 0
@@ -156,22 +158,29 @@ class ModelRegistry(Generic[T]):
 
     def check_start(self) -> None:
         """After `load_all` found nothing: start anyway while the repository holds no version
-        yet, serving NOT_FOUND until one is published (picked up without a restart); a
-        fresh install makes the models' volume before anything is published, and the
-        services exited 1 there and crash-looped until Kubernetes' restart backoff let them
-        see the first model, up to 5 minutes later (a deploy probe). RuntimeError, saying
-        why, when its versions all failed to load; SettingError (exit 2) when the repository is
-        not a folder."""
+        yet, or only versions still being copied, serving NOT_FOUND until one is published
+        (picked up without a restart); a fresh install makes the models' volume before
+        anything is published, and the services exited 1 there and crash-looped until
+        Kubernetes' restart backoff let them see the first model, up to 5 minutes later (a
+        deploy probe), and so did a first version copied by hand, its `model.onnx` not there
+        yet (a model author's probe). RuntimeError, saying why, when a version failed to load
+        for another reason; SettingError (exit 2) when the repository is not a folder."""
         root = self._repo.root
         if not root.is_dir():
             raise SettingError(
                 f"model repository {str(root)!r} (HOPLINE_MODEL_REPO) is not a folder"
             )
-        if self._repo.names():
-            broken = "; ".join(f"{n}/{v}: {e}" for (n, v), e in sorted(self.broken().items()))
-            raise RuntimeError(
-                f"no model in repository {str(root)!r} loads" + (f" ({broken})" if broken else "")
+        failed = {key: error for key, error in self.broken().items() if key not in self._copying}
+        if failed:
+            broken = "; ".join(f"{n}/{v}: {e}" for (n, v), e in sorted(failed.items()))
+            raise RuntimeError(f"no model in repository {str(root)!r} loads ({broken})")
+        if self._copying:
+            log.warning(
+                "no model in the repository loads yet, its versions still being copied: "
+                "requests are NOT_FOUND until one is whole",
+                extra={"repository": str(root), "copying": [f"{n}/{v}" for n, v in self._copying]},
             )
+            return
         log.warning(
             "no model in the repository yet: requests are NOT_FOUND until one is published",
             extra={"repository": str(root)},
@@ -192,6 +201,7 @@ class ModelRegistry(Generic[T]):
         configs: dict[Key, ModelConfig] = {}
         config_files: dict[Key, Signature] = {}
         broken: dict[Key, str] = {}
+        copying: set[Key] = set()
         for name in self._repo.names():
             try:
                 versions = self._repo.versions(name)
@@ -226,6 +236,8 @@ class ModelRegistry(Generic[T]):
                         cfg = load_config(self._repo.root / name / version)
                     except InvalidModelError as exc:
                         self._left_out(broken, key, str(exc))
+                        if isinstance(exc, CopyUnderWay):
+                            copying.add(key)
                         continue
                     if key not in self._configs:
                         log.info("model version found", extra={"model": name, "version": version})
@@ -255,6 +267,7 @@ class ModelRegistry(Generic[T]):
                 del self._replaced[key]
                 self._retire(kept.found[1])
         self._configs, self._config_files, self._broken = configs, config_files, broken
+        self._copying = copying
         self._latest = _latest(configs)
         self._scans_done = self._scans_started
 

@@ -42,6 +42,11 @@ class InvalidModelError(ValueError):
     """A model version whose config or files are broken."""
 
 
+class CopyUnderWay(InvalidModelError):
+    """A version folder whose files are not all there, or not all of one build: as while it
+    is copied (a file config.json names is missing, or is not the one it was written with)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -285,9 +290,9 @@ def load_config(path: Path, expect: tuple[str, str] | None = None) -> ModelConfi
         raise InvalidModelError(f"{path}: head_embedder is set but files has no head")
     for role in cfg.files:
         if not cfg.file(role).is_file():
-            raise InvalidModelError(f"{path}: missing {role} file {cfg.files[role]}")
+            raise CopyUnderWay(f"{path}: missing {role} file {cfg.files[role]}")
     if problem := checksum_problem(cfg):
-        raise InvalidModelError(f"{path}: {problem}")
+        raise CopyUnderWay(f"{path}: {problem}")
     return cfg
 
 

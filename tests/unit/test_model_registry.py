@@ -669,3 +669,26 @@ def test_a_start_with_no_model_yet_serves_but_a_broken_repository_does_not(
     assert failing.load_all() == []
     with pytest.raises(RuntimeError, match=r"loads \(support-intents/1: .*Protobuf parsing"):
         failing.check_start()
+
+
+def test_a_start_with_only_a_version_still_being_copied_serves_and_loads_it_when_whole(
+    tmp_path: Path, default_repo: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A first version copied by hand, its config.json there and its model.onnx not yet: the
+    services failed to start ("missing model file"), so pods crash-looped where an empty
+    repository starts (a model author's probe). It starts, and loads the version once whole."""
+    repo = tmp_path / "models"
+    folder = publish(default_repo, repo, "1")
+    model = (folder / "model.onnx").read_bytes()
+    (folder / "model.onnx").unlink()
+    registry = ModelRegistry(ModelRepository(repo), Loader())
+    assert registry.load_all() == []
+    with caplog.at_level(logging.WARNING):
+        registry.check_start()
+    assert any("still being copied" in r.getMessage() for r in caplog.records)
+    (folder / "model.onnx").write_bytes(model[: len(model) // 2])  # half written
+    registry.load_new()
+    assert registry.loaded() == []
+    (folder / "model.onnx").write_bytes(model)
+    registry.load_new()
+    assert [cfg.version for cfg, _ in registry.loaded()] == ["1"]
