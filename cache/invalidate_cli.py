@@ -45,11 +45,17 @@ def add_invalidate(cache_sub: argparse._SubParsersAction[argparse.ArgumentParser
 
 def request_of(args: argparse.Namespace) -> cache_pb2.InvalidateRequest | str:
     """The Invalidate the flags ask for, or what is wrong with them (a usage mistake)."""
+    from hopline.model.repository import is_version
     from hopline.protos.hopline.cache.v1 import cache_pb2
     from hopline.protos.hopline.common.v1 import common_pb2
 
     if args.model_version and not args.model:
         return "--model-version needs --model"
+    if args.model_version and not is_version(args.model_version):
+        return (
+            "--model-version is a version number, a positive integer as the model "
+            f"repository's folders are named (1, 2, ...), got {args.model_version!r}"
+        )
     request = cache_pb2.InvalidateRequest(entry_ids=args.ids)
     if args.tenant or args.model:
         request.scope.CopyFrom(

@@ -58,6 +58,7 @@ from hopline.cache.verifier import Verifier, policy_of
 from hopline.cache.verify_ids import BadVerifyId, UnknownVerifyId
 from hopline.cache.watch_feed import WatchFeed
 from hopline.cache.writer import WRITE_ROWS, PendingWrites
+from hopline.model.repository import is_version
 from hopline.observability import schema
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.runtime.batching import QueueFullError
@@ -456,6 +457,15 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             if scope.model_version and not scope.model:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, "a model_version needs its model"
+                )
+            if scope.model_version and not is_version(scope.model_version):
+                # It matches nothing ever stored: "0 removed" read as done (a model author's
+                # probe, `hopline cache invalidate --model-version 0`).
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "model_version is a version number, a positive integer as the model "
+                    "repository's folders are named (1, 2, ...), got "
+                    f"{clip(scope.model_version)!r}",
                 )
         if scope is None and not request.entry_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a scope or entry_ids")

@@ -172,6 +172,13 @@ def test_hopline_cache_invalidate_drops_a_tenants_answers_everywhere(cmesh: Mesh
     )  # fmt: skip
     assert usage.returncode == 2
     assert usage.stderr == "hopline cache invalidate: error: --model-version needs --model\n"
+    not_a_version = subprocess.run(
+        [sys.executable, "-m", "hopline", "cache", "invalidate", "--model", "sem",
+         "--model-version", "abc", "--cache", cmesh.addrs["cache"]],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert not_a_version.returncode == 2
+    assert "--model-version is a version number" in not_a_version.stderr
 
 
 def test_hopline_cache_stats_shows_what_the_cache_holds(cmesh: Mesh) -> None:
@@ -243,6 +250,9 @@ def test_invalidate_by_scope_and_by_id(cmesh: Mesh) -> None:
             cache_pb2.InvalidateRequest(scope=common_pb2.Scope()),
             cache_pb2.InvalidateRequest(entry_ids=['" or id != "']),
             cache_pb2.InvalidateRequest(),
+            # No version is named so: it matched nothing, and "0 removed" read as done.
+            cache_pb2.InvalidateRequest(scope=common_pb2.Scope(model="sem", model_version="0")),
+            cache_pb2.InvalidateRequest(scope=common_pb2.Scope(model="sem", model_version="v1")),
         ):
             with pytest.raises(grpc.RpcError) as err:
                 stub.Invalidate(bad, timeout=10)
