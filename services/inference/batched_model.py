@@ -15,10 +15,16 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from concurrent.futures import Executor
+from typing import Any
 
 import numpy as np
 
-from hopline.model.repository import SENTENCE_EMBEDDING, ModelConfig
+from hopline.model.repository import (
+    LABELS_OUTPUT,
+    SENTENCE_EMBEDDING,
+    InvalidModelError,
+    ModelConfig,
+)
 from hopline.model.session import make_session
 from hopline.model.tokenizer import vocab_size
 from hopline.observability import metrics
@@ -60,10 +66,30 @@ class EmbeddingHead:
     def __init__(self, config: ModelConfig) -> None:
         self.session = make_session(config.file("head"), threads=1)
         self.dim = int(self.session.get_inputs()[0].shape[1])
+        if problem := head_problem(self.session, config):
+            raise InvalidModelError(f"{config.file('head')}: {problem}")
 
     def run(self, embeddings: Array) -> Array:
-        logits: Array = self.session.run(["logits"], {self.INPUT: embeddings})[0]
+        logits: Array = self.session.run([LABELS_OUTPUT], {self.INPUT: embeddings})[0]
         return logits
+
+
+def head_problem(session: Any, config: ModelConfig) -> str | None:
+    """How a head graph disagrees with its version's labels, or None. A head of another
+    build (23 classes beside 26 labels) loaded, became the latest, and failed every cached
+    request naming no version with INVALID_ARGUMENT "logits have 23 classes", blaming the
+    caller, while ModelReady said true (a model author's probe); refused at load, the version
+    before keeps answering."""
+    outputs = {o.name: o for o in session.get_outputs()}
+    if LABELS_OUTPUT not in outputs:
+        return f"the head graph has no {LABELS_OUTPUT!r} output; its outputs are {sorted(outputs)}"
+    width = outputs[LABELS_OUTPUT].shape[-1]
+    if isinstance(width, int) and width != len(config.labels):
+        return (
+            f"the head's {LABELS_OUTPUT} have {width} columns and the version has "
+            f"{len(config.labels)} labels: a head of another build?"
+        )
+    return None
 
 
 class _QueueDepth:

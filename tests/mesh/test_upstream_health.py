@@ -98,7 +98,7 @@ def test_a_lone_replica_that_drains_is_called_through_its_drain_delay(
     repo = tmp_path / "models"
     shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
     port, metrics_port = free_port(), free_port()
-    mesh = Mesh(repo, tmp_path, addrs={"inference": f"127.0.0.1:{port}"}, **LEAN)
+    mesh = Mesh(repo, tmp_path, None, {"inference": f"127.0.0.1:{port}"}, **LEAN)
     drain = {"HOPLINE_DRAIN_DELAY_S": "60"}
     lone = spawn_replica(mesh, "inference", port, metrics_port, drain, "lone")
     try:
