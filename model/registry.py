@@ -104,6 +104,14 @@ log = logging.getLogger("hopline.model.registry")
 LINGER_REFRESHES = 2
 # How often one caller's expected digest may make a loaded version rescan (`find`'s `expect`).
 RECHECK_S = 1.0
+# Versions that leave the listing together, several in one scan, are served on for this long
+# unless they come back: a sync that empties the folder and copies it again one file at a
+# time lists a half-copied folder long before the rest, and each such listing took every
+# version not yet back away (a model author's probe: 14 versions let go as the first
+# config.json came back, requests naming no version moved from version 14 to 6, requests
+# naming version 1 NOT_FOUND, then every version loaded again). One version removed alone,
+# an operator's rollback, goes at once.
+SYNC_GRACE_S = 60.0
 
 
 class ModelRegistry(Generic[T]):
@@ -140,6 +148,8 @@ class ModelRegistry(Generic[T]):
         self._loaded: dict[Key, tuple[ModelConfig, T]] = {}
         self._files: dict[Key, Signature] = {}  # each loaded version's files when loaded
         self._empty_seen = False  # the last scan found the repository empty (warned once)
+        # Loaded versions that left the listing with others (SYNC_GRACE_S): since when.
+        self._missing_since: dict[Key, float] = {}
         self._latest: dict[str, str] = {}
         self._broken: dict[Key, str] = {}  # versions left out, with why (logged once)
         self._copying: set[Key] = set()  # of those, the ones seen half copied
@@ -254,6 +264,7 @@ class ModelRegistry(Generic[T]):
             self._scans_done = self._scans_started
             return
         self._empty_seen = False
+        self._keep_synced_away(configs, config_files)
         for key in self._loaded.keys() - configs.keys():
             log.info("model version removed", extra={"model": key[0], "version": key[1]})
             self._leaving[key] = (time.monotonic() + self._linger_s, self._loaded[key])
@@ -270,6 +281,27 @@ class ModelRegistry(Generic[T]):
         self._copying = copying
         self._latest = _latest(configs)
         self._scans_done = self._scans_started
+
+    def _keep_synced_away(
+        self, configs: dict[Key, ModelConfig], config_files: dict[Key, Signature]
+    ) -> None:
+        """Add to this scan's listing the loaded versions it misses that left it together
+        with others less than SYNC_GRACE_S ago: they are served on as listed."""
+        now = time.monotonic()
+        gone = sorted(self._loaded.keys() - configs.keys())
+        self._missing_since = {k: t for k, t in self._missing_since.items() if k in gone}
+        newly = [key for key in gone if key not in self._missing_since]
+        if len(newly) > 1:
+            log.warning(
+                "model versions left the repository together: served on as they were, as "
+                "while a sync copies them back, until they have been away this long",
+                extra={"versions": [f"{n}/{v}" for n, v in newly], "seconds": SYNC_GRACE_S},
+            )
+            self._missing_since.update((key, now) for key in newly)
+        for key in gone:
+            since = self._missing_since.get(key)
+            if since is not None and now - since < SYNC_GRACE_S:
+                configs[key], config_files[key] = self._loaded[key][0], self._files[key]
 
     def _left_out(self, broken: dict[Key, str], key: Key, error: str) -> None:
         """A version (or a model's folder) the scan leaves out: said once, until it changes."""

@@ -692,3 +692,44 @@ def test_a_start_with_only_a_version_still_being_copied_serves_and_loads_it_when
     (folder / "model.onnx").write_bytes(model)
     registry.load_new()
     assert [cfg.version for cfg, _ in registry.loaded()] == ["1"]
+
+
+def test_versions_that_leave_together_are_served_on_while_a_sync_copies_them_back(
+    repo: Path, default_repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sync that empties the folder, then copies it back a file at a time: the listing
+    holds a half-copied version long before the rest, and every version not back yet was let
+    go (a model author's probe: requests naming no version moved from the newest version to
+    the first one back, and requests naming the others NOT_FOUND). Versions that leave
+    together are served on, as listed, for SYNC_GRACE_S; one removed alone goes at once
+    (test_a_removed_version_is_let_go_and_its_name_moves_back)."""
+    clock = [1000.0]
+    monkeypatch.setattr("hopline.model.registry.time.monotonic", lambda: clock[0])
+    retired: list[str] = []
+    registry = ModelRegistry(ModelRepository(repo), Loader(), on_retire=retired.append)
+    for version in ("2", "3"):
+        publish(default_repo, repo, version)
+    registry.load_all()
+    away = repo.parent / f"{repo.name}-away"
+    (repo / DEFAULT_MODEL).rename(away)
+    registry.load_new()  # empty: kept, as before
+
+    first = publish(default_repo, repo, "1")  # the sync's first folder, half copied
+    model = (first / "model.onnx").read_bytes()
+    (first / "model.onnx").unlink()
+    registry.load_new()
+    assert registry.get(DEFAULT_MODEL)[1] == "session 3"
+    assert [registry.get(DEFAULT_MODEL, v)[1] for v in ("1", "2")] == ["session 1", "session 2"]
+    assert [c.version for c, _ in registry.loaded()] == ["1", "2", "3"]
+
+    (first / "model.onnx").write_bytes(model)  # whole; 2 and 3 not back yet
+    clock[0] += 30.0
+    registry.load_new()
+    assert registry.get(DEFAULT_MODEL)[1] == "session 3"
+    assert retired == ["session 1"]  # version 1 loaded again from its new files
+
+    clock[0] += 30.0  # away too long: no sync, a removal
+    registry.load_new()
+    assert [c.version for c, _ in registry.loaded()] == ["1"]
+    assert registry.get(DEFAULT_MODEL)[1] == "session 1"
+    assert sorted(retired) == ["session 1", "session 2", "session 3"]
