@@ -42,6 +42,8 @@ class ModelCatalogue:
         self.inference = inference
         self.models: dict[tuple[str, str], inference_pb2.ModelInfo] = {}
         self.latest: dict[str, str] = {}
+        # Versions in the repository inference does not serve, with why (its list says).
+        self.left_out: dict[tuple[str, str], str] = {}
         self._lock = asyncio.Lock()  # one ListModels at a time
         self._started = 0  # re-reads started so far; the n-th one is number n
         self._done = 0  # the number of the last re-read that finished (or failed)
@@ -81,6 +83,7 @@ class ModelCatalogue:
         if removed := sorted(f"{n}/{v}" for n, v in self.models.keys() - models.keys()):
             log.info("models removed", extra={"models": removed})
         self.models, self.latest = models, latest
+        self.left_out = {(v.name, v.version): v.reason for v in response.left_out}
 
     async def follow(self, every_s: float) -> None:
         """Re-read the list every `every_s`, for good; untraced: no request's work."""
@@ -134,9 +137,26 @@ class ModelCatalogue:
                 f"model {wanted!r} is not in the model list, and inference's list could not "
                 f"be read again ({failed.code().name}): retry",
             )
-        raise RequestError(
-            grpc.StatusCode.NOT_FOUND, f"unknown model {wanted!r} (serving: {self.serving()})"
-        )
+        raise RequestError(grpc.StatusCode.NOT_FOUND, self.not_found(name, version))
+
+    def not_found(self, name: str, version: str, wanted: str = "") -> str:
+        """Why `name` at `version` is not served, as NOT_FOUND says it: a version in the
+        repository left out read as one never published, the reason only in inference's log
+        (a model author's probe), and a version put into the model's name as "unknown model
+        'support-intents/1' (serving: support-intents/1)"."""
+        wanted = wanted or (f"{name}/{version}" if version else name)
+        why = self.left_out.get((name, version or self.latest.get(name, "")))
+        if why is None and not version:  # the name's versions all left out
+            why = "; ".join(r for (n, _), r in sorted(self.left_out.items()) if n == name) or None
+        if why is not None:
+            return f"model {wanted!r} is in the repository but not served: {why}"
+        base, _, number = name.rpartition("/")
+        if not version and (base, number) in self.models:
+            return (
+                f"unknown model {wanted!r}: a model's name carries no version; ask for model "
+                f"{base!r} with model_version {number!r}"
+            )
+        return f"unknown model {wanted!r} (serving: {self.serving()})"
 
     def serving(self) -> str:
         """The model versions listed, as NOT_FOUND names them: a name's in version order

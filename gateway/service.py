@@ -277,9 +277,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 raise
             # The catalogue's message echoes the name whole: say it again, clipped.
             wanted = f"{clip(name)}/{clip(version)}" if version else clip(name)
-            raise RequestError(
-                err.code, f"unknown model {wanted!r} (serving: {self.catalogue.serving()})"
-            ) from None
+            raise RequestError(err.code, self.catalogue.not_found(name, version, wanted)) from None
 
     def check_text(self, text: str, where: str = "PredictRequest.text") -> None:
         if not text.strip():

@@ -112,6 +112,7 @@ RECHECK_S = 1.0
 # naming version 1 NOT_FOUND, then every version loaded again). One version removed alone,
 # an operator's rollback, goes at once.
 SYNC_GRACE_S = 60.0
+LEFT_OUT_CHARS = 300  # a left-out version's reason, as a caller's NOT_FOUND gives it
 
 
 class ModelRegistry(Generic[T]):
@@ -508,6 +509,17 @@ class ModelRegistry(Generic[T]):
     def broken(self) -> dict[Key, str]:
         """Versions left out, with why."""
         return dict(self._broken)
+
+    def left_out(self) -> dict[Key, str]:
+        """Versions left out and not served, with why as a caller may read it: paths given
+        from the repository's root (the server's own folders are not the caller's business),
+        and clipped."""
+        root = f"{self._repo.root}/"
+        return {
+            key: clip(error.replace(root, ""), LEFT_OUT_CHARS)
+            for key, error in self._broken.items()
+            if key not in self._loaded
+        }
 
     def loaded(self) -> list[tuple[ModelConfig, T]]:
         """By name, then version number (ListModels listed 1, 10, 2)."""

@@ -480,5 +480,9 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         # only ever routes to a version that loaded; one that fails is left out.
         await asyncio.get_running_loop().run_in_executor(None, self.models.load_new)
         return inference_pb2.ListModelsResponse(
-            models=[i for cfg, model in self.models.loaded() if (i := _listed(cfg, model))]
+            models=[i for cfg, model in self.models.loaded() if (i := _listed(cfg, model))],
+            left_out=[
+                inference_pb2.LeftOutVersion(name=name, version=version, reason=reason)
+                for (name, version), reason in sorted(self.models.left_out().items())
+            ],
         )
