@@ -47,6 +47,17 @@ def predict_all(gateway: str, count: int) -> list[str]:
     return labels
 
 
+def start_draining(replica: subprocess.Popen[bytes], port: int) -> None:
+    """SIGTERM to `replica`, back once its health says NOT_SERVING (it still accepts, for its
+    drain delay) and the gateway's health watches have had time to hear it."""
+    replica.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while health(f"127.0.0.1:{port}") != NOT_SERVING:
+        assert time.monotonic() < deadline, "the replica never said NOT_SERVING"
+        time.sleep(0.05)
+    time.sleep(0.5)
+
+
 def test_a_replica_that_says_not_serving_gets_no_calls(default_repo: Path, tmp_path: Path) -> None:
     repo = tmp_path / "models"
     shutil.copytree(default_repo / DEFAULT_MODEL, repo / DEFAULT_MODEL)
@@ -67,12 +78,7 @@ def test_a_replica_that_says_not_serving_gets_no_calls(default_repo: Path, tmp_p
         predict_all(mesh.gateway, REQUESTS)
         assert served_ok(other_metrics, "Infer") > 0, "the second replica took no calls at all"
 
-        second.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while health(f"127.0.0.1:{other}") != NOT_SERVING:
-            assert time.monotonic() < deadline, "the second replica never said NOT_SERVING"
-            time.sleep(0.05)
-        time.sleep(0.5)  # the gateway's health watches hear it
+        start_draining(second, other)
         before = served_ok(other_metrics, "Infer")
         labels = predict_all(mesh.gateway, REQUESTS)
         assert len(labels) == REQUESTS
@@ -105,12 +111,7 @@ def test_a_lone_replica_that_drains_is_called_through_its_drain_delay(
         mesh.start(("tokenizer", "postprocess", "gateway"))
         assert all(predict_all(mesh.gateway, 5))
 
-        lone.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while health(f"127.0.0.1:{port}") != NOT_SERVING:
-            assert time.monotonic() < deadline, "the replica never said NOT_SERVING"
-            time.sleep(0.05)
-        time.sleep(0.5)  # the gateway's health watch hears it
+        start_draining(lone, port)
         before = served_ok(metrics_port, "Infer")
         labels = predict_all(mesh.gateway, 10)
         assert all(labels)
