@@ -76,7 +76,10 @@ def parse_head(head: bytes) -> Scrape:
         if not sep:
             raise BadRequest("a header line without a colon")
         headers[name.strip().lower()] = value.strip()
-    url = urlsplit(target)
+    try:
+        url = urlsplit(target)
+    except ValueError as exc:  # "http://[" and the like
+        raise BadRequest(f"not a request target: {exc}") from exc
     return Scrape(method, url.path or "/", url.query, headers)
 
 

@@ -87,6 +87,7 @@ def test_methods_but_get_are_refused_as_prometheus_client_does(server: MetricsSe
         (b"hello\r\n\r\n", b"400"),
         (b"GET /metrics SPDY/3\r\n\r\n", b"400"),
         (b"GET /metrics HTTP/1.1\r\nno colon here\r\n\r\n", b"400"),
+        (b"GET http://[::1/metrics HTTP/1.1\r\n\r\n", b"400"),
         (b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 20_000 + b"\r\n\r\n", b"431"),
     ],
 )
