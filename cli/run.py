@@ -9,7 +9,9 @@ start-up took and which services run inside the gateway (`--topology`).
 Then it supervises, as Kubernetes or compose would: a service that exits is started again
 after a backoff that doubles from RESTART_BACKOFF_S (the gateway fails open without the cache
 meanwhile, and every caller's channel reconnects), and logged when SERVING again; one that
-exits MAX_RESTARTS times within RESTART_WINDOW_S stops the mesh, as any exit did before.
+exits MAX_RESTARTS times within RESTART_WINDOW_S stops the mesh, as any exit did before, but
+for the cache, which the mesh serves without (SERVED_WITHOUT): it is started again every
+RETRY_WITHOUT_S, said each time.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from hopline.runtime.launcher import (
 )
 from hopline.runtime.parent import STOP_SIGNALS
 from hopline.runtime.ports import port_problem
-from hopline.runtime.service_table import Topology, spec
+from hopline.runtime.service_table import ServiceName, Topology, spec
 
 log = logging.getLogger("hopline.run")
 
@@ -53,6 +55,11 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_S = 120.0
 POLL_S = 0.3  # how often the supervisor looks at its services
 NOT_BACK_WARN_S = 60.0  # a restarted service not SERVING after this long is said to be late
+# Services whose process the mesh answers without: the gateway fails open past the cache. One
+# that kept exiting (a damaged file) stopped the whole mesh, which was answering every
+# request meanwhile (a cache probe: 35 s of FAIL_OPEN answers, then every request UNAVAILABLE).
+SERVED_WITHOUT = frozenset({ServiceName.CACHE})
+RETRY_WITHOUT_S = 30.0
 
 
 class Restarts:
@@ -72,18 +79,32 @@ class Restarts:
         return min(RESTART_BACKOFF_S * float(2 ** len(recent)), MAX_RESTART_BACKOFF_S)
 
 
-def supervise(mesh: Mesh, stopping: Callable[[], bool]) -> int:
+def supervise(
+    mesh: Mesh,
+    stopping: Callable[[], bool],
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
     """Keep the mesh's processes running until `stopping()`; 0, or 1 when one keeps exiting."""
-    restarts = Restarts()
+    restarts = Restarts(clock)
     due: dict[str, float] = {}  # exited: when to start it again
     back: dict[str, float] = {}  # started again, not SERVING yet: since when
     late: set[str] = set()  # of those, the ones said to be late
     while not stopping():
-        now = time.monotonic()
+        now = clock()
         for name, code in mesh.exited().items():
             if name in due:
                 continue
             delay = restarts.delay(name)
+            if delay is None and name in SERVED_WITHOUT:
+                log.error(
+                    "service keeps exiting; the mesh serves on without it (the gateway answers "
+                    "from the model, FAIL_OPEN) and starts it again in_s from now; its own "
+                    "lines above say why it exits",
+                    extra={"service": name, "exit_code": code, "in_s": RETRY_WITHOUT_S},
+                )
+                due[name] = now + RETRY_WITHOUT_S
+                continue
             if delay is None:
                 log.error(
                     "service keeps exiting; stopping the mesh",
@@ -109,7 +130,7 @@ def supervise(mesh: Mesh, stopping: Callable[[], bool]) -> int:
                 late.discard(name)
                 log.info(
                     "service SERVING again",
-                    extra={"service": name, "after_s": round(time.monotonic() - since, 1)},
+                    extra={"service": name, "after_s": round(clock() - since, 1)},
                 )
             elif now - since > NOT_BACK_WARN_S and name not in late:
                 late.add(name)  # once a restart: it may yet come back, and says so then
@@ -117,7 +138,7 @@ def supervise(mesh: Mesh, stopping: Callable[[], bool]) -> int:
                     "service started again but not SERVING yet; its own lines above say why",
                     extra={"service": name, "after_s": round(now - since, 1)},
                 )
-        time.sleep(POLL_S)
+        sleep(POLL_S)
     return 0
 
 
