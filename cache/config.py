@@ -101,7 +101,9 @@ class CacheConfig(ServerConfig):
     max_entries: int = env_field(
         "HOPLINE_CACHE_MAX_ENTRIES",
         1_000_000,
-        "bound per (tenant, model) when a model sets none",
+        "cap on every model's bound per (tenant, model), and the bound of a store naming none "
+        "(the gateway's stores name their model's cache.max_entries: 100,000 when it sets "
+        "none)",
         valid=AT_LEAST_ONE,
     )
     max_total_entries: int = env_field(
@@ -112,7 +114,11 @@ class CacheConfig(ServerConfig):
         "model)s holding the most give up their oldest; 0: none",
     )
     default_ttl_s: float = env_field(
-        "HOPLINE_CACHE_TTL_S", 3600.0, "time to live when a store names none", valid=POSITIVE
+        "HOPLINE_CACHE_TTL_S",
+        3600.0,
+        "time to live of a store naming none (the gateway's stores name their model's "
+        "cache.ttl_s: 3600 s when it sets none)",
+        valid=POSITIVE,
     )
     sweep_interval_s: float = env_field(
         "HOPLINE_CACHE_SWEEP_S", 30.0, "how often expired entries are deleted", valid=POSITIVE
