@@ -478,8 +478,17 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             )
         try:
             removed = await invalidation.invalidate(self, ids, scope)
-        except CacheStoreError as exc:  # NotShared too: its message says what was done
+        except invalidation.NotShared as exc:  # its message says what was done
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except CacheStoreError as exc:
+            # Said whole: "UNAVAILABLE: <Milvus's error>" read as done but for a detail, and
+            # the entries came back (a cache probe: a full disk, 60 of 60 served again).
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"not invalidated: Milvus's delete failed ({exc}); the entries are hidden "
+                f"from this cache's lookups for {self.tombstones.keep_s:g} s only, and the "
+                "gateways keep their copies: retry once Milvus answers",
+            )
         return cache_pb2.InvalidateResponse(removed=removed)
 
     async def share(self, event: cache_pb2.WatchInvalidationsResponse) -> None:

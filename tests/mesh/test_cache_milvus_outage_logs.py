@@ -11,9 +11,13 @@ import asyncio
 import logging
 from pathlib import Path
 
+import grpc
 import pytest
 from cache_service import cache, run, store, written
 from milvus_server import MilvusKind, MilvusServer
+
+from hopline.protos.hopline.cache.v1 import cache_pb2
+from hopline.protos.hopline.common.v1 import common_pb2
 
 OUTAGE_S = 3.0
 
@@ -43,6 +47,37 @@ def test_an_outage_is_logged_a_few_times_and_the_cache_recovers(
                 # Once per shared log (invalidations, evidence), once per write retry (0.5, 1, 2 s).
                 assert len(warnings) <= 6, said
                 assert any("shared invalidation log" in line for line in said), said
+
+        run(body)
+    finally:
+        server.stop()
+
+
+def test_an_invalidation_milvus_cannot_delete_says_it_was_not_done(tmp_path: Path) -> None:
+    """Milvus's delete failing (a full disk in a cache probe) ended the Invalidate
+    UNAVAILABLE with Milvus's error alone, read as done but for a detail; the entries came
+    back once the tombstones lapsed, and the gateways had kept theirs all along. The status
+    says it was not done, for how long the entries are hidden, and to retry."""
+    server = MilvusServer(tmp_path / "milvus", MilvusKind.LITE_SERVER).start()
+    try:
+
+        async def body() -> None:
+            async with cache(server.uri, milvus_timeout_s=2.0) as (_, stub):
+                await store(stub, "where is my parcel")
+                await written(stub)
+                server.stop()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Invalidate(
+                        cache_pb2.InvalidateRequest(
+                            scope=common_pb2.Scope(tenant="idx", model="m")
+                        ),
+                        timeout=30,
+                    )
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                details = err.value.details() or ""
+                assert details.startswith("not invalidated: Milvus's delete failed"), details
+                assert "retry once Milvus answers" in details
+                server.start()
 
         run(body)
     finally:
