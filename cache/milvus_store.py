@@ -209,10 +209,20 @@ class MilvusStore:
         """The collection's rows, for the load's log and message; None where the cache's
         Milvus user may not read a collection's statistics (`hopline cache milvus-user` grants
         only the privileges the cache's calls need, and users made before this call have not
-        got it)."""
+        got it). milvus-lite has no users: there a count that fails is a damaged file
+        (CacheStoreError), which milvus-lite loads all the same, and whose new entries were
+        lost at the next start (a cache probe: random bytes over 300 of a file's pages, the
+        cache SERVING with 25 of 1,614 entries, 30 stores acknowledged, 0 held)."""
         try:
             stats = self._client.get_collection_stats(self.collection, timeout=self.timeout_s)
-        except (self._exc, grpc.RpcError):
+        except (self._exc, grpc.RpcError) as exc:
+            if is_local(self.uri):
+                raise CacheStoreError(
+                    f"Milvus at {self.uri} cannot count the rows of {self.collection}: the "
+                    "file looks damaged (milvus-lite's own lines above may say 'database disk "
+                    "image is malformed'); move it aside to start with an empty cache, or "
+                    f"put back a copy ({milvus_reason(exc)})"
+                ) from exc
             return None
         return int(stats.get("row_count", 0))
 

@@ -4,6 +4,7 @@ when its Milvus cannot be used. Each case runs the real `hopline serve cache` pr
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from cache_service import cache, lookup, run, serve_cache, store, written
+from cache_service import cache, lookup, run, serve_cache, store, store_batch, written
 
 from harness import Mesh, free_port
 from hopline.cache.embedder import embedding_model
@@ -153,3 +154,24 @@ def test_a_load_past_its_bound_fails_with_the_setting_to_raise(tmp_path: Path) -
             assert stats.entries == 4000
 
     run(body)
+
+
+def test_a_file_damaged_past_its_header_is_refused(tmp_path: Path) -> None:
+    """Random bytes over the second half of a file's pages, its header whole: milvus-lite
+    loads it all the same and the cache served, its new entries lost at the next start (a
+    cache probe: 30 stores acknowledged, 0 held). Counting its rows fails: the start does."""
+    db = tmp_path / "cache.db"
+
+    async def fill() -> None:
+        async with cache(db) as (_, stub):
+            await stub.StoreBatch(store_batch("damaged", range(300)), timeout=60)
+            await written(stub)
+
+    run(fill)
+    pages = db.stat().st_size // 4096
+    with db.open("r+b") as f:
+        f.seek(pages // 2 * 4096)
+        f.write(random.Random(7).randbytes((pages - pages // 2 - 1) * 4096))
+    code, log, _ = serve_cache(str(db))
+    assert code != 0
+    assert "the file looks damaged" in log, log
