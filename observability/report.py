@@ -22,6 +22,7 @@ on the critical path (the tokenizer, beside the slower cache lookup, at 0%).
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import time
 import urllib.error
@@ -246,6 +247,15 @@ def fetch_jaeger(
         raise OSError(
             f"cannot reach Jaeger's query API at {base}: {err.reason} (`make jaeger` starts "
             "one on this machine; --jaeger takes its query address, port 16686 by default)"
+        ) from err
+    except http.client.InvalidURL as err:
+        raise ValueError(f"{base} is not a URL: {err}; {JAEGER_EXPECTED}") from err
+    except (http.client.HTTPException, ConnectionError) as err:
+        # A server that is not HTTP/1 at all (a gRPC port, Jaeger's own OTLP port 4317 given
+        # for its query port): a traceback with its bytes, or a bare socket error, before.
+        raise ValueError(
+            f"{base} did not answer as Jaeger's query API (an HTTP/1 server): "
+            f"{type(err).__name__}: {str(err)[:80]} (a gRPC or OTLP port? {JAEGER_EXPECTED})"
         ) from err
     try:
         docs: list[Any] = read_json_documents(body)

@@ -7,6 +7,9 @@ from __future__ import annotations
 import email.message
 import io
 import json
+import socket
+import struct
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -263,3 +266,49 @@ def test_a_report_cut_at_the_limit_says_so(
     assert "Jaeger gave 3 traces, --limit's most" in capsys.readouterr().err
     assert main([*base, "--limit", "4"]) == 0
     assert "--limit's most" not in capsys.readouterr().err
+
+
+def _serving_once(answer: bytes | None) -> str:
+    """A loopback server that takes one connection and answers `answer` (None: resets it),
+    as a gRPC or OTLP port does to an HTTP/1 request; its URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                if answer is None:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                else:
+                    conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x05\x00\x00@\x00",  # an HTTP/2 SETTINGS frame
+        None,  # reset, as Jaeger's OTLP gRPC port did
+    ],
+)
+def test_a_port_that_is_not_http_is_named_not_a_traceback(
+    capsys: pytest.CaptureFixture[str], answer: bytes | None
+) -> None:
+    """Before: http.client.BadStatusLine's traceback with the server's bytes, or a bare
+    "[Errno 104] Connection reset by peer" (a tracing probe, the gateway's and Jaeger's OTLP
+    ports given to --jaeger)."""
+    url = _serving_once(answer)
+    assert main(["trace", "report", "--jaeger", url]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {url} did not answer as Jaeger's query API"), err
+    assert "a gRPC or OTLP port?" in err
+    assert "Traceback" not in err
+
+
+def test_a_url_with_a_port_that_is_no_number_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "report", "--jaeger", "http://127.0.0.1:abc"]) in (1, 2)
+    err = capsys.readouterr().err
+    assert err.startswith("error: http://127.0.0.1:abc is not a URL: nonnumeric port"), err
