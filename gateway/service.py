@@ -309,11 +309,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
     async def Predict(
         self, request: gateway_pb2.PredictRequest, context: Context
     ) -> gateway_pb2.PredictResponse:
+        metadata = context.invocation_metadata() or ()
         try:
-            return await self.answer(
-                request, context.invocation_metadata() or (), self.timeout_for(context)
-            )
+            return await self.answer(request, metadata, self.timeout_for(context))
         except StatusError as err:
+            self._describe_failure(request, metadata)
             await abort(context, err)
 
     async def PredictStream(
@@ -446,6 +446,27 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             return
         VERIFY_FAILURES.ended(VERIFICATIONS)
         await self.writes.send_report(call, prediction)
+
+    def _describe_failure(
+        self, request: gateway_pb2.PredictRequest, metadata: Iterable[tuple[str, str | bytes]]
+    ) -> None:
+        """A failed Predict's span says whose and which model's it was, as a served one's
+        does (`_finish`): a tenant's or a version's failures could not be searched for in
+        Jaeger (a tracing probe). What was asked, and the tenant when the caller is known."""
+        span = trace.get_current_span()
+        if not span.is_recording():
+            return
+        try:
+            tenant = self.tenants.resolve(request.tenant, metadata)
+        except StatusError:
+            tenant = ""  # not known: its failure is that
+        span.set_attributes(
+            {
+                schema.MODEL: clip(request.model or self.config.default_model),
+                schema.MODEL_VERSION: clip(request.model_version),
+                schema.TENANT: tenant,
+            }
+        )
 
     @staticmethod
     def _finish(
