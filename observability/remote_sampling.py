@@ -23,6 +23,7 @@ form every other process follows it, so a trace stays whole.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import http.client
@@ -102,6 +103,17 @@ def _check_rate(rate: float, what: str) -> float:
     if not 0.0 <= rate <= 1.0:
         raise ValueError(f"{what} must be 0 to 1, got {rate}")
     return rate
+
+
+# Trace ids whose decision a process remembers (a trace's spans in one process start within
+# its request: far fewer traces than this start meanwhile).
+DECIDED_TRACES = 4096
+
+
+def _follow(sampled: bool, parent: trace.SpanContext) -> SamplingResult:
+    """A span of a trace decided before: as its root was, without the root's attributes."""
+    decision = Decision.RECORD_AND_SAMPLE if sampled else Decision.DROP
+    return SamplingResult(decision, None, parent.trace_state)
 
 
 def _result(sampled: bool, parent: Context | None, kind: Kept, param: float) -> SamplingResult:
@@ -221,10 +233,20 @@ class JaegerRemoteSampler(Sampler):
         service: str,
         settings: RemoteSettings,
         *,
+        edge: bool = True,
         fetch: Callable[[str], Any] = fetch_json,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.service = service
+        # The process callers outside the mesh reach (the gateway): its traces are decided
+        # here; every other process follows the caller (the gateway) that decided them.
+        self.edge = edge
+        # Trace ids decided here lately, and how: a trace's every span in this process follows
+        # its root's decision, as Jaeger's clients decide at the root only. Each span decided
+        # on its own (a rate limit's credit each) kept 67 of 73 traces as their root alone (a
+        # tracing probe: at most 5 traces/s, 20 requests/s, co-located).
+        self._decided: collections.OrderedDict[int, bool] = collections.OrderedDict()
+        self._decided_lock = threading.Lock()
         self.settings = settings
         self.url = f"{settings.endpoint}/api/sampling?" + urllib.parse.urlencode(
             {"service": service}
@@ -261,8 +283,20 @@ class JaegerRemoteSampler(Sampler):
         links: Sequence[Link] | None = None,
         trace_state: Any = None,
     ) -> SamplingResult:
+        parent = trace.get_current_span(parent_context).get_span_context()
+        if parent.is_valid and (not parent.is_remote or not self.edge):
+            return _follow(parent.trace_flags.sampled, parent)
+        with self._decided_lock:
+            kept = self._decided.get(trace_id)
+        if kept is not None:
+            return _follow(kept, parent)
         default, operations = self.samplers
-        return operations.get(name, default).decide(parent_context, trace_id)
+        result = operations.get(name, default).decide(parent_context, trace_id)
+        with self._decided_lock:
+            self._decided[trace_id] = result.decision is Decision.RECORD_AND_SAMPLE
+            if len(self._decided) > DECIDED_TRACES:
+                self._decided.popitem(last=False)
+        return result
 
     def get_description(self) -> str:
         return f"JaegerRemoteSampler{{{self.service}: {self.strategy.summary()}}}"

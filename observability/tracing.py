@@ -69,7 +69,9 @@ _RATIO_SAMPLERS = {
 SAMPLERS = (*_FIXED_SAMPLERS, *_RATIO_SAMPLERS, *SAMPLER_NAMES)
 
 
-def default_sampler(exporting: bool, environ: Mapping[str, str], service: str = "") -> Sampler:
+def default_sampler(
+    exporting: bool, environ: Mapping[str, str], service: str = "", *, edge: bool = True
+) -> Sampler:
     """The sampler OTEL_TRACES_SAMPLER names, else hopline's.
 
     Exporting: the root keeps EXPORT_SAMPLE_RATIO of traces and every other process follows
@@ -83,7 +85,7 @@ def default_sampler(exporting: bool, environ: Mapping[str, str], service: str = 
     argument = environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
     if named in SAMPLER_NAMES:
         settings = RemoteSettings.parse(argument, EXPORT_SAMPLE_RATIO)
-        remote = JaegerRemoteSampler(service, settings)
+        remote = JaegerRemoteSampler(service, settings, edge=edge)
         return ParentBased(remote) if named.startswith("parentbased") else remote
     if named in _FIXED_SAMPLERS:
         return _FIXED_SAMPLERS[named]
@@ -177,6 +179,10 @@ def child_span(
 
 # The remote sampler's poller, stopped at shutdown.
 _REMOTE: JaegerRemoteSampler | None = None
+# Whether the sampler follows a caller's decision (setup_tracing): parent-based, or off.
+_PARENT_DECIDES = True
+# The service callers outside the mesh reach: where a trace is decided.
+EDGE_SERVICE = "gateway"
 
 
 def setup_tracing(service: str) -> None:
@@ -209,8 +215,12 @@ def setup_tracing(service: str) -> None:
     tls = check_export_tls(os.environ, endpoint or "") if exporting else None
     if exporting:
         check_export_settings(os.environ)
-    sampler = default_sampler(exporting, os.environ, name)
-    global _REMOTE
+    sampler = default_sampler(exporting, os.environ, name, edge=service == EDGE_SERVICE)
+    global _REMOTE, _PARENT_DECIDES
+    # A caller's trace that is not recorded is followed without a sampler call only where the
+    # sampler would follow it: `always_on` or `jaeger_remote` without the prefix ignore it,
+    # and such requests got no span at all (a tracing probe).
+    _PARENT_DECIDES = isinstance(sampler, ParentBased) or sampler is ALWAYS_OFF
     _REMOTE = remote_sampler(sampler)
     if _REMOTE is not None:
         _REMOTE.start()
@@ -581,7 +591,7 @@ class _TracedRpc:
                 return current, None, False
             parent = propagate.extract(dict(metadata))
             caller = trace.get_current_span(parent)
-            if unsampled(caller.get_span_context()):
+            if _PARENT_DECIDES and unsampled(caller.get_span_context()):
                 # The caller's trace is not recorded: the RPC runs in its context (logs and
                 # the next hop keep its trace id) with no span of its own.
                 return caller, attach(parent), False

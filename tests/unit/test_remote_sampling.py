@@ -167,7 +167,7 @@ def test_rate_limiting_keeps_at_most_its_rate_and_refills_with_time() -> None:
     first = [kept(sampler, t) for t in TRACE_IDS[:50]]
     assert sum(first) == 2  # a full bucket of two, then nothing until time passes
     clock.now += 0.5  # one credit back
-    later = [sampler.should_sample(None, t, PREDICT) for t in TRACE_IDS[:5]]
+    later = [sampler.should_sample(None, t, PREDICT) for t in TRACE_IDS[50:55]]
     assert [r.decision is Decision.RECORD_AND_SAMPLE for r in later] == [True] + [False] * 4
     assert later[0].attributes == {"sampler.type": "ratelimiting", "sampler.param": 2.0}
 
@@ -219,3 +219,45 @@ def test_an_unreachable_or_unreadable_jaeger_keeps_the_last_strategy_and_logs_on
     jaeger.answer = probabilistic(0.5)
     assert sampler.poll()
     assert any("readable again" in r.getMessage() for r in caplog.records)
+
+
+def _under(trace_id: int, sampled: bool, remote: bool) -> Any:
+    """A context whose current span is of `trace_id`, `sampled` or not, from another process
+    (`remote`) or this one."""
+    flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
+    parent = SpanContext(trace_id, 0xB, is_remote=remote, trace_flags=flags)
+    return set_span_in_context(NonRecordingSpan(parent))
+
+
+def test_a_traces_spans_follow_its_root_and_spend_no_credit() -> None:
+    """`jaeger_remote` without the prefix decided every span on its own: under rate limiting
+    each spent a credit, and 67 of 73 kept traces were their root alone (a tracing probe).
+    A trace is decided once, where it enters the mesh; its other spans follow."""
+    clock = FakeClock()
+    limited = {"strategyType": 1, "rateLimitingSampling": {"maxTracesPerSecond": 2}}
+    edge = JaegerRemoteSampler(
+        "gateway", RemoteSettings(initial_rate=0.0), fetch=FakeJaeger(limited), clock=clock
+    )
+    assert edge.poll()
+    first, second, third = TRACE_IDS[:3]
+    assert kept(edge, first)
+    for _ in range(10):  # the root's hops and co-located servers: no credit each
+        child = edge.should_sample(_under(first, True, remote=False), first, "tokenize")
+        assert child.decision is Decision.RECORD_AND_SAMPLE
+        assert not child.attributes  # the root says why; its children do not
+        again = edge.should_sample(_under(first, True, remote=True), first, "Tokenize")
+        assert again.decision is Decision.RECORD_AND_SAMPLE
+    assert kept(edge, second)  # the bucket's second credit was still there
+    assert not kept(edge, third)
+    # A caller's decision is not taken at the edge: a sampled traceparent spends a credit.
+    clock.now += 0.5
+    assert edge.should_sample(_under(TRACE_IDS[3], True, remote=True), TRACE_IDS[3], PREDICT)
+    assert not kept(edge, TRACE_IDS[4])
+
+    inside = JaegerRemoteSampler(
+        "inference", RemoteSettings(initial_rate=0.0), edge=False, fetch=FakeJaeger(limited)
+    )
+    assert inside.poll()
+    for trace_id, sampled in ((first, True), (third, False)):
+        result = inside.should_sample(_under(trace_id, sampled, remote=True), trace_id, "Infer")
+        assert (result.decision is Decision.RECORD_AND_SAMPLE) is sampled

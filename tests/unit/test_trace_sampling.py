@@ -352,3 +352,29 @@ def test_an_rpc_leaves_the_context_as_it_found_it(
     # Recorded: the two roots (no metadata); the other calls' callers are not recorded.
     assert len(servers) == (2 if recorded else 0)
     assert all(s.parent is None and s.end_time for s in servers)
+
+
+@pytest.mark.parametrize(
+    ("sampler", "parent_decides", "spans"),
+    [(ALWAYS_ON, False, 1), (DEFAULT_ON, True, 0)],
+)
+def test_a_callers_unsampled_trace_is_followed_only_by_a_sampler_that_follows_it(
+    monkeypatch: pytest.MonkeyPatch, sampler: Sampler, parent_decides: bool, spans: int
+) -> None:
+    """`always_on` (and `jaeger_remote` without the prefix) ignore a caller's decision: a
+    request with an unsampled `traceparent` got no span all the same (a tracing probe), since
+    the server took such a caller's decision without asking the sampler."""
+    exporter = _recorder(monkeypatch, sampler)
+    monkeypatch.setattr(tracing, "_PARENT_DECIDES", parent_decides)
+
+    async def servicer(request: str, context: object) -> str:
+        return request
+
+    behaviour = ServerTracing().wrap("/hopline.test.v1.Test/Echo", servicer)
+    caller = (("traceparent", f"00-{7:032x}-{9:016x}-00"),)
+
+    async def scenario() -> None:
+        await behaviour("hi", cast(Any, _Metadata(caller)))
+
+    asyncio.run(scenario())
+    assert len(exporter.get_finished_spans()) == spans
