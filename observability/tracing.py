@@ -45,6 +45,7 @@ from hopline.observability.remote_sampling import (
 )
 from hopline.observability.spans import SpanTracerProvider
 from hopline.runtime.interceptors import Behaviour, Context, RpcWrapper, StreamBehaviour
+from hopline.runtime.service_table import ServiceName
 
 log = logging.getLogger("hopline.tracing")
 
@@ -182,7 +183,7 @@ _REMOTE: JaegerRemoteSampler | None = None
 # Whether the sampler follows a caller's decision (setup_tracing): parent-based, or off.
 _PARENT_DECIDES = True
 # The service callers outside the mesh reach: where a trace is decided.
-EDGE_SERVICE = "gateway"
+EDGE_SERVICE = ServiceName.GATEWAY
 
 
 def setup_tracing(service: str) -> None:
