@@ -303,6 +303,10 @@ class Upstream(Generic[StubT]):
             if service_config and unchecked != service_config
             else None
         )
+        # A replica said SERVING once: before that (the services still loading as the gateway
+        # starts) the last resort would reach only a replica answering "starting up", and
+        # held a connection more than the pool's for nothing (a fresh clone's test_transport).
+        self._served = False
         self._certificates = certificates
         self._redial_grace_s = redial_grace_s
         self._closing: set[asyncio.Task[None]] = set()
@@ -383,15 +387,21 @@ class Upstream(Generic[StubT]):
     def stub(self) -> StubT:
         self._redial_if_renewed()
         channel, stub = next(self._next)
-        if self._last_resort is not None and channel.get_state() == NO_REPLICA_SERVING:
-            return self._last_resort[1]  # every replica NOT_SERVING or away: any that accepts
+        state = channel.get_state()
+        if state == NO_REPLICA_SERVING:
+            if self._last_resort is not None and self._served:
+                return self._last_resort[1]  # every replica NOT_SERVING or away: any that accepts
+        elif not self._served and state == grpc.ChannelConnectivity.READY:
+            self._served = True
         return stub
 
     def none_serving(self) -> bool:
-        """Whether the health-checked picks have no replica SERVING (draining, starting, or
-        away): what is sent now goes by the last resort, if anywhere."""
-        return self._last_resort is not None and (
-            self.channels[0].get_state() == NO_REPLICA_SERVING
+        """Whether the health-checked picks, which had a replica SERVING, have none now
+        (draining, restarting, or away): what is sent now goes by the last resort."""
+        return (
+            self._last_resort is not None
+            and self._served
+            and self.channels[0].get_state() == NO_REPLICA_SERVING
         )
 
     def _redial_if_renewed(self) -> None:
