@@ -23,6 +23,7 @@ from hopline.cache.peer_sync import PeerSync
 from hopline.cache.store import CacheStoreError, ScopeFilter
 from hopline.cache.tombstones import Tombstones
 from hopline.cache.watch_feed import WatchFeed
+from hopline.cache.writer import LateInvalidation
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 
@@ -33,10 +34,17 @@ class NotShared(CacheStoreError):
     """Deleted here, but the other replicas on the Milvus server were not told."""
 
 
+class NotDeleted(CacheStoreError):
+    """Milvus failed the delete: hidden from every reader of this replica, and deleted when
+    the writer's retry lands (PendingWrites.invalidate_later)."""
+
+
 class Drops(Protocol):
     def drop(self, ids: list[str], scope: ScopeFilter | None) -> list[str]: ...
 
     def delete_again(self, keys: list[str]) -> None: ...
+
+    def invalidate_later(self, late: LateInvalidation) -> None: ...
 
 
 class Deletes(Protocol):
@@ -77,15 +85,24 @@ class InvalidationHost(Protocol):
 
 async def invalidate(host: InvalidationHost, ids: list[str], scope: ScopeFilter | None) -> int:
     """Removes the entries `ids` and, with a scope, every entry of it; returns the rows Milvus
-    deleted. Raises CacheStoreError when Milvus fails, NotShared when only the replicas'
-    notice does."""
+    deleted. Raises NotDeleted when Milvus fails the delete, NotShared when only the
+    replicas' notice does."""
     unwritten = forget(host, ids, scope).unwritten
     store = host.require_store()
-    removed: int = unwritten + await host.io_call(store.delete, ids)
-    if scope is not None:
-        removed += await host.io_call(store.delete_scope, scope)
-    unindex(host, ids, scope)
     event = Event(scope=_scope_message(scope), entry_ids=ids)
+    try:
+        removed: int = unwritten + await host.io_call(store.delete, ids)
+        if scope is not None:
+            removed += await host.io_call(store.delete_scope, scope)
+    except CacheStoreError as exc:
+        # Hidden here and at the gateways until the writer's retry lands: the tombstones
+        # alone lapsed after keep_s and the entries were served again (a cache probe: a full
+        # disk, 60 of 60), and a restart brought them back for good.
+        host.tombstones.hold(ids, scope)
+        host.writes.invalidate_later(LateInvalidation(ids, scope, event))
+        host.feed.publish(event)
+        raise NotDeleted(str(exc)) from exc
+    unindex(host, ids, scope)
     host.feed.publish(event)
     try:
         await share(host, event)

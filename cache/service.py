@@ -480,14 +480,15 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             removed = await invalidation.invalidate(self, ids, scope)
         except invalidation.NotShared as exc:  # its message says what was done
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except CacheStoreError as exc:
-            # Said whole: "UNAVAILABLE: <Milvus's error>" read as done but for a detail, and
-            # the entries came back (a cache probe: a full disk, 60 of 60 served again).
+        except invalidation.NotDeleted as exc:
+            # Said whole: "UNAVAILABLE: <Milvus's error>" read as done but for a detail.
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
-                f"not invalidated: Milvus's delete failed ({exc}); the entries are hidden "
-                f"from this cache's lookups for {self.tombstones.keep_s:g} s only, and the "
-                "gateways keep their copies: retry once Milvus answers",
+                f"not invalidated in Milvus yet: its delete failed ({exc}); the entries are "
+                "hidden from this cache's lookups and dropped by the gateways, and the cache "
+                "deletes them once Milvus answers (pending_invalidations in `hopline cache "
+                "stats`), but a restart of it before then serves them again: retry once "
+                "Milvus answers to be sure",
             )
         return cache_pb2.InvalidateResponse(removed=removed)
 
@@ -576,6 +577,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             lookup_p50_ms=float(np.percentile(times, 50)),
             lookup_p99_ms=float(np.percentile(times, 99)),
             pending_writes=self.writes.in_flight(),
+            pending_invalidations=self.writes.invalidations_pending(),
             uri=self.config.uri,
             collection=self.embedder.model.collection if self.embedder else "",
             verify_candidates=self.verifier.counts["candidates"],

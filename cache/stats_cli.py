@@ -77,7 +77,8 @@ def report(address: str, s: cache_pb2.GetStatsResponse) -> list[str]:
             "this process's own"
         )
     lines += [
-        f"entries {s.entries} ({s.pending_writes} accepted, not yet written)",
+        f"entries {s.entries} ({s.pending_writes} accepted, not yet written; "
+        f"{s.pending_invalidations} invalidations not yet deleted)",
         f"lookups {s.lookups}: exact hits {s.exact_hits}, semantic hits {s.semantic_hits}, "
         f"misses {s.misses}, refused as ambiguous {s.ambiguous}; p50 {s.lookup_p50_ms:.2f} ms, "
         f"p99 {s.lookup_p99_ms:.2f} ms, mean {s.lookup_mean_ms:.2f} ms",

@@ -15,6 +15,10 @@ Entries buried by scope are hidden whatever their age: a store made in the scope
 invalidation is hidden too until the scope's stone expires (a short miss, never a stale hit;
 comparing stamps would trust the replicas' clocks).
 
+An invalidation whose Milvus delete failed is held (`hold`) until the writer's retry of it
+lands (cache/writer.py), then buried as if deleted then (`release`): its entries are still
+in Milvus, so they stay hidden, and their stores fenced, for however long that takes.
+
 For the same reason a store that arrives while an invalidation's stone stands is not taken
 (`fences`): the gateway holds its stores up to HOPLINE_GATEWAY_STORE_LINGER_MS before sending
 them, so an answer computed before an Invalidate reached the cache after it and was served
@@ -24,7 +28,7 @@ repeat misses once more within keep_s. An eviction's stone fences nothing: its e
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 from hopline.cache.store import Entry, Scope, ScopeFilter
@@ -43,6 +47,9 @@ class Tombstones:
         # ids held the cache's event loop for minutes.
         self._buried: deque[tuple[float, tuple[str, ...]]] = deque()
         self._scopes: deque[tuple[ScopeFilter, float]] = deque()  # oldest first
+        # Of failed deletes, until their retry lands (counted: two may hold one id or scope).
+        self._held_ids: Counter[str] = Counter()
+        self._held_scopes: Counter[ScopeFilter] = Counter()
 
     def bury(
         self,
@@ -65,10 +72,29 @@ class Tombstones:
         if scope is not None:
             self._scopes.append((scope, until))
 
+    def hold(self, ids: Iterable[str], scope: ScopeFilter | None) -> None:
+        """An invalidation Milvus has not deleted yet: hidden and fenced until `release`."""
+        self._held_ids.update(ids)
+        if scope is not None:
+            self._held_scopes[scope] += 1
+
+    def release(self, ids: Iterable[str], scope: ScopeFilter | None, now: float) -> None:
+        """A held invalidation's delete landed: buried from `now`, as any delete is."""
+        batch = tuple(ids)
+        self._held_ids.subtract(batch)
+        self._held_ids = +self._held_ids  # drops the ids no longer held
+        if scope is not None:
+            self._held_scopes[scope] -= 1
+            self._held_scopes = +self._held_scopes
+        self.bury(batch, scope, now)
+
     def hides(self, entry: Entry, now: float) -> bool:
-        """Whether `entry`, as a read of Milvus returned it, was deleted within keep_s."""
+        """Whether `entry`, as a read of Milvus returned it, was deleted within keep_s (or
+        is held, its delete not landed)."""
         until = self._ids.get(entry.key)
         if until is not None and until > now:
+            return True
+        if entry.key in self._held_ids or self._held(entry.scope):
             return True
         return any(until > now and s.matches(entry.scope) for s, until in self._scopes)
 
@@ -78,10 +104,15 @@ class Tombstones:
         until = self._invalidated.get(key)
         if until is not None and until > now:
             return True
+        if key in self._held_ids or self._held(scope):
+            return True
         return any(until > now and s.matches(scope) for s, until in self._scopes)
 
     def __len__(self) -> int:
-        return len(self._ids) + len(self._scopes)
+        return len(self._ids) + len(self._scopes) + len(self._held_ids) + len(self._held_scopes)
+
+    def _held(self, scope: Scope) -> bool:
+        return any(s.matches(scope) for s in self._held_scopes)
 
     def _prune(self, now: float) -> None:
         while self._buried and self._buried[0][0] <= now:

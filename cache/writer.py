@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Link, SpanContext
@@ -63,6 +63,14 @@ STORES_WAIT_POLL_S = 0.1
 Pending = tuple[Entry, Vector, int]
 
 
+class LateInvalidation(NamedTuple):
+    """An Invalidate whose Milvus delete failed, and the event to tell the replicas."""
+
+    ids: list[str]
+    scope: ScopeFilter | None
+    event: cache_pb2.WatchInvalidationsResponse
+
+
 class WriteHost(Protocol):
     """What the write side uses of the cache service."""
 
@@ -98,6 +106,10 @@ class PendingWrites:
         # Invalidated while a write of them was in flight, to be deleted from Milvus again.
         self._redelete: set[str] = set()
         self._attempts: dict[str, int] = {}  # failed writes of a pending store, when any
+        # Invalidations whose delete Milvus failed, oldest first: tried again with the writes,
+        # their tombstones held until they land (cache/invalidation.py).
+        self._invalidations: list[LateInvalidation] = []
+        self._deletes_failing = False  # said once when they start failing, once when they land
         # Shutting down: stores are written even while a reclaim's journal is full (at most
         # HOPLINE_CACHE_MAX_PENDING of them), rather than lost with the process.
         self._draining = False
@@ -147,17 +159,33 @@ class PendingWrites:
             self._redelete.update(keys)
             self._wake.set()
 
+    def invalidate_later(self, late: LateInvalidation) -> None:
+        """An invalidation whose delete Milvus failed: deleted at the writer's next turns
+        until Milvus takes it, then told to the other replicas and its tombstones released."""
+        self._invalidations.append(late)
+        self._wake.set()
+
+    def invalidations_pending(self) -> int:
+        return len(self._invalidations)
+
     async def drain(self, timeout_s: float) -> None:
         """Let the writer land what was accepted: nothing acknowledged is lost on a drain."""
         deadline = time.monotonic() + timeout_s
         self._draining = True
-        while self._pending and time.monotonic() < deadline:
+        while (self._pending or self._invalidations) and time.monotonic() < deadline:
             self._wake.set()
             await asyncio.sleep(0.01)
         if self._pending:
             log.warning(
                 "stores not written to Milvus before shutdown",
                 extra={"entries": len(self._pending)},
+            )
+        if self._invalidations:
+            # Nothing else holds them: the next start reads the entries from Milvus again.
+            log.error(
+                "invalidations not deleted from Milvus before shutdown: their entries are "
+                "served again after the restart; invalidate them again then",
+                extra={"invalidations": len(self._invalidations)},
             )
 
     async def run(self) -> None:
@@ -172,25 +200,26 @@ class PendingWrites:
                 await self._wait_for_reclaim()
             self._wake.clear()
             batch = dict(itertools.islice(self._pending.items(), WRITE_ROWS))
-            if not batch:
-                await self._delete_again()
-                continue
-            self._writing = len(batch)
-            try:
-                failure = await self._write(batch)
-            finally:
-                self._writing = 0
+            if batch:
+                self._writing = len(batch)
+                try:
+                    failure = await self._write(batch)
+                finally:
+                    self._writing = 0
+            else:  # deletes alone, backed off as writes are: Milvus may be down
+                failure = await self._delete_again()
             if failure is None:
-                if backoff_s:  # after failed writes: said once, as the failure was
+                if backoff_s and batch:  # after failed writes: said once, as the failure was
                     log.info("cache writes succeed again", extra={"entries": len(batch)})
                 backoff_s = 0.0
             else:
                 backoff_s = min(max(2 * backoff_s, WRITE_RETRY_MIN_S), WRITE_RETRY_MAX_S)
-                log.warning(
-                    "cache write failed; retrying",
-                    extra={"error": failure, "entries": len(batch), "retry_in_s": backoff_s},
-                )
-            if self._pending or self._redelete:
+                if batch:
+                    log.warning(
+                        "cache write failed; retrying",
+                        extra={"error": failure, "entries": len(batch), "retry_in_s": backoff_s},
+                    )
+            if self._pending or self._redelete or self._invalidations:
                 self._wake.set()
 
     async def _wait_for_reclaim(self) -> None:
@@ -304,19 +333,51 @@ class PendingWrites:
         self._spans.pop(key, None)
         self._attempts.pop(key, None)
 
-    async def _delete_again(self) -> None:
-        """Deletes the keys invalidated while a write of them was in flight, and stores given
-        up after writes that may have landed; kept for the next write when Milvus fails this
-        one too."""
-        if not self._redelete:
-            return
+    async def _delete_again(self) -> str | None:
+        """Deletes the keys invalidated while a write of them was in flight, stores given up
+        after writes that may have landed, and invalidations Milvus failed to delete; kept for
+        the next turn when Milvus fails this one too (its error returned)."""
+        if not (self._redelete or self._invalidations):
+            return None
         keys = list(self._redelete)
         try:
-            await self.host.io_call(self.host.require_store().delete, keys)
+            if keys:
+                await self.host.io_call(self.host.require_store().delete, keys)
+                self._redelete.difference_update(keys)
+            while self._invalidations:
+                await self._land(self._invalidations[0])
+                self._invalidations.pop(0)
         except CacheStoreError as exc:
-            log.warning("re-deleting invalidated entries failed", extra={"error": str(exc)})
-            return
-        self._redelete.difference_update(keys)
+            if not self._deletes_failing:  # an outage is said once, not at every retry
+                log.warning(
+                    "deleting invalidated entries from Milvus failed; retrying",
+                    extra={"error": str(exc), "invalidations": len(self._invalidations)},
+                )
+            self._deletes_failing = True
+            return str(exc)
+        if self._deletes_failing:
+            log.info("invalidated entries deleted from Milvus again")
+            self._deletes_failing = False
+        return None
+
+    async def _land(self, late: LateInvalidation) -> None:
+        """A failed invalidation's delete, tried again; then what followed it had it
+        succeeded: the index once more, the other replicas told, the tombstones from now."""
+        host = self.host
+        store = host.require_store()
+        await host.io_call(store.delete, late.ids)
+        if late.scope is not None:
+            await host.io_call(store.delete_scope, late.scope)
+        if host.index is not None:
+            host.index.remove(late.ids)
+            if late.scope is not None:
+                host.index.remove_scope(late.scope)
+        await host.share(late.event)
+        host.tombstones.release(late.ids, late.scope, time.monotonic())
+        log.info(
+            "invalidation deleted from Milvus after its failure",
+            extra={"entries": len(late.ids), "scope": late.scope is not None},
+        )
 
     async def _evict(self, groups: dict[Group, int]) -> None:
         """Oldest first, per (tenant, model): one tenant's traffic never evicts another's

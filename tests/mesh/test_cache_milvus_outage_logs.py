@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
-from cache_service import cache, run, store, written
+from cache_service import cache, lookup, run, store, written
 from milvus_server import MilvusKind, MilvusServer
 
 from hopline.protos.hopline.cache.v1 import cache_pb2
 from hopline.protos.hopline.common.v1 import common_pb2
 
 OUTAGE_S = 3.0
+STONES_S = 1.0
+MISS = common_pb2.CACHE_OUTCOME_MISS
 
 
 def test_an_outage_is_logged_a_few_times_and_the_cache_recovers(
@@ -53,17 +57,18 @@ def test_an_outage_is_logged_a_few_times_and_the_cache_recovers(
         server.stop()
 
 
-def test_an_invalidation_milvus_cannot_delete_says_it_was_not_done(tmp_path: Path) -> None:
-    """Milvus's delete failing (a full disk in a cache probe) ended the Invalidate
-    UNAVAILABLE with Milvus's error alone, read as done but for a detail; the entries came
-    back once the tombstones lapsed, and the gateways had kept theirs all along. The status
-    says it was not done, for how long the entries are hidden, and to retry."""
+def test_an_invalidation_milvus_cannot_delete_is_deleted_once_it_answers(tmp_path: Path) -> None:
+    """Milvus's delete failing (a full disk in a cache probe) ended the Invalidate UNAVAILABLE
+    and left the entries in Milvus: they were served again once the tombstones lapsed (60 of
+    60), and after a restart for good. The cache holds them hidden, deletes them when Milvus
+    answers again, and says so; a cache started afterwards does not find them."""
     server = MilvusServer(tmp_path / "milvus", MilvusKind.LITE_SERVER).start()
+    text = "where is my parcel"
     try:
 
         async def body() -> None:
-            async with cache(server.uri, milvus_timeout_s=2.0) as (_, stub):
-                await store(stub, "where is my parcel")
+            async with cache(server.uri, milvus_timeout_s=2.0, tombstone_s=STONES_S) as (_, stub):
+                await store(stub, text)
                 await written(stub)
                 server.stop()
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -75,10 +80,24 @@ def test_an_invalidation_milvus_cannot_delete_says_it_was_not_done(tmp_path: Pat
                     )
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
                 details = err.value.details() or ""
-                assert details.startswith("not invalidated: Milvus's delete failed"), details
-                assert "retry once Milvus answers" in details
+                assert details.startswith("not invalidated in Milvus yet: its delete failed")
+                assert "the cache deletes them once Milvus answers" in details, details
+                assert (await stats(stub)).pending_invalidations == 1
                 server.start()
+                deadline = time.monotonic() + 60
+                while (await stats(stub)).pending_invalidations:
+                    assert time.monotonic() < deadline, "the delete never landed"
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(STONES_S)  # the stones buried at the landing lapse
+                assert (await lookup(stub, text)).outcome == MISS
+            async with cache(server.uri, milvus_timeout_s=2.0) as (_, stub):  # a restart
+                assert (await lookup(stub, text)).outcome == MISS
 
         run(body)
     finally:
         server.stop()
+
+
+async def stats(stub: Any) -> cache_pb2.GetStatsResponse:
+    reply: cache_pb2.GetStatsResponse = await stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10)
+    return reply

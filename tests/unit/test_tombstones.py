@@ -107,3 +107,22 @@ def test_a_store_is_fenced_by_an_invalidation_not_by_an_eviction() -> None:
     assert not stones.fences(other.key, other.scope, KEEP_S + 2.1)
     stones.bury([], None, 3 * KEEP_S)  # prunes every stone
     assert len(stones) == 0
+
+
+def test_a_held_invalidation_hides_and_fences_until_released_then_for_keep_s() -> None:
+    """A delete Milvus failed is held until its retry lands (cache/writer.py), however long
+    that takes; then buried from the landing, as any delete is."""
+    stones = Tombstones(KEEP_S)
+    stones.hold([entry("a").key], ScopeFilter(tenant="acme", model="m"))
+    stones.hold([entry("a").key], None)  # invalidated twice while Milvus is down
+    late = 1e6
+    assert stones.hides(entry("a"), now=late)
+    assert stones.hides(entry("b"), now=late)  # the scope's
+    assert not stones.hides(entry("c", tenant="globex"), now=late)
+    assert stones.fences(entry("b").key, entry("b").scope, now=late)
+    stones.release([entry("a").key], ScopeFilter(tenant="acme", model="m"), now=late)
+    assert stones.hides(entry("a"), now=late + 2 * KEEP_S)  # the second hold stands
+    assert stones.hides(entry("b"), now=late + KEEP_S - 0.01)
+    assert not stones.hides(entry("b"), now=late + KEEP_S)
+    stones.release([entry("a").key], None, now=late)
+    assert not stones.hides(entry("a"), now=late + KEEP_S)
