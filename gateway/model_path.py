@@ -11,11 +11,14 @@ inference shared by identical plain misses in flight (the Coalescer), each stage
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Link
 
 from hopline.gateway.cache_path import CachePath
 from hopline.gateway.call import PredictCall
@@ -26,6 +29,7 @@ from hopline.gateway.stage_batching import GatewayStages
 from hopline.gateway.upstream import GatewayUpstreams, HopError
 from hopline.observability import metrics, schema
 from hopline.observability.logs import Episodes
+from hopline.observability.tracing import child_span
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
 from hopline.protos.hopline.postprocess.v1 import postprocess_pb2
@@ -139,9 +143,10 @@ class ModelPath:
         while True:
             joined = self.coalescer.running(call.key)
             try:
-                prediction, shared = await self.coalescer.run(
-                    call.key, lambda: self.tokenize_infer_postprocess(call)
-                )
+                with self._joining(call.key) if joined else contextlib.nullcontext():
+                    prediction, shared = await self.coalescer.run(
+                        call.key, lambda: self.tokenize_infer_postprocess(call)
+                    )
                 break
             except HopError as err:
                 # A joined run has its leader's deadline, not this request's: when that ends
@@ -158,6 +163,13 @@ class ModelPath:
         if call.speculative:
             metrics.SPECULATIVE.labels("used").inc()
         return prediction, not shared
+
+    def _joining(self, key: str) -> contextlib.AbstractContextManager[trace.Span]:
+        """A span for the wait, linked to the run's: without it the wait read as the
+        gateway's own time in the joiner's trace, its hops in another trace unnamed."""
+        leader = self.coalescer.leader(key)
+        links = [Link(leader)] if leader else []
+        return child_span(schema.SPAN_COALESCED_WAIT, links=links, quiet=True)
 
     async def tokenize_infer_postprocess(self, call: PredictCall) -> common_pb2.Prediction:
         """The three stages for one text, from one build of the version: a version changed in

@@ -17,6 +17,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanContext
+
 log = logging.getLogger("hopline.gateway")
 
 T = TypeVar("T")
@@ -128,6 +131,9 @@ class Coalescer(Generic[T]):
     def __init__(self) -> None:
         self._inflight: dict[str, asyncio.Future[T]] = {}
         self._waiters: dict[asyncio.Future[T], int] = {}
+        # The span each run started under, for its joiners' links: their wait, in a trace of
+        # their own, is the leader's hops.
+        self._leaders: dict[asyncio.Future[T], SpanContext] = {}
         self.coalesced = 0
 
     def __len__(self) -> int:
@@ -136,6 +142,12 @@ class Coalescer(Generic[T]):
     def running(self, key: str) -> bool:
         """Whether `run(key, ...)` now would join a run already under way."""
         return key in self._inflight
+
+    def leader(self, key: str) -> SpanContext | None:
+        """The span the run under way for `key` started under, when it was sampled."""
+        task = self._inflight.get(key)
+        context = self._leaders.get(task) if task is not None else None
+        return context if context is not None and context.trace_flags.sampled else None
 
     async def run(self, key: str, work: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
         """`work()`'s result and whether it came from another caller's run.
@@ -167,6 +179,7 @@ class Coalescer(Generic[T]):
         task = asyncio.ensure_future(work())
         self._inflight[key] = task
         self._waiters[task] = 0
+        self._leaders[task] = trace.get_current_span().get_span_context()
 
         def _done(t: asyncio.Future[T]) -> None:
             self._forget(key, t)
@@ -180,6 +193,7 @@ class Coalescer(Generic[T]):
         if self._inflight.get(key) is task:
             del self._inflight[key]
         self._waiters.pop(task, None)
+        self._leaders.pop(task, None)
 
 
 # -- ejection of a failing replica ------------------------------------------------------------

@@ -95,6 +95,7 @@ SPAN_STREAM_MESSAGE = "gateway.stream_message"
 SPAN_STAGE_BATCH = "gateway.stage_batch"
 SPAN_LIST_MODELS = "list_models"
 SPAN_INFER_TEXT = "gateway.infer_text"
+SPAN_COALESCED_WAIT = "gateway.coalesced_wait"
 
 SPANS: dict[str, str] = {
     SPAN_TOKENIZE: "gateway client span: the call to the tokenizer",
@@ -117,6 +118,8 @@ SPANS: dict[str, str] = {
     "span; its hops' client spans are its children",
     SPAN_INFER_TEXT: "gateway: one text of a KServe ModelInfer, under its server span; that "
     "text's hops and cache outcome are on it and under it",
+    SPAN_COALESCED_WAIT: "gateway: a miss waiting for an identical one's inference already "
+    "under way; linked to the span that inference runs under, in that request's trace",
     SPAN_LIST_MODELS: "gateway client span: the model list read again for a request naming a "
     "model or version the gateway does not know (the inference service's ListModels)",
 }

@@ -15,7 +15,7 @@ import os
 import random
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from contextvars import Token
 from typing import Any, cast
 
@@ -162,6 +162,7 @@ def child_span(
     kind: SpanKind = SpanKind.INTERNAL,
     attributes: Mapping[str, Any] | None = None,
     quiet: bool = False,
+    links: Sequence[trace.Link] = (),
 ) -> contextlib.AbstractContextManager[trace.Span]:
     """A span under the current one, or, in a trace that is not recorded, the current
     (non-recording) span itself: making a child there costs a sampler call, ids and a
@@ -173,6 +174,7 @@ def child_span(
         name,
         kind=kind,
         attributes=attributes,
+        links=links,
         record_exception=not quiet,
         set_status_on_exception=not quiet,
     )
