@@ -90,7 +90,10 @@ def encoder_file(
     model = model or embedding_model(weights_dir)
     path = work_dir / "embedders" / f"minilm-{model.digest[:16]}-f{ENCODER_FORMAT}.onnx"
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _unwritable(path.parent, exc) from exc
         _forget_dead_builds(path)
         # Its own name: containers sharing the folder are each pid 1.
         staging = path.with_suffix(f".tmp{os.getpid()}-{secrets.token_hex(4)}")
@@ -102,6 +105,8 @@ def encoder_file(
             # left another 63 MB (a resource-exhaustion probe), and the error said
             # "Protobuf serialization failed", not that the disk was full.
             staging.unlink(missing_ok=True)
+            if not os.access(path.parent, os.W_OK | os.X_OK):
+                raise _unwritable(path.parent, exc) from exc
             free = shutil.disk_usage(path.parent).free
             if free < ENCODER_ROOM_BYTES:
                 raise EncoderBuildError(
@@ -117,6 +122,17 @@ def encoder_file(
 
 class EncoderBuildError(RuntimeError):
     """The embedding encoder could not be built where HOPLINE_CACHE_DIR says."""
+
+
+def _unwritable(folder: Path, exc: Exception) -> EncoderBuildError:
+    # A read-only HOPLINE_CACHE_DIR is fine once the encoder is built in it; before that the
+    # start failed with a bare "[Errno 13] Permission denied" naming no setting.
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return EncoderBuildError(
+        f"the embedding encoder is not built yet and cannot be built in {folder} ({reason}): "
+        "make HOPLINE_CACHE_DIR writable for the first start, or point it at a writable "
+        f"folder (the encoder takes about {ENCODER_ROOM_BYTES >> 20} MiB there, built once)"
+    )
 
 
 # What building the encoder needs free beside it (the file is about 87 MB).

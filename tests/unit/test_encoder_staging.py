@@ -99,3 +99,24 @@ def test_an_empty_database_file_is_a_new_one_not_a_foreign_file(tmp_path: Path) 
     other.write_text("not a database")
     with pytest.raises(NotADatabase, match="no SQLite header"):
         check_database_file(other)
+
+
+def test_a_folder_the_encoder_cannot_be_built_in_names_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only HOPLINE_CACHE_DIR without the encoder failed the start with a bare
+    "[Errno 13] Permission denied" that named no setting (a cache probe). Root writes through
+    read-only modes, so the folder is made unusable here by a file in its place, and a
+    read-only one by the build's PermissionError with os.access saying no."""
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(EncoderBuildError, match="make HOPLINE_CACHE_DIR writable"):
+        encoder_file(tmp_path / "weights", blocked, MODEL)
+
+    def refused(weights_dir: Path, staging: Path) -> None:
+        raise PermissionError(13, "Permission denied", str(staging))
+
+    monkeypatch.setattr(embedder, "build_encoder", refused)
+    monkeypatch.setattr(embedder.os, "access", lambda *_: False)
+    with pytest.raises(EncoderBuildError, match=r"\(Permission denied\): make HOPLINE_CACHE_DIR"):
+        encoder_file(tmp_path / "weights", tmp_path, MODEL)
