@@ -58,7 +58,15 @@ class ModelCatalogue:
         number = self._started
         try:
             # Within a request (one naming a model the gateway does not know), its trace.
-            with child_span(schema.SPAN_LIST_MODELS, kind=SpanKind.CLIENT):
+            with child_span(
+                schema.SPAN_LIST_MODELS,
+                kind=SpanKind.CLIENT,
+                attributes={
+                    "rpc.system": "grpc",
+                    "server.address": self.inference.target,
+                    schema.HOP: schema.SPAN_LIST_MODELS,
+                },
+            ):
                 response = await self.inference.stub().ListModels(
                     inference_pb2.ListModelsRequest(),
                     timeout=LIST_TIMEOUT_S,

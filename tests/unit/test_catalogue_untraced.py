@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from hopline.gateway.catalogue import ModelCatalogue
-from hopline.observability import tracing
+from hopline.observability import schema, tracing
 from hopline.protos.hopline.inference.v1 import inference_pb2
 
 
@@ -95,4 +95,10 @@ def test_a_read_within_a_recorded_request_is_in_its_trace(exporter: InMemorySpan
     assert set(spans) == {"request", "list_models"}
     assert spans["list_models"].parent is not None
     assert spans["list_models"].parent.span_id == spans["request"].context.span_id
+    # Named as every other hop's client span is, for Jaeger's searches and `trace report`.
+    assert spans["list_models"].attributes == {
+        "rpc.system": "grpc",
+        "server.address": "stand-in",
+        schema.HOP: schema.SPAN_LIST_MODELS,
+    }
     assert sampled(inference.sent[0]["traceparent"])
