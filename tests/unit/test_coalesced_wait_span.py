@@ -46,11 +46,14 @@ def test_a_joined_miss_waits_in_a_span_linked_to_the_leaders(
     by_name = {s.name: s for s in spans}
     (wait,) = [s for s in spans if s.name == schema.SPAN_COALESCED_WAIT]
     joiner, leader = by_name["Predict 1"], by_name["Predict 0"]
-    assert wait.context is not None and joiner.context is not None
-    assert wait.parent is not None and wait.parent.span_id == joiner.context.span_id
+    assert wait.context is not None
+    assert joiner.context is not None
+    assert wait.parent is not None
+    assert wait.parent.span_id == joiner.context.span_id
     assert wait.context.trace_id == joiner.context.trace_id
     inference = by_name[schema.SPAN_INFERENCE]  # the leader's hop, in the leader's trace
-    assert inference.parent is not None and leader.context is not None
+    assert inference.parent is not None
+    assert leader.context is not None
     assert inference.context is not None
     assert inference.context.trace_id == leader.context.trace_id
     [link] = wait.links
