@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,11 +71,36 @@ class OtlpSpanExporter(OTLPSpanExporter):
         files = [path for _, path in tls.files] if tls is not None and not tls.plaintext else []
         self._tls_watch = FileWatch(files, recheck_s) if files else None
         self.redials = 0
+        self._failing_since: float | None = None  # monotonic: the first failed export of an outage
+        self._failed_batches = 0
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
         if self._tls_watch is not None and self._tls_watch.changed():
             self._redial()
-        return super().export(spans)
+        result = super().export(spans)
+        if result is SpanExportResult.SUCCESS:
+            if self._failing_since is not None:
+                self._recovered()
+        elif self._failing_since is None:
+            self._failing_since = time.monotonic()
+            self._failed_batches = 1
+        else:
+            self._failed_batches += 1
+        return result
+
+    def _recovered(self) -> None:
+        # The SDK says each failure (logs.py:ExportTrouble, once a minute) but not the end
+        # of an outage: an operator reading the log could not tell whether spans flowed again.
+        assert self._failing_since is not None
+        log.info(
+            "span export to the collector works again",
+            extra={
+                "failed_batches": self._failed_batches,
+                "failing_s": round(time.monotonic() - self._failing_since, 1),
+            },
+        )
+        self._failing_since = None
+        self._failed_batches = 0
 
     def _redial(self) -> None:
         try:

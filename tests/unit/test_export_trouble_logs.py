@@ -8,8 +8,12 @@ import logging
 import time
 
 import pytest
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace.export import SpanExportResult
 
 from hopline.observability.logs import EXPORT_LOGGERS, ExportTrouble, LogFormat, setup_logging
+from hopline.observability.otlp import OtlpSpanExporter
 
 FAILED = "Failed to export %s to %s, error code: %s, error details: %s"
 FULL = "Queue full, dropping %s."
@@ -45,3 +49,23 @@ def test_the_sdks_export_loggers_get_the_filter() -> None:
             assert any(isinstance(f, ExportTrouble) for f in logging.getLogger(name).filters)
     finally:
         root.handlers[:], root.level = handlers, level
+
+
+def test_the_end_of_an_outage_is_said_once_with_how_long_it_lasted(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The failures were said (once a minute) but not their end: an operator could not tell
+    from the log whether spans flowed again. The SDK's own export (the gRPC call) is replaced
+    by a list of results; the exporter's wrapper around it is the real one."""
+    results = [SpanExportResult.FAILURE] * 3 + [SpanExportResult.SUCCESS] * 2
+    monkeypatch.setattr(OTLPSpanExporter, "export", lambda self, spans: results.pop(0))
+    exporter = OtlpSpanExporter(Resource.create({}))
+    try:
+        with caplog.at_level(logging.INFO, logger="hopline.observability.otlp"):
+            outcomes = [exporter.export([]) for _ in range(5)]
+    finally:
+        exporter.shutdown()
+    assert outcomes[-1] is SpanExportResult.SUCCESS
+    [line] = [r for r in caplog.records if "works again" in r.getMessage()]
+    assert getattr(line, "failed_batches", None) == 3
+    assert getattr(line, "failing_s", -1.0) >= 0
