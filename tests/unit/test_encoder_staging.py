@@ -117,6 +117,6 @@ def test_a_folder_the_encoder_cannot_be_built_in_names_the_setting(
         raise PermissionError(13, "Permission denied", str(staging))
 
     monkeypatch.setattr(embedder, "build_encoder", refused)
-    monkeypatch.setattr(embedder.os, "access", lambda *_: False)
+    monkeypatch.setattr(os, "access", lambda *_: False)
     with pytest.raises(EncoderBuildError, match=r"\(Permission denied\): make HOPLINE_CACHE_DIR"):
         encoder_file(tmp_path / "weights", tmp_path, MODEL)
