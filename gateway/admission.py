@@ -21,7 +21,10 @@
   `MIN_PROBE_EVERY` is let through as a probe: a refused request adds no sample, so without
   both, the paths of a burst that is over would refuse every short deadline from then on.
   A probe that comes back faster is believed at once (the estimate is never above the
-  newest path).
+  newest path). While no path has completed within `MAX_SAMPLE_AGE_S` but `MIN_SAMPLES`
+  admitted requests ran out of deadline, a deadline no longer than the longest of theirs is
+  refused the same way: when nothing completes, the paths alone said nothing, and every
+  short deadline ran the model for a caller already gone.
 - **The cache lookup**: its budget is HOPLINE_CACHE_BUDGET_MS cut to what the deadline
   leaves after a typical (median) inference path, so a lookup never eats the time a miss
   needs; a lookup left with less than `MIN_LOOKUP_MS` is skipped (reason `deadline`). When
@@ -200,6 +203,9 @@ class Admission:
         self.adaptive_cache = adaptive_cache
         self.in_flight = 0
         self._paths_s = Recent(clock)
+        # What admitted requests had left when their deadline ran out before the answer:
+        # while no path completes, the only evidence of how long one takes.
+        self._expired_s = Recent(clock)
         self._deadline_refusals = 0  # counted modulo MIN_PROBE_EVERY: the 0th goes through
         self._overruns = Recent(clock)
         self._rng = rng or random.Random()
@@ -219,6 +225,17 @@ class Admission:
         if not self.tenants.tenancy.shared_with(tenant):
             return None
         return max(1, min(self.tenant_min_in_flight, self.max_in_flight // 2))
+
+    def stream_width(self, tenant: str) -> int | None:
+        """How many texts one stream holds in flight at once: `batch_width`, and at most half
+        the gateway's places. One stream is one caller: with the whole limit its backlog
+        (80 requests of 64 texts) held all 256 places, and every other request of its tenant
+        was refused RESOURCE_EXHAUSTED while it ran (a client probe: 63 of 66)."""
+        width = self.batch_width(tenant)
+        if not self.max_in_flight:
+            return width
+        half = max(1, self.max_in_flight // 2)
+        return half if width is None else min(width, half)
 
     def path_estimate_s(self, q: float) -> float | None:
         """The q-quantile of recent inference paths, or the newest path where it is faster;
@@ -254,16 +271,8 @@ class Admission:
             )
         if shares is not None:
             self._check_share(shares, tenant)
-        fastest = self.path_estimate_s(0.1)
         left_s = call.left_s()
-        if fastest is not None and left_s < fastest and self._refuse_deadline():
-            left = f"leaves {left_s * 1e3:.0f} ms" if left_s > 0 else "had passed on arrival"
-            raise self._refuse(
-                Refusal.DEADLINE,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"the deadline {left}; a model answer takes at least {fastest * 1e3:.0f} ms "
-                "now: give the request a longer deadline",
-            )
+        self._check_deadline(left_s)
         self.in_flight += 1
         metrics.GATEWAY_IN_FLIGHT.set(self.in_flight)
         if shares is not None:
@@ -271,6 +280,10 @@ class Admission:
         flow = FLOW.set(tenant)  # the stage queues' and batchers' fair shares
         try:
             yield
+        except BaseException:
+            if call.left_s() <= 0:  # its deadline ran out: it had too little for an answer
+                self._expired_s.append(left_s)
+            raise
         finally:
             FLOW.reset(flow)
             self.in_flight -= 1
@@ -280,6 +293,32 @@ class Admission:
         # Only a completed inference path is a sample (a coalesced wait is not one).
         if all(hop in call.timings for hop in INFERENCE_HOPS) and not call.cache.coalesced:
             self._paths_s.append(sum(call.timings[h] for h in INFERENCE_HOPS) / 1e3)
+
+    def _check_deadline(self, left_s: float) -> None:
+        """RequestError DEADLINE_EXCEEDED when `left_s` is too short for a model answer: less
+        than the fastest recent paths, or, while no path has completed recently, no more
+        than recent requests had when they ran out (until a path completes again: a probe's
+        does, as below). Paths alone forgot a slow model once
+        nothing completed for MAX_SAMPLE_AGE_S, and every short deadline was admitted to run
+        the model for a caller already gone (a client probe: 6 ms deadlines on a 14 ms path,
+        up to 80 model runs a burst of 80 for no answer)."""
+        fastest = self.path_estimate_s(0.1)
+        if fastest is not None:
+            refused = left_s < fastest
+            said = f"a model answer takes at least {fastest * 1e3:.0f} ms now"
+        elif not self._paths_s.count() and self._expired_s.count() >= MIN_SAMPLES:
+            most = self._expired_s.ordered()[-1]
+            refused = left_s <= most
+            said = f"no recent request with up to {most * 1e3:.0f} ms left got its answer in time"
+        else:
+            return
+        if refused and self._refuse_deadline():
+            left = f"leaves {left_s * 1e3:.0f} ms" if left_s > 0 else "had passed on arrival"
+            raise self._refuse(
+                Refusal.DEADLINE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the deadline {left}; {said}: give the request a longer deadline",
+            )
 
     def _check_share(self, shares: TenantShares, tenant: str) -> None:
         """RequestError when `tenant` holds its share of the places while others send, or

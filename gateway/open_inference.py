@@ -219,6 +219,24 @@ class BatchLimit(NamedTuple):
             )
 
 
+# The heaviest a stream's request counts for its reading (`texts_in`): one over the stream's
+# width is read alone anyway, and a shape of 2**62 is refused when answered.
+MAX_TEXTS_WEIGHT = 1 << 16
+
+
+def texts_in(request: pb.ModelInferRequest) -> int:
+    """The texts a request carries by its first input's shape, for a stream's reading
+    (gateway/streaming.py): 1 for one without a readable shape, which fails at once."""
+    if not request.inputs:
+        return 1
+    count = 1
+    for dim in request.inputs[0].shape:
+        count *= max(dim, 1)
+        if count >= MAX_TEXTS_WEIGHT:
+            return MAX_TEXTS_WEIGHT
+    return count
+
+
 def decode_texts(request: pb.ModelInferRequest, model: str, limit: BatchLimit) -> list[str]:
     """The texts of the request's single BYTES input, from raw or typed contents; a batch over
     `limit` is refused from its shape, before its data is read."""
@@ -548,7 +566,9 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     message_answered(MODEL_STREAM_INFER)
             return final(request, reply)
 
-        stream = serve_stream(self.gateway, request_iterator, context, MODEL_STREAM_INFER, answer)
+        stream = serve_stream(
+            self.gateway, request_iterator, context, MODEL_STREAM_INFER, answer, texts_in
+        )
         async for reply in stream:
             yield reply
 

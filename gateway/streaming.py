@@ -126,11 +126,14 @@ async def serve_stream(
     context: grpc.aio.ServicerContext[Any, Any],
     method: str,
     answer: Callable[[M], Awaitable[R]],
+    texts_of: Callable[[M], int] | None = None,
 ) -> AsyncIterator[R]:
     """A bidirectional stream of requests each answered by `answer` (which turns a failure
     into its reply): the caller's key and a place among the gateway's open streams first
     (HOPLINE_GATEWAY_MAX_STREAMS), then up to HOPLINE_STREAM_MAX_IN_FLIGHT answered at once,
-    replies in the order they complete, and the drain described above."""
+    replies in the order they complete, and the drain described above. `texts_of`: how many
+    texts a request carries (a ModelStreamInfer batch), read only while the texts being
+    answered leave room for its own (`Admission.stream_width`)."""
     metadata = tuple(context.invocation_metadata() or ())
     try:
         # A caller without a valid key is refused the stream itself, not each message: it
@@ -148,13 +151,22 @@ async def serve_stream(
     # Read at each request: the stream may have opened while its tenant was alone.
     admission, limit = gateway.admission, gateway.config.stream_max_in_flight
     slots = Turns(lambda: min(limit, admission.batch_width(tenant) or limit))
+    # Texts read, by request, only as fast as the stream's turns take them: each request's
+    # deadline runs from its read, and 64 requests of 64 texts read at once waited for their
+    # turns behind each other until the gateway's 10 s cap failed most of them, on a stream
+    # with no deadline (a client probe: 47 of 80 DEADLINE_EXCEEDED; 0 of 40 as ModelInfers).
+    texts = Turns(lambda: admission.stream_width(tenant))
     running: set[asyncio.Task[None]] = set()
     metrics.GATEWAY_CALLS.labels(method).inc()
 
-    async def answer_one(message: M) -> None:
+    async def answer_one(message: M, weight: int) -> None:
         try:
+            try:
+                reply = await answer(message)
+            finally:
+                texts.release(weight)
             # Its slot is freed once the reply is written (below), not here.
-            replies.put_nowait(await answer(message))
+            replies.put_nowait(reply)
         except BaseException:
             slots.release()  # cancelled before its reply was queued
             raise
@@ -167,7 +179,13 @@ async def serve_stream(
             try:
                 async for message in requests:
                     await slots.acquire()
-                    task = asyncio.create_task(answer_one(message))
+                    weight = texts_of(message) if texts_of is not None else 0
+                    try:
+                        await texts.acquire(weight)
+                    except BaseException:
+                        slots.release()
+                        raise
+                    task = asyncio.create_task(answer_one(message, weight))
                     running.add(task)
                     task.add_done_callback(running.discard)
             except Undecodable:

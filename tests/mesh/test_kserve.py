@@ -455,26 +455,32 @@ def test_a_lone_tenants_stream_of_batches_stays_within_the_gateways_limit(
     """A ModelStreamInfer stream's requests were counted, not their texts: 20 requests of
     16 texts from a gateway's only tenant put 320 texts in flight against a limit of 64 here,
     and the rest were refused RESOURCE_EXHAUSTED (a reviewer's reproduction). The stream's
-    texts take turns within the limit."""
+    texts take turns within the limit. And a request is read only once its texts fit: each
+    request's time runs from its read, and a stream with no deadline that sent its backlog at
+    once had most of it fail DEADLINE_EXCEEDED at the gateway's cap, waiting for turns
+    behind each other (a client probe: 47 of 80 requests of 64 texts); here 60 requests of
+    16 texts under a 2 s cap."""
     alone = Mesh(
         default_repo,
         tmp_path,
         addrs=Topology.COLOCATED.addrs(),
         HOPLINE_GATEWAY_MAX_IN_FLIGHT="64",
+        HOPLINE_UPSTREAM_TIMEOUT_S="2",
     )
     alone.start()
     streamed: queue.Queue[tuple[Any, Any]] = queue.Queue()
     streamer = triton.InferenceServerClient(url=alone.gateway)
+    requests = 60
     try:
         streamer.start_stream(callback=lambda result, error: streamed.put((result, error)))
-        for n in range(20):
+        for n in range(requests):
             streamer.async_stream_infer(
                 DEFAULT_MODEL,
                 [text_input([f"where is parcel {n}-{k}" for k in range(16)])],
                 request_id=f"b{n}",
                 outputs=[triton.InferRequestedOutput("label")],
             )
-        got = [streamed.get(timeout=120) for _ in range(20)]
+        got = [streamed.get(timeout=120) for _ in range(requests)]
     finally:
         streamer.stop_stream()
         streamer.close()

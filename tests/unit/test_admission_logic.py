@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import grpc
@@ -320,3 +321,51 @@ def test_a_batch_of_batch_width_texts_is_never_refused_by_its_own_share(
     no_shares = Admission(max_in_flight=0, cache_budget_ms=40, tenant_min_in_flight=32)
     assert no_shares.batch_width("bulk") is None
     assert Admission(max_in_flight=64, cache_budget_ms=40).batch_width("bulk") is None
+
+
+class _RanOut(Exception):
+    """A request's deadline ran out while it was worked on."""
+
+
+def test_deadlines_that_keep_running_out_are_refused_once_no_path_completes() -> None:
+    """Paths are forgotten after MAX_SAMPLE_AGE_S, and deadlines too short for any answer
+    complete none: the gate opened and every such request ran the model for a caller gone (a
+    client probe: 6 ms deadlines on a 14 ms path, 23 to 80 model runs a burst, no answer).
+    What those requests had left when they ran out is the evidence; a completed path (a
+    probe's) ends it."""
+    clock = FakeClock(1000.0)
+    admission = Admission(max_in_flight=0, cache_budget_ms=40, clock=clock)
+    run_misses(admission, ms=14)
+    clock.now += MAX_SAMPLE_AGE_S + 0.001  # the warm-up's paths are forgotten
+
+    def short(on_admit: Callable[[Call], None]) -> bool:
+        """A 6 ms request; whether it was admitted."""
+        c = Call(timeout_s=0.006)
+        try:
+            with admission.admit(cast("PredictCall", c)):
+                on_admit(c)
+        except RequestError:
+            return False
+        except _RanOut:
+            pass
+        return True
+
+    def runs_out(c: Call) -> None:
+        c.timeout_s = 0.0
+        raise _RanOut
+
+    admitted = [short(runs_out) for _ in range(50)]
+    assert admitted[:MIN_SAMPLES] == [True] * MIN_SAMPLES
+    assert sum(admitted[MIN_SAMPLES:]) == (50 - MIN_SAMPLES) // MIN_PROBE_EVERY  # probes only
+    with pytest.raises(RequestError) as refused, admission.admit(call(0.006)):
+        pass
+    assert "no recent request with up to 6 ms left" in refused.value.message
+    with admission.admit(call(0.5)):  # a longer deadline is let in
+        pass
+
+    def answered(c: Call) -> None:  # the model is fast again
+        c.timings.update(tokenize=1, inference=2, postprocess=1)
+
+    while not short(answered):  # refused until the next probe, which completes
+        pass
+    assert all(short(answered) for _ in range(20))
