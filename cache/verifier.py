@@ -90,6 +90,10 @@ class Verifier:
         self.counts = dict.fromkeys(("candidates", "verified", "disagreements", "after_reply"), 0)
         self._policies: dict[str, tuple[tuple[str, str, str, str], VerifyPolicy]] = {}
         self._forget: list[str] = []  # scopes the rules forgot, their rows still in the store
+        # Each (model, version)'s scopes' thresholds, for its gauge: the lowest of them. By
+        # tenant, the gauge named every tenant to anyone who can read /metrics, which takes
+        # no key (a security probe).
+        self._thresholds: dict[tuple[str, str], dict[str, float]] = {}
         self._unsent: deque[Noted] = deque()  # not written yet: the store was unreachable
         self._store_failing = False
         self._keys_read = 0.0  # monotonic time the keys were last read again
@@ -144,10 +148,25 @@ class Verifier:
         for key in self.rules.forgotten:
             known = self._policies.pop(key, None)
             if known is not None:
-                with contextlib.suppress(KeyError):  # another scope of its labels took it
-                    metrics.CACHE_VERIFY_THRESHOLD.remove(*known[0][:3])
+                self._threshold(known[0], key, None)
         self._forget.extend(self.rules.forgotten)
         self.rules.forgotten.clear()
+
+    def _threshold(self, scope: tuple[str, str, str, str], key: str, value: float | None) -> None:
+        """A scope's threshold into its (model, version)'s gauge, the lowest of its scopes';
+        None: the scope is forgotten (the gauge's series goes with the last one)."""
+        labels = (scope[1], scope[2])
+        held = self._thresholds.setdefault(labels, {})
+        if value is not None:
+            held[key] = value
+        else:
+            held.pop(key, None)
+        if held:
+            metrics.CACHE_VERIFY_THRESHOLD.labels(*labels).set(min(held.values()))
+            return
+        del self._thresholds[labels]
+        with contextlib.suppress(KeyError):  # never set
+            metrics.CACHE_VERIFY_THRESHOLD.remove(*labels)
 
     async def follow(self, poll_s: float) -> None:
         """The peers' observations into the rules every `poll_s`, for good (with what this
@@ -230,9 +249,7 @@ class Verifier:
         self.counts["candidates"] += 1
         self.counts["after_reply"] += decision is Decision.SERVE_AND_VERIFY
         metrics.CACHE_VERIFY_CANDIDATES.labels(scope[1], decision.value).inc()
-        metrics.CACHE_VERIFY_THRESHOLD.labels(*scope[:3]).set(
-            self.rules.evidence(key).lowest_threshold(policy)
-        )
+        self._threshold(scope, key, self.rules.evidence(key).lowest_threshold(policy))
         if decision not in (Decision.SERVE_AND_VERIFY, Decision.VERIFY_FIRST):
             return decision, "", threshold
         pending = Pending(

@@ -264,8 +264,9 @@ CACHE_VERIFY_EVIDENCE = Counter(
 )
 CACHE_VERIFY_THRESHOLD = Gauge(
     "hopline_cache_verify_threshold",
-    "The similarity a scope's verified-hit rule serves from now (held-back answers need more)",
-    ("tenant", "model", "model_version"),
+    "The lowest similarity the verified-hit rules of a model version's scopes serve from now "
+    "(held-back answers need more); each tenant's in `hopline cache stats`",
+    ("model", "model_version"),
 )
 BATCH_SIZE = Histogram(
     "hopline_batch_size",

@@ -1,13 +1,16 @@
 """The verifier keeps at most MAX_SCOPES scopes (cache/verify.py:Rules): without API keys a
 caller names its tenant, and each tenant's scope, its policy and its
-`hopline_cache_verify_threshold{tenant,model,model_version}` series were kept for good, and
-its rows in the SQLite evidence file too (a soak probe: 0 -> 1,301 series for 1,300 tenant
-names, still there after every entry was invalidated). The least recently used scope is
-forgotten: its series removed, its rows dropped, and used again it starts from its prior."""
+`hopline_cache_verify_threshold` series were kept for good, and its rows in the SQLite
+evidence file too (a soak probe: 0 -> 1,301 series for 1,300 tenant names, still there after
+every entry was invalidated). The least recently used scope is forgotten: its share of the
+series removed, its rows dropped, and used again it starts from its prior. The series is a
+model version's, the lowest of its scopes' thresholds: by tenant, it named every tenant on
+/metrics, which takes no key (a security probe)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -21,15 +24,36 @@ from hopline.protos.hopline.common.v1 import common_pb2
 POLICY = VerifyPolicy(target=0.01, confidence=0.9, prior_threshold=0.85, floor=0.55)
 
 
-def scope(tenant: str) -> tuple[str, str, str, str]:
-    return (tenant, "bounded-model", "1", "{}")
+def scope(tenant: str, model: str = "") -> tuple[str, str, str, str]:
+    """A tenant's scope of `model` (by default a model of its own, a series of its own)."""
+    return (tenant, model or f"bounded-model-{tenant}", "1", "{}")
 
 
-def series(tenant: str) -> float | None:
+def series(tenant: str, model: str = "") -> float | None:
     return REGISTRY.get_sample_value(
         "hopline_cache_verify_threshold",
-        {"tenant": tenant, "model": "bounded-model", "model_version": "1"},
+        {"model": model or f"bounded-model-{tenant}", "model_version": "1"},
     )
+
+
+def test_the_series_is_a_model_versions_lowest_threshold_and_names_no_tenant() -> None:
+    verifier = Verifier(seed=1)
+    cached = common_pb2.Prediction(label="x")
+    stricter = dataclasses.replace(POLICY, prior_threshold=0.9)
+    verifier.decide(scope("acme", "shared-model"), cached, 0.5, POLICY, "")
+    verifier.decide(scope("globex", "shared-model"), cached, 0.5, stricter, "")
+    assert series("", "shared-model") == POLICY.prior_threshold  # the lower of the two
+    verifier.rules.forgotten.append(scope_key(scope("acme", "shared-model")))
+    verifier._drop_forgotten()
+    assert series("", "shared-model") == stricter.prior_threshold
+    names = {
+        key
+        for metric in REGISTRY.collect()
+        if metric.name == "hopline_cache_verify_threshold"
+        for sample in metric.samples
+        for key in sample.labels
+    }
+    assert names == {"model", "model_version"}
 
 
 def test_the_least_recently_used_scope_is_forgotten() -> None:
