@@ -612,14 +612,16 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         # entries (top_k is part of the cache scope).
         top_k = len(info.labels) if any(o.name == CLASSIFIED for o in outputs) else 1
         metrics.GATEWAY_REQUESTS.inc(max(len(texts) - 1, 0))
-        turns = None
+        turns, places = None, 0
         if stream is not None:
             turns = stream.for_tenant(tenant)
-        elif (width := gateway.admission.batch_width(tenant)) and width < len(texts):
-            admission = gateway.admission
-            turns = Turns(lambda: admission.batch_width(tenant))
+        elif len(texts) > 1:  # admitted whole, in its turn width's places (Admission.hold)
+            width = gateway.admission.batch_width(tenant)
+            places = min(width, len(texts)) if width else len(texts)
+            if places < len(texts):
+                turns = Turns(lambda: places)
         answers = await self._predict_all(
-            texts, info, tenant, top_k, mode, deadline_s, started, turns
+            texts, info, tenant, top_k, mode, deadline_s, started, turns, places
         )
         return self._response(request, info, tenant, outputs, answers)
 
@@ -633,9 +635,17 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
         timeout_s: float,
         started: float,
         turns: Turns | None,
+        places: int = 0,
     ) -> list[gateway_pb2.PredictResponse]:
-        """Every text at once, or as `turns` lets them (gateway/admission.py:batch_width)."""
+        """Every text at once, or as `turns` lets them (gateway/admission.py:batch_width);
+        with `places`, in that many the batch holds (`Admission.hold`), refused whole."""
         failure: StatusError | None = None
+        admission = self.gateway.admission
+        held = (
+            admission.hold(tenant, places, timeout_s - (time.perf_counter() - started))
+            if places
+            else contextlib.nullcontext()
+        )
 
         async def one(i: int, text: str) -> gateway_pb2.PredictResponse:
             async with turns or contextlib.nullcontext():
@@ -645,8 +655,9 @@ class OpenInferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
         try:
             # A TaskGroup cancels the other texts as soon as one fails: the request fails anyway.
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(one(i, text)) for i, text in enumerate(texts)]
+            with held:
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(one(i, text)) for i, text in enumerate(texts)]
         # A failed hop, or the gateway's admission refusing a text (gateway/admission.py).
         except* StatusError as failed:
             # Not raised here: an exception raised inside except* is wrapped in a group again.
