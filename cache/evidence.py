@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+from hopline.cache.private_files import keep_private, private_folder
 from hopline.cache.store import CacheSettingError
 from hopline.cache.verify import SCOPE_WINDOW, Observation
 from hopline.cache.verify_ids import key_due, keys_retired
@@ -90,7 +91,7 @@ class EvidenceLog:
     restart). One writer thread's connection; Milvus stays the store of entries."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_folder(path.parent)
         self.path = path
         self.set_aside: Path | None = None  # where a file of another schema was moved
         self.unreadable: str | None = None  # why SQLite could not read the file set aside
@@ -157,6 +158,8 @@ class EvidenceLog:
     def _connect(path: Path) -> sqlite3.Connection:
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         db.execute("PRAGMA journal_mode=WAL")
+        for suffix in ("", "-wal", "-shm"):  # SQLite gives its journal files the file's mode
+            keep_private(Path(f"{path}{suffix}"))
         return db
 
     @staticmethod

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hopline.cache.private_files import private_folder
 from hopline.runtime import grpc_io
 
 log = logging.getLogger("hopline.cache.milvus_lite")
@@ -145,7 +146,7 @@ def logs_beside(db: Path) -> None:
     file instead, unless the operator set GLOG_log_dir (`start_failure` names the folder they
     went to)."""
     logs = db.resolve().parent / f"{db.name}.logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    private_folder(logs)
     os.environ.setdefault(_GLOG_DIR, str(logs))
 
 

@@ -54,6 +54,7 @@ from hopline.cache.milvus_rows import (
     to_columns,
     to_row,
 )
+from hopline.cache.private_files import keep_private, private_folder
 from hopline.cache.store import (
     LIVE_PAGE,
     LOAD_TIMEOUT_S,
@@ -247,7 +248,7 @@ class MilvusStore:
                     f"cannot open Milvus at {self.uri}: {hint} ({milvus_reason(exc)})"
                 ) from exc
         path = Path(self.uri)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_folder(path.parent)
         try:
             lite.check_database_file(path)
         except lite.NotADatabase as exc:
@@ -260,7 +261,7 @@ class MilvusStore:
             return lite.connect(pymilvus, self.uri, self.timeout_s, self.start_timeout_s)
 
         try:
-            return MilvusConnection(
+            connection = MilvusConnection(
                 start,
                 NO_ACCESS,
                 stale=lite.ServerExited(path),
@@ -269,6 +270,8 @@ class MilvusStore:
             )
         except lite.StartFailed as exc:
             raise CacheStoreError(f"cannot open Milvus at {self.uri}: {exc}") from exc
+        keep_private(path)  # made by milvus-lite's server with the umask's mode
+        return connection
 
     @property
     def _client(self) -> Any:

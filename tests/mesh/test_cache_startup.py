@@ -175,3 +175,33 @@ def test_a_file_damaged_past_its_header_is_refused(tmp_path: Path) -> None:
     code, log, _ = serve_cache(str(db))
     assert code != 0
     assert "the file looks damaged" in log, log
+
+
+def test_the_files_a_cache_makes_are_its_users_alone(tmp_path: Path) -> None:
+    """The cache's files hold every tenant's texts and answers; made with the umask's 022,
+    the milvus-lite file, its logs and the verified-hit evidence were world-readable, and
+    `strings` on the file listed each tenant's texts to any user of the host (a security
+    probe). The folders the cache makes are 0700, its files 0600 (cache/private_files.py)."""
+    db = tmp_path / "state" / "deeper" / "cache.db"
+    umask = os.umask(0o022)
+    try:
+
+        async def body() -> None:
+            async with cache(db) as (_, stub):
+                await store(stub, "i was charged twice for my order")
+                await written(stub)
+
+        run(body)
+    finally:
+        os.umask(umask)
+    made = [tmp_path / "state", tmp_path / "state" / "deeper", db, Path(f"{db}.logs")]
+    verify = db.with_name("cache.verify.sqlite")
+    assert verify.exists()  # the verified-hit evidence, beside the file
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in [*made, verify]}
+    assert modes == {
+        "state": "0o700",
+        "deeper": "0o700",
+        "cache.db": "0o600",
+        "cache.db.logs": "0o700",
+        "cache.verify.sqlite": "0o600",
+    }
