@@ -311,9 +311,16 @@ class Hedging(Generic[Rep]):
         # Which replica holds the first attempts is round_robin's secret; those that answered
         # hedges, and those whose hedges were not answered either, say which one to look at
         # (the line named none: an SRE could not tell which replica to drain; a probe).
+        # No hedge answered first: the other replicas were as slow, an overload's sign, not
+        # a hung one's (the question alone was asked under plain overload: an SRE's probe).
+        question = (
+            "is one hung?"
+            if answered
+            else "no hedge answered first: every replica is slow (overloaded?), not one hung"
+        )
         log.warning(
             f"{self.hop} calls unanswered after {delay * 1e3:.0f} ms were sent again on the "
-            "next replica: is one hung?",
+            f"next replica: {question}",
             extra={
                 "hop": self.hop,
                 "hedges": sent,

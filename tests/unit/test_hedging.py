@@ -435,3 +435,19 @@ def test_the_warning_names_the_replicas_of_the_hedges_it_counts(
     assert line.hedges_answered_by == ["10.0.0.2:9"]  # type: ignore[attr-defined]
     assert line.hedges_unanswered_by == ["10.0.0.3:9"]  # type: ignore[attr-defined]
     assert line.hedges == 3  # type: ignore[attr-defined]
+
+
+def test_hedges_none_of_which_answered_first_say_overload_not_a_hung_replica(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under plain overload every replica is slow, hedges answer no sooner than their first
+    attempts, and the line asked "is one hung?" all the same (an SRE's probe: 11 hedges)."""
+    hedging: Hedging[Any] = Hedging("infer", lambda: None, attempts=3, min_delay_s=0.1)  # type: ignore[arg-type,return-value]
+    t0 = 1000.0
+    hedging._logged = t0
+    hedging._unlogged, hedging._unlogged_since = [11, 0], t0 + 0.5
+    with caplog.at_level(logging.WARNING, logger="hopline.gateway"):
+        hedging._log(t0 + LOG_EVERY_S + 2.0, 1.935)
+    (line,) = [r for r in caplog.records if "sent again" in r.getMessage()]
+    assert "every replica is slow (overloaded?), not one hung" in line.getMessage()
+    assert "is one hung?" not in line.getMessage()
