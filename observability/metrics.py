@@ -331,6 +331,7 @@ OWNED_BY: dict[str, ServiceName] = {
             "hopline_local_exact_entries",
             "hopline_key_mirror_keys",
             "hopline_known_misses",
+            "hopline_cache_circuit_open",  # the gateway's breaker, though named for the cache
         ),
         ServiceName.GATEWAY,
     ),
