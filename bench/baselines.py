@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from hopline.bench.mixes import make_mix
 from hopline.bench.targets import InProcessTarget, inprocess_threads
 from hopline.runtime.cpu_quota import usable_cpus
+from hopline.runtime.parent import LAUNCHER_ENV
 
 if TYPE_CHECKING:
     from hopline.model.repository import ModelConfig
@@ -27,7 +28,9 @@ def start_server(module: str, *args: str) -> tuple[subprocess.Popen[bytes], str,
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--listen", address, *args], stdout=subprocess.PIPE
+        [sys.executable, "-m", module, "--listen", address, *args],
+        stdout=subprocess.PIPE,
+        env={**os.environ, LAUNCHER_ENV: str(os.getpid())},  # it ends with the bench
     )
     assert proc.stdout is not None
     said = proc.stdout.readline().decode().split()

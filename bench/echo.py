@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
@@ -24,6 +25,7 @@ from hopline.runtime import config as cfg
 from hopline.runtime import event_loop
 from hopline.runtime.config import ServerConfig
 from hopline.runtime.event_loop import EventLoop
+from hopline.runtime.parent import LAUNCHER_ENV, follow_parent
 from hopline.runtime.server import server_options
 
 
@@ -42,7 +44,11 @@ async def serve(listen: str) -> int:
 
 async def serve_until_signalled(server: grpc.aio.Server, listen: str, name: str) -> int:
     """A baseline's server on `listen` until SIGTERM or SIGINT: `READY <loop>` on stdout once
-    it accepts calls (bench/baselines.py:start_server waits for it); 2 when it cannot listen."""
+    it accepts calls (bench/baselines.py:start_server waits for it); 2 when it cannot listen.
+    Started by `hopline bench` (its pid in LAUNCHER_ENV), it ends with it: a bench stopped by
+    SIGTERM left its echo server listening, re-parented to init (an operator's probe)."""
+    if os.environ.get(LAUNCHER_ENV):
+        follow_parent(LAUNCHER_ENV, "hopline bench")
     try:
         server.add_insecure_port(listen)
     except RuntimeError as exc:

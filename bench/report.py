@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -100,6 +101,13 @@ def window_figures(run: Run, describe: Describe | None = None) -> dict[str, floa
     return figures
 
 
+def _over(a: float, b: float) -> float:
+    """a / b, NaN where b answered nothing (0 rps, no p50): a peer or a target that answered
+    nothing ended the whole run in ZeroDivisionError, every result lost (an operator's
+    probe)."""
+    return a / b if b and math.isfinite(b) else float("nan")
+
+
 def ratios(targets: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     """The comparisons the performance targets are written against, where both sides ran."""
     out: dict[str, float] = {}
@@ -110,40 +118,44 @@ def ratios(targets: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     plain = targets.get("inprocess")
     batched = targets.get("inprocess_batched")
     if echo:
-        out["mesh_p50_over_echo_p50"] = mesh["p50_ms"] / echo["p50_ms"]
+        out["mesh_p50_over_echo_p50"] = _over(mesh["p50_ms"], echo["p50_ms"])
     if echo and plain:
         # Miss path: the mesh may cost the in-process pipeline plus a few echo round trips.
-        out["mesh_p50_minus_inprocess_in_echo_p50s"] = (mesh["p50_ms"] - plain["p50_ms"]) / echo[
-            "p50_ms"
-        ]
+        out["mesh_p50_minus_inprocess_in_echo_p50s"] = _over(
+            mesh["p50_ms"] - plain["p50_ms"], echo["p50_ms"]
+        )
     idle = targets.get("echo_idle")
     if idle and plain:
         # The same in round trips to a callee that was idle, as every hop's is at c=1.
-        out["mesh_p50_minus_inprocess_in_echo_idle_p50s"] = (
-            mesh["p50_ms"] - plain["p50_ms"]
-        ) / idle["p50_ms"]
+        out["mesh_p50_minus_inprocess_in_echo_idle_p50s"] = _over(
+            mesh["p50_ms"] - plain["p50_ms"], idle["p50_ms"]
+        )
     if plain:
-        out["mesh_p50_over_inprocess_p50"] = mesh["p50_ms"] / plain["p50_ms"]
-        out["mesh_throughput_over_inprocess"] = mesh["throughput_rps"] / plain["throughput_rps"]
+        out["mesh_p50_over_inprocess_p50"] = _over(mesh["p50_ms"], plain["p50_ms"])
+        out["mesh_throughput_over_inprocess"] = _over(
+            mesh["throughput_rps"], plain["throughput_rps"]
+        )
     if batched:
-        out["mesh_throughput_over_inprocess_batched"] = (
-            mesh["throughput_rps"] / batched["throughput_rps"]
+        out["mesh_throughput_over_inprocess_batched"] = _over(
+            mesh["throughput_rps"], batched["throughput_rps"]
         )
         # Latency under the same load: what a request pays for the mesh when both are busy
         # (open loop: both served the same arrivals, so their throughputs match).
-        out["mesh_p50_over_inprocess_batched_p50"] = mesh["p50_ms"] / batched["p50_ms"]
-        out["mesh_p99_over_inprocess_batched_p99"] = mesh["p99_ms"] / batched["p99_ms"]
+        out["mesh_p50_over_inprocess_batched_p50"] = _over(mesh["p50_ms"], batched["p50_ms"])
+        out["mesh_p99_over_inprocess_batched_p99"] = _over(mesh["p99_ms"], batched["p99_ms"])
     front_door = targets.get("grpc_batched")
     if front_door:
         # What hopline's own parts cost above a bare gRPC server over the same batcher.
-        out["mesh_throughput_over_grpc_batched"] = (
-            mesh["throughput_rps"] / front_door["throughput_rps"]
+        out["mesh_throughput_over_grpc_batched"] = _over(
+            mesh["throughput_rps"], front_door["throughput_rps"]
         )
-    out["mesh_p99_over_p50"] = mesh["p99_ms"] / mesh["p50_ms"]
+    out["mesh_p99_over_p50"] = _over(mesh["p99_ms"], mesh["p50_ms"])
     for name, peer in targets.items():
         if name.startswith("peer_"):
-            out[f"mesh_throughput_over_{name}"] = mesh["throughput_rps"] / peer["throughput_rps"]
-            out[f"mesh_p99_over_{name}_p99"] = mesh["p99_ms"] / peer["p99_ms"]
+            out[f"mesh_throughput_over_{name}"] = _over(
+                mesh["throughput_rps"], peer["throughput_rps"]
+            )
+            out[f"mesh_p99_over_{name}_p99"] = _over(mesh["p99_ms"], peer["p99_ms"])
     return out
 
 
@@ -161,11 +173,11 @@ def model_ratios(
         if base not in first:
             first[base] = t
             continue
-        out[f"{name}_p50_over_first_model"] = t["p50_ms"] / first[base]["p50_ms"]
+        out[f"{name}_p50_over_first_model"] = _over(t["p50_ms"], first[base]["p50_ms"])
         # In ms: the mesh's saving set against the model's own (compute ... saving_ms).
         out[f"{name}_p50_saving_ms"] = first[base]["p50_ms"] - t["p50_ms"]
-        out[f"{name}_throughput_over_first_model"] = (
-            t["throughput_rps"] / first[base]["throughput_rps"]
+        out[f"{name}_throughput_over_first_model"] = _over(
+            t["throughput_rps"], first[base]["throughput_rps"]
         )
         # What the model itself saved inside these requests (a run after the request's other
         # work, not back to back as compute alone runs): the saving the p50's is set against.

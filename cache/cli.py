@@ -18,6 +18,7 @@ import grpc
 
 from hopline.cache.invalidate_cli import add_invalidate
 from hopline.cache.stats_cli import add_stats
+from hopline.cli.arg_types import finite
 from hopline.cli.outputs import output_problem
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--split", help="with --train: the split to read from a JSON object of splits"
     )
     pairs.add_argument(
-        "--holdout", type=float, default=0.5, help="with --train: share of each label queried"
+        "--holdout", type=finite, default=0.5, help="with --train: share of each label queried"
     )
     pairs.add_argument("--seed", type=int, default=0, help="with --train: the split's seed")
     pairs.add_argument("--oos-label", default="oos", help="the label of out-of-scope queries")
@@ -133,10 +134,10 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "calibrate", help="the similarity threshold that meets a target false-hit rate"
     )
     cal.add_argument("--pairs", type=Path, required=True, help="from `hopline cache pairs`")
-    cal.add_argument("--target-false-hit-rate", type=float, default=0.01)
+    cal.add_argument("--target-false-hit-rate", type=finite, default=0.01)
     cal.add_argument(
         "--confidence",
-        type=float,
+        type=finite,
         default=0.9,
         help="meet the target with this one-sided confidence (Wilson upper bound on the "
         "false-hit rate); 0 compares the measured rate itself",
@@ -362,6 +363,7 @@ def weights_difference(model: ModelConfig, other: ModelConfig) -> str | None:
 
 
 def run_cache_command(args: argparse.Namespace) -> int:
+    from hopline.cache.embedder import EncoderBuildError
     from hopline.model.repository import ModelNotFoundError
     from hopline.observability.logs import LogFormat, setup_logging
 
@@ -377,8 +379,9 @@ def run_cache_command(args: argparse.Namespace) -> int:
     except UsageError as exc:  # before ValueError: a flag's mistake, said as argparse says one
         sys.stderr.write(f"hopline cache {args.cache_command}: error: {exc}\n")
         return 2
-    except (ValueError, OSError) as exc:
-        # Data and file errors are the user's to fix: one line, no traceback.
+    except (ValueError, OSError, EncoderBuildError) as exc:
+        # Data and file errors are the user's to fix: one line, no traceback (an encoder that
+        # cannot be built in --work-dir ended in one: an operator's probe).
         sys.stderr.write(f"error: {exc}\n")
         return 1
     except grpc.RpcError as err:  # a service down or refusing: which, and what it said

@@ -49,6 +49,13 @@ def request_of(args: argparse.Namespace) -> cache_pb2.InvalidateRequest | str:
     from hopline.protos.hopline.cache.v1 import cache_pb2
     from hopline.protos.hopline.common.v1 import common_pb2
 
+    if args.ids and (args.tenant or args.model):
+        # Both go (the RPC deletes the ids and the scope): `--id X --tenant T` read as "X,
+        # of T" and dropped all of T's entries (an operator's probe, exit 0).
+        return (
+            "--id names entries by themselves: give --id alone, or --tenant/--model "
+            "without --id (both would drop the whole scope as well)"
+        )
     if args.model_version and not args.model:
         return "--model-version needs --model"
     if args.model_version and not is_version(args.model_version):

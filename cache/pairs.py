@@ -107,10 +107,21 @@ def pair_similarities(embed: Embed, pairs: Sequence[Pair]) -> npt.NDArray[np.flo
 
 
 def write_pairs(pairs: Iterable[Pair], path: Path) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for p in pairs:
-            row = {k: v for k, v in asdict(p).items() if v is not None}
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    """Whole or not at all: written beside `path`, then renamed over it. Written in place, a
+    full disk left 90 lines ending mid-record as if complete, over the earlier good file
+    (an operator's probe)."""
+    staging = path.with_name(f".{path.name}.partial")
+    try:
+        with staging.open("w", encoding="utf-8") as f:
+            for p in pairs:
+                row = {k: v for k, v in asdict(p).items() if v is not None}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        staging.replace(path)
+    except BaseException as exc:
+        staging.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, f"writing the pairs to {path} failed: {exc.strerror}") from exc
+        raise
 
 
 def read_pairs(path: Path) -> list[Pair]:

@@ -32,6 +32,18 @@ def at_least_zero(raw: str) -> float:
     return value
 
 
+def finite(raw: str) -> float:
+    """Any number but NaN and infinities: a NaN limit compares false with everything, so
+    `--min-cosine nan` switched the precision check off and wrote NaN into config.json, and
+    an infinite one checks nothing either (an operator's probe)."""
+    value = float(raw)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {raw}")
+    return value
+
+
+finite.__name__ = "float"
+
 INT32_MAX = 2**31 - 1
 
 

@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service (see `hopline serve NAME --help`)")
     serve.add_argument("service", choices=SERVICE_NAMES)
 
-    from hopline.cli.arg_types import positive, top_k, utf8_text
+    from hopline.cli.arg_types import finite, positive, top_k, utf8_text
     from hopline.cli.run import DEFAULT_TOPOLOGY
 
     run = sub.add_parser("run", help="start the mesh locally (--topology), stop it on Ctrl-C")
@@ -368,12 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--version", help="default: the next free integer")
     build.add_argument(
         "--oos-threshold",
-        type=float,
+        type=finite,
         help="fixed out-of-scope score threshold (default: calibrated)",
     )
     build.add_argument(
         "--reject-rate",
-        type=float,
+        type=finite,
         default=0.02,
         help="share of held-out in-scope texts the calibrated threshold rejects",
     )
@@ -397,19 +397,19 @@ def build_parser() -> argparse.ArgumentParser:
     for field, what in LIMIT_FLAGS.items():
         build.add_argument(
             f"--{field.replace('_', '-')}",
-            type=float,
+            type=finite,
             help=f"{what} (default: {getattr(CheckLimits(), field)})",
         )
     build.add_argument("--cache-mode", default="exact", choices=("off", "exact", "semantic"))
     build.add_argument(
         "--cache-threshold",
-        type=float,
+        type=finite,
         default=0.9,
         help="cosine similarity a semantic hit needs (see `hopline cache calibrate`)",
     )
     build.add_argument(
         "--cache-min-score",
-        type=float,
+        type=finite,
         default=None,
         help="answers scoring below this are not cached (default: 0.3 with --cache-mode "
         "semantic, where a low-confidence answer replayed for paraphrases is the main source "
@@ -429,6 +429,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Each long command's own clean-up has run (files are written whole or removed): a
+        # traceback said nothing more (an operator's probe, in every long command).
+        sys.stderr.write("hopline: stopped by Ctrl-C\n")
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     grpc_io.check()
     # `serve NAME` hands the rest of the line to the service's own config parser.

@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -236,3 +237,35 @@ def test_a_target_that_answers_nothing_reads_as_nothing(tmp_path: Path) -> None:
     assert (mesh["requests"], mesh["throughput_rps"]) == (0, 0.0), mesh
     assert set(mesh["errors_by_status"]) == {"UNIMPLEMENTED"}, mesh["errors_by_status"]
     assert mesh["errors"] > 0
+
+
+def test_a_bench_server_ends_with_the_bench_that_started_it() -> None:
+    """A `hopline bench` stopped by SIGTERM (or killed) left its echo server listening,
+    re-parented to init (an operator's probe: still there 26 s later). The server follows its
+    bench (runtime/parent.py:follow_parent): here a stand-in bench, killed outright."""
+    script = (
+        "from hopline.bench.baselines import start_echo\n"
+        "import time\n"
+        "proc, _, _ = start_echo()\n"
+        "print(proc.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert bench.stdout is not None
+    echo = int(bench.stdout.readline())
+    bench.kill()
+    bench.wait()
+    bench.stdout.close()
+    deadline = time.monotonic() + 20
+    while _alive(echo):
+        assert time.monotonic() < deadline, "the echo server outlived its bench"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, re-parented to init and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
