@@ -329,6 +329,7 @@ def _eval(args: argparse.Namespace) -> int:
             verified_policy=verified,
             seed=args.seed,
             out_dir=args.out,
+            labels=resolved.labels,
         )
     except grpc.RpcError as err:
         if err.code() == grpc.StatusCode.UNAUTHENTICATED:

@@ -286,6 +286,7 @@ def run(
     exact_repeats: int = 500,
     seed: int = 0,
     out_dir: Path | None = None,
+    labels: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The static pass (`model`), then, with `verified_model` (the same model with a
     verify_target), the verified pass on the same texts in the same order."""
@@ -295,6 +296,15 @@ def run(
     if concurrency < 1:
         raise ValueError(f"--concurrency must be at least 1, got {concurrency}")
     splits = load_clinc(clinc, max_intents)
+    intents = {lab for _, lab in splits["train"]}
+    if labels and not intents & set(labels):
+        # Said before the warm-up: a model trained on other intents scored 0.00% with and
+        # without the cache, exit 0, and left its warm-up entries behind (an operator's probe).
+        raise ValueError(
+            f"none of the {len(intents)} intents of {clinc} (after --max-intents) is a label of "
+            f"model {model!r} ({len(labels)} labels, such as {sorted(labels)[0]!r}): evaluate "
+            "a model built from this data (hopline model build --train ...)"
+        )
     # Shuffled (seeded): the splits are grouped by intent, which would flatter a rule that
     # learns online (each intent's evidence would arrive in one burst).
     rng = random.Random(seed)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import shlex
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -200,6 +201,9 @@ def run_mesh(
     if wrong:
         log.error("cannot start", extra={"error": "; ".join(wrong)})
         return 2
+    if taken := taken_side_ports(mesh):
+        log.error("cannot start", extra={"error": "; ".join(taken)})
+        return 1
     try:
         mesh.start(ALL, ready_timeout_s, stopping=lambda: stopping)
     except StartInterrupted:
@@ -257,6 +261,30 @@ def _command() -> str:
     if invoked.name == "hopline":
         return shlex.quote(str(invoked))
     return f"{shlex.quote(sys.executable)} -m hopline"
+
+
+def taken_side_ports(mesh: Mesh) -> list[str]:
+    """The /metrics and health ports `hopline run` would give its services that something
+    else holds now. A service goes on without its /metrics when its port is taken (it logs
+    that), so a second mesh on the same HOPLINE_METRICS_PORT said "up" and named the first
+    mesh's /metrics as its own (an operator's probe)."""
+    host = mesh.env.get("HOPLINE_METRICS_HOST", "127.0.0.1")
+    taken = []
+    for variable, ports in ((METRICS_PORT, mesh.metrics_ports), (HEALTH_PORT, mesh.health_ports)):
+        for name, port in ports.items():
+            if mesh.colocated(name) or not 0 < port <= 65535:
+                continue
+            with socket.socket() as probe:
+                # As the servers bind: a port a mesh stopped a moment ago (TIME_WAIT) is free.
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind((host if variable == METRICS_PORT else "", port))
+                except OSError as exc:
+                    taken.append(
+                        f"{variable}: port {port}, {name}'s, cannot be bound ({exc.strerror}): "
+                        "another mesh or program holds it; set another"
+                    )
+    return taken
 
 
 def spread_port_problems(mesh: Mesh) -> list[str]:

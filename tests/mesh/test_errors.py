@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -405,6 +406,25 @@ def test_hopline_run_refuses_a_spread_port_past_65535_naming_its_variable(
     said = run_refused({**mesh.env, "HOPLINE_METRICS_PORT": "0", variable: port})
     assert f"{variable}={port}: `hopline run` gives the gateway this port" in said, said
     assert says in said, said
+
+
+def test_hopline_run_refuses_a_metrics_port_another_program_holds(mesh: Mesh) -> None:
+    """A service goes on without /metrics when its port is taken, so a second mesh on the
+    same HOPLINE_METRICS_PORT said "up" and named the first mesh's /metrics as its own (an
+    operator's probe). `hopline run` refuses to start, naming the port and the variable."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**mesh.env, "HOPLINE_METRICS_PORT": str(port)}
+        done = subprocess.run(
+            [sys.executable, "-m", "hopline", "run", "--model-repo", env["HOPLINE_MODEL_REPO"]],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 1, said
+    assert f"HOPLINE_METRICS_PORT: port {port}, gateway's, cannot be bound" in said, said
+    assert "hopline is up" not in said
 
 
 def test_a_failed_prediction_carries_its_trace_id(mesh: Mesh) -> None:

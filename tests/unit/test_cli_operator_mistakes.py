@@ -113,3 +113,26 @@ def test_pairs_are_written_whole_or_not_at_all(tmp_path: Path) -> None:
     assert out.read_text() == good
     assert [p.name for p in tmp_path.iterdir()] == ["pairs.jsonl"]
     assert json.loads(good.splitlines()[0])["same"] is True
+
+
+def test_an_evaluation_of_a_model_that_knows_none_of_the_intents_is_refused_first(
+    tmp_path: Path,
+) -> None:
+    """A model trained on other intents scored 0.00% with and without the cache, exit 0, and
+    left its warm-up's entries in the cache: refused before anything is sent (the gateway
+    named here answers nothing)."""
+    from hopline.cache.evaluate import EVAL_SPLITS, run
+    from hopline.model.repository import CachePolicy
+
+    clinc = tmp_path / "data_full.json"
+    rows = [["where is my card", "card_arrival"], ["book a flight", "book_flight"]]
+    clinc.write_text(json.dumps({split: rows for split in EVAL_SPLITS}))
+    with pytest.raises(ValueError, match=r"none of the 2 intents of .* is a label of model"):
+        run(
+            clinc,
+            gateway="127.0.0.1:1",
+            cache="127.0.0.1:1",
+            model="support-intents",
+            policy=CachePolicy(),
+            labels=("password_reset", "refund"),
+        )
