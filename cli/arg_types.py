@@ -44,6 +44,21 @@ def finite(raw: str) -> float:
 
 finite.__name__ = "float"
 
+# gRPC keeps a deadline in int64 nanoseconds: past about 9.2e9 s it wraps to the past, and
+# `predict --timeout 1e10` was an immediate DEADLINE_EXCEEDED (an operator's probe).
+MAX_TIMEOUT_S = 1e9
+
+
+def timeout_s(raw: str) -> float:
+    """A deadline in seconds: above 0, at most MAX_TIMEOUT_S."""
+    value = positive(float)(raw)
+    if value > MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT_S:g} s, got {raw}")
+    return value
+
+
+timeout_s.__name__ = "float"
+
 INT32_MAX = 2**31 - 1
 
 

@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service (see `hopline serve NAME --help`)")
     serve.add_argument("service", choices=SERVICE_NAMES)
 
-    from hopline.cli.arg_types import finite, positive, top_k, utf8_text
+    from hopline.cli.arg_types import finite, timeout_s, top_k, utf8_text
     from hopline.cli.run import DEFAULT_TOPOLOGY
 
     run = sub.add_parser("run", help="start the mesh locally (--topology), stop it on Ctrl-C")
@@ -354,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     pred.add_argument("--model-version", default="", type=utf8_text)
     pred.add_argument("--top-k", type=top_k, default=1)
     pred.add_argument("--cache", default="use", choices=("use", "bypass", "refresh"))
-    pred.add_argument("--timeout", type=positive(float), default=10.0, help="deadline in seconds")
+    pred.add_argument("--timeout", type=timeout_s, default=10.0, help="deadline in seconds")
     pred.add_argument("--json", action="store_true", help="one JSON object (stable keys)")
 
     model = sub.add_parser("model", help="model repository commands")

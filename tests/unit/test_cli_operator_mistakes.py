@@ -58,6 +58,16 @@ def test_a_calibration_target_that_is_no_number_is_refused(
     assert "must be a finite number" in capsys.readouterr().err
 
 
+def test_a_timeout_past_grpcs_deadline_range_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """`predict --timeout 1e10` wrapped past gRPC's int64 nanoseconds: an immediate
+    DEADLINE_EXCEEDED."""
+    with pytest.raises(SystemExit) as ended:
+        build_parser().parse_args(["predict", "hi", "--timeout", "1e10"])
+    assert ended.value.code == 2
+    assert "argument --timeout: must be at most 1e+09 s, got 1e10" in capsys.readouterr().err
+    assert build_parser().parse_args(["predict", "hi", "--timeout", "1e9"]).timeout == 1e9
+
+
 def test_a_peer_that_answered_nothing_is_a_nan_ratio_not_a_crash() -> None:
     """An unreachable `--peer` ended the bench in ZeroDivisionError, every result lost."""
     got = ratios(
