@@ -250,3 +250,20 @@ async def until(condition: Callable[[], bool]) -> None:
             return
         await asyncio.sleep(0)
     raise AssertionError("condition never held")
+
+
+@pytest.fixture
+def recorded_spans(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """hopline's tracer recording every span it makes into an in-memory exporter (returned),
+    for this test only."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from hopline.observability import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_TRACER", provider.get_tracer("hopline"))
+    return exporter

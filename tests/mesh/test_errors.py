@@ -372,14 +372,14 @@ def test_a_setting_no_service_can_run_on_is_refused_in_one_line(
     assert "Traceback" not in said
 
 
-def run_refused(env: dict[str, str]) -> str:
-    """What `hopline run` says refusing `env`'s settings (exit 2, checked here)."""
+def run_refused(env: dict[str, str], code: int = 2) -> str:
+    """What `hopline run` says refusing `env`'s settings (exit `code`, checked here)."""
     done = subprocess.run(
         [sys.executable, "-m", "hopline", "run", "--model-repo", env["HOPLINE_MODEL_REPO"]],
         env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     said = done.stdout + done.stderr
-    assert done.returncode == 2, said
+    assert done.returncode == code, said
     assert "Traceback" not in said
     return said
 
@@ -416,13 +416,7 @@ def test_hopline_run_refuses_a_metrics_port_another_program_holds(mesh: Mesh) ->
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        env = {**mesh.env, "HOPLINE_METRICS_PORT": str(port)}
-        done = subprocess.run(
-            [sys.executable, "-m", "hopline", "run", "--model-repo", env["HOPLINE_MODEL_REPO"]],
-            env=env, capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
-    said = done.stdout + done.stderr
-    assert done.returncode == 1, said
+        said = run_refused({**mesh.env, "HOPLINE_METRICS_PORT": str(port)}, code=1)
     assert f"HOPLINE_METRICS_PORT: port {port}, gateway's, cannot be bound" in said, said
     assert "hopline is up" not in said
 

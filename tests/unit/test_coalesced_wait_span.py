@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from conftest import until
@@ -20,12 +17,9 @@ from hopline.protos.hopline.gateway.v1 import gateway_pb2
 
 
 def test_a_joined_miss_waits_in_a_span_linked_to_the_leaders(
-    monkeypatch: pytest.MonkeyPatch,
+    recorded_spans: InMemorySpanExporter,
 ) -> None:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(tracing, "_TRACER", provider.get_tracer("hopline"))
+    exporter = recorded_spans
 
     async def predict(mesh: Mesh, n: int) -> gateway_pb2.PredictResponse:
         with tracing.tracer().start_as_current_span(f"Predict {n}"):

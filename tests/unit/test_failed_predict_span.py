@@ -6,8 +6,6 @@ probe). The gateway over stand-ins (tests/gateway_stand_ins.py), a recording tra
 from __future__ import annotations
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from servicer_context import Aborted, AbortingContext
 
@@ -17,12 +15,9 @@ from hopline.protos.hopline.gateway.v1 import gateway_pb2
 
 
 def test_a_failed_predicts_span_names_the_tenant_and_model_asked_for(
-    monkeypatch: pytest.MonkeyPatch,
+    recorded_spans: InMemorySpanExporter,
 ) -> None:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(tracing, "_TRACER", provider.get_tracer("hopline"))
+    exporter = recorded_spans
 
     async def scenario(mesh: Mesh) -> None:
         request = gateway_pb2.PredictRequest(
