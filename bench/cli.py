@@ -42,6 +42,7 @@ from hopline.bench.report import (
     summarise,
     table,
     window_figures,
+    without_nan,
     write_png,
 )
 from hopline.bench.targets import (
@@ -300,7 +301,9 @@ def run_bench(args: argparse.Namespace) -> int:
             sys.stdout.write(hop_split.split_table(name, target["hop_split"], echoes) + "\n")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+        # NaN (a ratio against a target that answered nothing) as null: a bare NaN is not
+        # JSON, and jq and JavaScript refused the file (a reviewer's read).
+        args.json.write_text(json.dumps(without_nan(doc), indent=1, allow_nan=False) + "\n")
     if args.png:
         write_png(runs, args.png, f"hopline bench: {args.mix}, {load}")
     for name, target in result["targets"].items():

@@ -101,6 +101,17 @@ def window_figures(run: Run, describe: Describe | None = None) -> dict[str, floa
     return figures
 
 
+def without_nan(value: Any) -> Any:
+    """`value` with every NaN and infinity (nested in dicts and lists) as None: JSON's null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: without_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [without_nan(v) for v in value]
+    return value
+
+
 def _over(a: float, b: float) -> float:
     """a / b, NaN where b answered nothing (0 rps, no p50): a peer or a target that answered
     nothing ended the whole run in ZeroDivisionError, every result lost (an operator's

@@ -35,7 +35,6 @@ import numpy.typing as npt
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from hopline.cache.private_files import private_folder
 from hopline.model.encoder import ENCODER_NAME, build_encoder, encoder_identity
 from hopline.model.run_width import CPU_RUN_ROWS, RunWidth, cores
 from hopline.model.session import embed_texts, make_session
@@ -92,7 +91,7 @@ def encoder_file(
     path = work_dir / "embedders" / f"minilm-{model.digest[:16]}-f{ENCODER_FORMAT}.onnx"
     if not path.is_file():
         try:
-            private_folder(path.parent)
+            path.parent.mkdir(parents=True, exist_ok=True)  # weights, not tenants' data
         except OSError as exc:
             raise _unwritable(path.parent, exc) from exc
         _forget_dead_builds(path)

@@ -75,8 +75,9 @@ async def take(host: IntakeHost, request: cache_pb2.StoreRequest) -> cache_pb2.S
         return refused(
             grpc.StatusCode.ABORTED,
             f"not stored: the entry was invalidated within the last "
-            f"{host.tombstones.keep_s:g} s (HOPLINE_CACHE_TOMBSTONE_S), and an answer computed "
-            "before that would be served again; the next miss stores it",
+            f"{host.tombstones.keep_s:g} s (HOPLINE_CACHE_TOMBSTONE_S), or by an invalidation "
+            "whose Milvus delete has not landed yet, and an answer computed before that would "
+            "be served again; a miss after that stores it",
         )
     vector = host.lookups.recall(text)
     if request.mode == "exact":

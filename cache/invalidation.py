@@ -94,14 +94,18 @@ async def invalidate(host: InvalidationHost, ids: list[str], scope: ScopeFilter 
         removed: int = unwritten + await host.io_call(store.delete, ids)
         if scope is not None:
             removed += await host.io_call(store.delete_scope, scope)
-    except CacheStoreError as exc:
+    except BaseException as exc:
         # Hidden here and at the gateways until the writer's retry lands: the tombstones
         # alone lapsed after keep_s and the entries were served again (a cache probe: a full
-        # disk, 60 of 60), and a restart brought them back for good.
+        # disk, 60 of 60), and a restart brought them back for good. A call cancelled while
+        # its delete waited (the caller's deadline, queued behind an outage) is held too:
+        # the delete may or may not have run, and running it again is harmless.
         host.tombstones.hold(ids, scope)
         host.writes.invalidate_later(LateInvalidation(ids, scope, event))
         host.feed.publish(event)
-        raise NotDeleted(str(exc)) from exc
+        if isinstance(exc, CacheStoreError):
+            raise NotDeleted(str(exc)) from exc
+        raise
     unindex(host, ids, scope)
     host.feed.publish(event)
     try:

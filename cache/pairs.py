@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import numpy.typing as npt
@@ -109,19 +110,30 @@ def pair_similarities(embed: Embed, pairs: Sequence[Pair]) -> npt.NDArray[np.flo
 def write_pairs(pairs: Iterable[Pair], path: Path) -> None:
     """Whole or not at all: written beside `path`, then renamed over it. Written in place, a
     full disk left 90 lines ending mid-record as if complete, over the earlier good file
-    (an operator's probe)."""
-    staging = path.with_name(f".{path.name}.partial")
+    (an operator's probe). In place where that cannot be done: a target that is no regular
+    file (/dev/stdout, a pipe) or a folder this process may not add a file to; a link's
+    target is what is replaced, not the link."""
+    target = path.resolve()
+    if (target.exists() and not target.is_file()) or not os.access(target.parent, os.W_OK):
+        with path.open("w", encoding="utf-8") as f:
+            _write_rows(pairs, f)
+        return
+    staging = target.with_name(f".{target.name}.partial")
     try:
         with staging.open("w", encoding="utf-8") as f:
-            for p in pairs:
-                row = {k: v for k, v in asdict(p).items() if v is not None}
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        staging.replace(path)
+            _write_rows(pairs, f)
+        staging.replace(target)
     except BaseException as exc:
         staging.unlink(missing_ok=True)
         if isinstance(exc, OSError):
             raise OSError(exc.errno, f"writing the pairs to {path} failed: {exc.strerror}") from exc
         raise
+
+
+def _write_rows(pairs: Iterable[Pair], f: TextIO) -> None:
+    for p in pairs:
+        row = {k: v for k, v in asdict(p).items() if v is not None}
+        f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def read_pairs(path: Path) -> list[Pair]:

@@ -192,6 +192,7 @@ class PendingWrites:
         """Writes the pending stores to Milvus, oldest first, at most WRITE_ROWS a write; a
         write that fails is tried again after a backoff, not dropped (see WRITE_ROWS)."""
         backoff_s = 0.0
+        writes_failed = False  # since the last write that succeeded (deletes apart)
         await self._evict({})  # a file started over a lowered whole-file bound
         while True:
             await self._wake.wait()
@@ -209,12 +210,14 @@ class PendingWrites:
             else:  # deletes alone, backed off as writes are: Milvus may be down
                 failure = await self._delete_again()
             if failure is None:
-                if backoff_s and batch:  # after failed writes: said once, as the failure was
+                if writes_failed and batch:  # after failed writes: said once, as they were
                     log.info("cache writes succeed again", extra={"entries": len(batch)})
+                    writes_failed = False
                 backoff_s = 0.0
             else:
                 backoff_s = min(max(2 * backoff_s, WRITE_RETRY_MIN_S), WRITE_RETRY_MAX_S)
                 if batch:
+                    writes_failed = True
                     log.warning(
                         "cache write failed; retrying",
                         extra={"error": failure, "entries": len(batch), "retry_in_s": backoff_s},
@@ -339,22 +342,33 @@ class PendingWrites:
         the next turn when Milvus fails this one too (its error returned)."""
         if not (self._redelete or self._invalidations):
             return None
+        failure: str | None = None
         keys = list(self._redelete)
-        try:
-            if keys:
+        if keys:
+            try:
                 await self.host.io_call(self.host.require_store().delete, keys)
                 self._redelete.difference_update(keys)
-            while self._invalidations:
-                await self._land(self._invalidations[0])
-                self._invalidations.pop(0)
-        except CacheStoreError as exc:
+            except CacheStoreError as exc:
+                failure = str(exc)
+        # Each on its own, a failed one to the back: one scope whose delete keeps failing (a
+        # large one timing out) held every invalidation behind it (a reviewer's snippet).
+        for late in list(self._invalidations):
+            try:
+                await self._land(late)
+            except CacheStoreError as exc:
+                failure = str(exc)
+                self._invalidations.remove(late)
+                self._invalidations.append(late)
+            else:
+                self._invalidations.remove(late)
+        if failure is not None:
             if not self._deletes_failing:  # an outage is said once, not at every retry
                 log.warning(
                     "deleting invalidated entries from Milvus failed; retrying",
-                    extra={"error": str(exc), "invalidations": len(self._invalidations)},
+                    extra={"error": failure, "invalidations": len(self._invalidations)},
                 )
             self._deletes_failing = True
-            return str(exc)
+            return failure
         if self._deletes_failing:
             log.info("invalidated entries deleted from Milvus again")
             self._deletes_failing = False

@@ -22,8 +22,9 @@
   both, the paths of a burst that is over would refuse every short deadline from then on.
   A probe that comes back faster is believed at once (the estimate is never above the
   newest path). While no path has completed within `MAX_SAMPLE_AGE_S` but `MIN_SAMPLES`
-  admitted requests ran out of deadline, a deadline no longer than the longest of theirs is
-  refused the same way: when nothing completes, the paths alone said nothing, and every
+  admitted requests ran out of deadline (a batch once; not those whose only deadline was the
+  gateway's cap), a deadline no longer than most of theirs (`EXPIRED_QUANTILE`) is refused
+  the same way: when nothing completes, the paths alone said nothing, and every
   short deadline ran the model for a caller already gone.
 - **The cache lookup**: its budget is HOPLINE_CACHE_BUDGET_MS cut to what the deadline
   leaves after a typical (median) inference path, so a lookup never eats the time a miss
@@ -47,6 +48,7 @@ import collections
 import contextlib
 import contextvars
 import enum
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -69,6 +71,9 @@ MIN_LOOKUP_MS = 2.0  # a lookup with less time than this cannot answer: skip it
 OVERLOADED_SHARE = 0.5  # share of recent lookups over budget that marks the cache overloaded
 MIN_PROBE_EVERY = 10  # while overloaded, at least one lookup (or refusal) in this many goes
 MAX_SAMPLE_AGE_S = 10.0  # a path or lookup older than this says nothing about now
+# The share of recently run-out deadlines a refused one is no longer than (Admission.
+# _check_deadline): most of them, not the longest.
+EXPIRED_QUANTILE = 0.9
 INFERENCE_HOPS = ("tokenize", "inference", "postprocess")  # schema.SPAN_* of the miss path
 
 
@@ -201,8 +206,13 @@ class Admission:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         tenant_min_in_flight: int = 0,
+        cap_s: float = math.inf,
     ) -> None:
         self.max_in_flight = max_in_flight  # 0: no limit
+        # The gateway's own cap on a request (HOPLINE_UPSTREAM_TIMEOUT_S): a request with no
+        # deadline of the caller's has it, and cannot be given a longer one, so its running
+        # out (a stall) is no evidence that deadlines are too short.
+        self.cap_s = cap_s
         self.tenant_min_in_flight = tenant_min_in_flight  # 0: no tenant's share
         self.tenants = TenantShares(clock)
         self.cache_budget_s = cache_budget_ms / 1e3
@@ -274,8 +284,9 @@ class Admission:
         try:
             yield
         except BaseException:
-            if call.left_s() <= 0:  # its deadline ran out: it had too little for an answer
-                self._expired_s.append(left_s)
+            # A batch's texts share its deadline: `hold` counts the batch once.
+            if held is None and call.left_s() <= 0:
+                self._ran_out(left_s, call.timeout_s)
             raise
         finally:
             FLOW.reset(flow)
@@ -294,11 +305,22 @@ class Admission:
         batches, 1,023 of 1,091 refused, 13,132 texts tokenized for 4,352 answered)."""
         self._take(tenant, places, left_s)
         token = HELD.set(places)
+        deadline = time.perf_counter() + left_s  # as PredictCall keeps it
         try:
             yield
+        except BaseException:
+            if time.perf_counter() >= deadline:
+                self._ran_out(left_s, left_s)
+            raise
         finally:
             HELD.reset(token)
             self._give_back(tenant, places)
+
+    def _ran_out(self, left_s: float, budget_s: float) -> None:
+        """An admitted request whose deadline ran out before its answer, with `left_s` left
+        at admission; one with the gateway's cap for its budget is no evidence (a stall)."""
+        if budget_s < self.cap_s:
+            self._expired_s.append(left_s)
 
     def _take(self, tenant: str, places: int, left_s: float) -> None:
         """`places` in flight for `tenant`, or RequestError: the gateway's limit, the
@@ -340,7 +362,9 @@ class Admission:
             refused = left_s < fastest
             said = f"a model answer takes at least {fastest * 1e3:.0f} ms now"
         elif not self._paths_s.count() and self._expired_s.count() >= MIN_SAMPLES:
-            most = self._expired_s.ordered()[-1]
+            # Not the longest: one caller's long deadline, cut by a stall, would refuse all.
+            ran_out = self._expired_s.ordered()
+            most = ran_out[int(EXPIRED_QUANTILE * (len(ran_out) - 1))]
             refused = left_s <= most
             said = f"no recent request with up to {most * 1e3:.0f} ms left got its answer in time"
         else:

@@ -155,6 +155,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             config.cache_budget_ms,
             config.cache_adaptive,
             tenant_min_in_flight=config.tenant_min_in_flight,
+            cap_s=config.upstream_timeout_s,
         )
         self.streams = OpenStreams(config.max_streams)
         self.exact_tier = LocalExactTier(config.local_exact_entries)

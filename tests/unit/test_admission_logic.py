@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
@@ -42,8 +43,11 @@ class Call:
         default_factory=lambda: gateway_pb2.PredictResponse(tenant="default")
     )
 
+    spent: bool = False  # its deadline has run out
+
     def left_s(self) -> float:
-        return self.timeout_s  # a call that has just come in: its whole budget is left
+        # A call that has just come in has its whole budget left.
+        return 0.0 if self.spent else self.timeout_s
 
 
 def call(timeout_s: float = 10.0, tenant: str = "default") -> PredictCall:
@@ -376,7 +380,7 @@ def test_deadlines_that_keep_running_out_are_refused_once_no_path_completes() ->
         return True
 
     def runs_out(c: Call) -> None:
-        c.timeout_s = 0.0
+        c.spent = True
         raise _RanOut
 
     admitted = [short(runs_out) for _ in range(50)]
@@ -394,3 +398,36 @@ def test_deadlines_that_keep_running_out_are_refused_once_no_path_completes() ->
     while not short(answered):  # refused until the next probe, which completes
         pass
     assert all(short(answered) for _ in range(20))
+
+
+def test_a_batch_that_runs_out_counts_once_and_a_capped_request_not_at_all() -> None:
+    """Counted per text, one 16-text batch that ran out armed the gate alone (its texts
+    cancelled together past their shared deadline), and 9 of the next 10 single requests
+    were refused; and requests with no deadline of their own (the gateway's cap) that ran out
+    in a stall refused every capped request after it, told to give a longer deadline they
+    cannot give (a reviewer's snippets)."""
+    admission = Admission(max_in_flight=0, cache_budget_ms=40, cap_s=10.0)
+
+    def batch_runs_out() -> None:
+        with contextlib.suppress(_RanOut), admission.hold("bulk", 16, 0.001):
+            time.sleep(0.002)  # the batch's deadline passes
+            for _ in range(16):
+                c = Call(timeout_s=0.001)
+                with contextlib.suppress(_RanOut), admission.admit(cast("PredictCall", c)):
+                    c.spent = True
+                    raise _RanOut
+            raise _RanOut
+
+    for _ in range(MIN_SAMPLES - 1):
+        batch_runs_out()
+    with admission.admit(call(0.001)):  # 7 batches: 7 samples, the gate not armed
+        pass
+
+    capped = Admission(max_in_flight=0, cache_budget_ms=40, cap_s=10.0)
+    for _ in range(3 * MIN_SAMPLES):
+        c = Call(timeout_s=10.0)
+        with contextlib.suppress(_RanOut), capped.admit(cast("PredictCall", c)):
+            c.spent = True
+            raise _RanOut
+    with capped.admit(call(10.0)), capped.admit(call(0.5)):
+        pass

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hopline.bench.report import ratios
+from hopline.bench.report import ratios, without_nan
 from hopline.cache import cli as cache_cli
 from hopline.cache.embedder import EncoderBuildError
 from hopline.cache.invalidate_cli import request_of
@@ -146,3 +146,26 @@ def test_an_evaluation_of_a_model_that_knows_none_of_the_intents_is_refused_firs
             policy=CachePolicy(),
             labels=("password_reset", "refund"),
         )
+
+
+def test_pairs_written_through_a_link_replace_its_target_and_keep_the_link(
+    tmp_path: Path,
+) -> None:
+    """Renamed over the path, a link was replaced by a file and its target left as it was
+    (a reviewer's snippet)."""
+    target = tmp_path / "real.jsonl"
+    target.write_text("old\n")
+    link = tmp_path / "pairs.jsonl"
+    link.symlink_to(target)
+    write_pairs([Pair("a", "b", True, "x", "x")], link)
+    assert link.is_symlink()
+    assert json.loads(target.read_text())["query"] == "a"
+
+
+def test_a_ratio_against_nothing_is_written_as_json_null() -> None:
+    """A bare NaN is not JSON: jq and JavaScript refused the bench's --json file."""
+    doc = {"ratios": {"mesh_throughput_over_peer_foo": math.nan}, "rows": [1.5, math.inf]}
+    assert json.loads(json.dumps(without_nan(doc), allow_nan=False)) == {
+        "ratios": {"mesh_throughput_over_peer_foo": None},
+        "rows": [1.5, None],
+    }
