@@ -398,7 +398,7 @@ class Admission:
         return self._refuse(
             Refusal.TENANT_SHARE,
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"this tenant has {held} requests in flight, its share of the gateway's places "
+            f"this tenant has {held} texts in flight, its share of the gateway's places "
             "now (HOPLINE_GATEWAY_MAX_IN_FLIGHT, HOPLINE_GATEWAY_TENANT_MIN_IN_FLIGHT): retry "
             "after a backoff",
         )

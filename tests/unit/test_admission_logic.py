@@ -213,7 +213,7 @@ def test_while_others_send_a_tenant_holds_at_most_its_share() -> None:
             pass
         assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert refused.value.message.startswith(
-            "this tenant has 4 requests in flight, its share of the gateway's places now"
+            "this tenant has 4 texts in flight, its share of the gateway's places now"
         )
         assert "tenants" not in refused.value.message.split("(")[0]  # not how many send
         for _ in range(4):
@@ -225,9 +225,7 @@ def test_while_others_send_a_tenant_holds_at_most_its_share() -> None:
         with pytest.raises(RequestError) as refused, admission.admit(call(tenant="flood")):
             pass
         # The same words: that places are kept for other tenants says that they exist.
-        assert "6 requests in flight, its share of the gateway's places now" in (
-            refused.value.message
-        )
+        assert "6 texts in flight, its share of the gateway's places now" in (refused.value.message)
         assert "other tenants" not in refused.value.message
         with admission.admit(call(tenant="quiet")):  # an hour later, still a place
             pass
