@@ -364,7 +364,7 @@ def weights_difference(model: ModelConfig, other: ModelConfig) -> str | None:
 
 
 def run_cache_command(args: argparse.Namespace) -> int:
-    from hopline.cache.embedder import EncoderBuildError
+    from hopline.cache.store import EncoderBuildError
     from hopline.model.repository import ModelNotFoundError
     from hopline.observability.logs import LogFormat, setup_logging
 

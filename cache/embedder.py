@@ -35,6 +35,7 @@ import numpy.typing as npt
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from hopline.cache.store import EncoderBuildError
 from hopline.model.encoder import ENCODER_NAME, build_encoder, encoder_identity
 from hopline.model.run_width import CPU_RUN_ROWS, RunWidth, cores
 from hopline.model.session import embed_texts, make_session
@@ -118,10 +119,6 @@ def encoder_file(
             raise
         staging.replace(path)  # atomic: a concurrent reader sees a whole file or none
     return path, model
-
-
-class EncoderBuildError(RuntimeError):
-    """The embedding encoder could not be built where HOPLINE_CACHE_DIR says."""
 
 
 def _unwritable(folder: Path, exc: Exception) -> EncoderBuildError:

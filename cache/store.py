@@ -19,6 +19,12 @@ from hopline.cache.generations import Reclaimed
 from hopline.cache.keys import digest, scope_matches
 from hopline.runtime.config import SettingError
 
+
+class EncoderBuildError(RuntimeError):
+    """The embedding encoder could not be built where HOPLINE_CACHE_DIR says (here, not in
+    cache/embedder.py: the command-line tools catch it without loading ONNX Runtime)."""
+
+
 Vector = npt.NDArray[np.float32]
 Scope = tuple[str, str, str, str]  # tenant, model, version, canonical parameters
 

@@ -14,9 +14,9 @@ import pytest
 
 from hopline.bench.report import ratios, without_nan
 from hopline.cache import cli as cache_cli
-from hopline.cache.embedder import EncoderBuildError
 from hopline.cache.invalidate_cli import request_of
 from hopline.cache.pairs import Pair, write_pairs
+from hopline.cache.store import EncoderBuildError
 from hopline.cli import main as cli_main
 from hopline.cli.main import build_parser
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from hopline.cache import embedder
-from hopline.cache.embedder import EmbeddingModel, EncoderBuildError, encoder_file
+from hopline.cache.embedder import EmbeddingModel, encoder_file
 from hopline.cache.milvus_lite import NotADatabase, check_database_file, start_failure
+from hopline.cache.store import EncoderBuildError
 
 MODEL = EmbeddingModel("minilm", "ab" * 32, 384)
 Usage = namedtuple("Usage", "total used free")
