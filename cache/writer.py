@@ -355,8 +355,8 @@ class PendingWrites:
         for late in list(self._invalidations):
             try:
                 await self._land(late)
-            except CacheStoreError as exc:
-                failure = str(exc)
+            except Exception as exc:  # any: raised out of here it would end the writer
+                failure = str(exc) or type(exc).__name__
                 self._invalidations.remove(late)
                 self._invalidations.append(late)
             else:
