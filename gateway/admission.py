@@ -11,7 +11,9 @@
   tenants' requests fail RESOURCE_EXHAUSTED (48 of 75, 106 of 130) and wait 1.0-1.8 s at the
   median behind the flood's queue (18-35 ms alone). A gateway that has only ever served one
   tenant lets it take every place; once a second tenant has sent, no tenant holds the last
-  minimum, so any other's next request finds one. An admitted request runs as its tenant's
+  minimum, so any other's next request finds one; and while more tenants send than the
+  limit holds minimums, a tenant past its equal part leaves the last minimum free for those
+  within theirs. An admitted request runs as its tenant's
   flow (`runtime/fairness.py:FLOW`): the stage queues and the model's batcher serve the
   tenants waiting there in equal shares.
 - **Deadline**: when the deadline left is shorter than the fastest recent inference path
@@ -392,8 +394,14 @@ class Admission:
         sending = shares.sending()
         if sending < 2:
             return
-        share = max(self.max_in_flight // sending, self.tenant_min_in_flight)
-        if held + places > share:
+        fair = self.max_in_flight // sending
+        if held + places > max(fair, self.tenant_min_in_flight):
+            raise self._share_refused(held)
+        # Past an equal part, the minimum admits only while the last places stay free: with
+        # more tenants sending than the limit over the minimum, the minimums add up past the
+        # limit (a load probe: 8 tenants of 64-text batches held all 256 places, and a light
+        # tenant's requests were refused at the gateway's limit, 303 of 727).
+        if held + places > max(fair, 1) and self.in_flight + places > self.max_in_flight - kept:
             raise self._share_refused(held)
 
     def _share_refused(self, held: int) -> RequestError:

@@ -4,10 +4,11 @@ cuts and the overload skip (the mesh test shows them through real processes)."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import grpc
@@ -273,6 +274,47 @@ def test_a_tenant_sending_less_than_once_a_second_still_finds_a_place() -> None:
             with admission.admit(call(tenant="slow")):
                 served += 1
     assert served == 10
+
+
+@contextlib.contextmanager
+def held_apart(held: contextlib.AbstractContextManager[None]) -> Iterator[None]:
+    """`held` entered and left in a context of its own, as each batch is served in its own
+    task: its `HELD` mark does not reach the requests admitted beside it."""
+    context = contextvars.copy_context()
+    context.run(held.__enter__)
+    try:
+        yield
+    finally:
+        context.run(held.__exit__, None, None, None)
+
+
+def test_a_light_tenant_finds_a_place_beside_more_flooding_tenants_than_minimums_fit() -> None:
+    """Eight tenants sending 64-text batches (32 places each, the minimum) held all 256
+    places, and a light tenant's requests were refused at the gateway's limit (a load
+    probe: 303 of 727): the minimums added up past the limit. Past an equal part, a tenant's
+    minimum now admits only while the last places stay free for tenants within theirs."""
+    clock = FakeClock(1000.0)
+    admission = Admission(
+        max_in_flight=256, cache_budget_ms=40, clock=clock, tenant_min_in_flight=32
+    )
+    with admission.admit(call(tenant="light")):
+        pass
+    admitted = 0
+    with contextlib.ExitStack() as held:
+        for n in range(8):
+            with contextlib.suppress(RequestError):
+                held.enter_context(held_apart(admission.hold(f"bulk{n}", 32, 10.0)))
+                admitted += 1
+        assert admitted == 7  # each past the equal part (256 / 9 tenants), by its minimum
+        assert admission.in_flight == 224
+        with pytest.raises(RequestError) as refused, admission.admit(call(tenant="bulk0")):
+            pass
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "this tenant has 32 texts in flight" in refused.value.message
+        for _ in range(28):  # the light tenant's equal part
+            held.enter_context(admission.admit(call(tenant="light")))
+        assert admission.in_flight == 252
+    assert admission.in_flight == 0
 
 
 @pytest.mark.parametrize(("minimum", "refused"), [(0, False), (1, True)])
