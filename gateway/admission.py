@@ -83,7 +83,7 @@ INFERENCE_HOPS = ("tokenize", "inference", "postprocess")  # schema.SPAN_* of th
 
 # Set while a batch's texts run in the places `Admission.hold` took for them: each text's
 # `admit` takes none of its own (the batch was refused or admitted whole).
-HELD: contextvars.ContextVar[int | None] = contextvars.ContextVar("hopline_held", default=None)
+HELD: contextvars.ContextVar[bool] = contextvars.ContextVar("hopline_held", default=False)
 
 
 class Refusal(enum.StrEnum):
@@ -242,11 +242,9 @@ class Admission:
         RESOURCE_EXHAUSTED at every try, "this tenant has 42 requests in flight"). None
         without tenants' shares, or while `tenant` has the gateway to itself: a gateway one
         tenant has had to itself refuses it no share."""
-        if not (self.max_in_flight and self.tenant_min_in_flight):
+        if self._shares() is None or not self.tenants.tenancy.shared_with(tenant):
             return None
-        if not self.tenants.tenancy.shared_with(tenant):
-            return None
-        return max(1, min(self.tenant_min_in_flight, self.max_in_flight // 2))
+        return max(1, self._kept())
 
     def stream_width(self, tenant: str) -> int | None:
         """How many texts one stream holds in flight at once: `batch_width`, and at most half
@@ -284,19 +282,19 @@ class Admission:
         tenant = call.response.tenant
         held = HELD.get()
         left_s = call.left_s()
-        if held is None:
+        if not held:
             self._take(tenant, 1, left_s)
         flow = FLOW.set(tenant)  # the stage queues' and batchers' fair shares
         try:
             yield
         except BaseException:
             # A batch's texts share its deadline: `hold` counts the batch once.
-            if held is None and call.left_s() <= 0:
+            if not held and call.left_s() <= 0:
                 self._ran_out(left_s, call.timeout_s)
             raise
         finally:
             FLOW.reset(flow)
-            if held is None:
+            if not held:
                 self._give_back(tenant, 1)
         # Only a completed inference path is a sample (a coalesced wait is not one).
         if all(hop in call.timings for hop in INFERENCE_HOPS) and not call.cache.coalesced:
@@ -310,7 +308,7 @@ class Admission:
         halfway, its first texts' work thrown away (an overload probe: 8 callers of 64-text
         batches, 1,023 of 1,091 refused, 13,132 texts tokenized for 4,352 answered)."""
         self._take(tenant, places, left_s)
-        token = HELD.set(places)
+        token = HELD.set(True)
         deadline = time.perf_counter() + left_s  # as PredictCall keeps it
         try:
             yield
@@ -331,7 +329,7 @@ class Admission:
     def _take(self, tenant: str, places: int, left_s: float) -> None:
         """`places` in flight for `tenant`, or RequestError: the gateway's limit, the
         tenant's share, then the deadline."""
-        shares = self.tenants if self.max_in_flight and self.tenant_min_in_flight else None
+        shares = self._shares()
         if shares is not None:
             shares.seen(tenant)
         if self.max_in_flight and self.in_flight + places > self.max_in_flight:
@@ -352,8 +350,18 @@ class Admission:
     def _give_back(self, tenant: str, places: int) -> None:
         self.in_flight -= places
         metrics.GATEWAY_IN_FLIGHT.set(self.in_flight)
-        if self.max_in_flight and self.tenant_min_in_flight:
-            self.tenants.leave(tenant, places)
+        shares = self._shares()
+        if shares is not None:
+            shares.leave(tenant, places)
+
+    def _kept(self) -> int:
+        """The places no tenant may take from the others on a shared gateway: the minimum,
+        half the limit at most."""
+        return min(self.tenant_min_in_flight, self.max_in_flight // 2)
+
+    def _shares(self) -> TenantShares | None:
+        """The tenants' shares, or None where they are off (no limit, or no minimum)."""
+        return self.tenants if self.max_in_flight and self.tenant_min_in_flight else None
 
     def _check_deadline(self, left_s: float) -> None:
         """RequestError DEADLINE_EXCEEDED when `left_s` is too short for a model answer: less
@@ -388,7 +396,7 @@ class Admission:
         while others send, or into the places kept for the other tenants of a shared
         gateway."""
         held = shares.in_flight.get(tenant, 0)
-        kept = min(self.tenant_min_in_flight, self.max_in_flight // 2)
+        kept = self._kept()
         if held + places > self.max_in_flight - kept and shares.tenancy.shared:
             raise self._share_refused(held)
         sending = shares.sending()
