@@ -18,7 +18,7 @@ import grpc
 
 from hopline.cache.invalidate_cli import add_invalidate
 from hopline.cache.stats_cli import add_stats
-from hopline.cli.arg_types import finite
+from hopline.cli.arg_types import share
 from hopline.cli.outputs import output_problem
 
 if TYPE_CHECKING:
@@ -53,18 +53,6 @@ def _whole(low: int) -> Callable[[str], int]:
 
     parse.__name__ = "int"  # argparse names the type in "invalid int value"
     return parse
-
-
-def _score(raw: str) -> float:
-    """An argparse type: a model score, 0 to 1 (what `model build --cache-min-score` takes);
-    outside it every answer, or none, would be stored."""
-    value = float(raw)
-    if not 0.0 <= value <= 1.0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be from 0 to 1 (a score), got {raw}")
-    return value
-
-
-_score.__name__ = "float"
 
 
 def _split_names(raw: str) -> list[str]:
@@ -107,7 +95,10 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--split", help="with --train: the split to read from a JSON object of splits"
     )
     pairs.add_argument(
-        "--holdout", type=finite, default=0.5, help="with --train: share of each label queried"
+        "--holdout",
+        type=share(zero=False, one=False),
+        default=0.5,
+        help="with --train: share of each label queried",
     )
     pairs.add_argument("--seed", type=int, default=0, help="with --train: the split's seed")
     pairs.add_argument("--oos-label", default="oos", help="the label of out-of-scope queries")
@@ -121,7 +112,8 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     _model_args(pairs, "with --model; ")
     pairs.add_argument(
         "--min-score",
-        type=_score,
+        # Outside 0-1 every answer, or none, would be stored.
+        type=share(what=" (a score)"),
         default=None,
         help="with --model: store only answers scoring at least this, 0 to 1 (default: the "
         "policy's)",
@@ -134,10 +126,10 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "calibrate", help="the similarity threshold that meets a target false-hit rate"
     )
     cal.add_argument("--pairs", type=Path, required=True, help="from `hopline cache pairs`")
-    cal.add_argument("--target-false-hit-rate", type=finite, default=0.01)
+    cal.add_argument("--target-false-hit-rate", type=share(zero=False, one=False), default=0.01)
     cal.add_argument(
         "--confidence",
-        type=finite,
+        type=share(one=False),
         default=0.9,
         help="meet the target with this one-sided confidence (Wilson upper bound on the "
         "false-hit rate); 0 compares the measured rate itself",
@@ -399,8 +391,6 @@ def _embedder(work_dir: Path) -> Embedder:
 
 def _holdout(examples: Examples, share: float, seed: int) -> tuple[Examples, Examples]:
     """Per label, `share` of the examples become queries and the rest the store."""
-    if not 0.0 < share < 1.0:
-        raise ValueError(f"--holdout must be in (0, 1), got {share}")
     by_label: dict[str, Examples] = defaultdict(list)
     for example in examples:
         by_label[example[1]].append(example)
@@ -536,8 +526,6 @@ def _calibrate(args: argparse.Namespace) -> int:
     from hopline.cache.checked_calibration import calibrate_checked
 
     target = args.target_false_hit_rate
-    if not 0.0 < target < 1.0:
-        raise ValueError(f"the target false-hit rate must be in (0, 1), got {target}")
     for path, flag in ((args.png, "--png"), (args.json, "--json")):
         if path is not None:
             _check_out(path, flag, directory=False)

@@ -44,6 +44,57 @@ def finite(raw: str) -> float:
 
 finite.__name__ = "float"
 
+
+# share()'s range in words, by whether 0 and 1 themselves are in it.
+_SHARE_RANGES = {
+    (True, True): "from 0 to 1",
+    (True, False): "from 0 up to (not including) 1",
+    (False, True): "above 0 and at most 1",
+    (False, False): "above 0 and below 1",
+}
+
+
+def share(*, zero: bool = True, one: bool = True, what: str = "") -> Callable[[str], float]:
+    """An argparse type: a finite number from 0 to 1, `zero` and `one` saying whether the ends
+    themselves are allowed (a rate, a share of texts, a score, a similarity threshold). Such
+    ranges were checked once the command ran, and refused with exit 1, not as a flag."""
+    said = _SHARE_RANGES[zero, one] + what
+
+    def parse(raw: str) -> float:
+        value = finite(raw)
+        above = value >= 0 if zero else value > 0
+        below = value <= 1 if one else value < 1
+        if not (above and below):
+            raise argparse.ArgumentTypeError(f"must be {said}, got {raw}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def model_version(raw: str) -> str:
+    """`model build --version`: a version folder's name (model/repository.py:is_version)."""
+    from hopline.model.repository import is_version  # numpy: only when the flag is given
+
+    if not is_version(raw):  # `01` would be built, never served
+        raise argparse.ArgumentTypeError(
+            f"must be a positive integer, without leading zeros, got {raw!r}"
+        )
+    return raw
+
+
+def providers(raw: str) -> str:
+    """`model build --providers`: comma-separated execution providers each known by name; the
+    string itself is kept (empty: the precision's defaults)."""
+    from hopline.model.providers import ProviderConfigError, parse_providers
+
+    try:
+        parse_providers(raw.split(",") if raw else [])
+    except ProviderConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return raw
+
+
 # gRPC keeps a deadline in int64 nanoseconds: past about 9.2e9 s it wraps to the past, and
 # `predict --timeout 1e10` was an immediate DEADLINE_EXCEEDED (an operator's probe).
 MAX_TIMEOUT_S = 1e9

@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from hopline.cli.arg_types import positive
 from hopline.runtime.service_table import SERVICES
 from hopline.runtime.tls import OPERATOR
 
@@ -121,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help=f"also the servers deploy/ runs: {', '.join(DEPLOY_NAMES)}",
     )
-    parser.add_argument("--days", type=int, default=DAYS)
+    # openssl refused 0 or less at the first certificate: a traceback, an empty folder made.
+    parser.add_argument("--days", type=positive(int), default=DAYS)
     args = parser.parse_args(argv)
     deploy = tuple(DEPLOY_NAMES) if args.deploy else ()
     folder = make_certs(args.folder, (*ROLES, *deploy, *args.role), args.days)

@@ -198,7 +198,12 @@ def _stopped(signum: int, frame: object) -> None:
 
 
 def _model_build(args: argparse.Namespace) -> int:
-    from hopline.model.build import DEFAULT_MODEL_NAME, DEFAULT_TRAIN_FILE, build_model
+    from hopline.model.build import (
+        DEFAULT_MODEL_NAME,
+        DEFAULT_REJECT_RATE,
+        DEFAULT_TRAIN_FILE,
+        build_model,
+    )
     from hopline.model.limits import CheckLimits
     from hopline.model.providers import ProviderConfigError
     from hopline.model.quantize import Precision, PrecisionCheckError
@@ -206,6 +211,8 @@ def _model_build(args: argparse.Namespace) -> int:
 
     if args.default and args.train:  # --train was ignored, the default set built unsaid
         return _usage_error("model build", "give --train FILE --name NAME, or --default, not both")
+    if (ignored := _ignored_build_flags(args)) is not None:
+        return _usage_error("model build", ignored)
     if args.default:
         train, name = DEFAULT_TRAIN_FILE, args.name or DEFAULT_MODEL_NAME
     elif args.train:
@@ -216,12 +223,6 @@ def _model_build(args: argparse.Namespace) -> int:
         return _usage_error("model build", "give --train FILE --name NAME, or --default")
     setup_logging("model-build", fmt=LogFormat.TEXT)
     check_sentences = Path(args.check_sentences) if args.check_sentences else None
-    if check_sentences is not None and args.precision == "fp32":
-        sys.stderr.write(
-            "hopline model build: --check-sentences is for an int8 or fp16 build (it checks "
-            "the conversion against FP32); an fp32 build has nothing to check\n"
-        )
-        return 2
     if check_sentences is not None and not check_sentences.is_file():
         # Said now, not after the minute of embedding and training before the check.
         sys.stderr.write(
@@ -239,7 +240,9 @@ def _model_build(args: argparse.Namespace) -> int:
             version=args.version,
             split=args.split,
             oos_threshold=args.oos_threshold,
-            in_scope_reject_rate=args.reject_rate,
+            in_scope_reject_rate=(
+                DEFAULT_REJECT_RATE if args.reject_rate is None else args.reject_rate
+            ),
             cache_mode=args.cache_mode,
             cache_threshold=args.cache_threshold,
             cache_min_score=args.cache_min_score,
@@ -282,6 +285,25 @@ def _model_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ignored_build_flags(args: argparse.Namespace) -> str | None:
+    """What the build would not read of the flags given, or None: each was ignored unsaid
+    (`--default --split test` built the whole bundled set, an operator's probe)."""
+    if args.default and args.split is not None:
+        return "--split goes with --train (a JSON object of splits), not --default"
+    if args.oos_threshold is not None and args.reject_rate is not None:
+        return "--reject-rate calibrates the threshold that --oos-threshold fixes: give one"
+    if args.precision == "fp32":
+        checks = ["--check-sentences"] if args.check_sentences else []
+        checks += [f"--{f.replace('_', '-')}" for f in LIMIT_FLAGS if getattr(args, f) is not None]
+        if checks:
+            return (
+                f"{' and '.join(checks)} {'are' if len(checks) > 1 else 'is'} for an int8 or "
+                "fp16 build (it checks the conversion against FP32); an fp32 build has nothing "
+                "to check"
+            )
+    return None
+
+
 def _usage_error(command: str, said: str) -> int:
     """A usage mistake argparse cannot see (flags that need each other): its line and exit
     status 2, as argparse's own."""
@@ -313,7 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service (see `hopline serve NAME --help`)")
     serve.add_argument("service", choices=SERVICE_NAMES)
 
-    from hopline.cli.arg_types import finite, timeout_s, top_k, utf8_text
+    from hopline.cli.arg_types import (
+        finite,
+        model_version,
+        providers,
+        share,
+        timeout_s,
+        top_k,
+        utf8_text,
+    )
     from hopline.cli.run import DEFAULT_TOPOLOGY
 
     run = sub.add_parser("run", help="start the mesh locally (--topology), stop it on Ctrl-C")
@@ -361,21 +391,21 @@ def build_parser() -> argparse.ArgumentParser:
     model_sub = model.add_subparsers(dest="model_command", required=True)
     build = model_sub.add_parser("build", help="build a model version from labelled texts")
     build.add_argument("--train", help="JSON/JSONL of {text,label} or [text,label]")
-    build.add_argument("--split", help="split to use when the JSON file holds several")
+    build.add_argument("--split", help="with --train: the split to use when the file holds several")
     build.add_argument("--name")
     build.add_argument("--default", action="store_true", help="the bundled support intents")
     build.add_argument("--repo", default="models")
-    build.add_argument("--version", help="default: the next free integer")
+    build.add_argument("--version", type=model_version, help="default: the next free integer")
     build.add_argument(
         "--oos-threshold",
-        type=finite,
+        type=share(what=" (a score)"),
         help="fixed out-of-scope score threshold (default: calibrated)",
     )
     build.add_argument(
         "--reject-rate",
-        type=finite,
-        default=0.02,
-        help="share of held-out in-scope texts the calibrated threshold rejects",
+        type=share(one=False),
+        help="share of held-out in-scope texts the calibrated threshold rejects (default: "
+        "0.02; not with --oos-threshold, which fixes the threshold)",
     )
     build.add_argument(
         "--precision",
@@ -386,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     build.add_argument(
         "--providers",
+        type=providers,
         help="execution providers, best first, comma-separated: tensorrt,cuda,cpu (default: "
         "cpu; fp16: tensorrt with an engine cache and FP16, cuda, cpu)",
     )
@@ -403,13 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--cache-mode", default="exact", choices=("off", "exact", "semantic"))
     build.add_argument(
         "--cache-threshold",
-        type=finite,
+        type=share(zero=False),
         default=0.9,
         help="cosine similarity a semantic hit needs (see `hopline cache calibrate`)",
     )
     build.add_argument(
         "--cache-min-score",
-        type=finite,
+        type=share(what=" (a score)"),
         default=None,
         help="answers scoring below this are not cached (default: 0.3 with --cache-mode "
         "semantic, where a low-confidence answer replayed for paraphrases is the main source "

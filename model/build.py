@@ -185,6 +185,8 @@ def _sha256(path: Path) -> str:
 # storing only answers scoring >= 0.3 cut cache-induced errors from 7 to 2 of ~1000 hits
 # for 2% fewer hits. Near-tie answers are the ones a paraphrase flips.
 SEMANTIC_MIN_SCORE = 0.3
+# Of held-out in-scope texts, the share the calibrated out-of-scope threshold rejects.
+DEFAULT_REJECT_RATE = 0.02
 
 
 def build_model(
@@ -196,7 +198,7 @@ def build_model(
     split: str | None = None,
     weights_dir: Path | None = None,
     oos_threshold: float | None = None,
-    in_scope_reject_rate: float = 0.02,
+    in_scope_reject_rate: float = DEFAULT_REJECT_RATE,
     cache_mode: str = "exact",
     cache_threshold: float = 0.9,
     cache_min_score: float | None = None,

@@ -15,6 +15,8 @@ from hopline.cli.outputs import output_problems
 GATEWAY_SERVICE = "gateway"
 # Admin calls (GetStats, Invalidate) are traced too but say nothing about request latency.
 PREDICT_OPERATION = "hopline.gateway.v1.GatewayService/Predict"
+DEFAULT_SINCE_S = 600.0
+DEFAULT_LIMIT = 2000
 
 
 def _percentile(raw: str) -> float:
@@ -62,17 +64,22 @@ def add_trace_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     source = rep.add_mutually_exclusive_group(required=True)
     source.add_argument("--jaeger", help="Jaeger query base URL, e.g. http://127.0.0.1:16686")
     source.add_argument("--file", type=Path, help="OTLP JSON (TracesData, one or many)")
-    rep.add_argument("--service", default=GATEWAY_SERVICE, help="with --jaeger: entry service")
+    # The flags that only reach Jaeger default to None: given with --file, they are refused.
+    rep.add_argument("--service", help=f"with --jaeger: entry service (default: {GATEWAY_SERVICE})")
     rep.add_argument(
         "--operation",
         default=PREDICT_OPERATION,
         help="only traces rooted at this RPC (default: the gateway's Predict; 'any' for all)",
     )
     rep.add_argument(
-        "--since", type=_duration_s, default="10m", help="with --jaeger: look back this far (s/m/h)"
+        "--since",
+        type=_duration_s,
+        help="with --jaeger: look back this far (s/m/h; default: 10m)",
     )
     rep.add_argument(
-        "--limit", type=_trace_count, default=2000, help="with --jaeger: most traces (1 or more)"
+        "--limit",
+        type=_trace_count,
+        help=f"with --jaeger: most traces (1 or more; default: {DEFAULT_LIMIT})",
     )
     rep.add_argument(
         "--errors",
@@ -97,19 +104,24 @@ def _report(args: argparse.Namespace) -> int:
         table,
     )
 
-    if problems := output_problems((args.png, "--png"), (args.json, "--json")):
+    problems = _jaeger_flags_with_file(args)
+    problems += output_problems((args.png, "--png"), (args.json, "--json"))
+    if problems:
         sys.stderr.write("".join(f"hopline trace report: error: {p}\n" for p in problems))
         return 2
     operation = None if args.operation == "any" else args.operation
+    limit = DEFAULT_LIMIT if args.limit is None else args.limit
     if args.jaeger:
-        docs = fetch_jaeger(args.jaeger, args.service, args.since, args.limit, operation)
+        service = GATEWAY_SERVICE if args.service is None else args.service
+        since = DEFAULT_SINCE_S if args.since is None else args.since
+        docs = fetch_jaeger(args.jaeger, service, since, limit, operation)
     else:
         docs = _read_file(args.file)
     try:
         traces = parse_otlp(docs)
     except NotOtlp as exc:
         raise NotOtlp(f"{args.file or args.jaeger}: {exc}") from exc
-    if args.jaeger and len(traces) >= args.limit:
+    if args.jaeger and len(traces) >= limit:
         # Jaeger answers with at most --limit traces, not the newest: the report then read a
         # sample of the window, unsaid (an observability probe: 198 of 8,524 requests).
         sys.stderr.write(
@@ -126,6 +138,26 @@ def _report(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(dataclasses.asdict(report), indent=1) + "\n")
         sys.stdout.write(f"json  {args.json}\n")
     return 0
+
+
+def _jaeger_flags_with_file(args: argparse.Namespace) -> list[str]:
+    """The flags that only reach Jaeger, given with --file: each was silently ignored (`--file
+    spans.json --since 5m` reported on every trace of the file)."""
+    if args.file is None:
+        return []
+    given = [
+        flag
+        for flag, value in (
+            ("--service", args.service),
+            ("--since", args.since),
+            ("--limit", args.limit),
+        )
+        if value is not None
+    ]
+    if not given:
+        return []
+    verb = "go" if len(given) > 1 else "goes"
+    return [f"{' and '.join(given)} {verb} with --jaeger, not --file (the whole file is read)"]
 
 
 def _read_file(path: Path) -> list[Any]:

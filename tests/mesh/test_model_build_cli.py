@@ -64,10 +64,10 @@ def test_unusable_input_is_one_line_and_publishes_nothing(repo: Path, tmp_path: 
         ),
         # Settings no version can use: refused before the build, never published (a cache
         # threshold of 3 used to be published, then refused by the services and the builder).
-        "--oos-threshold must be from 0 to 1": ("--default", "--oos-threshold", "7"),
-        "--reject-rate must be from 0 up to": ("--default", "--reject-rate", "5"),
-        "0 < threshold <= 1": ("--default", "--cache-threshold", "3"),
-        "--cache-min-score must be from 0 to 1": ("--default", "--cache-min-score", "-1"),
+        "--oos-threshold: must be from 0 to 1": ("--default", "--oos-threshold", "7"),
+        "--reject-rate: must be from 0 up to": ("--default", "--reject-rate", "5"),
+        "--cache-threshold: must be above 0 and at most 1": ("--default", "--cache-threshold", "3"),
+        "--cache-min-score: must be from 0 to 1": ("--default", "--cache-min-score", "-1"),
         # --train was ignored and the bundled set built, unsaid (a model author's probe).
         "or --default, not both": ("--default", "--train", str(one_label), "--name", "m"),
         # Held below as another build would hold it: refused at once, not at the rename.

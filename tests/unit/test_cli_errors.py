@@ -152,7 +152,7 @@ def test_trace_since_that_is_no_duration_names_the_flag(
 def test_trace_since_is_taken_in_seconds() -> None:
     parse = build_parser().parse_args
     base = ["trace", "report", "--jaeger", "http://x"]
-    assert parse(base).since == 600.0
+    assert parse(base).since is None  # 10 minutes, the command's (None: refused with --file)
     assert [parse([*base, "--since", s]).since for s in ("30s", "5m", "1h", "90")] == [
         30.0,
         300.0,

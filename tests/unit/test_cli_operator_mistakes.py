@@ -169,3 +169,156 @@ def test_a_ratio_against_nothing_is_written_as_json_null() -> None:
         "ratios": {"mesh_throughput_over_peer_foo": None},
         "rows": [1.5, None],
     }
+
+
+BUILD = ["model", "build", "--default"]
+PAIRS = ["cache", "pairs", "--train", "t.jsonl", "--out", "p"]
+CALIBRATE = ["cache", "calibrate", "--pairs", "p"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        ([*BUILD, "--version", "0"], "argument --version: must be a positive integer"),
+        ([*BUILD, "--version", "01"], "without leading zeros, got '01'"),
+        ([*BUILD, "--oos-threshold", "2"], "--oos-threshold: must be from 0 to 1 (a score)"),
+        ([*BUILD, "--reject-rate", "1"], "--reject-rate: must be from 0 up to (not including)"),
+        ([*BUILD, "--cache-threshold", "0"], "--cache-threshold: must be above 0 and at most 1"),
+        ([*BUILD, "--cache-min-score", "-1"], "--cache-min-score: must be from 0 to 1"),
+        ([*BUILD, "--providers", "gpu"], "--providers: unknown execution provider 'gpu'"),
+        ([*PAIRS, "--holdout", "0"], "--holdout: must be above 0 and below 1, got 0"),
+        ([*PAIRS, "--holdout", "1"], "--holdout: must be above 0 and below 1, got 1"),
+        ([*CALIBRATE, "--target-false-hit-rate", "1"], "rate: must be above 0 and below 1"),
+        ([*CALIBRATE, "--confidence", "1"], "--confidence: must be from 0 up to (not including)"),
+    ],
+)
+def test_a_range_checked_once_the_command_ran_is_its_flags_usage_error(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each was argparse's to let through, then refused with exit 1 by the command (`model
+    build --version 0`, `cache pairs --holdout 0`: an operator's probe)."""
+    with pytest.raises(SystemExit) as ended:
+        build_parser().parse_args(argv)
+    assert ended.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_the_ends_of_each_range_keep_their_meaning() -> None:
+    parse = build_parser().parse_args
+    ends = ["--reject-rate", "0", "--cache-threshold", "1", "--cache-min-score", "1"]
+    build = parse(
+        ["model", "build", "--default", "--version", "12", *ends, "--providers", "cuda,cpu"]
+    )
+    assert (build.version, build.reject_rate, build.cache_threshold) == ("12", 0.0, 1.0)
+    assert (build.cache_min_score, build.providers) == (1.0, "cuda,cpu")
+    assert parse(["model", "build", "--default", "--oos-threshold", "0"]).oos_threshold == 0.0
+    cal = parse(["cache", "calibrate", "--pairs", "p", "--confidence", "0"])
+    assert (cal.confidence, cal.target_false_hit_rate) == (0.0, 0.01)
+    assert parse(["cache", "pairs", "--train", "t", "--out", "p"]).holdout == 0.5
+
+
+def test_certificate_days_of_none_are_refused_by_the_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--days 0` ran openssl, which refused it: a RuntimeError's traceback."""
+    from hopline.cli import certs
+
+    def made(*args: object) -> Path:
+        raise AssertionError("certificates made for --days 0")
+
+    monkeypatch.setattr(certs, "make_certs", made)
+    with pytest.raises(SystemExit) as ended:
+        certs.main(["folder", "--days", "0"])
+    assert ended.value.code == 2
+    assert "argument --days: must be above 0, got 0" in capsys.readouterr().err
+
+
+def _build_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *flags: str
+) -> tuple[int, str, dict[str, object]]:
+    """`hopline model build FLAGS`'s exit status and stderr's last line, with the build
+    itself stood in for: it records what it was asked and stops there (exit 1)."""
+    from hopline.model import build
+
+    asked: dict[str, object] = {}
+
+    def stand_in(*args: object, **kwargs: object) -> Path:
+        asked.update(kwargs)
+        raise ValueError("built")
+
+    monkeypatch.setattr(build, "build_model", stand_in)
+    code = cli_main.main(["model", "build", "--repo", "nowhere", *flags])
+    return code, capsys.readouterr().err.strip().splitlines()[-1], asked
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        # The bundled set is JSON Lines, no object of splits: the whole set was built.
+        (("--default", "--split", "test"), "--split goes with --train (a JSON object of splits)"),
+        # The threshold given was used as it was, the rate read by nothing.
+        (
+            ("--default", "--oos-threshold", "0.5", "--reject-rate", "0.1"),
+            "--reject-rate calibrates the threshold that --oos-threshold fixes",
+        ),
+        # An fp32 build converts nothing, so checks nothing.
+        (("--default", "--min-cosine", "0.9"), "--min-cosine is for an int8 or fp16 build"),
+    ],
+)
+def test_a_build_flag_read_by_nothing_beside_another_is_a_usage_error(
+    flags: tuple[str, ...],
+    said: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, last, asked = _build_refused(monkeypatch, capsys, *flags)
+    assert (code, asked) == (2, {})
+    assert last.startswith("hopline model build: error: "), last
+    assert said in last, last
+
+
+def test_a_build_without_reject_rate_calibrates_at_the_default_rate(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, last, asked = _build_refused(monkeypatch, capsys, "--default")
+    assert (code, last) == (1, "hopline model build: built")
+    assert asked["in_scope_reject_rate"] == 0.02
+    assert asked["oos_threshold"] is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--since", "5m"], "--since goes"),
+        (["--limit", "3"], "--limit goes"),
+        (["--service", "gateway"], "--service goes"),
+        (["--since", "5m", "--limit", "3"], "--since and --limit go"),
+    ],
+)
+def test_jaeger_flags_with_a_file_are_a_usage_error(
+    flags: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--file spans.json --since 5m` reported on every trace of the file, exit 0."""
+    assert cli_main.main(["trace", "report", "--file", str(tmp_path / "spans.json"), *flags]) == 2
+    assert capsys.readouterr().err == (
+        f"hopline trace report: error: {named} with --jaeger, not --file (the whole file is read)\n"
+    )
+
+
+def test_jaeger_is_asked_for_the_last_ten_minutes_of_the_gateways_traces_by_default(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from conftest import otlp_request
+    from hopline.observability import report
+
+    asked: list[tuple[object, ...]] = []
+
+    def fetch_jaeger(*args: object) -> list[object]:
+        asked.append(args)
+        return [otlp_request("ab" * 16)]
+
+    monkeypatch.setattr(report, "fetch_jaeger", fetch_jaeger)
+    assert cli_main.main(["trace", "report", "--jaeger", "http://jaeger:16686"]) == 0
+    assert asked == [
+        ("http://jaeger:16686", "gateway", 600.0, 2000, "hopline.gateway.v1.GatewayService/Predict")
+    ]
