@@ -4,18 +4,23 @@ What the cache holds and how its lookups go (entries, hits by tier, lookup laten
 failed writes, verification and each scope's verified rule), read from the cache's own
 address (HOPLINE_CACHE_ADDR; over TLS with the operator's certificate where HOPLINE_TLS_CA is
 set), as `hopline cache invalidate` reaches it. Before this, the figures were there only for a
-gRPC client of one's own, or as Prometheus series. `--json` prints the message itself.
+gRPC client of one's own, or as Prometheus series. `--json` prints the message itself, its
+int64 counts as JSON numbers (protobuf's JSON mapping writes them as strings).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from hopline.runtime.service_table import spec
 
 if TYPE_CHECKING:  # the messages are imported when the command runs, not when `hopline` starts
+    from google.protobuf.descriptor import FieldDescriptor
+
     from hopline.protos.hopline.cache.v1 import cache_pb2
 
 TIMEOUT_S = 10.0
@@ -36,7 +41,6 @@ def add_stats(cache_sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def show_stats(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf import json_format
 
     from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
     from hopline.runtime.ports import dial_problem
@@ -56,15 +60,42 @@ def show_stats(args: argparse.Namespace) -> int:
             sys.stderr.write(f"error: {err.code().name}: {err.details()} (cache at {address})\n")
             return 1
     if args.json:
-        sys.stdout.write(
-            json_format.MessageToJson(
-                reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-            )
-            + "\n"
-        )
+        sys.stdout.write(json.dumps(as_json(reply), indent=2) + "\n")
     else:
         sys.stdout.write("".join(f"{line}\n" for line in report(address, reply)))
     return 0
+
+
+def as_json(reply: cache_pb2.GetStatsResponse) -> dict[str, Any]:
+    """The reply in protobuf's JSON mapping, every field written (a zero count too: `jq
+    .store_errors` reads 0, not null), with its int64 counts as JSON numbers: the mapping
+    writes 64-bit integers as strings, for JavaScript's doubles, and `--json` printed
+    "entries": "3" (an operator's probe). The cache's counts stay far below 2**53."""
+    from google.protobuf import json_format
+
+    doc = json_format.MessageToDict(
+        reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    _int64_as_numbers(reply.DESCRIPTOR.fields, doc)
+    return doc
+
+
+def _int64_as_numbers(fields: Iterable[FieldDescriptor], doc: dict[str, Any]) -> None:
+    """`doc`'s int64 fields, and its messages', as numbers (not a map's values: the reply has
+    no map of integers)."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    int64 = (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64)
+    for field in fields:
+        if field.name not in doc:
+            continue
+        value = doc[field.name]
+        if field.cpp_type in int64:
+            doc[field.name] = [int(v) for v in value] if field.is_repeated else int(value)
+        elif field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            for item in value if field.is_repeated else [value]:
+                if isinstance(item, dict):  # a well-known type is written as a string
+                    _int64_as_numbers(field.message_type.fields, item)
 
 
 def report(address: str, s: cache_pb2.GetStatsResponse) -> list[str]:

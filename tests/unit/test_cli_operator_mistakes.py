@@ -322,3 +322,35 @@ def test_jaeger_is_asked_for_the_last_ten_minutes_of_the_gateways_traces_by_defa
     assert asked == [
         ("http://jaeger:16686", "gateway", 600.0, 2000, "hopline.gateway.v1.GatewayService/Predict")
     ]
+
+
+def test_cache_stats_json_prints_counts_as_numbers(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """protobuf's JSON mapping wrote every int64 count as a string ("entries": "3")."""
+    import contextlib
+
+    from hopline.cache import stats_cli
+    from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
+    from hopline.runtime import tls
+
+    reply = cache_pb2.GetStatsResponse(entries=3, lookups=2**40, lookup_p99_ms=1.5, uri="a.db")
+    reply.verify_rules.add(threshold=0.5, observations=7).scope.tenant = "acme"
+
+    class Stub:
+        def __init__(self, channel: object) -> None:
+            pass
+
+        def GetStats(self, request: object, timeout: float) -> cache_pb2.GetStatsResponse:
+            return reply
+
+    monkeypatch.setattr(tls, "channel", lambda *args: contextlib.nullcontext())
+    monkeypatch.setattr(cache_pb2_grpc, "CacheServiceStub", Stub)
+    args = argparse.Namespace(cache="127.0.0.1:1", json=True)
+    assert stats_cli.show_stats(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["entries"], doc["lookups"], doc["store_errors"]) == (3, 2**40, 0)
+    assert (doc["lookup_p99_ms"], doc["uri"], doc["milvus_unreachable"]) == (1.5, "a.db", False)
+    (rule,) = doc["verify_rules"]
+    assert (rule["observations"], rule["held_back"], rule["threshold"]) == (7, 0, 0.5)
+    assert rule["scope"]["tenant"] == "acme"
