@@ -372,6 +372,8 @@ def run_cache_command(args: argparse.Namespace) -> int:
     except UsageError as exc:  # before ValueError: a flag's mistake, said as argparse says one
         sys.stderr.write(f"hopline cache {args.cache_command}: error: {exc}\n")
         return 2
+    except BrokenPipeError:  # our reader is gone, not a file's error: hopline's main ends quietly
+        raise
     except (ValueError, OSError, EncoderBuildError) as exc:
         # Data and file errors are the user's to fix: one line, no traceback (an encoder that
         # cannot be built in --work-dir ended in one: an operator's probe).

@@ -461,12 +461,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return _main(argv)
+        code = _main(argv)
+        sys.stdout.flush()  # the last lines' write fails here, not in the interpreter's exit
+        return code
     except KeyboardInterrupt:
         # Each long command's own clean-up has run (files are written whole or removed): a
         # traceback said nothing more (an operator's probe, in every long command).
         sys.stderr.write("hopline: stopped by Ctrl-C\n")
         return 130
+    except BrokenPipeError:
+        # The reader of our output is gone (`hopline trace report | head -1` said "error:
+        # [Errno 32] Broken pipe", or a BrokenPipeError at the interpreter's exit): end as a
+        # tool SIGPIPE kills, with a shell's status for it, as Ctrl-C ends with 130. stdout
+        # goes to devnull first, else the interpreter's own flush at exit fails again (the
+        # Python docs' way, in the signal module's note on SIGPIPE).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 def _main(argv: Sequence[str] | None) -> int:

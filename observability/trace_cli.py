@@ -182,6 +182,8 @@ def _read_file(path: Path) -> list[Any]:
 def run_trace_command(args: argparse.Namespace) -> int:
     try:
         return int(args.trace_handler(args))
+    except BrokenPipeError:  # our reader is gone, not a file's error: hopline's main ends quietly
+        raise
     except (ValueError, OSError) as exc:  # URLError is an OSError
         sys.stderr.write(f"error: {exc}\n")
         return 1

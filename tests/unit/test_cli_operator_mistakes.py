@@ -354,3 +354,40 @@ def test_cache_stats_json_prints_counts_as_numbers(
     (rule,) = doc["verify_rules"]
     assert (rule["observations"], rule["held_back"], rule["threshold"]) == (7, 0, 0.5)
     assert rule["scope"]["tenant"] == "acme"
+
+
+# Line-buffered, each line is written as it is printed (the command's own write fails);
+# block-buffered, the report is written once the command returned.
+@pytest.mark.parametrize("buffering", [1, -1])
+def test_a_reader_gone_from_the_pipe_ends_the_command_quietly(
+    buffering: int,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`hopline trace report | head -1` printed "error: [Errno 32] Broken pipe" (trace's and
+    cache's handlers took it for a file's error), or "Exception ignored ... BrokenPipeError"
+    at the interpreter's exit."""
+    import os
+
+    from conftest import otlp_request
+
+    spans = tmp_path / "spans.jsonl"
+    spans.write_text("\n".join(json.dumps(otlp_request(f"{i:032x}")) for i in range(1, 300)))
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    with os.fdopen(write, "w", buffering=buffering) as out:
+        monkeypatch.setattr("sys.stdout", out)
+        assert cli_main.main(["trace", "report", "--file", str(spans)]) == 141  # 128 + SIGPIPE
+        # What is left to write at exit goes to devnull, not to a pipe that fails again.
+        assert os.path.samestat(os.fstat(out.fileno()), os.stat(os.devnull))
+    assert capsys.readouterr().err == ""
+
+
+def test_a_cache_command_leaves_a_broken_pipe_to_hopline_main() -> None:
+    def handler(args: argparse.Namespace) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    args = argparse.Namespace(cache_command="stats", cache_handler=handler, model_repo="models")
+    with pytest.raises(BrokenPipeError):
+        cache_cli.run_cache_command(args)
