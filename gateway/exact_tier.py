@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
 
 import grpc
 
@@ -53,6 +53,56 @@ class LocalEntry:
     scope: Scope
     created_at: float  # wall clock, as the cache records it
     expires_at: float
+
+
+# A watch live this long holds: its loss starts the reconnects' backoff afresh, and ends an
+# episode of watches that kept ending soon after they opened. Reset at each live stream, the
+# backoff let a link that cut every connection after a few KB (a proxy's byte limit, under
+# load) drop the tier three times a second, each drop a log line pair, a cleared copy and a
+# full resync of the key mirror (a network-fault probe: 118 lines in 15 s).
+STEADY_S = 10.0
+
+
+class WatchEpisodes:
+    """The watch's losses as an operator reads them: the first of an episode logged, the
+    drops of a watch that keeps ending within STEADY_S of going live counted, and the end
+    said once a watch has held STEADY_S."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._live_since: float | None = None
+        self._flapping_since: float | None = None
+        self._drops = 0
+
+    def live(self) -> None:
+        self._live_since = self._clock()
+        if self._flapping_since is None:
+            log.info("local exact tier live")
+
+    def held(self) -> bool:
+        """Whether the live watch has held STEADY_S; ends an episode of drops, saying so."""
+        now = self._clock()
+        if self._live_since is None or now - self._live_since < STEADY_S:
+            return False
+        if self._flapping_since is not None:
+            log.info(
+                "local exact tier live and steady again",
+                extra={"drops": self._drops, "since_s": round(now - self._flapping_since, 1)},
+            )
+            self._flapping_since, self._drops = None, 0
+        return True
+
+    def lost(self, reason: str) -> bool:
+        """The live watch ended; True when it had held (the reconnects start afresh)."""
+        held = self.held()
+        self._live_since = None
+        if self._flapping_since is not None:
+            self._drops += 1
+            return held
+        log.info("local exact tier off until the cache answers", extra={"reason": reason})
+        if not held:  # further drops are counted until a watch holds
+            self._flapping_since, self._drops = self._clock(), 1
+        return held
 
 
 # How long an invalidation's keys and scope are kept out of the copy: past any replica's
@@ -142,10 +192,20 @@ class LocalExactTier:
         self._entries.clear()
         metrics.LOCAL_EXACT_ENTRIES.set(0)
 
-    async def follow(self, watch: Watch, mirror: KeyMirror, max_retry_s: float = 2.0) -> None:
+    async def follow(
+        self,
+        watch: Watch,
+        mirror: KeyMirror,
+        max_retry_s: float = 2.0,
+        *,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """Hold a watch stream to the cache for good, serving (this copy, and `mirror`'s
-        keys) only while one is live."""
+        keys) only while one is live; a lost one is tried again after a backoff that starts
+        afresh only once a watch has held (STEADY_S)."""
         retry_s = 0.1
+        episodes = WatchEpisodes(clock)
         while True:
             stream = watch()
             messages = aiter(stream)
@@ -166,11 +226,12 @@ class LocalExactTier:
                     if event.heartbeat_ms:
                         silence_s = HEARTBEATS_MISSED * event.heartbeat_ms / 1e3
                     if event.live:
-                        retry_s = 0.1
                         self.reset(live=True)
                         mirror.reset()
-                        log.info("local exact tier live")
-                    elif event.held or event.keys_synced:
+                        episodes.live()
+                        continue
+                    episodes.held()  # a watch that has held ends an episode of drops
+                    if event.held or event.keys_synced:
                         mirror.apply(event)  # keys the cache holds: nothing here to drop
                     elif event.entry_ids or event.HasField("scope"):
                         self.apply(event)
@@ -186,9 +247,9 @@ class LocalExactTier:
                 if task is None or task.cancelling():
                     raise
                 reason = "channel closed"
-            if self.live:
-                log.info("local exact tier off until the cache answers", extra={"reason": reason})
+            if self.live and episodes.lost(reason):
+                retry_s = 0.1
             self.reset(live=False)
             mirror.reset()
-            await asyncio.sleep(retry_s)
+            await sleep(retry_s)
             retry_s = min(max_retry_s, retry_s * 2)

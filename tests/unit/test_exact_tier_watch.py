@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import pytest
+from fake_clock import FakeClock
 
-from hopline.gateway.exact_tier import LocalExactTier
+from hopline.gateway.exact_tier import STEADY_S, LocalExactTier
 from hopline.gateway.key_mirror import KeyMirror
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 
@@ -171,3 +174,58 @@ def test_a_cache_that_promises_no_heartbeat_is_not_given_up() -> None:
             return watches.opened, tier.live
 
     assert asyncio.run(main()) == (1, True)
+
+
+def test_a_watch_that_keeps_ending_soon_after_it_opens_backs_off_and_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A link that cut every connection after a few KB (a proxy's byte limit, under load) had
+    the tier go off and live again three times a second: 118 log lines in 15 s, each drop a
+    cleared copy and a full resync of the key mirror, as the reconnects' backoff started
+    afresh at each live stream (a network-fault probe). It starts afresh only once a watch
+    has held STEADY_S, and an episode of short watches is said at its start and its end."""
+    clock = FakeClock(1000.0)
+    waits: list[float] = []
+    # How long each stream stays live before it ends; the last one never ends.
+    lives = [0.5] * 8 + [STEADY_S + 1, 0.5]
+    opened = 0
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        clock.advance(seconds)
+        await asyncio.sleep(0)
+
+    async def stream() -> AsyncIterator[cache_pb2.WatchInvalidationsResponse]:
+        nonlocal opened
+        life = lives[opened] if opened < len(lives) else None
+        opened += 1
+        yield cache_pb2.WatchInvalidationsResponse(live=True)
+        if life is None:
+            await asyncio.Event().wait()
+        clock.advance(life or 0.0)
+        yield cache_pb2.WatchInvalidationsResponse()  # a heartbeat, then the stream ends
+
+    async def main() -> None:
+        tier = LocalExactTier(capacity=10)
+        task = asyncio.create_task(
+            tier.follow(stream, KeyMirror(capacity=0), sleep=sleep, clock=clock)
+        )
+        await until(lambda: opened > len(lives), "every stream opened")
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.INFO, logger="hopline.gateway.exact_tier"):
+        asyncio.run(main())
+    assert waits == [0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0, 0.1, 0.2]
+    said = [r.getMessage() for r in caplog.records if r.name == "hopline.gateway.exact_tier"]
+    assert said == [
+        "local exact tier live",
+        "local exact tier off until the cache answers",
+        "local exact tier live and steady again",  # after 8 drops: the ninth watch held
+        "local exact tier off until the cache answers",
+        "local exact tier live",
+        "local exact tier off until the cache answers",
+    ]
+    steady = next(r for r in caplog.records if r.getMessage().endswith("steady again"))
+    assert steady.__dict__["drops"] == 8
