@@ -22,7 +22,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -263,6 +263,13 @@ def _command() -> str:
     return f"{shlex.quote(sys.executable)} -m hopline"
 
 
+def _side_ports(mesh: Mesh) -> Iterator[tuple[str, dict[str, int]]]:
+    """Each side-port variable with the ports `hopline run` gives its own processes (a
+    co-located service has none of its own)."""
+    for variable, ports in ((METRICS_PORT, mesh.metrics_ports), (HEALTH_PORT, mesh.health_ports)):
+        yield variable, {n: p for n, p in ports.items() if not mesh.colocated(n)}
+
+
 def taken_side_ports(mesh: Mesh) -> list[str]:
     """The /metrics and health ports `hopline run` would give its services that something
     else holds now. A service goes on without its /metrics when its port is taken (it logs
@@ -270,9 +277,9 @@ def taken_side_ports(mesh: Mesh) -> list[str]:
     mesh's /metrics as its own (an operator's probe)."""
     host = mesh.env.get("HOPLINE_METRICS_HOST", "127.0.0.1")
     taken = []
-    for variable, ports in ((METRICS_PORT, mesh.metrics_ports), (HEALTH_PORT, mesh.health_ports)):
+    for variable, ports in _side_ports(mesh):
         for name, port in ports.items():
-            if mesh.colocated(name) or not 0 < port <= 65535:
+            if not 0 < port <= 65535:
                 continue
             with socket.socket() as probe:
                 # As the servers bind: a port a mesh stopped a moment ago (TIME_WAIT) is free.
@@ -293,11 +300,11 @@ def spread_port_problems(mesh: Mesh) -> list[str]:
     given, one the user never wrote (HOPLINE_METRICS_PORT=65534 ended the start with
     "HOPLINE_METRICS_PORT=65536 ... at most 65535")."""
     problems = []
-    for variable, ports in ((METRICS_PORT, mesh.metrics_ports), (HEALTH_PORT, mesh.health_ports)):
-        over = {n: p for n, p in ports.items() if p > 65535 and not mesh.colocated(n)}
+    for variable, ports in _side_ports(mesh):
+        over = {n: p for n, p in ports.items() if p > 65535}
         if over:
             base = min(ports.values())
-            highest = max(p - base for n, p in ports.items() if not mesh.colocated(n))
+            highest = max(p - base for p in ports.values())
             problems.append(
                 f"{variable}={base}: `hopline run` gives the gateway this port and each other "
                 f"process the next ones in turn ({', '.join(f'{n} {p}' for n, p in over.items())}"
