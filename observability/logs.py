@@ -126,9 +126,10 @@ def setup_logging(
         export = logging.getLogger(name)
         if not any(isinstance(f, ExportTrouble) for f in export.filters):
             export.addFilter(ExportTrouble())
-    baggage = logging.getLogger(BAGGAGE_LOGGER)
-    if not any(isinstance(f, ClientBaggage) for f in baggage.filters):
-        baggage.addFilter(ClientBaggage())
+    for name, header in CALLER_HEADER_LOGGERS.items():
+        propagator = logging.getLogger(name)
+        if not any(isinstance(f, CallerHeaders) for f in propagator.filters):
+            propagator.addFilter(CallerHeaders(header))
 
 
 class OncePer:
@@ -190,23 +191,27 @@ class RepliesAfterTheCallEnded(logging.Filter):
         return True
 
 
-# OpenTelemetry's baggage propagator warns of every malformed or oversized `baggage` header a
-# caller sends, echoing it: any client, before its key is checked, wrote a line a request (a
-# 7 KB member, 7 KB a line; a fuzzing probe, 400 lines for 400 requests).
+# OpenTelemetry's propagators warn of every malformed or oversized header a caller sends, the
+# baggage one echoing it: any client, before its key is checked, wrote a line a request (a
+# 7 KB baggage member, 7 KB a line; a fuzzing probe, 400 lines for 400 requests; a hostile
+# client's probe, a line for each `traceparent` or `tracestate` over 512 characters).
 BAGGAGE_LOGGER = "opentelemetry.baggage.propagation"
+TRACE_CONTEXT_LOGGER = "opentelemetry.trace.propagation.tracecontext"
+CALLER_HEADER_LOGGERS = {BAGGAGE_LOGGER: "baggage", TRACE_CONTEXT_LOGGER: "trace context"}
 # A %-format field of a log template, quoted or not ("with length %d" was left in the line).
 _FORMAT_FIELD = re.compile(r"`?%[-#0 +]*\d*(?:\.\d+)?[a-zA-Z]`?")
-CLIENT_BAGGAGE_EVERY_S = 60.0
+CALLER_HEADERS_EVERY_S = 60.0
 
 
-class ClientBaggage(logging.Filter):
-    """The propagator's warnings about a caller's `baggage` header as one INFO line a minute
-    per kind, without the caller's text: the header is dropped and the request served, so
-    the line is news for whoever wrote the client, not an operator's alarm."""
+class CallerHeaders(logging.Filter):
+    """A propagator's warnings about a caller's `header` (baggage, trace context) as one INFO
+    line a minute per kind, without the caller's text: the header is dropped and the request
+    served, so the line is news for whoever wrote the client, not an operator's alarm."""
 
-    def __init__(self) -> None:
+    def __init__(self, header: str) -> None:
         super().__init__()
-        self._once = OncePer(CLIENT_BAGGAGE_EVERY_S)  # per message template: a handful
+        self._header = header
+        self._once = OncePer(CALLER_HEADERS_EVERY_S)  # per message template: a handful
 
     def filter(self, record: logging.LogRecord) -> bool:
         template = str(record.msg)
@@ -215,7 +220,7 @@ class ClientBaggage(logging.Filter):
             return False
         record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
         record.msg = (
-            "a caller's baggage header was dropped: "
+            f"a caller's {self._header} header was dropped: "
             + _FORMAT_FIELD.sub("(not logged)", template).replace("%%", "%")
             + "; said once a minute"
         )

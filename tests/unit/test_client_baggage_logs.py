@@ -2,7 +2,7 @@
 each one, echoing it, before the caller's key was checked, so any client wrote the gateway's
 log a line a request (a fuzzing probe: 400 lines for 400 requests, 7 KB each for a 7 KB
 member). Now one INFO line a minute per kind, without the caller's text
-(observability/logs.py:ClientBaggage), through the propagator hopline calls."""
+(observability/logs.py:CallerHeaders), through the propagator hopline calls."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ import time
 import pytest
 from opentelemetry import propagate
 
-from hopline.observability.logs import BAGGAGE_LOGGER, ClientBaggage, LogFormat, setup_logging
+from hopline.observability.logs import (
+    BAGGAGE_LOGGER,
+    TRACE_CONTEXT_LOGGER,
+    CallerHeaders,
+    LogFormat,
+    setup_logging,
+)
 
 
 def test_a_flood_of_bad_baggage_is_one_line_without_the_callers_text(
@@ -22,7 +28,7 @@ def test_a_flood_of_bad_baggage_is_one_line_without_the_callers_text(
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     logger = logging.getLogger(BAGGAGE_LOGGER)
     kept = logger.filters[:]
-    logger.filters[:] = [ClientBaggage()]
+    logger.filters[:] = [CallerHeaders("baggage")]
     secret = "s3cret-" + "x" * 7000
     try:
         with caplog.at_level(logging.INFO):
@@ -50,7 +56,30 @@ def test_setup_logging_filters_the_propagators_logger() -> None:
     handlers, level = root.handlers[:], root.level
     try:
         setup_logging("test", fmt=LogFormat.TEXT)
-        filters = logging.getLogger(BAGGAGE_LOGGER).filters
-        assert sum(isinstance(f, ClientBaggage) for f in filters) == 1
+        for name in (BAGGAGE_LOGGER, TRACE_CONTEXT_LOGGER):
+            filters = logging.getLogger(name).filters
+            assert sum(isinstance(f, CallerHeaders) for f in filters) == 1
     finally:
         root.handlers[:], root.level = handlers, level
+
+
+def test_oversized_trace_context_headers_are_one_line_a_minute(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The trace-context propagator warned of each `traceparent` or `tracestate` over its
+    512 characters: a hostile client's probe wrote a line a request with 64 KB headers."""
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    logger = logging.getLogger(TRACE_CONTEXT_LOGGER)
+    kept = logger.filters[:]
+    logger.filters[:] = [CallerHeaders("trace context")]
+    try:
+        with caplog.at_level(logging.INFO):
+            for _ in range(100):
+                propagate.extract({"traceparent": "00-" + "a" * 70000})
+            lines = [r for r in caplog.records if r.name == TRACE_CONTEXT_LOGGER]
+            assert len(lines) == 1
+            assert lines[0].levelno == logging.INFO
+            assert "trace context header was dropped" in lines[0].getMessage()
+    finally:
+        logger.filters[:] = kept
