@@ -4,6 +4,7 @@ this process: what a scrape answers, and what idle and stalled connections cost 
 from __future__ import annotations
 
 import gzip
+import logging
 import socket
 import threading
 import urllib.request
@@ -154,3 +155,32 @@ def test_a_failing_collector_fails_its_scrape_only() -> None:
         assert raw(broken.port, b"GET /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 500")
     finally:
         broken.stop()
+
+
+def test_accept_failing_for_want_of_descriptors_is_said_once_a_minute(
+    server: MetricsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Out of descriptors, asyncio's loop logged its failed accept() with a traceback up to a
+    hundred times a tick: 20,200 connections that never spoke wrote 226,578 tracebacks, 98 MB,
+    in a minute (a hostile client's probe). The server's loop says it once a minute; its
+    other errors still reach the loop's default handler."""
+    loop = server._loop
+    done = threading.Event()
+
+    def fail_accepts() -> None:
+        for _ in range(1000):
+            loop.call_exception_handler(
+                {
+                    "message": metrics_server.ACCEPT_OUT_OF_RESOURCE,
+                    "exception": OSError(24, "Too many open files"),
+                }
+            )
+        loop.call_exception_handler({"message": "something else went wrong"})
+        done.set()
+
+    with caplog.at_level(logging.WARNING):
+        loop.call_soon_threadsafe(fail_accepts)
+        assert done.wait(10)
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("cannot accept a connection" in m for m in said) == 1
+    assert sum("something else went wrong" in m for m in said) == 1
