@@ -197,7 +197,14 @@ class RepliesAfterTheCallEnded(logging.Filter):
 # client's probe, a line for each `traceparent` or `tracestate` over 512 characters).
 BAGGAGE_LOGGER = "opentelemetry.baggage.propagation"
 TRACE_CONTEXT_LOGGER = "opentelemetry.trace.propagation.tracecontext"
-CALLER_HEADER_LOGGERS = {BAGGAGE_LOGGER: "baggage", TRACE_CONTEXT_LOGGER: "trace context"}
+# TraceState's, which parses a caller's `tracestate` under 512 characters and echoes each
+# malformed member (its only warnings are about a trace state's members).
+TRACE_STATE_LOGGER = "opentelemetry.trace.span"
+CALLER_HEADER_LOGGERS = {
+    BAGGAGE_LOGGER: "baggage",
+    TRACE_CONTEXT_LOGGER: "trace context",
+    TRACE_STATE_LOGGER: "trace context",
+}
 # A %-format field of a log template, quoted or not ("with length %d" was left in the line).
 _FORMAT_FIELD = re.compile(r"`?%[-#0 +]*\d*(?:\.\d+)?[a-zA-Z]`?")
 CALLER_HEADERS_EVERY_S = 60.0

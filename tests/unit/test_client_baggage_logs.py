@@ -15,6 +15,7 @@ from opentelemetry import propagate
 from hopline.observability.logs import (
     BAGGAGE_LOGGER,
     TRACE_CONTEXT_LOGGER,
+    TRACE_STATE_LOGGER,
     CallerHeaders,
     LogFormat,
     setup_logging,
@@ -56,7 +57,7 @@ def test_setup_logging_filters_the_propagators_logger() -> None:
     handlers, level = root.handlers[:], root.level
     try:
         setup_logging("test", fmt=LogFormat.TEXT)
-        for name in (BAGGAGE_LOGGER, TRACE_CONTEXT_LOGGER):
+        for name in (BAGGAGE_LOGGER, TRACE_CONTEXT_LOGGER, TRACE_STATE_LOGGER):
             filters = logging.getLogger(name).filters
             assert sum(isinstance(f, CallerHeaders) for f in filters) == 1
     finally:
@@ -70,16 +71,22 @@ def test_oversized_trace_context_headers_are_one_line_a_minute(
     512 characters: a hostile client's probe wrote a line a request with 64 KB headers."""
     now = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
-    logger = logging.getLogger(TRACE_CONTEXT_LOGGER)
-    kept = logger.filters[:]
-    logger.filters[:] = [CallerHeaders("trace context")]
+    loggers = [logging.getLogger(n) for n in (TRACE_CONTEXT_LOGGER, TRACE_STATE_LOGGER)]
+    kept = [logger.filters[:] for logger in loggers]
+    for logger in loggers:
+        logger.filters[:] = [CallerHeaders("trace context")]
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     try:
         with caplog.at_level(logging.INFO):
-            for _ in range(100):
+            for n in range(100):
                 propagate.extract({"traceparent": "00-" + "a" * 70000})
-            lines = [r for r in caplog.records if r.name == TRACE_CONTEXT_LOGGER]
-            assert len(lines) == 1
-            assert lines[0].levelno == logging.INFO
-            assert "trace context header was dropped" in lines[0].getMessage()
+                # A malformed member under 512 characters: TraceState echoed it a request.
+                propagate.extract({"traceparent": parent, "tracestate": f"s3cret{n} =x" * 20})
+            lines = [r for r in caplog.records if r.name.startswith("opentelemetry.trace")]
+            assert len(lines) == 2  # one a kind
+            assert all(r.levelno == logging.INFO for r in lines)
+            assert all("trace context header was dropped" in r.getMessage() for r in lines)
+            assert all("s3cret" not in r.getMessage() for r in lines)
     finally:
-        logger.filters[:] = kept
+        for logger, filters in zip(loggers, kept, strict=True):
+            logger.filters[:] = filters
