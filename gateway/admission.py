@@ -12,7 +12,7 @@
   median behind the flood's queue (18-35 ms alone). A gateway that has only ever served one
   tenant lets it take every place; once a second tenant has sent, no tenant holds the last
   minimum, so any other's next request finds one; and while more tenants send than the
-  limit holds minimums, a tenant past its equal part leaves the last minimum free for those
+  limit holds minimums, a tenant past its equal part leaves an equal part free for those
   within theirs. An admitted request runs as its tenant's
   flow (`runtime/fairness.py:FLOW`): the stage queues and the model's batcher serve the
   tenants waiting there in equal shares.
@@ -405,11 +405,14 @@ class Admission:
         fair = self.max_in_flight // sending
         if held + places > max(fair, self.tenant_min_in_flight):
             raise self._share_refused(held)
-        # Past an equal part, the minimum admits only while the last places stay free: with
-        # more tenants sending than the limit over the minimum, the minimums add up past the
-        # limit (a load probe: 8 tenants of 64-text batches held all 256 places, and a light
-        # tenant's requests were refused at the gateway's limit, 303 of 727).
-        if held + places > max(fair, 1) and self.in_flight + places > self.max_in_flight - kept:
+        # Past its equal part a tenant's minimum admits only while an equal part stays free
+        # for a tenant within its own: with more tenants sending than the limit over the
+        # minimum, the minimums add up past the limit (a load probe: 8 tenants of 64-text
+        # batches held all 256 places, and a light tenant's requests were refused at the
+        # gateway's limit, 303 of 727). An equal part, not the minimum: with a minimum of half
+        # the limit, keeping a minimum free admitted a batch only to an empty gateway.
+        equal = max(fair, 1)
+        if held + places > equal and self.in_flight + places > self.max_in_flight - equal:
             raise self._share_refused(held)
 
     def _share_refused(self, held: int) -> RequestError:

@@ -291,8 +291,9 @@ def held_apart(held: contextlib.AbstractContextManager[None]) -> Iterator[None]:
 def test_a_light_tenant_finds_a_place_beside_more_flooding_tenants_than_minimums_fit() -> None:
     """Eight tenants sending 64-text batches (32 places each, the minimum) held all 256
     places, and a light tenant's requests were refused at the gateway's limit (a load
-    probe: 303 of 727): the minimums added up past the limit. Past an equal part, a tenant's
-    minimum now admits only while the last places stay free for tenants within theirs."""
+    probe: 303 of 727): the minimums added up past the limit. Past its equal part, a
+    tenant's minimum now admits only while an equal part stays free for a tenant within its
+    own; with a minimum of half the limit a batch still finds room on a busy gateway."""
     clock = FakeClock(1000.0)
     admission = Admission(
         max_in_flight=256, cache_budget_ms=40, clock=clock, tenant_min_in_flight=32
@@ -305,7 +306,9 @@ def test_a_light_tenant_finds_a_place_beside_more_flooding_tenants_than_minimums
             with contextlib.suppress(RequestError):
                 held.enter_context(held_apart(admission.hold(f"bulk{n}", 32, 10.0)))
                 admitted += 1
-        assert admitted == 7  # each past the equal part (256 / 9 tenants), by its minimum
+        # The eighth is past its equal part (256 / 9 tenants) by its minimum, and would take
+        # the last equal part; the seven before it were within theirs when they came.
+        assert admitted == 7
         assert admission.in_flight == 224
         with pytest.raises(RequestError) as refused, admission.admit(call(tenant="bulk0")):
             pass
@@ -315,6 +318,11 @@ def test_a_light_tenant_finds_a_place_beside_more_flooding_tenants_than_minimums
             held.enter_context(admission.admit(call(tenant="light")))
         assert admission.in_flight == 252
     assert admission.in_flight == 0
+    # A minimum of half the limit, three tenants sending: a batch of the minimum's width
+    # from a tenant holding nothing is admitted beside two places taken.
+    small = Admission(max_in_flight=8, cache_budget_ms=40, clock=clock, tenant_min_in_flight=4)
+    with small.admit(call(tenant="a")), small.admit(call(tenant="b")), small.hold("c", 4, 10.0):
+        assert small.in_flight == 6
 
 
 @pytest.mark.parametrize(("minimum", "refused"), [(0, False), (1, True)])
