@@ -59,6 +59,7 @@ from hopline.runtime.api_keys import API_KEY_ENV, caller_metadata
 from hopline.runtime.cpu_quota import usable_cpus
 from hopline.runtime.event_loop import EventLoop
 from hopline.runtime.ports import dial_problem
+from hopline.runtime.server import FRONT_DOOR_MAX_STREAMS_PER_CONNECTION
 from hopline.runtime.tls import channel, operator_tls
 
 # A gateway that is up answers a health check in milliseconds; this only bounds a black hole.
@@ -100,6 +101,19 @@ def _pool(a: Run, b: Run) -> Run:
     )
 
 
+def _warn_past_streams_per_connection(args: argparse.Namespace) -> None:
+    """A closed loop with more callers a connection than the gateway's port holds streams:
+    the rest wait in this client's gRPC for a free stream, and that wait is measured as the
+    mesh's latency."""
+    per_connection = (args.concurrency or 0) / args.connections
+    if per_connection > FRONT_DOOR_MAX_STREAMS_PER_CONNECTION:
+        sys.stderr.write(
+            f"note: {per_connection:g} callers a connection, past the "
+            f"{FRONT_DOOR_MAX_STREAMS_PER_CONNECTION} streams the gateway's port holds on one: "
+            "the rest wait in this client (and are timed as the mesh's); add --connections\n"
+        )
+
+
 async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[str, Any]]:
     baselines = [b for b in args.baseline.split(",") if b and b != "none"]
     unknown = set(baselines) - set(BASELINES)
@@ -128,6 +142,7 @@ async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[st
     _check_models(args, baselines, specs)
     if args.target != "none" and not mesh_answers(gateway_address(args.target)):
         raise MeshUnreachable(gateway_address(args.target))
+    _warn_past_streams_per_connection(args)
     for name in round_robin(queue, args.rounds):
         base, _, spec = name.partition("@")
         mix = make_mix(args.mix, args.clinc)
