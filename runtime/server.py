@@ -222,13 +222,14 @@ class FaultInjection(RpcWrapper):
 #   streams that sent headers only took the gateway from 595 to 1,564 MB and failed 201 of the
 #   steady client's 2,160 calls (CANCELLED, DEADLINE_EXCEEDED); HTTP/2 rapid reset (HEADERS then
 #   RST_STREAM, 36,000 a second on one connection) failed 374 of its 760. With 256 (Go's HTTP/2
-#   server keeps 250): the streams past it refused (REFUSED_STREAM), +55 MB, 0 failed in
+#   server keeps 250): the streams past it reset (ENHANCE_YOUR_CALM), +55 MB, 0 failed in
 #   both. A client past 256 calls on one connection waits in its own gRPC for a free stream; one
 #   that holds more than 256 streams open at once (PredictStream) opens more connections.
 # - keepalive: a client flooding PINGs while reading nothing kept the gateway at a core and
 #   its connection open for good (the steady client's calls failed for the flood's length);
-#   pinged every 10 s and given 5 s to answer (10 s and 5 s, as measured), it was reset
-#   after 6 s; a peer that vanished without closing is found the same way.
+#   pinged every 10 s and given 5 s to answer, it was reset after 6 s (and with this port's
+#   limits together, closed at once, the steady client unharmed); a peer that vanished
+#   without closing is found the same way.
 FRONT_DOOR_MAX_STREAMS_PER_CONNECTION = 256
 FRONT_DOOR_LIMITS = [
     ("grpc.max_concurrent_streams", FRONT_DOOR_MAX_STREAMS_PER_CONNECTION),
