@@ -35,7 +35,10 @@ def _run(rps: float, service_s: float, *, serial: bool) -> float | None:
 
 
 def test_a_target_that_keeps_up_stays_near_one() -> None:
-    growth = _run(100, 0.002, serial=False)
+    # 20 ms a request, not 2: a loaded machine stalls this loop for a few milliseconds now and
+    # then, which doubled a 2 ms request's latency near the window's end (it failed once in a
+    # unit lane beside three meshes); calls all at once never queue, whatever they take.
+    growth = _run(100, 0.02, serial=False)
     assert growth is not None
     assert growth < MAX_LATENCY_GROWTH
 
