@@ -45,6 +45,18 @@ def finite(raw: str) -> float:
 finite.__name__ = "float"
 
 
+def cosine(raw: str) -> float:
+    """A cosine similarity's limit, -1 to 1: above 1 no embedding could pass (every converted
+    build refused), and -1 already admits every one."""
+    value = finite(raw)
+    if not -1 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a cosine, from -1 to 1, got {raw}")
+    return value
+
+
+cosine.__name__ = "float"
+
+
 # share()'s range in words, by whether 0 and 1 themselves are in it.
 _SHARE_RANGES = {
     (True, True): "from 0 to 1",

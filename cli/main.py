@@ -22,10 +22,10 @@ from hopline.runtime.service_table import INPROC, SERVICES, Topology, spec
 SERVICE_NAMES = tuple(s.name.value for s in SERVICES)
 # `hopline model build`'s check limits, named as CheckLimits' fields.
 LIMIT_FLAGS = {
-    "min_label_agreement": "share of held-out texts whose label must match FP32's",
-    "max_accuracy_drop": "held-out accuracy the conversion may lose (0.005: half a point)",
-    "min_cosine_mean": "mean embedding cosine to FP32",
-    "min_cosine": "embedding cosine to FP32, worst sentence",
+    "min_label_agreement": "share of held-out texts whose label must match FP32's, 0 to 1",
+    "max_accuracy_drop": "held-out accuracy the conversion may lose, 0 to 1 (0.005: half a point)",
+    "min_cosine_mean": "mean embedding cosine to FP32, -1 to 1",
+    "min_cosine": "embedding cosine to FP32, worst sentence, -1 to 1",
 }
 
 
@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("service", choices=SERVICE_NAMES)
 
     from hopline.cli.arg_types import (
-        finite,
+        cosine,
         model_version,
         providers,
         share,
@@ -425,10 +425,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="sentences for the embedding cosine check (reference JSON records, JSONL of "
         "{text}, or lines; default: ../shared/reference/minilm_reference.json if present)",
     )
+    # Any number was taken: an agreement of 2 or a cosine of 1.5 refused every converted build
+    # after its minutes of work, a negative accuracy drop asked it to beat FP32, and an
+    # agreement below 0 checked nothing (an operator's probe).
+    limit_types = {
+        "min_label_agreement": share(what=" (a share of texts)"),
+        "max_accuracy_drop": share(what=" (a share of texts)"),
+        "min_cosine_mean": cosine,
+        "min_cosine": cosine,
+    }
     for field, what in LIMIT_FLAGS.items():
         build.add_argument(
             f"--{field.replace('_', '-')}",
-            type=finite,
+            type=limit_types[field],
             help=f"{what} (default: {getattr(CheckLimits(), field)})",
         )
     build.add_argument("--cache-mode", default="exact", choices=("off", "exact", "semantic"))
