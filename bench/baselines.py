@@ -116,7 +116,7 @@ def compute(args: argparse.Namespace, specs: list[str]) -> dict[str, Any]:
     result = compare_compute(
         configs,
         [mix.text(i) for i in range(512)],
-        batches=[int(b) for b in args.compute_batches.split(",")],
+        batches=args.compute_batches,  # checked and defaulted before any window
         iterations=args.compute_iterations,
         threads=service.threads,
         spin=service.spin,

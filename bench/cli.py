@@ -29,13 +29,20 @@ from hopline.bench.baselines import (
     start_server,
     stop_server,
 )
-from hopline.bench.command import BASELINES, ECHOES, FRONT_DOOR, add_bench_command
+from hopline.bench.command import (
+    DEFAULT_COMPUTE_BATCHES,
+    DEFAULT_COMPUTE_ITERATIONS,
+    DEFAULT_IDLE_MS,
+    ECHOES,
+    FRONT_DOOR,
+    add_bench_command,
+)
 from hopline.bench.load import (
     MAX_LATENCY_GROWTH,
     Run,
 )
 from hopline.bench.measure import PrimeError, measure
-from hopline.bench.mixes import make_mix
+from hopline.bench.mixes import DEFAULT_CLINC, make_mix
 from hopline.bench.report import (
     model_ratios,
     ratios,
@@ -114,16 +121,73 @@ def _warn_past_streams_per_connection(args: argparse.Namespace) -> None:
         )
 
 
-async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[str, Any]]:
-    baselines = [b for b in args.baseline.split(",") if b and b != "none"]
-    unknown = set(baselines) - set(BASELINES)
-    if unknown:
-        raise SystemExit(f"unknown baseline(s) {sorted(unknown)}: {', '.join(BASELINES)}")
+def _baselines(args: argparse.Namespace) -> list[str]:
+    return [b for b in args.baseline.split(",") if b and b != "none"]
+
+
+def flag_problems(args: argparse.Namespace) -> list[str]:
+    """Flags that cannot work together, or that nothing in this run would read (each was
+    ignored unsaid, or refused with exit 1 once the bench had started): said before any
+    target runs, as usage errors. Then the defaults of the flags that only some runs read."""
+    problems = []
+    baselines = _baselines(args)
     if "echo_idle" in baselines and args.rps:
         # Open-loop arrivals keep their own schedule: there is no caller to idle.
-        raise SystemExit(
-            "echo_idle idles each caller between its calls: use --concurrency, not --rps"
+        problems.append(
+            "--baseline echo_idle idles each caller between its calls: use --concurrency, not --rps"
         )
+    elif args.idle_ms is not None and "echo_idle" not in baselines:
+        problems.append("--idle-ms goes with --baseline echo_idle (the only target that idles)")
+    if len([m for m in args.models.split(",") if m]) < 2:
+        given = [
+            flag
+            for flag, value in (
+                ("--compute-batches", args.compute_batches),
+                ("--compute-iterations", args.compute_iterations),
+            )
+            if value is not None
+        ]
+        if given:
+            verb = "go" if len(given) > 1 else "goes"
+            problems.append(
+                f"{' and '.join(given)} {verb} with --models naming two or more versions (the "
+                "models' compute, model against model)"
+            )
+    if args.clinc is not None and args.mix != "clinc":
+        problems.append(f"--clinc goes with --mix clinc, not --mix {args.mix}")
+    elif args.mix == "clinc" and args.clinc is not None and not args.clinc.is_file():
+        problems.append(f"--clinc {args.clinc}: no such file")
+    elif args.mix == "clinc" and args.clinc is None and not DEFAULT_CLINC.is_file():
+        problems.append(
+            f"--mix clinc needs the CLINC150 data at {DEFAULT_CLINC} (../shared); give --clinc FILE"
+        )
+    peer_names = [p.partition("=")[0] for p in args.peer]
+    twice = sorted({n for n in peer_names if peer_names.count(n) > 1})
+    if twice:
+        problems.append(f"--peer {', '.join(twice)} given more than once: name each peer once")
+    measured = {*peer_names, *(("mesh",) if args.target != "none" else ())}
+    unread = [m.partition("=")[0] for m in args.metrics if m.partition("=")[0] not in measured]
+    if unread:
+        problems.append(
+            f"--metrics {', '.join(unread)}: no such target in this run (mesh, unless --target "
+            "none, or a --peer's NAME)"
+        )
+    if args.target == "none" and args.api_key is not None:
+        problems.append("--api-key is for the mesh's requests: not with --target none")
+    if args.target == "none" and not args.peer and args.tenant:
+        problems.append("--tenant is for the mesh's and peers' requests: none is measured")
+    if not problems:
+        if args.idle_ms is None:
+            args.idle_ms = DEFAULT_IDLE_MS
+        if args.compute_batches is None:
+            args.compute_batches = DEFAULT_COMPUTE_BATCHES
+        if args.compute_iterations is None:
+            args.compute_iterations = DEFAULT_COMPUTE_ITERATIONS
+    return problems
+
+
+async def run_targets(args: argparse.Namespace) -> tuple[dict[str, Run], dict[str, Any]]:
+    baselines = _baselines(args)
     runs: dict[str, Run] = {}
     by_round: dict[str, list[dict[str, float]]] = {}  # each round's window, in order
     describe: dict[str, Any] = {}
@@ -244,6 +308,8 @@ def bench_once(*argv: str) -> dict[str, Any]:
     add_bench_command(parser.add_subparsers(dest="command"))
     sys.stderr.write(f"hopline bench {' '.join(argv)}\n")
     args = parser.parse_args(["bench", *argv])
+    if problems := flag_problems(args):
+        raise SystemExit("; ".join(problems))
     _, result = event_loop.run(lambda: run_targets(args), EventLoop(args.loop))
     return {"argv": list(argv), **result, "ratios": ratios(result["targets"])}
 
@@ -260,7 +326,8 @@ def _address_problems(args: argparse.Namespace) -> list[str]:
 def run_bench(args: argparse.Namespace) -> int:
     if args.concurrency is None and args.rps is None:
         args.concurrency = 1
-    problems = _address_problems(args)
+    problems = flag_problems(args)
+    problems += _address_problems(args)
     problems += output_problems((args.json, "--json"), (args.png, "--png"))
     if problems:
         sys.stderr.write("".join(f"hopline bench: error: {p}\n" for p in problems))

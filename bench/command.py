@@ -42,6 +42,76 @@ how busy the machine was, so a saturated load generator is visible rather than h
 """
 
 
+# Defaults of the flags that only some runs read: left None by argparse, so that one given
+# where nothing reads it is refused (bench/cli.py:flag_problems) instead of ignored.
+DEFAULT_IDLE_MS = 10.0
+DEFAULT_COMPUTE_BATCHES = (1, 32)
+DEFAULT_COMPUTE_ITERATIONS = 200
+
+
+def baseline_names(raw: str) -> str:
+    """`--baseline`: comma-separated names, each known and once, or `none` alone. An unknown
+    name ended the bench with exit 1 once it had started (an operator's probe)."""
+    names = [name for name in raw.split(",") if name]
+    unknown = [name for name in names if name not in (*BASELINES, "none")]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown baseline {', '.join(map(repr, unknown))}: give some of "
+            f"{', '.join(BASELINES)} (comma-separated), or none"
+        )
+    if "none" in names and len(names) > 1:
+        raise argparse.ArgumentTypeError(f"none goes alone, got {raw!r}")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        # Its windows were measured twice a round and pooled, unsaid.
+        raise argparse.ArgumentTypeError(f"names {', '.join(twice)} more than once")
+    return raw
+
+
+def batch_sizes(raw: str) -> tuple[int, ...]:
+    """`--compute-batches`: comma-separated batch sizes, each a whole number from 1, once (a
+    size named twice overwrote its own figures). `x` failed only once every measurement
+    window had run, the run's results lost."""
+    try:
+        sizes = [int(size) for size in raw.split(",") if size.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(
+            f"takes comma-separated batch sizes of 1 or more, like 1,32, got {raw!r}"
+        )
+    if len(set(sizes)) < len(sizes):
+        raise argparse.ArgumentTypeError(f"names a batch size more than once, got {raw!r}")
+    return tuple(sizes)
+
+
+def metrics_endpoints(raw: str) -> str:
+    """`--metrics TARGET=HOST:PORT[,HOST:PORT...]` (or URLs): refused here, not once the
+    bench had started (exit 1), or, for an endpoint without a port, at its target's window."""
+    name, sep, endpoints = raw.partition("=")
+    listed = [e for e in endpoints.split(",") if e]
+    bad = [e for e in listed if "://" not in e and not _host_port(e)]
+    if not (name and sep and listed) or bad:
+        raise argparse.ArgumentTypeError(
+            "takes TARGET=HOST:PORT[,HOST:PORT...] (TARGET: mesh, or a --peer's NAME; an "
+            f"endpoint may be a URL), got {raw!r}"
+        )
+    return raw
+
+
+def _host_port(endpoint: str) -> bool:
+    host, _, port = endpoint.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def peer(raw: str) -> str:
+    """`--peer NAME=ADDR`: without a name the results named it `peer_`."""
+    name, sep, _ = raw.partition("=")
+    if not (name and sep):
+        raise argparse.ArgumentTypeError(f"takes NAME=ADDR, got {raw!r}")
+    return raw
+
+
 def add_bench_command(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
@@ -66,9 +136,12 @@ def add_bench_command(sub: Any) -> None:
     )
     p.add_argument("--warmup", type=at_least_zero, default=3.0, help="unmeasured seconds first")
     p.add_argument("--mix", default="miss", choices=("miss", "exact", "semantic", "clinc"))
-    p.add_argument("--clinc", type=Path, help="CLINC150 data_full.json (default: ../shared)")
+    p.add_argument(
+        "--clinc", type=Path, help="with --mix clinc: CLINC150 data_full.json (default: ../shared)"
+    )
     p.add_argument(
         "--baseline",
+        type=baseline_names,
         default="echo,inprocess,inprocess_batched",
         help="comma-separated: echo, echo_idle, inprocess, inprocess_batched, grpc_batched, "
         "or none",
@@ -76,12 +149,13 @@ def add_bench_command(sub: Any) -> None:
     p.add_argument(
         "--idle-ms",
         type=at_least_zero,
-        default=10.0,
-        help="echo_idle: each caller's idle time before each call, not counted in its latency "
-        "(closed loop only: refused with --rps); default about a model run on a CPU",
+        help="with --baseline echo_idle: each caller's idle time before each call, not "
+        "counted in its latency (closed loop only: refused with --rps); default "
+        f"{DEFAULT_IDLE_MS:g}, about a model run on a CPU",
     )
     p.add_argument(
         "--peer",
+        type=peer,
         action="append",
         default=[],
         metavar="NAME=ADDR",
@@ -89,6 +163,7 @@ def add_bench_command(sub: Any) -> None:
     )
     p.add_argument(
         "--metrics",
+        type=metrics_endpoints,
         action="append",
         default=[],
         metavar="TARGET=HOST:PORT[,HOST:PORT...]",
@@ -119,12 +194,17 @@ def add_bench_command(sub: Any) -> None:
         help="measure the whole list of targets this many times in turn, pooling each "
         "target's windows; every other round runs the list backwards (A/B on a shared machine)",
     )
-    p.add_argument("--compute-batches", default="1,32", help="batch sizes for --models compute")
+    p.add_argument(
+        "--compute-batches",
+        type=batch_sizes,
+        help="with --models of two or more: comma-separated batch sizes for the models' "
+        f"compute (default {','.join(map(str, DEFAULT_COMPUTE_BATCHES))})",
+    )
     p.add_argument(
         "--compute-iterations",
-        type=int,
-        default=200,
-        help="alternated runs per model and batch size for --models compute (0: skip)",
+        type=_whole_number,
+        help="with --models of two or more: alternated runs per model and batch size for the "
+        f"models' compute (0: skip; default {DEFAULT_COMPUTE_ITERATIONS})",
     )
     p.add_argument("--model-repo", default=os.environ.get("HOPLINE_MODEL_REPO", "models"))
     p.add_argument("--tenant", default="", help="tenant for the mesh's requests")
@@ -144,3 +224,14 @@ def add_bench_command(sub: Any) -> None:
         choices=[loop.value for loop in EventLoop],
         help="the load generator's event loop (runtime/event_loop.py, as the services')",
     )
+
+
+def _whole_number(raw: str) -> int:
+    """0 or more: a negative count of runs skipped the compute as 0 does, unsaid."""
+    value = int(raw)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {raw}")
+    return value
+
+
+_whole_number.__name__ = "int"
