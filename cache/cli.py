@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 Examples = list[tuple[str, str]]
 
+DEFAULT_HOLDOUT = 0.5
+DEFAULT_SEED = 0
+DEFAULT_OOS_LABEL = "oos"
+
 _WORK_DIR_HELP = "where the embedding encoder is built and kept [env HOPLINE_CACHE_DIR]"
 
 # How far a pairs file's similarity may stray outside -1..1: float32 unit vectors' dot
@@ -94,14 +98,21 @@ def add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     pairs.add_argument(
         "--split", help="with --train: the split to read from a JSON object of splits"
     )
+    # --holdout, --seed and --oos-label default to None: given where nothing reads them (with
+    # --clinc; with --model), they are refused (_pairs), not ignored.
     pairs.add_argument(
         "--holdout",
         type=share(zero=False, one=False),
-        default=0.5,
-        help="with --train: share of each label queried",
+        help=f"with --train: share of each label queried (default: {DEFAULT_HOLDOUT})",
     )
-    pairs.add_argument("--seed", type=int, default=0, help="with --train: the split's seed")
-    pairs.add_argument("--oos-label", default="oos", help="the label of out-of-scope queries")
+    pairs.add_argument(
+        "--seed", type=int, help=f"with --train: the split's seed (default: {DEFAULT_SEED})"
+    )
+    pairs.add_argument(
+        "--oos-label",
+        help="the data set's label of out-of-scope queries; not with --model, whose own "
+        f"answers label the pairs (default: {DEFAULT_OOS_LABEL})",
+    )
     pairs.add_argument(
         "--model",
         help="label pairs by this model's answers instead of the data set's: same-answer when "
@@ -442,9 +453,18 @@ def _check_out(path: Path, flag: str, *, directory: bool) -> None:
 
 def _one_source_flags(args: argparse.Namespace) -> None:
     """Flags of the other source are refused: each was silently ignored (a --split with
-    --clinc read the store and query splits all the same)."""
+    --clinc read the store and query splits all the same; --holdout and --seed with --clinc,
+    whose file names its store and query splits, split nothing)."""
     if args.clinc:
-        given = [f for f, v in (("--split", args.split),) if v is not None]
+        given = [
+            f
+            for f, v in (
+                ("--split", args.split),
+                ("--holdout", args.holdout),
+                ("--seed", args.seed),
+            )
+            if v is not None
+        ]
         other = "--train"
     else:
         given = [
@@ -464,14 +484,25 @@ def _pairs(args: argparse.Namespace) -> int:
     _one_source_flags(args)
     if args.min_score is not None and not args.model:
         raise UsageError("--min-score goes with --model (the answers whose scores it reads)")
+    if args.model_version and not args.model:
+        raise UsageError("--model-version goes with --model (the model whose version it names)")
+    if args.oos_label is not None and args.model:
+        # The model's answers label the pairs: an out-of-scope answer is one like any other.
+        raise UsageError(
+            "--oos-label is the data set's label: not with --model, whose answers label the pairs"
+        )
     _check_out(args.out, "--out", directory=False)
     if args.clinc:
         store = _splits(args.clinc, [args.store_split or "train"])
         queries = _splits(args.clinc, args.query_splits or ["val", "oos_val"])
     else:
-        store, queries = _holdout(load_examples(args.train, args.split), args.holdout, args.seed)
+        store, queries = _holdout(
+            load_examples(args.train, args.split),
+            DEFAULT_HOLDOUT if args.holdout is None else args.holdout,
+            DEFAULT_SEED if args.seed is None else args.seed,
+        )
     started = time.perf_counter()
-    oos_label = args.oos_label
+    oos_label = DEFAULT_OOS_LABEL if args.oos_label is None else args.oos_label
     if args.model:
         store, queries = _model_labels(args, store, queries)
         oos_label = ""  # an out-of-scope answer is an answer like any other here
@@ -532,6 +563,13 @@ def _calibrate(args: argparse.Namespace) -> int:
         if path is not None:
             _check_out(path, flag, directory=False)
     pairs = _read_pairs(args.pairs)
+    # Read now: a --check-pairs that is missing or no pairs file was said only after the
+    # calibration, its embedding minutes on the full data set (a helper's probe).
+    check_pairs = None
+    if args.check_pairs is not None:
+        if not args.check_pairs.is_file():
+            raise UsageError(f"--check-pairs {args.check_pairs}: no such file")
+        check_pairs = _read_pairs(args.check_pairs)
     folds = args.folds
     if folds > max(2, len(pairs)):
         # A fold per pair at most: more folds would be empty, and print as refusals.
@@ -545,7 +583,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     report = calibrate_checked(
         sims, [p.same for p in pairs], target, min_hits, args.confidence, folds, args.seed
     )
-    check = _check(args, report.candidate.threshold) if report.candidate is not None else None
+    check = (
+        _check(args, check_pairs, report.candidate.threshold)
+        if check_pairs is not None and report.candidate is not None
+        else None
+    )
     # The files first: a refusal still leaves the curve and the reason on disk.
     written: list[str] = []
     if args.png:
@@ -623,13 +665,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(args: argparse.Namespace, threshold: float) -> dict[str, Any] | None:
+def _check(args: argparse.Namespace, pairs: Sequence[Pair], threshold: float) -> dict[str, Any]:
     """The threshold measured on --check-pairs, embedded as the calibration pairs were."""
     import numpy as np
 
-    if args.check_pairs is None:
-        return None
-    pairs = _read_pairs(args.check_pairs)
     sims = _similarities(args, pairs)
     hit = sims >= threshold
     wrong = hit & ~np.array([p.same for p in pairs], dtype=bool)

@@ -214,7 +214,8 @@ def test_the_ends_of_each_range_keep_their_meaning() -> None:
     assert parse(["model", "build", "--default", "--oos-threshold", "0"]).oos_threshold == 0.0
     cal = parse(["cache", "calibrate", "--pairs", "p", "--confidence", "0"])
     assert (cal.confidence, cal.target_false_hit_rate) == (0.0, 0.01)
-    assert parse(["cache", "pairs", "--train", "t", "--out", "p"]).holdout == 0.5
+    pairs = ["cache", "pairs", "--train", "t", "--out", "p"]
+    assert parse([*pairs, "--holdout", "0.25"]).holdout == 0.25
 
 
 def test_certificate_days_of_none_are_refused_by_the_flag(
