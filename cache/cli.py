@@ -289,10 +289,23 @@ def _eval(args: argparse.Namespace) -> int:
     from hopline.cache.evaluation_report import markdown
     from hopline.gateway.client import gateway_address
     from hopline.model.repository import ModelRepository
+    from hopline.runtime.ports import dial_problem
     from hopline.runtime.service_table import spec
 
     if args.out is not None:
         _check_out(args.out, "--out", directory=True)
+    cache_address = args.cache if args.cache is not None else spec("cache").address()
+    # As `cache stats` and `cache invalidate` check theirs: left to gRPC, a port past 65535
+    # dialled another server, whose answers the evaluation then counted (a helper's read).
+    for address, named_by in (
+        (
+            gateway_address(args.gateway),
+            "--gateway" if args.gateway is not None else "HOPLINE_GATEWAY_ADDR",
+        ),
+        (cache_address, "--cache" if args.cache is not None else "HOPLINE_CACHE_ADDR"),
+    ):
+        if problem := dial_problem(address, named_by):
+            raise UsageError(problem)
     resolved = ModelRepository(args.model_repo).resolve(args.model, args.model_version)
     policy = resolved.cache
     if policy.mode != "semantic":
@@ -321,7 +334,7 @@ def _eval(args: argparse.Namespace) -> int:
         report = run(
             args.clinc,
             gateway=gateway_address(args.gateway),
-            cache=args.cache if args.cache is not None else spec("cache").address(),
+            cache=cache_address,
             model=args.model,
             model_version=resolved.version,
             policy=policy,

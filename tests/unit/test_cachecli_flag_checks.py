@@ -2,7 +2,8 @@
 work: `pairs --clinc` took --holdout and --seed and split nothing (the file names its store
 and query splits), `--model` took --oos-label and labelled by its own answers, --model-version
 without --model was ignored, and `calibrate --check-pairs` was read only after the
-calibration. Each is now a usage error (exit 2) before any text is embedded."""
+calibration; `cache eval` dialled a --gateway or --cache address such as 127.0.0.1:87137
+(another server's port, wrapped). Each is now a usage error (exit 2) before any work."""
 
 from __future__ import annotations
 
@@ -88,3 +89,31 @@ def test_calibrate_reads_its_check_pairs_before_calibrating(
         capsys.readouterr().err
         == f"hopline cache calibrate: error: --check-pairs {missing}: no such file\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("flag", "address", "said"),
+    [
+        ("--gateway", "127.0.0.1:87137", "--gateway '127.0.0.1:87137': the port must be"),
+        ("--cache", "127.0.0.1:", "--cache "),
+    ],
+)
+def test_eval_refuses_an_address_that_dials_another_server_before_any_work(
+    flag: str,
+    address: str,
+    said: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Left to gRPC, 127.0.0.1:87137 dialled port 21601, another server (`cache stats` and
+    `cache invalidate` checked theirs; `cache eval` did not)."""
+    from hopline.model.repository import ModelRepository
+
+    def resolve(*args: object) -> object:
+        raise AssertionError("the model was resolved before the address was checked")
+
+    monkeypatch.setattr(ModelRepository, "resolve", resolve)
+    argv = ["cache", "eval", "--clinc", str(_clinc(tmp_path)), "--model", "m", flag, address]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"hopline cache eval: error: {said}")
