@@ -172,6 +172,7 @@ def test_a_ratio_against_nothing_is_written_as_json_null() -> None:
 
 
 BUILD = ["model", "build", "--default"]
+INT8 = [*BUILD, "--precision", "int8"]
 PAIRS = ["cache", "pairs", "--train", "t.jsonl", "--out", "p"]
 CALIBRATE = ["cache", "calibrate", "--pairs", "p"]
 
@@ -186,6 +187,15 @@ CALIBRATE = ["cache", "calibrate", "--pairs", "p"]
         ([*BUILD, "--cache-threshold", "0"], "--cache-threshold: must be above 0 and at most 1"),
         ([*BUILD, "--cache-min-score", "-1"], "--cache-min-score: must be from 0 to 1"),
         ([*BUILD, "--providers", "gpu"], "--providers: unknown execution provider 'gpu'"),
+        # The precision check's limits: an agreement of 2 or a cosine of 1.5 refused every
+        # converted build after its minutes of work, a negative accuracy drop asked it to beat
+        # FP32, and a negative agreement checked nothing.
+        ([*INT8, "--min-label-agreement=1.5"], "must be from 0 to 1 (a share of texts)"),
+        ([*INT8, "--min-label-agreement=-0.1"], "must be from 0 to 1 (a share of texts)"),
+        ([*INT8, "--max-accuracy-drop=-0.01"], "must be from 0 to 1 (a share of texts)"),
+        ([*INT8, "--max-accuracy-drop=5"], "--max-accuracy-drop: must be from 0 to 1"),
+        ([*INT8, "--min-cosine=1.01"], "--min-cosine: must be a cosine, from -1 to 1, got 1.01"),
+        ([*INT8, "--min-cosine-mean=-2"], "--min-cosine-mean: must be a cosine, from -1 to 1"),
         ([*PAIRS, "--holdout", "0"], "--holdout: must be above 0 and below 1, got 0"),
         ([*PAIRS, "--holdout", "1"], "--holdout: must be above 0 and below 1, got 1"),
         ([*CALIBRATE, "--target-false-hit-rate", "1"], "rate: must be above 0 and below 1"),
@@ -212,6 +222,10 @@ def test_the_ends_of_each_range_keep_their_meaning() -> None:
     assert (build.version, build.reject_rate, build.cache_threshold) == ("12", 0.0, 1.0)
     assert (build.cache_min_score, build.providers) == (1.0, "cuda,cpu")
     assert parse(["model", "build", "--default", "--oos-threshold", "0"]).oos_threshold == 0.0
+    limits = ["--min-label-agreement=1", "--max-accuracy-drop=0", "--min-cosine=-1"]
+    check = parse([*INT8, *limits, "--min-cosine-mean=1"])
+    assert (check.min_label_agreement, check.max_accuracy_drop) == (1.0, 0.0)
+    assert (check.min_cosine, check.min_cosine_mean) == (-1.0, 1.0)
     cal = parse(["cache", "calibrate", "--pairs", "p", "--confidence", "0"])
     assert (cal.confidence, cal.target_false_hit_rate) == (0.0, 0.01)
     pairs = ["cache", "pairs", "--train", "t", "--out", "p"]
