@@ -224,18 +224,22 @@ async def _after_a_hedge_answers_first_calls_send_two_attempts_at_once() -> None
     calls then send their second attempt at once, so a call whose first pick is the hung one
     does not wait out the delay. Here the calls' deadlines are shorter than the delay: each
     one whose first pick was the hung replica failed DEADLINE_EXCEEDED before. Suspect mode
-    is held for the whole test and the deadlines leave a second of slack, so a machine
-    stalled by other work cannot end it (it failed once under a loaded unit lane)."""
+    is held for the whole test and the deadlines leave seconds of slack, so a machine
+    stalled by other work cannot end it (it failed under loaded unit lanes)."""
     async with two_replicas() as (_, b, channel):
         method = channel.unary_unary(METHOD, None, None)
-        call = Hedging[bytes]("tokenize", lambda: method, 3, 2.0)
+        # With a 4 s delay the calls below get 2 s each (half of it), and the hedged one its
+        # delay and 3 s more; with 2 s the slack was 1 s, and it failed once beside three
+        # meshes (stop 105). A call answered by its hedge ends as soon as it is answered.
+        call = Hedging[bytes]("tokenize", lambda: method, 3, 4.0)
         await warm(call)
         delay = call.delay_s()
         assert delay is not None
-        assert delay >= 2.0
+        assert delay >= 4.0
         b.hung = True
         for i in range(2):  # one of two consecutive calls meets the hung replica first
-            assert await call(b"slow %d" % i, timeout=TIMEOUT_S) == b"a:slow %d" % i
+            slow = await call(b"slow %d" % i, timeout=delay + TIMEOUT_S)
+            assert slow == b"a:slow %d" % i
         before_b = b.calls
         replies = [await call(b"q%d" % i, timeout=delay / 2) for i in range(10)]
         assert replies == [b"a:q%d" % i for i in range(10)]
