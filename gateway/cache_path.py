@@ -33,6 +33,7 @@ from hopline.observability import metrics, schema
 from hopline.observability.logs import Episodes
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
+from hopline.runtime.server import NOT_READY
 
 log = logging.getLogger("hopline.gateway")
 # Lookups that failed open, said once an episode: until the circuit opens (and at each probe
@@ -187,6 +188,8 @@ class CachePath:
             else:
                 self.admission.lookup_finished(overran=overran)
                 self.breaker.failure()
+                if err.code == grpc.StatusCode.UNAVAILABLE and NOT_READY in err.details:
+                    self.breaker.starting()
             self._unreachable = (
                 err.code == grpc.StatusCode.UNAVAILABLE
                 and isinstance(self.cache, Upstream)

@@ -3,7 +3,8 @@
 CircuitBreaker: after `failures` consecutive cache failures (errors or budget overruns) the
 gateway stops calling the cache for `cooldown_s`, then lets one probe through; its result
 closes or reopens the circuit. A cache that was unreachable is probed as soon as the gateway
-has a connection to it again (gateway/cache_path.py:CachePath._cache_back). Coalescer:
+has a connection to it again (gateway/cache_path.py:CachePath._cache_back), and one still
+starting every STARTING_REPROBE_S until it answers. Coalescer:
 identical concurrent misses (same scope and normalised text) share one inference; the others
 wait for its answer.
 """
@@ -35,6 +36,12 @@ class CircuitState(enum.StrEnum):
 
 # Module-level names too: tests/unit/test_gateway_resilience.py imports them.
 CLOSED, OPEN, HALF_OPEN = CircuitState.CLOSED, CircuitState.OPEN, CircuitState.HALF_OPEN
+
+
+# How often an open circuit probes a cache that answered it is still starting: each probe is
+# one lookup refused at once by the starting cache, and the first after it is ready closes the
+# circuit.
+STARTING_REPROBE_S = 0.25
 
 
 class CircuitBreaker:
@@ -90,6 +97,15 @@ class CircuitBreaker:
         circuit's probe may go now instead of at the end of the cool-down."""
         if self._state == OPEN:
             self._open_until = min(self._open_until, self.clock())
+
+    def starting(self) -> None:
+        """The probe reached a cache that is still starting (it answered that it is not ready
+        yet): probe again in STARTING_REPROBE_S, not at the end of the cool-down. A restarted
+        cache binds its port before it loads, so the probe its reconnection let through
+        (`reconnected`) found it loading, and its hits came back a whole cool-down (5 s)
+        after it served (a durability probe)."""
+        if self._state == OPEN:
+            self._open_until = min(self._open_until, self.clock() + STARTING_REPROBE_S)
 
     def success(self) -> None:
         if self._state != CLOSED:

@@ -29,6 +29,7 @@ from hopline.gateway.upstream import Upstream
 from hopline.protos.hopline.cache.v1 import cache_pb2, cache_pb2_grpc
 from hopline.protos.hopline.common.v1 import common_pb2
 from hopline.protos.hopline.inference.v1 import inference_pb2
+from hopline.runtime.server import NOT_READY
 
 FAIL_OPEN = common_pb2.CACHE_OUTCOME_FAIL_OPEN
 MISS = common_pb2.CACHE_OUTCOME_MISS
@@ -38,9 +39,10 @@ COOLDOWN_S = 60.0  # longer than the test: a probe before it is the reconnection
 class Cache:
     """The cache service's Lookup, nothing else (the gateway's lookup is all this sends)."""
 
-    def __init__(self, failing: bool, delay_s: float = 0.0) -> None:
+    def __init__(self, failing: bool, delay_s: float = 0.0, starting: bool = False) -> None:
         self.failing = failing
         self.delay_s = delay_s
+        self.starting = starting  # refused as a service's readiness gate refuses while loading
         self.lookups = 0
 
     async def Lookup(
@@ -48,6 +50,8 @@ class Cache:
     ) -> cache_pb2.LookupResponse:
         self.lookups += 1
         await asyncio.sleep(self.delay_s)
+        if self.starting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
         if self.failing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the Milvus server is not answering")
         return cache_pb2.LookupResponse(outcome=MISS)
@@ -144,6 +148,43 @@ def test_an_unreachable_cache_is_probed_once_the_gateway_connects_again() -> Non
             assert answered.cache.outcome == MISS
             assert back.lookups == 1
             assert breaker.retry_in() == pytest.approx(0.0)
+        finally:
+            await upstream.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())
+
+
+def test_a_cache_reached_again_while_still_starting_is_probed_until_it_is_ready() -> None:
+    """A restarted cache binds its port before it loads: the probe its reconnection let
+    through was refused as not ready, counted a failure, and the circuit waited out its whole
+    cool-down (5 s by default, here 60) before the next probe (a durability probe: hits came
+    back 5 s after the cache served). It now probes again every STARTING_REPROBE_S."""
+
+    async def scenario() -> None:
+        server, port = await serve(Cache(failing=False))
+        path, breaker, upstream = cache_path(port)
+        try:
+            await server.stop(None)
+            for n in range(3):
+                assert (await look_up(path, n)).cache.outcome == FAIL_OPEN
+            back = Cache(failing=False, starting=True)
+            server, _ = await serve(back, port)
+            deadline = time.monotonic() + 20
+            n = 10
+            while back.lookups == 0:  # the reconnection's probe, refused: still loading
+                assert time.monotonic() < deadline, "no probe reached the restarted cache"
+                assert (await look_up(path, n)).cache.outcome == FAIL_OPEN
+                n += 1
+                await asyncio.sleep(0.05)
+            assert breaker.retry_in() < COOLDOWN_S / 2
+            back.starting = False  # loaded
+            while (answered := await look_up(path, n)).cache.outcome == FAIL_OPEN:
+                assert time.monotonic() < deadline, answered.cache.detail
+                n += 1
+                await asyncio.sleep(0.05)
+            assert answered.cache.outcome == MISS
+            assert state_of(breaker) == CircuitState.CLOSED
         finally:
             await upstream.close()
             await server.stop(None)
