@@ -9,6 +9,7 @@ it again, cache/milvus_connection.py) and stops the server when the store closes
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hopline.cache.private_files import private_folder
+from hopline.cache.private_files import FILE_MODE, private_folder
 from hopline.runtime import grpc_io
 
 log = logging.getLogger("hopline.cache.milvus_lite")
@@ -110,6 +111,7 @@ def connect(
     Call only once the path is known to be a database's (`check_database_file`).
     """
     path = Path(uri)
+    took = hold(path)
     deadline = time.monotonic() + start_timeout_s
     while True:
         try:
@@ -121,8 +123,70 @@ def connect(
                 continue
             reason = " ".join(str(getattr(exc, "message", None) or exc).split())[:300]
             hint = start_failure(path, reason, start_timeout_s)
-            stop_server(path)
+            # A restart that failed keeps the hold this process had: its store tries again.
+            stop_server(path, keep_hold=not took)
             raise StartFailed(f"{hint} ({reason})") from exc
+
+
+# This process's holds on database files: resolved path -> the lock file's descriptor.
+_HOLDS: dict[str, int] = {}
+
+
+def hold_path(db: Path) -> Path:
+    return db.absolute().parent / f".{db.name}.hopline.lock"
+
+
+def hold(db: Path) -> bool:
+    """Takes this process's hold on `db` before milvus-lite starts a server for it, kept until
+    `stop_server`; whether it was taken now (False: held already).
+
+    milvus-lite's own lock file is not enough: a start it refuses because another process
+    holds the lock removes that file all the same on its way out (`Server.__del__` unlinks the
+    path it never locked), so the next start made a new file, locked it and served the
+    database beside the process still writing it (a durability probe: a second cache refused,
+    a third SERVING on the same file). This file is never removed, and flock's lock ends with
+    the process that holds it, a kill -9 included.
+    """
+    key = str(db.absolute().resolve())
+    if key in _HOLDS:
+        return False
+    lock = hold_path(db)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    except OSError as exc:
+        raise StartFailed(
+            f"cannot make its lock file {lock} ({exc.strerror}): the folder holding the "
+            "database file must be writable"
+        ) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = _holder(fd)
+        os.close(fd)
+        if isinstance(exc, BlockingIOError):
+            raise StartFailed(
+                f"another process holds it ({holder}milvus-lite allows one process per "
+                "database file: is a second cache service running?)"
+            ) from None
+        raise StartFailed(f"cannot lock {lock} ({exc.strerror})") from exc
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _HOLDS[key] = fd
+    return True
+
+
+def _holder(fd: int) -> str:
+    """The holder's pid as "process N; ", read from the lock file it wrote it into."""
+    with contextlib.suppress(OSError, ValueError):
+        return f"process {int(os.pread(fd, 32, 0).decode().strip())}; "
+    return ""
+
+
+def release(db: Path) -> None:
+    """Ends this process's hold on `db` (`hold`), if it has one."""
+    fd = _HOLDS.pop(str(db.absolute().resolve()), None)
+    if fd is not None:
+        os.close(fd)  # closing the descriptor ends its flock
 
 
 def disk_note(db: Path) -> str:
@@ -243,7 +307,7 @@ class ServerExited:
         return True
 
 
-def stop_server(db: Path) -> None:
+def stop_server(db: Path, keep_hold: bool = False) -> None:
     """Stop the milvus-lite server process that opening `db` started: it is sent SIGTERM, then
     milvus-lite releases its lock and removes its socket. milvus-lite does that only at
     interpreter teardown, which a service's exit skips (runtime/server.py:_end_process), and
@@ -256,7 +320,10 @@ def stop_server(db: Path) -> None:
     quick: 0.28 s from draining to stopped; why its server looked sooner was not found). What
     the server has acknowledged is in its SQLite file already: 2,000 rows inserted and 100
     deleted just before the stop were all read back after SIGTERM, SIGINT, SIGKILL or its own
-    exit alike. So it is not waited for."""
+    exit alike. So it is not waited for.
+
+    This process's hold on the file (`hold`) ends too, unless `keep_hold`: a server that
+    exited is started again on the file this process still owns."""
     process = _server_process(db)
     if process is not None and process.poll() is None:
         process.terminate()
@@ -264,3 +331,5 @@ def stop_server(db: Path) -> None:
         from milvus_lite.server_manager import server_manager_instance
 
         server_manager_instance.release_server(str(db))
+    if not keep_hold:
+        release(db)

@@ -257,7 +257,7 @@ class MilvusStore:
 
         def start(_: MilvusAccess) -> Any:
             if not lite.starting(path):  # one that exited: its registration and the lock
-                lite.stop_server(path)
+                lite.stop_server(path, keep_hold=True)
             return lite.connect(pymilvus, self.uri, self.timeout_s, self.start_timeout_s)
 
         try:

@@ -77,6 +77,15 @@ def test_second_process_on_the_same_file_is_refused(tmp_path: Path) -> None:
         code, log, _ = serve_cache(first.env["HOPLINE_CACHE_URI"])
         assert code != 0
         assert "another process holds it" in log, log
+        # The refused start must leave the first one's hold in place: milvus-lite's refused
+        # server object removed the lock file on its way out, and a third start then took a
+        # new one and served the same file beside the first (a durability probe).
+        try:
+            code, log, _ = serve_cache(first.env["HOPLINE_CACHE_URI"], timeout_s=45)
+        except subprocess.TimeoutExpired:
+            pytest.fail("a third cache opened and served the file the first still writes")
+        assert code != 0
+        assert "another process holds it" in log, log
     finally:
         first.stop()
 
