@@ -271,6 +271,19 @@ class MilvusStore:
         except lite.StartFailed as exc:
             raise CacheStoreError(f"cannot open Milvus at {self.uri}: {exc}") from exc
         keep_private(path)  # made by milvus-lite's server with the umask's mode
+        if disk := lite.disk_note(path):
+            # Said at the start, not only at the first write: on a volume under the margin
+            # (a probe's 20 MiB one) the cache went SERVING and wrote nothing, saying so only
+            # once stores had queued.
+            log.warning(
+                "the milvus-lite file's disk is short of space: stores wait unwritten "
+                "until it has more",
+                extra={
+                    "uri": self.uri,
+                    "note": disk.strip(" ()"),
+                    "needs_bytes": lite.LOW_DISK_BYTES,
+                },
+            )
         return connection
 
     @property
