@@ -199,9 +199,16 @@ class ModelRegistry(Generic[T]):
 
     def load_new(self) -> None:
         """Rescan, then load every version seen and not loaded yet (blocking: run it off the
-        event loop); a version that fails to load is left out."""
+        event loop); a version that fails to load is left out. A repository that cannot be
+        listed (unmounted, its permissions changed) leaves the versions loaded as they were:
+        ListModels raised the PermissionError, the gateway read UNKNOWN and a traceback went
+        to the log at each re-read, two a second in five processes (a chmod 000 probe)."""
         with self._lock:
-            self._scan()
+            try:
+                self._scan()
+            except OSError as exc:
+                log.warning("model repository rescan failed", extra={"error": str(exc)})
+                return
             for key in sorted(self._configs.keys() - self._loaded.keys()):
                 self._load(key)
 

@@ -733,3 +733,38 @@ def test_versions_that_leave_together_are_served_on_while_a_sync_copies_them_bac
     assert [c.version for c, _ in registry.loaded()] == ["1"]
     assert registry.get(DEFAULT_MODEL)[1] == "session 1"
     assert sorted(retired) == ["session 1", "session 2", "session 3"]
+
+
+def test_load_new_on_an_unreadable_repository_keeps_serving_what_it_loaded(
+    tmp_path: Path,
+    default_repo: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A repository that cannot be listed while versions serve (a volume remounted, its
+    permissions changed): found by making a running mesh's repository mode 000. ListModels
+    raised the PermissionError, so each re-read of the gateway's model list got UNKNOWN with a
+    traceback in inference's log, two a second in five processes, and a request for a version
+    the gateway had not heard of UNAVAILABLE. The listing raises here as the file system did
+    (root, which the tests may run as, reads a folder of mode 000)."""
+    publish(default_repo, tmp_path, "1")
+    repository = ModelRepository(tmp_path)
+    registry = ModelRegistry(repository, Loader())
+    assert [c.version for c in registry.load_all()] == ["1"]
+
+    def denied() -> list[str]:
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+
+    monkeypatch.setattr(repository, "names", denied)
+    with caplog.at_level(logging.WARNING, logger="hopline.model.registry"):
+        registry.load_new()  # what ListModels does first: raised PermissionError
+    assert [(c.version, m) for c, m in registry.loaded()] == [("1", "session 1")]
+    said = [r for r in caplog.records if r.name == "hopline.model.registry"]
+    assert [r.getMessage() for r in said] == ["model repository rescan failed"]
+    assert "Permission denied" in said[0].error  # type: ignore[attr-defined]
+
+    monkeypatch.undo()  # readable again: a version published meanwhile is loaded
+    publish(default_repo, tmp_path, "2")
+    registry.load_new()
+    assert [c.version for c, _ in registry.loaded()] == ["1", "2"]
+    assert registry.get(DEFAULT_MODEL)[1] == "session 2"
