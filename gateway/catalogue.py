@@ -9,7 +9,9 @@ one ListModels at a time, and every request that missed while one was in flight 
 next, so a burst of typos costs one call per ListModels round trip, not one per request.
 A request waits for that re-read up to its own deadline (DEADLINE_EXCEEDED past it; the
 re-read goes on for the others), and is told NOT_FOUND only by a list read after it asked
-(UNAVAILABLE when the read failed).
+(UNAVAILABLE when the read failed). A version that is not a positive integer without leading
+zeros, and an empty model name, are refused INVALID_ARGUMENT at once: no folder can serve them,
+so a re-read would only make the caller wait to be told NOT_FOUND.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from opentelemetry.trace import SpanKind
 
 from hopline.gateway.errors import RequestError
 from hopline.gateway.upstream import Pool
+from hopline.model.repository import is_version
 from hopline.observability import schema
 from hopline.observability.logs import Episodes
 from hopline.observability.tracing import child_span, outgoing_metadata, untraced
 from hopline.protos.hopline.inference.v1 import inference_pb2, inference_pb2_grpc
+from hopline.runtime.errors import clip
 
 log = logging.getLogger("hopline.gateway.catalogue")
 # Inference loads the versions it has not loaded yet before it answers ListModels (so the
@@ -130,7 +134,9 @@ class ModelCatalogue:
         """The model `name` at `version` (the latest when empty), waiting at most `timeout_s`
         for a re-read; RequestError NOT_FOUND when the list read says it is not served,
         UNAVAILABLE when the list could not be read, DEADLINE_EXCEEDED when it is still
-        being read (a version published a moment ago is listed once loaded)."""
+        being read (a version published a moment ago is listed once loaded); INVALID_ARGUMENT,
+        without a re-read, for a name or version no repository folder can have."""
+        self._check_malformed(name, version)
         info = self._lookup(name, version)
         if info is not None:
             return info
@@ -156,6 +162,24 @@ class ModelCatalogue:
                 f"be read again ({failed.code().name}): retry",
             )
         raise RequestError(grpc.StatusCode.NOT_FOUND, self.not_found(name, version))
+
+    def _check_malformed(self, name: str, version: str) -> None:
+        """A request no re-read can answer: versions are folders named by a positive integer
+        (`model/repository.py:is_version`). Before, "-1", "abc" or "01" each waited half a
+        second for a re-read of the list, and inference's rescan of its repository, then got
+        NOT_FOUND as if the version might have been published (an operator's probe)."""
+        if not name:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the model name is empty: name one (serving: {self.serving()})",
+            )
+        if version and not is_version(version):
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"model version {clip(version)!r} of {clip(name)!r} is not a version: versions "
+                "are positive integers without leading zeros, or empty for the latest "
+                f"(serving: {self.serving()})",
+            )
 
     def not_found(self, name: str, version: str, wanted: str = "") -> str:
         """Why `name` at `version` is not served, as NOT_FOUND says it: a version in the
