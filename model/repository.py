@@ -174,6 +174,13 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{path.name} is not JSON: {exc}") from exc
 
 
+def _require_object(value: Any, where: str) -> None:
+    """Said by name: indexing a list or a string left "list indices must be integers or
+    slices, not str" as the reason a version was not served (a helper's probe)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON object, got {_json_type(value)}")
+
+
 def _labels(path: Path) -> tuple[str, ...]:
     labels = _read_json(path)
     if not (isinstance(labels, list) and labels and all(isinstance(x, str) and x for x in labels)):
@@ -250,6 +257,8 @@ def load_config(path: Path, expect: tuple[str, str] | None = None) -> ModelConfi
     folder before publishing it under that name)."""
     try:
         raw = _read_json(path / CONFIG_FILE)
+        _require_object(raw, CONFIG_FILE)
+        _require_object(raw.get("files", {}), f"{CONFIG_FILE}'s 'files'")
         labels = _labels(path / raw["files"]["labels"])
         cfg = ModelConfig(
             name=raw["name"],

@@ -350,6 +350,20 @@ def _edit_batching(folder: Path, key: str, value: Any) -> None:
             ]
         ),
         (lambda f: _edit_config(f, cache=[]), "cache must be a JSON object, got list"),
+        # A config that is JSON but not an object, or whose files are not: the reason given
+        # was Python's "list indices must be integers or slices, not str" (a helper's probe).
+        (
+            lambda f: (f / "config.json").write_text("[]"),
+            "config.json must be a JSON object, got list",
+        ),
+        (
+            lambda f: (f / "config.json").write_text("null"),
+            "config.json must be a JSON object, got null",
+        ),
+        (
+            lambda f: _edit_config(f, files=["model.onnx"]),
+            "config.json's 'files' must be a JSON object, got list",
+        ),
         # Top-level values out of what the services can carry or use (a helper's probe): a
         # max_batch_size past int32 loaded and then failed every model-list read, for every
         # model; a max_sequence_length of 0 failed every request as the client's fault; an
