@@ -226,6 +226,12 @@ class ModelRegistry(Generic[T]):
                 misnamed = self._repo.misnamed(name)
             except OSError as exc:  # one model's folder unreadable: the others are still seen
                 self._left_out(broken, (name, ""), f"cannot list {name}/: {exc.strerror or exc}")
+                # Its versions loaded serve on as they were, as through a repository that
+                # cannot be listed: taken for removed, a model of one version was NOT_FOUND
+                # from the next scan on, one of several after SYNC_GRACE_S (a helper's chmod
+                # 000 of a model's folder under a running mesh).
+                for key in [k for k in self._loaded if k[0] == name]:
+                    configs[key], config_files[key] = self._loaded[key][0], self._files[key]
                 continue
             for folder in misnamed:
                 self._left_out(

@@ -23,6 +23,7 @@ import pytest
 from model_files import reseal
 
 from conftest import DEFAULT_MODEL
+from hopline.model import registry as registry_module
 from hopline.model.registry import ModelRegistry
 from hopline.model.repository import (
     ModelConfig,
@@ -782,3 +783,42 @@ def test_load_new_on_an_unreadable_repository_keeps_serving_what_it_loaded(
     registry.load_new()
     assert [c.version for c, _ in registry.loaded()] == ["1", "2"]
     assert registry.get(DEFAULT_MODEL)[1] == "session 2"
+
+
+@pytest.mark.parametrize("versions", [["1"], ["1", "2"]])
+def test_a_model_folder_that_cannot_be_listed_keeps_its_versions_serving(
+    tmp_path: Path,
+    default_repo: Path,
+    versions: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model's folder made unreadable under a running mesh (chmod 000, a helper's probe):
+    its versions were taken for removed, a model of one version NOT_FOUND from the next scan
+    on and one of several after SYNC_GRACE_S (none here), while an unreadable repository
+    kept them all. The folder's listing raises as the file system did for it."""
+    monkeypatch.setattr(registry_module, "SYNC_GRACE_S", 0.0)
+    for version in versions:
+        publish(default_repo, tmp_path, version)
+    repository = ModelRepository(tmp_path)
+    registry = ModelRegistry(repository, Loader())
+    assert [c.version for c in registry.load_all()] == versions
+    listing = repository.versions
+
+    def denied(name: str) -> list[str]:
+        if name == DEFAULT_MODEL:
+            raise PermissionError(13, "Permission denied", str(tmp_path / name))
+        return listing(name)
+
+    monkeypatch.setattr(repository, "versions", denied)
+    registry.load_new()
+    registry.load_new()
+    assert [c.version for c, _ in registry.loaded()] == versions
+    assert registry.get(DEFAULT_MODEL)[1] == f"session {versions[-1]}"
+    assert registry.broken() == {
+        (DEFAULT_MODEL, ""): f"cannot list {DEFAULT_MODEL}/: Permission denied"
+    }
+
+    monkeypatch.setattr(repository, "versions", listing)  # readable again
+    registry.load_new()
+    assert [c.version for c, _ in registry.loaded()] == versions
+    assert registry.broken() == {}
