@@ -5,7 +5,8 @@ The pending writes first (the writer cannot resurrect them after the delete), th
 index (no lookup is answered from memory after that), then the tombstones (nor from a read of
 Milvus that lags the delete); then Milvus itself, the index once more (a store written while
 the delete ran is gone from Milvus too), and only then the event for the gateways' watches
-and the other replicas (a lookup that starts after the event cannot read the entry any more).
+and the other replicas (a lookup that starts after the event cannot read the entry any more);
+the call is answered once the watching gateways confirm they applied it (WatchFeed.confirmed).
 
 Another replica's event is applied the same way but for Milvus, which that replica already
 deleted from: only what this replica wrote too late for that delete is deleted again
@@ -102,12 +103,15 @@ async def invalidate(host: InvalidationHost, ids: list[str], scope: ScopeFilter 
         # the delete may or may not have run, and running it again is harmless.
         host.tombstones.hold(ids, scope)
         host.writes.invalidate_later(LateInvalidation(ids, scope, event))
-        host.feed.publish(event)
+        sequence = host.feed.publish(event)
         if isinstance(exc, CacheStoreError):
+            await host.feed.confirmed(sequence)  # the gateways' copies are gone, as it says
             raise NotDeleted(str(exc)) from exc
         raise
     unindex(host, ids, scope)
-    host.feed.publish(event)
+    # Answered once every gateway watching has dropped its copies (or been cut off and
+    # stopped serving them): a gateway served the entry after the call had returned.
+    await host.feed.confirmed(host.feed.publish(event))
     try:
         await share(host, event)
     except CacheStoreError as exc:

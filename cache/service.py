@@ -516,8 +516,20 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                     "the cache is still loading its exact index; retry the watch",
                 )
             listing = self._held_keys()
-        async for event in self.feed.stream(listing, request.heartbeats):
+        # Confirmations only where this cache is its store's one replica (see the proto).
+        acks = request.acks and is_local(self.config.uri)
+        async for event in self.feed.stream(listing, request.heartbeats, acks):
             yield event
+
+    async def AckInvalidations(
+        self,
+        request: cache_pb2.AckInvalidationsRequest,
+        context: grpc.aio.ServicerContext[
+            cache_pb2.AckInvalidationsRequest, cache_pb2.AckInvalidationsResponse
+        ],
+    ) -> cache_pb2.AckInvalidationsResponse:
+        self.feed.ack(request.watch_id, request.sequence)
+        return cache_pb2.AckInvalidationsResponse()
 
     def _lists_keys(self) -> bool:
         """Whether this cache's exact keys decide its exact-only lookups: memory answers them

@@ -13,6 +13,9 @@ Coherence with the cache, which stays the source of truth:
   (`heartbeat_ms`; it sends an empty message when quiet) is taken for lost, as behind a
   silent network partition, which only gRPC's keepalive found, 15 s later.
 - Invalidations (by ids or by scope) and evictions arrive on the stream and drop entries.
+  Each one applied is confirmed to the cache (`Acks`), which answers its Invalidate only
+  then: answered as soon as the event was queued, the call returned while the event was on
+  its way, and a gateway worker answered the invalidated entry 1-3 ms after it.
 - Each event bumps a generation. A copy is taken only if no event arrived while the lookup
   or store that produced it was in flight, so a hit read just before an invalidation landed
   cannot be copied after the event that should have dropped it.
@@ -45,6 +48,38 @@ log = logging.getLogger("hopline.gateway.exact_tier")
 
 Scope = tuple[str, str, str, str]  # tenant, model, version, parameters (as in the cache key)
 Watch = Callable[[], AsyncIterable[cache_pb2.WatchInvalidationsResponse]]
+# Confirms to the cache that this watcher applied its stream's events up to a sequence.
+Ack = Callable[[str, int], Awaitable[None]]
+
+
+class Acks:
+    """The confirmations of one gateway's watch: at most one call on its way, each naming
+    the latest event applied (an Invalidate waits for them, so they are not batched)."""
+
+    def __init__(self, send: Ack) -> None:
+        self._send = send
+        self._wanted: tuple[str, int] | None = None  # applied, not yet sent
+        self._task: asyncio.Task[None] | None = None
+
+    def applied(self, watch_id: str, sequence: int) -> None:
+        self._wanted = (watch_id, sequence)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while self._wanted is not None:
+            (watch_id, sequence), self._wanted = self._wanted, None
+            try:
+                await self._send(watch_id, sequence)
+            except grpc.aio.AioRpcError as err:
+                # The cache then cuts this watch off after its wait, and the tier starts over:
+                # what it copied cannot outlive an invalidation either way.
+                log.debug("invalidation not confirmed", extra={"status": err.code().name})
+
+    def cancel(self) -> None:
+        self._wanted = None
+        if self._task is not None:
+            self._task.cancel()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,18 +233,38 @@ class LocalExactTier:
         mirror: KeyMirror,
         max_retry_s: float = 2.0,
         *,
+        ack: Ack | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Hold a watch stream to the cache for good, serving (this copy, and `mirror`'s
         keys) only while one is live; a lost one is tried again after a backoff that starts
-        afresh only once a watch has held (STEADY_S)."""
+        afresh only once a watch has held (STEADY_S). With `ack`, each event the cache
+        numbers is confirmed once applied."""
         retry_s = 0.1
         episodes = WatchEpisodes(clock)
+        acks = Acks(ack) if ack is not None else None
+        try:
+            await self._follow(watch, mirror, max_retry_s, acks, sleep, episodes, retry_s)
+        finally:
+            if acks is not None:
+                acks.cancel()
+
+    async def _follow(
+        self,
+        watch: Watch,
+        mirror: KeyMirror,
+        max_retry_s: float,
+        acks: Acks | None,
+        sleep: Callable[[float], Awaitable[None]],
+        episodes: WatchEpisodes,
+        retry_s: float,
+    ) -> None:
         while True:
             stream = watch()
             messages = aiter(stream)
             silence_s: float | None = None  # until the cache promises heartbeats
+            watch_id = ""  # where the cache takes confirmations
             try:
                 while True:
                     try:
@@ -229,6 +284,7 @@ class LocalExactTier:
                         self.reset(live=True)
                         mirror.reset()
                         episodes.live()
+                        watch_id = event.watch_id
                         continue
                     episodes.held()  # a watch that has held ends an episode of drops
                     if event.held or event.keys_synced:
@@ -236,6 +292,8 @@ class LocalExactTier:
                     elif event.entry_ids or event.HasField("scope"):
                         self.apply(event)
                         mirror.apply(event)
+                        if acks is not None and watch_id and event.sequence:
+                            acks.applied(watch_id, event.sequence)
                     # else a heartbeat: the stream is alive
             except grpc.aio.AioRpcError as err:
                 reason = err.code().name

@@ -77,6 +77,9 @@ VERIFY_FAILURES = Episodes(log, "verification inference failed")
 INFERENCE_POLL_S = 0.1
 WAIT_SAID_EVERY_S = 5.0  # "waiting for inference" logged at most this often
 VERIFICATIONS = "verifications"
+# A confirmation the cache waits for (cache/watch_feed.py:ACK_WAIT_S): past it, it cuts the
+# watch off instead.
+ACK_TIMEOUT_S = 1.0
 
 Context = grpc.aio.ServicerContext[gateway_pb2.PredictRequest, gateway_pb2.PredictResponse]
 
@@ -228,7 +231,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         log.info("models", extra={"models": sorted(f"{n}/{v}" for n, v in self.models)})
         spawn(self.catalogue.follow(self.config.model_refresh_s), self._loops)
         if self.exact_tier.capacity > 0 or self.key_mirror.capacity > 0:
-            spawn(self.exact_tier.follow(self._watch_cache, self.key_mirror), self._loops)
+            spawn(
+                self.exact_tier.follow(
+                    self._watch_cache, self.key_mirror, ack=self._ack_invalidations
+                ),
+                self._loops,
+            )
         self.serving = True
 
     def _model_rows(self, name: str, version: str) -> int:
@@ -237,7 +245,15 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
 
     def _watch_cache(self) -> AsyncIterable[cache_pb2.WatchInvalidationsResponse]:
         return self.upstreams.cache.stub().WatchInvalidations(
-            cache_pb2.WatchInvalidationsRequest(keys=self.key_mirror.capacity > 0, heartbeats=True)
+            cache_pb2.WatchInvalidationsRequest(
+                keys=self.key_mirror.capacity > 0, heartbeats=True, acks=True
+            )
+        )
+
+    async def _ack_invalidations(self, watch_id: str, sequence: int) -> None:
+        await self.upstreams.cache.stub().AckInvalidations(
+            cache_pb2.AckInvalidationsRequest(watch_id=watch_id, sequence=sequence),
+            timeout=ACK_TIMEOUT_S,
         )
 
     async def drain(self) -> None:

@@ -93,6 +93,7 @@ class HopError(StatusError):
 # - ReportVerification: an UNAVAILABLE or CANCELLED attempt never reached (or never finished
 #   in) a servicer, so the verify_id was not taken; any replica takes it (it carries the
 #   comparison: cache/verify_ids.py).
+# - AckInvalidations: confirming a sequence already confirmed changes nothing.
 # WatchInvalidations is left out: a long-lived stream the local exact tier re-opens itself
 # (gateway/exact_tier.py), and gRPC could not retry it after its first message anyway.
 RETRY_METHODS: dict[str, tuple[str, ...]] = {
@@ -104,6 +105,7 @@ RETRY_METHODS: dict[str, tuple[str, ...]] = {
         "Invalidate",
         "GetStats",
         "ReportVerification",
+        "AckInvalidations",
     ),
     "hopline.inference.v1.InferenceService": ("Infer", "ListModels"),
     "hopline.postprocess.v1.PostprocessService": ("Postprocess",),
