@@ -37,6 +37,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -85,6 +86,9 @@ class WatchFeed:
         self.queue_size = queue_size
         self._clock, self._sleep = clock, sleep
         self._sequence = 0  # of the last invalidation or eviction published
+        # Unique across this cache's runs too: a confirmation on its way from a stream of the
+        # run before a restart names an id no new stream has, rather than confirming for one.
+        self._run_id = secrets.token_hex(6)
         self._ids = itertools.count(1)
         self._acking: dict[str, _Watcher] = {}  # by watch_id
         self._progress = asyncio.Event()  # set (and replaced) at each confirmation or end
@@ -103,7 +107,7 @@ class WatchFeed:
         starts this stream (no await between the two)."""
         watcher = _Watcher(asyncio.Queue(self.queue_size), keys=listing is not None)
         if acks and heartbeats:  # SILENT_S bounds only a watcher that hears heartbeats
-            watcher.watch_id = f"w{next(self._ids)}"
+            watcher.watch_id = f"{self._run_id}-{next(self._ids)}"
             watcher.acked = self._sequence  # nothing before its stream is its to confirm
         self._flush_held()  # stores before this point are in the listing, not in its queue
         self._add(watcher)

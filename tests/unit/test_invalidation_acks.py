@@ -170,3 +170,26 @@ def test_a_watcher_that_does_not_confirm_is_cut_off_and_waited_out() -> None:
         assert slept == [watch_feed.SILENT_S - 1.0]
 
     asyncio.run(go())
+
+
+def test_a_confirmation_from_a_stream_of_the_cache_before_a_restart_confirms_nothing() -> None:
+    """Ids numbered from 1 in each run: a confirmation still on its way from a gateway's stream
+    of the run before a restart named the new run's first watcher and confirmed its events
+    before it had applied them (a reviewer's read)."""
+
+    async def go() -> None:
+        async def sleep(s: float) -> None:
+            pass
+
+        before = WatchFeed(sleep=sleep)
+        old_id = (await anext(before.stream(None, heartbeats=True, acks=True))).watch_id
+        for _ in range(5):
+            before.publish(Event(entry_ids=["k"]))
+        after = WatchFeed(sleep=sleep)  # the restarted cache
+        watcher = after.stream(None, heartbeats=True, acks=True)
+        assert (await anext(watcher)).watch_id != old_id
+        sequence = after.publish(Event(entry_ids=["k"]))
+        after.ack(old_id, 5)
+        assert await after.confirmed(sequence, wait_s=0.05) == 1  # still waited for: cut off
+
+    asyncio.run(go())
