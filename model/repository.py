@@ -401,8 +401,9 @@ def _file_digest(path: Path) -> bytes:
 def is_version(folder: str) -> bool:
     """Version folders are named by a positive integer in ASCII digits, as it is written
     (`1`, not `0`, `v1` or `01`: `01` and `1` were served side by side as two versions, and
-    tied for the latest)."""
-    return folder.isascii() and folder.isdigit() and str(int(folder)) == folder != "0"
+    tied for the latest). Read as text, not converted: int() refuses a string past 4,300
+    digits, and the gateway asks this of any version a caller sends."""
+    return folder.isascii() and folder.isdigit() and not folder.startswith("0")
 
 
 def _present(folder: Path) -> bool:
