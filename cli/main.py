@@ -41,6 +41,7 @@ def _serve(name: str, argv: Sequence[str]) -> int:
     )
     from hopline.runtime.parent import LAUNCHER_ENV, follow_parent
     from hopline.runtime.server import serve
+    from hopline.runtime.tls import TlsConfigError
     from hopline.runtime.workers import (
         WorkersConfigError,
         check,
@@ -95,6 +96,15 @@ def _serve(name: str, argv: Sequence[str]) -> int:
         return event_loop.run(main, config.event_loop)
     except cfg.SettingError as exc:
         logging.getLogger("hopline").error("cannot start", extra={"error": str(exc)})
+        return 2
+    except TlsConfigError as exc:
+        # The gateway reads its certificate to dial its upstreams while it is built, before
+        # serve() binds: a key that is not its certificate's escaped as a SystemExit, its
+        # message a bare line amid the JSON log (exit 1), where every other service says
+        # "cannot serve TLS" as a JSON line and exits 2 (a logs probe).
+        logging.getLogger("hopline").error(
+            "cannot serve TLS", extra={"listen": getattr(config, "listen", ""), "error": str(exc)}
+        )
         return 2
 
 
