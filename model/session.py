@@ -52,6 +52,9 @@ def pool_size(threads: int) -> int:
     return threads or physical_cores()
 
 
+ORT_LOG_FATAL = 4  # ONNX Runtime's severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
+
+
 def session_options(threads: int, spin: Spin) -> ort.SessionOptions:
     """The options every hopline session runs with: `threads` intra-op threads (0: one per
     physical core this process may use, `pool_size`), one run at a time, `spin` between
@@ -62,7 +65,10 @@ def session_options(threads: int, spin: Spin) -> ort.SessionOptions:
     # One request runs at a time per session call; inter-op parallelism only adds contention.
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.log_severity_level = 3
+    # FATAL only: at ERROR, ONNX Runtime wrote every failed run to stderr in its own coloured
+    # format, a raw line a run amid a service's JSON log (tests/unit/test_ort_session_logs.py);
+    # the same message comes back as the run's exception, which the service reports itself.
+    options.log_severity_level = ORT_LOG_FATAL
     options.add_session_config_entry(
         "session.intra_op.allow_spinning", "0" if spin is Spin.OFF else "1"
     )
