@@ -73,6 +73,10 @@ async def _close_when_idle(model: BatchedModel) -> None:
 # A run that fails fails every request in its batch, and a model that fails once often fails
 # every run: its traceback once an episode, by model version (observability/logs.py).
 RUN_FAILURES = Episodes(log, "model run failed", level=logging.ERROR)
+# ONNX Runtime refusing inputs that passed `_validate`: answered as the request's mistake, yet
+# a graph that fails on valid ids (a bad build) is the likelier cause, and with the runtime's
+# own lines silenced (model/session.py) nothing else would tell the operator.
+REFUSED_RUNS = Episodes(log, "model refused a run's inputs")
 # A loaded version the model list cannot carry: left out of every list, said once an episode.
 UNLISTABLE = Episodes(log, "model version left out of the model list")
 # Threads a run or runs at once: far past any machine's cores, below what wedged a start
@@ -227,9 +231,9 @@ def _run_failure(cfg: ModelConfig, exc: Exception) -> tuple[grpc.StatusCode, str
     """A failed model run as a status: ONNX Runtime's INVALID_ARGUMENT is about the inputs it
     was given (something `_validate` does not check), anything else is this service's."""
     if isinstance(exc, OrtInvalidArgument):
-        return grpc.StatusCode.INVALID_ARGUMENT, status_text(
-            f"{cfg.key} cannot run these inputs: {exc}"
-        )
+        details = status_text(f"{cfg.key} cannot run these inputs: {exc}")
+        REFUSED_RUNS.failed(cfg.key, type(exc).__name__, model=cfg.key, error=details)
+        return grpc.StatusCode.INVALID_ARGUMENT, details
     RUN_FAILURES.failed(cfg.key, type(exc).__name__, exc, model=cfg.key)
     return grpc.StatusCode.INTERNAL, status_text(
         f"{cfg.key}'s run failed: {type(exc).__name__}: {exc}"
@@ -399,6 +403,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         except Exception as exc:  # the run failed: the status says whose fault it was
             await context.abort(*_run_failure(cfg, exc))
         RUN_FAILURES.ended(cfg.key)
+        REFUSED_RUNS.ended(cfg.key)
         # The run happened on a worker thread, possibly for several requests at once: each
         # request's spans are written from the batch's timestamps, under its own server span.
         if trace.get_current_span().is_recording():

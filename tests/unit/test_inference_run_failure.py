@@ -45,3 +45,25 @@ def test_any_other_failure_is_the_services_and_logged_once_with_its_traceback(
     assert [r.getMessage() for r in caplog.records] == ["model run failed"]
     assert caplog.records[0].levelno == logging.ERROR
     assert caplog.records[0].exc_info is not None
+
+
+def test_inputs_onnx_runtime_refuses_are_said_once_an_episode(
+    default_repo: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ONNX Runtime's own lines silenced (tests/unit/test_ort_session_logs.py), a graph
+    that fails on ids `_validate` passed (a logs probe's model version: every real text
+    failed) would leave nothing in the log: one warning an episode, not one a row."""
+    monkeypatch.setattr(
+        service,
+        "REFUSED_RUNS",
+        Episodes(logging.getLogger("hopline.inference"), "model refused a run's inputs"),
+        raising=False,  # the code before had none
+    )
+    cfg = load_config(default_repo / DEFAULT_MODEL / "1")
+    with caplog.at_level(logging.WARNING, logger="hopline.inference"):
+        for _ in range(12):
+            code, _details = _run_failure(cfg, InvalidArgument("indices element out of bounds"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [r.getMessage() for r in caplog.records] == ["model refused a run's inputs"]
+    assert caplog.records[0].levelno == logging.WARNING
+    assert caplog.records[0].__dict__["model"] == f"{DEFAULT_MODEL}/1"
