@@ -172,57 +172,45 @@ def test_requests_for_unknown_models_share_reads_at_most_one_per_spacing() -> No
     assert calls <= 1 + 4 + 2  # the first read, one a spacing, the published version's
 
 
+def _refused(name: str, version: str) -> tuple[RequestError, int]:
+    """What resolving `name` at `version` in a catalogue serving intents/1 refuses with, and
+    how many times it read inference's model list."""
+    inference = Inference()
+    catalogue = ModelCatalogue(inference)  # type: ignore[arg-type]
+
+    async def run() -> RequestError:
+        await catalogue.refresh()
+        with pytest.raises(RequestError) as refused:
+            await catalogue.resolve(name, version, 5.0)
+        return refused.value
+
+    return asyncio.run(run()), inference.calls
+
+
 @pytest.mark.parametrize("version", ["0", "-1", "abc", "01", " 1", "1.0", "+1", "1e3", "\u0661"])
 def test_a_malformed_version_is_invalid_argument_without_a_reread(version: str) -> None:
     """Versions are folders named by a positive integer without leading zeros
     (model/repository.py:is_version). Found probing a running mesh: "-1", "abc", "01" or " 4"
     each waited half a second for a re-read of the list (and inference's rescan of its
     repository), then got NOT_FOUND, as if the version could have been published meanwhile."""
-    inference = Inference()
-    catalogue = ModelCatalogue(inference)  # type: ignore[arg-type]
-
-    async def run() -> RequestError:
-        await catalogue.refresh()
-        with pytest.raises(RequestError) as refused:
-            await catalogue.resolve("intents", version, 5.0)
-        return refused.value
-
-    err = asyncio.run(run())
+    err, calls = _refused("intents", version)
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT
     assert f"model version {version!r} of 'intents' is not a version" in err.message
     assert "positive integers without leading zeros" in err.message
     assert err.message.endswith("(serving: intents/1)")
-    assert inference.calls == 1  # the refresh only: no re-read for it
+    assert calls == 1  # the refresh only: no re-read for it
 
 
 def test_a_huge_version_is_a_well_formed_one_not_served() -> None:
     """Digits alone may be published later: NOT_FOUND after a re-read, as before."""
-    inference = Inference()
-    catalogue = ModelCatalogue(inference)  # type: ignore[arg-type]
-
-    async def run() -> RequestError:
-        await catalogue.refresh()
-        with pytest.raises(RequestError) as refused:
-            await catalogue.resolve("intents", "9" * 23, 5.0)
-        return refused.value
-
-    err = asyncio.run(run())
+    err, calls = _refused("intents", "9" * 23)
     assert err.code == grpc.StatusCode.NOT_FOUND
-    assert inference.calls == 2
+    assert calls == 2
 
 
 def test_an_empty_model_name_is_invalid_argument() -> None:
     """KServe's ModelInfer with no model_name and a version read "unknown model '/4'"."""
-    inference = Inference()
-    catalogue = ModelCatalogue(inference)  # type: ignore[arg-type]
-
-    async def run() -> RequestError:
-        await catalogue.refresh()
-        with pytest.raises(RequestError) as refused:
-            await catalogue.resolve("", "1", 5.0)
-        return refused.value
-
-    err = asyncio.run(run())
+    err, calls = _refused("", "1")
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.message == "the model name is empty: name one (serving: intents/1)"
-    assert inference.calls == 1
+    assert calls == 1
