@@ -103,7 +103,7 @@ async def invalidate(host: InvalidationHost, ids: list[str], scope: ScopeFilter 
         # the delete may or may not have run, and running it again is harmless.
         host.tombstones.hold(ids, scope)
         host.writes.invalidate_later(LateInvalidation(ids, scope, event))
-        sequence = host.feed.publish(event)
+        sequence = host.feed.publish(event, awaited=True)
         if isinstance(exc, CacheStoreError):
             await host.feed.confirmed(sequence)  # the gateways' copies are gone, as it says
             raise NotDeleted(str(exc)) from exc
@@ -111,7 +111,7 @@ async def invalidate(host: InvalidationHost, ids: list[str], scope: ScopeFilter 
     unindex(host, ids, scope)
     # Answered once every gateway watching has dropped its copies (or been cut off and
     # stopped serving them): a gateway served the entry after the call had returned.
-    await host.feed.confirmed(host.feed.publish(event))
+    await host.feed.confirmed(host.feed.publish(event, awaited=True))
     try:
         await share(host, event)
     except CacheStoreError as exc:

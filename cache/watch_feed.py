@@ -85,7 +85,7 @@ class WatchFeed:
     ) -> None:
         self.queue_size = queue_size
         self._clock, self._sleep = clock, sleep
-        self._sequence = 0  # of the last invalidation or eviction published
+        self._sequence = 0  # of the last awaited invalidation published
         # Unique across this cache's runs too: a confirmation on its way from a stream of the
         # run before a restart names an id no new stream has, rather than confirming for one.
         self._run_id = secrets.token_hex(6)
@@ -146,12 +146,16 @@ class WatchFeed:
         finally:
             self._discard(watcher)
 
-    def publish(self, event: Event) -> int:
-        """An invalidation or eviction, to every watcher; its sequence, for `confirmed`."""
+    def publish(self, event: Event, *, awaited: bool = False) -> int:
+        """An invalidation or eviction, to every watcher. `awaited` (an Invalidate that waits
+        in `confirmed`): numbered for the watchers to confirm, and its sequence returned;
+        others go unnumbered (0), so an eviction, a write batch's, costs no confirmation."""
         self._flush_held()
-        self._sequence += 1
-        self._send(event, key_watchers_only=False, sequence=self._sequence)
-        return self._sequence
+        if awaited:
+            self._sequence += 1
+        sequence = self._sequence if awaited else 0
+        self._send(event, key_watchers_only=False, sequence=sequence)
+        return sequence
 
     def ack(self, watch_id: str, sequence: int) -> None:
         """A watcher has applied its events up to `sequence` (an unknown id: a stream that

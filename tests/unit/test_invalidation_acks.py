@@ -153,7 +153,7 @@ def test_a_watcher_that_does_not_confirm_is_cut_off_and_waited_out() -> None:
         plain = feed.stream(None, heartbeats=True)  # an earlier release's gateway: not waited for
         assert not (await anext(plain)).watch_id
         now[0] = 101.0
-        sequence = feed.publish(Event(entry_ids=["k"]))
+        sequence = feed.publish(Event(entry_ids=["k"]), awaited=True)
         assert await feed.confirmed(sequence, wait_s=0.05) == 1
         assert slept == [watch_feed.SILENT_S - 1.0]
         with pytest.raises(StopAsyncIteration):  # cut off: its tier stops serving
@@ -164,7 +164,7 @@ def test_a_watcher_that_does_not_confirm_is_cut_off_and_waited_out() -> None:
         # One that confirms is waited for no longer than its confirmation takes.
         prompt = feed.stream(None, heartbeats=True, acks=True)
         watch_id = (await anext(prompt)).watch_id
-        sequence = feed.publish(Event(entry_ids=["k2"]))
+        sequence = feed.publish(Event(entry_ids=["k2"]), awaited=True)
         feed.ack(watch_id, (await anext(prompt)).sequence)
         assert await feed.confirmed(sequence, wait_s=30) == 0
         assert slept == [watch_feed.SILENT_S - 1.0]
@@ -184,12 +184,29 @@ def test_a_confirmation_from_a_stream_of_the_cache_before_a_restart_confirms_not
         before = WatchFeed(sleep=sleep)
         old_id = (await anext(before.stream(None, heartbeats=True, acks=True))).watch_id
         for _ in range(5):
-            before.publish(Event(entry_ids=["k"]))
+            before.publish(Event(entry_ids=["k"]), awaited=True)
         after = WatchFeed(sleep=sleep)  # the restarted cache
         watcher = after.stream(None, heartbeats=True, acks=True)
         assert (await anext(watcher)).watch_id != old_id
-        sequence = after.publish(Event(entry_ids=["k"]))
+        sequence = after.publish(Event(entry_ids=["k"]), awaited=True)
         after.ack(old_id, 5)
         assert await after.confirmed(sequence, wait_s=0.05) == 1  # still waited for: cut off
+
+    asyncio.run(go())
+
+
+def test_an_event_nothing_waits_for_is_not_numbered_for_confirmation() -> None:
+    """An eviction (one a write batch while the cache is full) goes out unnumbered: only an
+    Invalidate waits for confirmations, and numbering every event made each gateway confirm
+    each eviction batch too (a reviewer's read)."""
+
+    async def go() -> None:
+        feed = WatchFeed()
+        watcher = feed.stream(None, heartbeats=True, acks=True)
+        assert (await anext(watcher)).watch_id
+        assert feed.publish(Event(entry_ids=["evicted"])) == 0
+        assert (await anext(watcher)).sequence == 0
+        assert feed.publish(Event(entry_ids=["k"]), awaited=True) == 1
+        assert (await anext(watcher)).sequence == 1
 
     asyncio.run(go())
